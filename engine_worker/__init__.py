@@ -1,0 +1,22 @@
+"""Quire's inference engine: paged KV cache, continuous batching, vLLM-shaped offline API."""
+
+from engine_worker.config import EngineArgs
+from engine_worker.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine_worker.sampling_params import RequestOutputKind, SamplingParams
+
+
+def __getattr__(name: str):
+    # LLM and LLMEngine pull in torch; import them lazily so configs stay light.
+    if name == "LLM":
+        from engine_worker.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from engine_worker.engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutputKind",
+           "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics"]

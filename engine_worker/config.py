@@ -1,0 +1,164 @@
+"""Grouped, frozen, validated engine configuration.
+
+Every bad value raises ``ValueError`` naming the field. This module (and the CLI) are the only
+places that read environment variables.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                  "float": "float32"}
+
+
+def _check(cond: bool, name: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {message}")
+
+
+def normalize_dtype(dtype: str) -> str:
+    """Map user spellings (``bf16``, ``half``...) to a canonical dtype name, or raise."""
+    name = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
+    name = name.removeprefix("torch.")
+    _check(name in DTYPE_NAMES, "dtype", f"must be one of {DTYPE_NAMES}, got {dtype!r}")
+    return name
+
+
+def quire_cache_dir() -> Path:
+    """Where converted models and other derived artefacts live (``QUIRE_CACHE_DIR``)."""
+    root = os.environ.get("QUIRE_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "quire"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """What to load and how. ``model=None`` means the embedded SmolLM2-135M-Instruct."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if self.max_model_len is not None:
+            _check(isinstance(self.max_model_len, int) and self.max_model_len > 0,
+                   "max_model_len", f"must be a positive integer, got {self.max_model_len!r}")
+        _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache sizing.
+
+    ``kv_cache_memory_bytes`` wins when given; otherwise ``memory_utilization`` is the fraction
+    of available host memory (CPU) or free device memory after loading weights (GPU).
+    """
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    memory_utilization: float | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.block_size, int) and self.block_size in (1, 2, 4, 8, 16, 32, 64,
+                                                                         128, 256),
+               "block_size", f"must be a power of two between 1 and 256, got {self.block_size!r}")
+        if self.kv_cache_memory_bytes is not None:
+            _check(isinstance(self.kv_cache_memory_bytes, int) and self.kv_cache_memory_bytes > 0,
+                   "kv_cache_memory_bytes",
+                   f"must be a positive integer, got {self.kv_cache_memory_bytes!r}")
+        if self.memory_utilization is not None:
+            _check(0.0 < self.memory_utilization <= 1.0, "memory_utilization",
+                   f"must be in (0, 1], got {self.memory_utilization!r}")
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous-batching limits for one engine step."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens > 0,
+               "max_num_batched_tokens",
+               f"must be a positive integer, got {self.max_num_batched_tokens!r}")
+        _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs > 0,
+               "max_num_seqs", f"must be a positive integer, got {self.max_num_seqs!r}")
+        _check(self.policy in SCHEDULING_POLICIES, "scheduling_policy",
+               f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        _check(isinstance(self.long_prefill_token_threshold, int)
+               and self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
+               f"must be a non-negative integer, got {self.long_prefill_token_threshold!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceConfig:
+    """Which torch device runs the model: ``auto`` picks CUDA when torch sees one."""
+
+    device: str = "auto"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
+               "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.num_threads is not None:
+            _check(isinstance(self.num_threads, int) and self.num_threads > 0, "num_threads",
+                   f"must be a positive integer, got {self.num_threads!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """All groups together; built once by ``EngineArgs.create_engine_config``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """vLLM-style flat engine arguments, as ``LLM(...)`` and ``quire engine`` take them."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0
+    seed: int = 0
+    device: str = "auto"
+    num_threads: int | None = None
+
+    def create_engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+                              max_model_len=self.max_model_len, seed=self.seed),
+            cache=CacheConfig(block_size=self.block_size,
+                              kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                              memory_utilization=self.gpu_memory_utilization),
+            scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_num_seqs=self.max_num_seqs,
+                                      policy=self.scheduling_policy,
+                                      long_prefill_token_threshold=self.long_prefill_token_threshold),
+            device=DeviceConfig(device=self.device, num_threads=self.num_threads),
+        )

@@ -1,0 +1,148 @@
+"""The engine step API: ``add_request``, ``step``, ``abort_request``, ``has_unfinished_requests``.
+
+Synchronous and single-threaded; the gRPC server drives it from its own loop thread. One step:
+schedule -> run the model -> update the scheduler -> detokenize and build outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine_worker.attention import ATTENTION_BACKENDS
+from engine_worker.config import EngineArgs, EngineConfig
+from engine_worker.input_processor import InputProcessor, PromptType
+from engine_worker.kv_cache.manager import KVCacheManager, KVCacheStats
+from engine_worker.kv_cache.sizing import bytes_per_block, kv_budget_bytes, num_blocks_for_budget
+from engine_worker.model_runner.runner import ModelRunner
+from engine_worker.output_processor import OutputProcessor
+from engine_worker.outputs import RequestOutput
+from engine_worker.platform import (allocate_zeroed, available_memory_bytes, select_device,
+                                   select_dtype)
+from engine_worker.request import RequestStatus
+from engine_worker.sampling_params import SamplingParams
+from engine_worker.scheduler.scheduler import Scheduler
+from engine_worker.tokenizer import Tokenizer
+from engine_worker.weights.loader import load_model
+from engine_worker.weights.resolve import resolve_model_dir
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """One model, one KV cache, one scheduler."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.device.num_threads:
+            torch.set_num_threads(config.device.num_threads)
+        self.device = select_device(config.device.device)
+        self.dtype = select_dtype(config.model.dtype, self.device)
+        model_dir = resolve_model_dir(config.model.model)
+        tokenizer_dir = resolve_model_dir(config.model.tokenizer) if config.model.tokenizer \
+            else model_dir
+        self.model_dir = model_dir
+        self.tokenizer = Tokenizer(tokenizer_dir)
+        start = time.monotonic()
+        loaded = load_model(model_dir, dtype=self.dtype, device=self.device,
+                            backend=ATTENTION_BACKENDS["torch"](),
+                            max_model_len=config.model.max_model_len)
+        self.architecture = loaded.architecture
+        self.max_model_len = loaded.max_model_len
+        model_cfg = loaded.model.cfg
+        logger.info("Loaded %s (%s) as %s on %s in %.1f s", model_dir.name, loaded.architecture,
+                    self.dtype, self.device, time.monotonic() - start)
+
+        cache = config.cache
+        block_bytes = bytes_per_block(num_layers=model_cfg.num_layers, block_size=cache.block_size,
+                                      num_kv_heads=model_cfg.num_kv_heads,
+                                      head_dim=model_cfg.head_dim,
+                                      dtype_bytes=torch.finfo(self.dtype).bits // 8)
+        budget = kv_budget_bytes(kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
+                                 memory_utilization=cache.memory_utilization,
+                                 available_bytes=available_memory_bytes(self.device),
+                                 on_gpu=self.device.type == "cuda")
+        self.num_blocks = num_blocks_for_budget(budget_bytes=budget, block_bytes=block_bytes)
+        capacity = self.num_blocks * cache.block_size
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens); max concurrency "
+                    "at max_model_len=%d: %.2fx", self.num_blocks, cache.block_size,
+                    self.num_blocks * block_bytes / 2**30, capacity, self.max_model_len,
+                    capacity / self.max_model_len)
+        if capacity < self.max_model_len:
+            logger.warning("KV cache holds %d tokens, less than max_model_len=%d: longer "
+                           "requests will be rejected", capacity, self.max_model_len)
+        kv_caches = [allocate_zeroed((2, self.num_blocks, cache.block_size,
+                                      model_cfg.num_kv_heads, model_cfg.head_dim),
+                                     self.dtype, self.device)
+                     for _ in range(model_cfg.num_layers)]
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, cache.block_size)
+        sched = config.scheduler
+        self.scheduler = Scheduler(
+            kv_cache_manager=self.kv_cache_manager,
+            max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
+            max_model_len=self.max_model_len, policy=sched.policy,
+            long_prefill_token_threshold=sched.long_prefill_token_threshold)
+        self.runner = ModelRunner(loaded.model, kv_caches, cache.block_size, self.device,
+                                  model_cfg.vocab_size, self.tokenizer.eos_token_ids,
+                                  config.model.seed)
+        self.input_processor = InputProcessor(
+            self.tokenizer, max_model_len=self.max_model_len, kv_capacity_tokens=capacity,
+            vocab_size=model_cfg.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._pending_outputs: list[RequestOutput] = []
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    # -------------------------------------------------------------------- the step API
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Validate and queue a request; raises ValueError naming the bad field (nothing is
+        queued then, and other requests are unaffected)."""
+        if self.output_processor.has(request_id):
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        processed = self.input_processor.process(request_id, prompt, params, arrival, priority)
+        self.output_processor.add_request(request_id, processed.prompt_text,
+                                          processed.prompt_token_ids, params,
+                                          [r.req_id for r in processed.requests], arrival)
+        for request in processed.requests:
+            self.scheduler.add_request(request)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return outputs of every request that progressed or finished."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        if not self.scheduler.has_unfinished_requests():
+            return outputs
+        scheduler_output = self.scheduler.schedule()
+        self.output_processor.mark_scheduled(scheduler_output.num_scheduled_tokens,
+                                             time.monotonic())
+        runner_output = self.runner.execute(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        new_outputs, stopped = self.output_processor.process(core_outputs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs + new_outputs
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Stop requests now; their blocks return to the pool and a final output with
+        finish_reason ``abort`` comes from the next ``step()``."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            self.scheduler.finish_requests(self.output_processor.child_ids(request_id),
+                                           RequestStatus.FINISHED_ABORTED)
+            self._pending_outputs.extend(self.output_processor.abort(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor)
+
+    def kv_cache_stats(self) -> KVCacheStats:
+        return self.kv_cache_manager.stats()

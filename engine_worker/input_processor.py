@@ -1,0 +1,93 @@
+"""Validate and tokenize a request before it reaches the scheduler.
+
+Everything that can be known to fail fails here, with a ValueError naming the field, so a bad
+request never occupies the queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from engine_worker.request import Request
+from engine_worker.sampling_params import SamplingParams
+from engine_worker.tokenizer import Tokenizer
+
+# A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": ...}.
+PromptType = Union[str, list[int], dict]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedRequest:
+    prompt_text: str | None
+    prompt_token_ids: list[int]
+    requests: tuple[Request, ...]  # one per sample (n)
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, *, max_model_len: int, kv_capacity_tokens: int,
+                 vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.vocab_size = vocab_size
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                arrival_time: float, priority: int) -> ProcessedRequest:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params: must be a SamplingParams")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority: must be an integer, got {priority!r}")
+        text, token_ids = self._tokenize(prompt)
+        max_tokens = self._max_tokens(len(token_ids), params)
+        requests = []
+        for i in range(params.n):
+            child = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + i)
+            requests.append(Request(child_request_id(request_id, i, params.n), list(token_ids),
+                                    child, self.tokenizer.eos_token_ids, max_tokens,
+                                    arrival_time=arrival_time, priority=priority))
+        return ProcessedRequest(text, token_ids, tuple(requests))
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("prompt_token_ids: must not be empty")
+            for token_id in prompt:
+                if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+                    raise ValueError(f"prompt_token_ids: {token_id!r} is not a token id in "
+                                     f"[0, {self.vocab_size})")
+            return None, list(prompt)
+        raise ValueError(f"prompt: must be a string or a list of token ids, "
+                         f"got {type(prompt).__name__}")
+
+    def _max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt: {num_prompt_tokens} tokens leave no room to generate "
+                             f"within max_model_len={self.max_model_len}")
+        room = self.max_model_len - num_prompt_tokens
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        # The cache never holds the last sampled token, hence the - 1.
+        peak = num_prompt_tokens + max_tokens - 1
+        if peak > self.kv_capacity_tokens:
+            field_name = "prompt" if num_prompt_tokens > self.kv_capacity_tokens else "max_tokens"
+            raise ValueError(f"{field_name}: the request needs up to {peak} tokens of KV cache "
+                             f"but the whole cache holds {self.kv_capacity_tokens}")
+        return max_tokens

@@ -1,0 +1,119 @@
+"""The pool of KV blocks: reference counts and a free queue with O(1) removal.
+
+A *block* is one page of the KV cache holding ``block_size`` token slots in every layer. The
+pool knows nothing about requests; the ``KVCacheManager`` maps requests to blocks.
+
+Free queue layout (an intrusive doubly linked list threaded through the blocks themselves)::
+
+    head <-> b7 <-> b2 <-> b9 <-> tail        popleft() takes from the head (evict first),
+                                              append() adds at the tail (evict last).
+
+Any block can be unlinked from the middle in O(1), which prefix caching needs when a freed but
+still cached block is hit again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class KVBlock:
+    """One KV page. ``ref_cnt`` counts the requests holding it."""
+
+    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.prev_free: KVBlock | None = None
+        self.next_free: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with sentinel ends; every operation is O(1)."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise ValueError("no free blocks")
+        self.remove(block)
+        return block
+
+    def append(self, block: KVBlock) -> None:
+        assert block.prev_free is None and block.next_free is None, "block already queued"
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def remove(self, block: KVBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, "block is not in the free queue"
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def block_ids(self) -> list[int]:
+        """Free block ids from head (next to be taken) to tail; for tests and debugging."""
+        ids = []
+        node = self._head.next_free
+        while node is not None and node is not self._tail:
+            ids.append(node.block_id)
+            node = node.next_free
+        return ids
+
+
+class BlockPool:
+    """All KV blocks of one engine. Blocks are handed out from the head of the free queue."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks: must be at least 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
+        """Take ``num_blocks`` free blocks (ref_cnt becomes 1); raise if there are too few."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"cannot take {num_blocks} blocks, only {self.num_free_blocks} free")
+        out = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            assert block.ref_cnt == 0
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block; blocks reaching zero join the free queue's tail
+        in the given order (so callers pass a request's tail blocks first)."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of {block}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def usage(self) -> float:
+        """Fraction of blocks in use, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_blocks

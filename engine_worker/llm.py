@@ -1,0 +1,141 @@
+"""The offline user API, in vLLM's shape: ``LLM(model=...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from engine_worker.config import EngineArgs
+from engine_worker.engine import LLMEngine
+from engine_worker.input_processor import PromptType
+from engine_worker.outputs import RequestOutput
+from engine_worker.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """An engine plus a loop that runs it until every submitted request finishes.
+
+    Takes vLLM's engine argument names: ``model, tokenizer, dtype, max_model_len, block_size,
+    kv_cache_memory_bytes, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
+    scheduling_policy, seed, device``. ``model=None`` loads the embedded SmolLM2-135M-Instruct.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        known = set(EngineArgs.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: not an engine argument (known: {sorted(known)})")
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer.hf
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in the prompts' order.
+
+        A prompt is a string, a list of token ids, or ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": [...]}``. One SamplingParams applies to all, or give one each.
+        """
+        prompts = self._as_prompt_list(prompts)
+        params = self._as_params_list(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError("priority: needs one value per prompt")
+        # Validate every request before queueing any, so a bad one leaves no half-run batch.
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError("sampling_params: must be SamplingParams")
+        request_ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                request_id = str(next(self._counter))
+                self.engine.add_request(request_id, prompt,
+                                        p.clone(output_kind=RequestOutputKind.FINAL_ONLY),
+                                        priority=0 if priority is None else priority[i])
+                request_ids.append(request_id)
+        except ValueError:
+            self.engine.abort_request(request_ids)
+            self._drain()
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and
+        generate the assistant's reply."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.engine.tokenizer
+        prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        token_prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        outputs = self.generate([{"prompt_token_ids": t} for t in token_prompts],
+                                sampling_params, use_tqdm=use_tqdm)
+        for output, text in zip(outputs, prompts):
+            output.prompt = text
+        return outputs
+
+    # ---------------------------------------------------------------------- internals
+    @staticmethod
+    def _as_prompt_list(prompts) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]  # one prompt given as token ids
+        return prompts
+
+    @staticmethod
+    def _as_params_list(params, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"sampling_params: got {len(params)} for {n} prompts")
+        return params
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = _Progress(len(request_ids)) if use_tqdm else None
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    results[output.request_id] = output
+                    if bar is not None:
+                        bar.update(output)
+        if bar is not None:
+            bar.close()
+        return [results[r] for r in request_ids]
+
+
+class _Progress:
+    """Requests done, with input and output tokens/s, as vLLM's bar shows them."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True,
+                         unit="req")
+        self._start = time.monotonic()
+        self._in = self._out = 0
+
+    def update(self, output: RequestOutput) -> None:
+        self._in += len(output.prompt_token_ids)
+        self._out += sum(len(c.token_ids) for c in output.outputs)
+        elapsed = max(time.monotonic() - self._start, 1e-9)
+        self._bar.set_postfix_str(f"input: {self._in / elapsed:.1f} toks/s, "
+                                  f"output: {self._out / elapsed:.1f} toks/s", refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()

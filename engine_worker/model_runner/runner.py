@@ -1,0 +1,161 @@
+"""Runs one scheduled step on the model: builds flat inputs, runs forward, samples.
+
+The runner keeps its own per-request state (token ids, block table, generator), updated from the
+scheduler's diffs; it shares no mutable object with the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine_worker.attention.metadata import AttentionMetadata, PrefillChunk
+from engine_worker.model_runner.output import ModelRunnerOutput, SampledLogprobs
+from engine_worker.model_runner.sampling_inputs import build_sampling_metadata
+from engine_worker.sampler import gather_logprobs, sample
+from engine_worker.sampling_params import SamplingParams
+from engine_worker.scheduler.output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class RunnerRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt then every sampled token
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+    prompt_logprobs_from: int = 0  # prompt positions before this already have logprobs
+
+
+class ModelRunner:
+    """Owns the model and the KV cache tensors of one engine."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
+                 device: torch.device, vocab_size: int, eos_token_ids: frozenset[int],
+                 seed: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.requests: dict[str, RunnerRequestState] = {}
+        self.default_generator = torch.Generator(device=device).manual_seed(seed)
+
+    # ------------------------------------------------------------------ state updates
+    def _apply_diffs(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.new_requests:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            self.requests[new.req_id] = RunnerRequestState(
+                req_id=new.req_id, token_ids=list(new.prompt_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids), params=params,
+                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
+                generator=generator)
+        for cached in out.cached_requests:
+            state = self.requests[cached.req_id]
+            if cached.resumed:
+                state.block_ids = list(cached.block_ids)
+            else:
+                state.block_ids.extend(cached.block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # ------------------------------------------------------------------------ the step
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the scheduled tokens through the model and sample where a request is complete."""
+        self._apply_diffs(out)
+        if out.is_empty:
+            return ModelRunnerOutput({}, {}, {})
+        # decodes (one new token) first, then prefill chunks; see attention.metadata
+        order = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
+        states = [self.requests[r] for r in order]
+        counts = [out.num_scheduled_tokens[r] for r in order]
+        input_ids, positions, meta, query_starts = self._prepare_inputs(states, counts)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+
+        sample_rows = [i for i, (s, n) in enumerate(zip(states, counts))
+                       if s.num_computed_tokens + n >= len(s.token_ids)]
+        prompt_logprobs = self._prompt_logprobs(states, counts, query_starts, hidden)
+        sampled: dict[str, tuple[int, ...]] = {}
+        logprobs: dict[str, SampledLogprobs] = {}
+        if sample_rows:
+            sampled, logprobs = self._sample(states, counts, query_starts, sample_rows, hidden)
+        for state, n in zip(states, counts):
+            state.num_computed_tokens += n
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _prepare_inputs(self, states, counts):
+        bs = self.block_size
+        ids, pos, slots, starts = [], [], [], []
+        start = 0
+        for state, n in zip(states, counts):
+            first = state.num_computed_tokens
+            p = np.arange(first, first + n)
+            table = np.asarray(state.block_ids, dtype=np.int64)
+            ids.append(state.token_ids[first:first + n])
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            starts.append(start)
+            start += n
+        to_dev = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(self.device)
+        input_ids = to_dev(np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]))
+        positions = to_dev(np.concatenate(pos))
+        num_decodes = next((i for i, n in enumerate(counts) if n != 1), len(counts))
+        decode_tables = np.zeros((num_decodes, max((len(s.block_ids) for s in
+                                                   states[:num_decodes]), default=0)), np.int64)
+        for i, state in enumerate(states[:num_decodes]):
+            decode_tables[i, :len(state.block_ids)] = state.block_ids
+        seq_lens = [s.num_computed_tokens + 1 for s in states[:num_decodes]]
+        prefills = tuple(
+            PrefillChunk(query_start=starts[i], query_len=counts[i],
+                         context_len=states[i].num_computed_tokens,
+                         block_table=to_dev(states[i].block_ids))
+            for i in range(num_decodes, len(states)))
+        meta = AttentionMetadata(
+            slot_mapping=to_dev(np.concatenate(slots)), num_decode_tokens=num_decodes,
+            decode_block_tables=to_dev(decode_tables), decode_seq_lens=to_dev(seq_lens),
+            decode_max_seq_len=max(seq_lens, default=0), prefills=prefills)
+        return input_ids, positions, meta, starts
+
+    def _sample(self, states, counts, query_starts, rows, hidden):
+        picked = [states[i] for i in rows]
+        last = torch.tensor([query_starts[i] + counts[i] - 1 for i in rows], device=self.device)
+        logits = self.model.compute_logits(hidden[last])
+        meta = build_sampling_metadata(picked, self.vocab_size, self.eos_token_ids, self.device)
+        tokens, logprobs = sample(logits, meta, self.default_generator)
+        sampled, per_req_logprobs = {}, {}
+        for j, (state, token) in enumerate(zip(picked, tokens.tolist())):
+            state.token_ids.append(token)
+            sampled[state.req_id] = (token,)
+            if logprobs is not None and state.params.logprobs is not None:
+                k = state.params.logprobs + 1
+                per_req_logprobs[state.req_id] = SampledLogprobs(
+                    token_ids=(logprobs.token_ids[j][:k],), logprobs=(logprobs.logprobs[j][:k],),
+                    ranks=(logprobs.ranks[j],))
+        return sampled, per_req_logprobs
+
+    def _prompt_logprobs(self, states, counts, query_starts, hidden):
+        result: dict[str, SampledLogprobs] = {}
+        for state, n, start in zip(states, counts, query_starts):
+            k = state.params.prompt_logprobs
+            first = max(state.num_computed_tokens, state.prompt_logprobs_from)
+            # position p predicts prompt token p + 1
+            last = min(state.num_computed_tokens + n, state.num_prompt_tokens - 1)
+            if k is None or first >= last:
+                continue
+            rows = torch.arange(start + first - state.num_computed_tokens,
+                                start + last - state.num_computed_tokens, device=self.device)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
+            targets = torch.tensor(state.token_ids[first + 1:last + 1], device=self.device)
+            result[state.req_id] = gather_logprobs(logprobs, targets, k)
+            state.prompt_logprobs_from = last
+        return result

@@ -1,0 +1,58 @@
+"""Turn the rows to sample into the sampler's batched tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from engine_worker.sampler import PenaltyInputs, SamplingMetadata
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0) or 1
+    out = torch.full((len(rows), width), pad, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
+    return out.to(device)
+
+
+def build_sampling_metadata(states, vocab_size: int, eos_token_ids: frozenset[int],
+                            device: torch.device) -> SamplingMetadata:
+    """``states`` are runner request states (token_ids, num_prompt_tokens, params, generator)."""
+    params = [s.params for s in states]
+    temperature = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params],
+                               dtype=torch.float32, device=device)
+    all_greedy = all(p.is_greedy for p in params)
+    top_k = top_p = min_p = None
+    if any(p.top_k > 0 for p in params):
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params],
+                             device=device)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    penalties = None
+    if any(p.uses_penalties for p in params):
+        penalties = PenaltyInputs(
+            prompt_token_ids=_padded([s.token_ids[:s.num_prompt_tokens] for s in states],
+                                     vocab_size, device),
+            output_token_ids=_padded([s.token_ids[s.num_prompt_tokens:] for s in states],
+                                     vocab_size, device),
+            repetition=torch.tensor([p.repetition_penalty for p in params], device=device),
+            presence=torch.tensor([p.presence_penalty for p in params], device=device),
+            frequency=torch.tensor([p.frequency_penalty for p in params], device=device))
+    banned = []
+    for row, state in enumerate(states):
+        p = state.params
+        if len(state.token_ids) - state.num_prompt_tokens < p.min_tokens:
+            stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            stop_ids = tuple(t for t in stop_ids if t < vocab_size)
+            if stop_ids:
+                banned.append((row, stop_ids))
+    logprob_ks = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingMetadata(
+        temperature=temperature, all_greedy=all_greedy, top_k=top_k, top_p=top_p, min_p=min_p,
+        generators={i: s.generator for i, s in enumerate(states)
+                    if s.generator is not None and not s.params.is_greedy},
+        penalties=penalties, banned=tuple(banned),
+        max_num_logprobs=max(logprob_ks) if logprob_ks else None)

@@ -1,0 +1,92 @@
+"""The scheduler's view of one sequence. Owned and mutated by the scheduler alone."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from engine_worker.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence: its tokens, how far the KV cache has computed them, and its state.
+
+    ``num_computed_tokens`` counts tokens whose K/V are in the cache; the request needs a
+    forward pass over ``num_tokens - num_computed_tokens`` more tokens before it can sample.
+    """
+
+    __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "sampling_params",
+                 "eos_token_ids", "max_tokens", "arrival_time", "priority", "status",
+                 "num_computed_tokens", "stop_reason", "num_preemptions", "admit_seq")
+
+    def __init__(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: frozenset[int], max_tokens: int,
+                 arrival_time: float | None = None, priority: int = 0) -> None:
+        self.req_id = req_id
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.max_tokens = max_tokens
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.admit_seq = -1  # order of (latest) admission into the running set
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The finished status implied by the last token, or None if it goes on."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None

@@ -1,0 +1,139 @@
+"""Batched sampling: one set of tensor ops for every row, no Python loop over the vocabulary.
+
+Order (as vLLM and Hugging Face apply them): logprobs of the raw distribution are taken first;
+then min_tokens masking, repetition / presence / frequency penalties, then greedy rows take the
+argmax and random rows go through temperature, top-k, top-p, min-p and an exponential race
+(``argmax(p / q)``, ``q ~ Exp(1)``), which is equivalent to sampling from ``p``. Seeded rows
+draw their ``q`` from their own generator, so their tokens do not depend on the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_worker.model_runner.output import SampledLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class PenaltyInputs:
+    prompt_token_ids: torch.Tensor  # [num_rows, max_prompt_len], padded with vocab_size
+    output_token_ids: torch.Tensor  # [num_rows, max_output_len], padded with vocab_size
+    repetition: torch.Tensor  # [num_rows]
+    presence: torch.Tensor  # [num_rows]
+    frequency: torch.Tensor  # [num_rows]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingMetadata:
+    """Everything the sampler needs for one step's rows. Optional parts are None when no row
+    uses them, so the common case pays nothing."""
+
+    temperature: torch.Tensor  # [num_rows] fp32; 0 marks a greedy row
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [num_rows] int64, vocab_size where disabled
+    top_p: torch.Tensor | None  # [num_rows] fp32
+    min_p: torch.Tensor | None  # [num_rows] fp32
+    generators: dict[int, torch.Generator]  # row -> per-request generator (seeded rows)
+    penalties: PenaltyInputs | None
+    banned: tuple[tuple[int, tuple[int, ...]], ...]  # (row, token ids) masked for min_tokens
+    max_num_logprobs: int | None  # top-k logprobs to return; None: none
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata,
+           default_generator: torch.Generator | None) -> tuple[torch.Tensor,
+                                                              SampledLogprobs | None]:
+    """logits: [num_rows, vocab_size] fp32 -> token ids [num_rows] and optional logprobs."""
+    raw_logprobs = None
+    if meta.max_num_logprobs is not None:
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    logits = _apply_bans(logits, meta.banned)
+    if meta.penalties is not None:
+        logits = apply_penalties(logits, meta.penalties)
+    greedy = logits.argmax(dim=-1)
+    if meta.all_greedy:
+        tokens = greedy
+    else:
+        tokens = _sample_random(logits, meta, default_generator)
+        tokens = torch.where(meta.temperature == 0, greedy, tokens)
+    logprobs = None
+    if raw_logprobs is not None:
+        logprobs = gather_logprobs(raw_logprobs, tokens, meta.max_num_logprobs)
+    return tokens, logprobs
+
+
+def _apply_bans(logits: torch.Tensor, banned) -> torch.Tensor:
+    if not banned:
+        return logits
+    logits = logits.clone()
+    for row, token_ids in banned:  # rows below min_tokens only; one indexed write each
+        logits[row, list(token_ids)] = float("-inf")
+    return logits
+
+
+def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    # token_ids: [num_rows, length] padded with vocab_size -> counts [num_rows, vocab_size]
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:
+    """Repetition (HF/CTRL: over prompt and output), presence and frequency (OpenAI: output)."""
+    vocab_size = logits.shape[1]
+    output_counts = _token_counts(p.output_token_ids, vocab_size)
+    seen = (_token_counts(p.prompt_token_ids, vocab_size) > 0) | (output_counts > 0)
+    rep = p.repetition[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - p.frequency[:, None] * output_counts
+    return logits - p.presence[:, None] * (output_counts > 0).to(logits.dtype)
+
+
+def _sample_random(logits: torch.Tensor, meta: SamplingMetadata,
+                   default_generator: torch.Generator | None) -> torch.Tensor:
+    temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
+    logits = logits / temperature[:, None]
+    if meta.top_k is not None or meta.top_p is not None:
+        logits = _top_k_top_p(logits, meta.top_k, meta.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if meta.min_p is not None:
+        top = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < meta.min_p[:, None] * top, 0.0)
+    q = torch.empty_like(probs)
+    q.exponential_(generator=default_generator)
+    for row, generator in meta.generators.items():
+        q[row].exponential_(generator=generator)
+    return (probs / q).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                 top_p: torch.Tensor | None) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab_size = logits.shape[1]
+    if top_k is not None:
+        # keep the k largest: everything below sorted position vocab_size - k goes
+        cutoff = sorted_logits.gather(1, (vocab_size - top_k).clamp(0, vocab_size - 1)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < cutoff, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - top_p[:, None])
+        drop[:, -1] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> SampledLogprobs:
+    """Per row: the chosen token's logprob and rank, then the top-k (plain Python data)."""
+    chosen_lp = logprobs.gather(1, chosen[:, None])  # [num_rows, 1]
+    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    if k > 0:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+        ids = torch.cat([chosen[:, None], top_ids], dim=1)
+        lps = torch.cat([chosen_lp, top_lp], dim=1)
+    else:
+        ids, lps = chosen[:, None], chosen_lp
+    return SampledLogprobs(token_ids=tuple(map(tuple, ids.tolist())),
+                           logprobs=tuple(map(tuple, lps.tolist())),
+                           ranks=tuple(ranks.tolist()))

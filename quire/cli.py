@@ -1,0 +1,139 @@
+"""The ``quire`` command line. Subcommands import their heavy dependencies lazily, so
+``quire --help`` (and a router-only install) never loads torch."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 is greedy (the default here)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling_params(ns: argparse.Namespace):
+    from engine_worker import RequestOutputKind, SamplingParams
+
+    return SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                          top_k=ns.top_k, min_p=ns.min_p,
+                          repetition_penalty=ns.repetition_penalty, seed=ns.sample_seed,
+                          stop=ns.stop, output_kind=RequestOutputKind.DELTA)
+
+
+def _build_engine(ns: argparse.Namespace):
+    from engine_worker.arg_utils import engine_args_from_namespace
+    from engine_worker.engine import LLMEngine
+
+    return LLMEngine.from_engine_args(engine_args_from_namespace(ns))
+
+
+def _stream(engine, request_id: str, prompt, params) -> str:
+    """Run one request, printing text as it is produced; returns the full completion."""
+    engine.add_request(request_id, prompt, params)
+    pieces = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text = output.outputs[0].text
+            pieces.append(text)
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return "".join(pieces)
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    engine = _build_engine(ns)
+    params = _sampling_params(ns)
+    prompt = ns.prompt
+    if ns.chat_template:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = {"prompt_token_ids": engine.tokenizer.encode(prompt, add_special_tokens=False)}
+    _stream(engine, "generate-0", prompt, params)
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    engine = _build_engine(ns)
+    params = _sampling_params(ns)
+    messages: list[dict] = []
+    if ns.system:
+        messages.append({"role": "system", "content": ns.system})
+    print("Chatting with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
+    for turn in range(1_000_000):
+        try:
+            user = input("> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        messages.append({"role": "user", "content": user})
+        text = engine.tokenizer.apply_chat_template(messages)
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        reply = _stream(engine, f"chat-{turn}", {"prompt_token_ids": ids}, params)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_bench_throughput(ns: argparse.Namespace) -> int:
+    from engine_worker.benchmarks.throughput import run_from_args
+
+    return run_from_args(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="quire", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from engine_worker.arg_utils import add_engine_args
+
+    gen = sub.add_parser("generate", help="generate a completion offline")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True,
+                     help="wrap the prompt as a user turn in the model's chat template")
+    add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(chat)
+    _add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    tp = bench_sub.add_parser("throughput", help="offline throughput vs transformers generate")
+    from engine_worker.benchmarks.throughput import add_throughput_args
+
+    add_throughput_args(tp)
+    tp.set_defaults(func=cmd_bench_throughput)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
