@@ -45,11 +45,11 @@ class LLMEngine:
         tokenizer_dir = resolve_model_dir(config.model.tokenizer) if config.model.tokenizer \
             else model_dir
         self.model_dir = model_dir
-        self.tokenizer = Tokenizer(tokenizer_dir)
         start = time.monotonic()
         loaded = load_model(model_dir, dtype=self.dtype, device=self.device,
                             backend=ATTENTION_BACKENDS["torch"](),
                             max_model_len=config.model.max_model_len)
+        self.tokenizer = Tokenizer(tokenizer_dir)
         self.architecture = loaded.architecture
         self.max_model_len = loaded.max_model_len
         model_cfg = loaded.model.cfg

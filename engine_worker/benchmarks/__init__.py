@@ -1,0 +1,2 @@
+"""Offline benchmarks of the engine (``quire bench ...``). Kept apart from the test suite: timings
+are reported here, never asserted."""

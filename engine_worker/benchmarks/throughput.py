@@ -1,0 +1,331 @@
+"""``quire bench throughput``: offline throughput of Quire's engine against transformers
+``generate`` with static batching, on one fixed synthetic workload.
+
+Both systems decode greedily and never stop early, so each request yields exactly its requested
+number of output tokens. A static batch must run until its longest member finishes; only each
+request's own requested tokens count as useful, which is the cost continuous batching removes.
+torch and transformers are imported inside functions so ``quire --help`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine_worker.arg_utils import add_engine_args, engine_args_from_namespace
+from engine_worker.config import EngineArgs
+
+FIRST_PLAIN_TOKEN_ID = 100  # SmolLM2's special and control tokens all sit below this id
+LONG_TAIL_FRACTION = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Prompts as token ids, and how many output tokens each request asks for."""
+
+    prompt_token_ids: tuple[tuple[int, ...], ...]
+    output_lens: tuple[int, ...]
+
+    def prefix(self, n: int) -> Workload:
+        return Workload(self.prompt_token_ids[:n], self.output_lens[:n])
+
+    def summary(self) -> dict:
+        input_lens = [len(p) for p in self.prompt_token_ids]
+        return {"num_prompts": len(input_lens),
+                "num_input_tokens": sum(input_lens), "num_output_tokens": sum(self.output_lens),
+                "input_len": _describe(input_lens), "output_len": _describe(self.output_lens)}
+
+
+def _describe(values) -> dict:
+    return {"min": min(values), "median": statistics.median(values),
+            "mean": round(statistics.fmean(values), 1), "max": max(values)}
+
+
+def _draw_len(rng: random.Random, lo: int, hi: int) -> int:
+    # Mostly log-uniform (many short requests), plus a uniform tail in the top quarter of the
+    # range: the few long requests that hold a static batch open after the rest are done.
+    if rng.random() < LONG_TAIL_FRACTION:
+        return rng.randint(lo + (hi - lo) * 3 // 4, hi)
+    return min(hi, max(lo, round(math.exp(rng.uniform(math.log(lo), math.log(hi))))))
+
+
+def make_workload(*, num_prompts: int, input_lens: tuple[int, int], output_lens: tuple[int, int],
+                  vocab_size: int, seed: int) -> Workload:
+    """Random prompts that share no prefix, so no system gains from prefix caching."""
+    rng = random.Random(seed)
+    lens = [(_draw_len(rng, *input_lens), _draw_len(rng, *output_lens))
+            for _ in range(num_prompts)]
+    prompts = tuple(tuple(rng.randrange(FIRST_PLAIN_TOKEN_ID, vocab_size) for _ in range(n_in))
+                    for n_in, _ in lens)
+    return Workload(prompts, tuple(n_out for _, n_out in lens))
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """The benchmark's own settings; the engine's come as ``EngineArgs``."""
+
+    num_prompts: int = 64
+    min_input_len: int = 16
+    max_input_len: int = 512
+    min_output_len: int = 16
+    max_output_len: int = 256
+    workload_seed: int = 0
+    hf_batch_size: int = 32
+    hf_num_prompts: int | None = None
+    skip_hf: bool = False
+    batch_sizes: tuple[int, ...] = ()
+    output_json: str = "bench_results/throughput.json"  # add_throughput_args repeats it
+    output_plot: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "min_input_len", "min_output_len", "hf_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        for kind in ("input", "output"):
+            lo, hi = getattr(self, f"min_{kind}_len"), getattr(self, f"max_{kind}_len")
+            if hi < lo:
+                raise ValueError(f"max_{kind}_len: must be >= min_{kind}_len ({lo}), got {hi}")
+        if self.hf_num_prompts is not None and not 1 <= self.hf_num_prompts <= self.num_prompts:
+            raise ValueError(f"hf_num_prompts: must be in [1, num_prompts={self.num_prompts}], "
+                             f"got {self.hf_num_prompts}")
+        if any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch_sizes: must be positive, got {list(self.batch_sizes)}")
+
+    @property
+    def plot_path(self) -> Path:
+        if self.output_plot:
+            return Path(self.output_plot)
+        return Path(self.output_json).with_suffix(".png")
+
+
+@dataclass(frozen=True, slots=True)
+class SystemResult:
+    """One timed run. ``num_output_tokens`` counts only requested tokens; ``num_generated_tokens``
+    also counts what a static batch decoded past a request's end."""
+
+    system: str
+    num_requests: int
+    elapsed_s: float
+    num_input_tokens: int
+    num_output_tokens: int
+    num_generated_tokens: int
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    requests_per_s: float
+
+    @classmethod
+    def from_timing(cls, system: str, workload: Workload, elapsed_s: float,
+                    num_output_tokens: int, num_generated_tokens: int) -> SystemResult:
+        num_input = sum(len(p) for p in workload.prompt_token_ids)
+        n = len(workload.output_lens)
+        return cls(system, n, elapsed_s, num_input, num_output_tokens, num_generated_tokens,
+                   num_output_tokens / elapsed_s, (num_input + num_output_tokens) / elapsed_s,
+                   n / elapsed_s)
+
+
+def _parse_batch_sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("workload")
+    for field in dataclasses.fields(BenchConfig):
+        if field.name.endswith("_len") or field.name in ("num_prompts", "workload_seed"):
+            g.add_argument("--" + field.name.replace("_", "-"), type=int, default=field.default)
+    h = parser.add_argument_group("transformers baseline")
+    h.add_argument("--hf-batch-size", type=int, default=32, help="static batch size")
+    h.add_argument("--hf-num-prompts", type=int, default=None,
+                   help="run the baseline on only the first N prompts (default: all)")
+    h.add_argument("--skip-hf", action="store_true", help="do not run the baseline")
+    o = parser.add_argument_group("sweep and output")
+    o.add_argument("--batch-sizes", type=_parse_batch_sizes, default=(),
+                   help="also run Quire with max_num_seqs set to each, e.g. 1,8,32")
+    o.add_argument("--output-json", default="bench_results/throughput.json")
+    o.add_argument("--output-plot", default=None, help="PNG (default: beside the JSON)")
+    add_engine_args(parser)
+    if parser.get_default("dtype") == "auto":  # QUIRE_DTYPE, when set, still wins
+        parser.set_defaults(dtype="bfloat16")
+
+
+def _sampling_params(output_lens):
+    from engine_worker import SamplingParams
+
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+
+
+def time_quire(llm, workload: Workload, warmup: Workload, system: str = "quire") -> SystemResult:
+    prompts = [{"prompt_token_ids": list(p)} for p in workload.prompt_token_ids]
+    params = _sampling_params(workload.output_lens)
+    llm.generate([{"prompt_token_ids": list(p)} for p in warmup.prompt_token_ids],
+                 _sampling_params(warmup.output_lens), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    got = [len(o.outputs[0].token_ids) for o in outputs]
+    if got != list(workload.output_lens):
+        print(f"warning: {system} produced {sum(got)} output tokens, "
+              f"{sum(workload.output_lens)} requested", file=sys.stderr)
+    return SystemResult.from_timing(system, workload, elapsed, sum(got), sum(got))
+
+
+def _hf_batch(model, prompts, output_lens, pad_id: int, device) -> tuple[int, int]:
+    """One static batch; returns (useful output tokens, tokens decoded in all)."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    # [batch, width], left padded so every row's last prompt token sits in the last column.
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        input_ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    max_new = max(output_lens)
+    # min_new_tokens masks EOS until max_new, so no row may stop before the longest one.
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
+                         do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
+                         pad_token_id=pad_id)
+    decoded = out.shape[1] - width  # reading the shape waits for the device
+    return sum(min(n, decoded) for n in output_lens), decoded * len(prompts)
+
+
+def time_hf(model_dir, dtype, device, workload: Workload, warmup: Workload,
+            batch_size: int) -> SystemResult:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    pad_id = model.generation_config.pad_token_id
+    pad_id = model.generation_config.eos_token_id if pad_id is None else pad_id
+    pad_id = pad_id[0] if isinstance(pad_id, list) else pad_id
+    useful = decoded = 0
+    with torch.inference_mode():
+        _hf_batch(model, warmup.prompt_token_ids, warmup.output_lens, pad_id, device)
+        start = time.perf_counter()
+        for i in range(0, len(workload.output_lens), batch_size):
+            u, d = _hf_batch(model, workload.prompt_token_ids[i:i + batch_size],
+                             workload.output_lens[i:i + batch_size], pad_id, device)
+            useful, decoded = useful + u, decoded + d
+        elapsed = time.perf_counter() - start
+    return SystemResult.from_timing("transformers", workload, elapsed, useful, decoded)
+
+
+def _print_table(results: list[SystemResult], ratio: float | None,
+                 sweep: list[tuple[int, SystemResult]]) -> None:
+    print(f"{'system':<14}{'requests':>9}{'out tok/s':>12}{'total tok/s':>13}{'req/s':>9}"
+          f"{'elapsed s':>11}")
+    for r in results:
+        print(f"{r.system:<14}{r.num_requests:>9}{r.output_tokens_per_s:>12.1f}"
+              f"{r.total_tokens_per_s:>13.1f}{r.requests_per_s:>9.2f}{r.elapsed_s:>11.1f}")
+    if ratio is not None:
+        print(f"ratio (quire / transformers output tok/s): {ratio:.2f}x")
+    if sweep:
+        print(f"\n{'max_num_seqs':>12}{'out tok/s':>12}{'total tok/s':>13}{'req/s':>9}")
+        for size, r in sweep:
+            print(f"{size:>12}{r.output_tokens_per_s:>12.1f}{r.total_tokens_per_s:>13.1f}"
+                  f"{r.requests_per_s:>9.2f}")
+
+
+def _write_plot(path: Path, results: list[SystemResult],
+                sweep: list[tuple[int, SystemResult]]) -> bool:
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no global backend state to set
+    except ImportError:
+        print("note: matplotlib is not installed (pip install quire[bench]); no plot written",
+              file=sys.stderr)
+        return False
+    fig = Figure(figsize=(11 if sweep else 6, 4.5), layout="constrained")
+    axes = fig.subplots(1, 2 if sweep else 1, squeeze=False)[0]
+    bars = axes[0].bar([r.system for r in results], [r.output_tokens_per_s for r in results],
+                       color=["tab:blue", "tab:gray"][:len(results)])
+    axes[0].bar_label(bars, fmt="%.0f")
+    axes[0].set(title="Output throughput", ylabel="output tokens/s")
+    if sweep:
+        sizes = [s for s, _ in sweep]
+        axes[1].plot(sizes, [r.output_tokens_per_s for _, r in sweep], marker="o")
+        axes[1].set(title="Quire throughput vs batch size", xlabel="max_num_seqs",
+                    ylabel="output tokens/s", xscale="log", xticks=sizes, xticklabels=sizes)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def _run_quire(engine_args: EngineArgs, cfg: BenchConfig):
+    """Time the main run and the sweep; returns (result, sweep, workload, model facts)."""
+    from engine_worker import LLM
+
+    def build(args: EngineArgs):
+        return LLM(**dataclasses.asdict(args))
+
+    llm = build(engine_args)
+    vocab_size = llm.engine.tokenizer.vocab_size
+    workload = make_workload(num_prompts=cfg.num_prompts, seed=cfg.workload_seed,
+                             input_lens=(cfg.min_input_len, cfg.max_input_len),
+                             output_lens=(cfg.min_output_len, cfg.max_output_len),
+                             vocab_size=vocab_size)
+    # A different seed, so the warm-up leaves nothing in the prefix cache for the timed run.
+    warmup = make_workload(num_prompts=4, input_lens=(16, 64), output_lens=(8, 8),
+                           vocab_size=vocab_size, seed=cfg.workload_seed + 1)
+    facts = {"model_dir": str(llm.engine.model_dir), "dtype": llm.engine.dtype,
+             "device": llm.engine.device}
+    print(f"quire: {cfg.num_prompts} requests", file=sys.stderr)
+    result = time_quire(llm, workload, warmup)
+    sweep = []
+    for size in cfg.batch_sizes:
+        del llm  # free one KV cache before allocating the next
+        gc.collect()
+        print(f"quire sweep: max_num_seqs={size}", file=sys.stderr)
+        llm = build(dataclasses.replace(engine_args, max_num_seqs=size))
+        sweep.append((size, time_quire(llm, workload, warmup, f"quire@{size}")))
+    return result, sweep, workload, warmup, facts
+
+
+def run_from_args(ns: argparse.Namespace) -> int:
+    cfg = BenchConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(BenchConfig)})
+    engine_args = engine_args_from_namespace(ns)
+    quire, sweep, workload, warmup, facts = _run_quire(engine_args, cfg)
+    gc.collect()
+    hf = None
+    if not cfg.skip_hf:
+        subset = workload.prefix(cfg.hf_num_prompts or cfg.num_prompts)
+        print(f"transformers: {len(subset.output_lens)} requests in static batches of "
+              f"{cfg.hf_batch_size}", file=sys.stderr)
+        hf = time_hf(facts["model_dir"], facts["dtype"], facts["device"], subset, warmup,
+                     cfg.hf_batch_size)
+    results = [quire] + ([hf] if hf else [])
+    ratio = quire.output_tokens_per_s / hf.output_tokens_per_s if hf else None
+    _print_table(results, ratio, sweep)
+    report = {"config": {**dataclasses.asdict(cfg), "engine": dataclasses.asdict(engine_args)},
+              "environment": _environment(facts), "workload": workload.summary(),
+              "quire": dataclasses.asdict(quire), "hf": dataclasses.asdict(hf) if hf else None,
+              "ratio_output_tokens_per_s": ratio,
+              "batch_size_sweep": [{"max_num_seqs": s, **dataclasses.asdict(r)} for s, r in sweep]}
+    json_path = Path(cfg.output_json)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {json_path}")
+    if _write_plot(cfg.plot_path, results, sweep):
+        print(f"wrote {cfg.plot_path}")
+    return 0
+
+
+def _environment(facts: dict) -> dict:
+    import torch
+    import transformers
+
+    return {"model_dir": facts["model_dir"], "dtype": str(facts["dtype"]).removeprefix("torch."),
+            "device": str(facts["device"]), "torch_num_threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(), "torch_version": torch.__version__,
+            "transformers_version": transformers.__version__}

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random Llama-family checkpoints built in the test, and the embedded model.
+
+Tiny models borrow the embedded SmolLM2 tokenizer (converted once into the Quire cache), so text
+round-trips are real; their weights are random and written with transformers' own save_pretrained.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir() -> Path:
+    from engine_worker.weights.resolve import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+def build_tiny_model(out_dir: Path, tokenizer_dir: Path, *, arch: str = "llama",
+                     tie_word_embeddings: bool = True, rope: dict | None = None,
+                     num_layers: int = 3, num_heads: int = 4, num_kv_heads: int = 2,
+                     hidden_size: int = 64, max_position_embeddings: int = 1024,
+                     seed: int = 0) -> Path:
+    """Save a random transformers model (vocab of the embedded tokenizer) into ``out_dir``."""
+    import torch
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    kwargs = dict(vocab_size=49152, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                  num_key_value_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
+                  tie_word_embeddings=tie_word_embeddings, rms_norm_eps=1e-5,
+                  # larger weights than the default 0.02 give peaked distributions, so greedy
+                  # comparisons test the model and not float noise between near-equal logits
+                  initializer_range=0.08, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if rope is not None:
+        kwargs["rope_parameters"] = rope
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).eval()
+    model.save_pretrained(out_dir)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, embedded_model_dir) -> Path:
+    """Llama with GQA (4 query heads on 2 KV heads), 3 layers, tied embeddings."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), embedded_model_dir)

@@ -1,0 +1,122 @@
+"""Continuous batching changes nothing about outputs: alone, batched, chunked prefill and
+preemption all give the same tokens; every block comes back; waste stays in last blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_worker import LLM, SamplingParams
+from engine_worker.engine import LLMEngine
+from engine_worker.config import EngineArgs
+
+PROMPTS = [list(range(100 + i, 100 + i + n)) for i, n in enumerate([3, 40, 17, 90, 1, 33, 64, 8])]
+MAX_TOKENS = [24, 8, 40, 16, 30, 12, 20, 35]
+
+
+def _params(seeded: bool) -> list[SamplingParams]:
+    if seeded:
+        return [SamplingParams(temperature=0.9, top_p=0.9, seed=1000 + i, max_tokens=m,
+                               ignore_eos=True) for i, m in enumerate(MAX_TOKENS)]
+    return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+
+
+def _run(model_dir, prompts, params, **engine_kwargs):
+    llm = LLM(str(model_dir), dtype="float32", **({"kv_cache_memory_bytes": 1 << 24}
+                                                  | engine_kwargs))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_same_tokens_alone_batched_chunked_and_preempted(tiny_model_dir, seeded):
+    params = _params(seeded)
+    llm, batched = _run(tiny_model_dir, PROMPTS, params)
+    alone = [llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0].outputs[0].token_ids
+             for p, sp in zip(PROMPTS, params)]
+    assert batched == alone
+    llm, chunked = _run(tiny_model_dir, PROMPTS, params, max_num_batched_tokens=8)
+    assert chunked == alone
+    # 14 blocks of 16 tokens for 8 requests needing up to 7 blocks each: preemption is forced.
+    block_bytes = 3 * 2 * 16 * 2 * 16 * 4  # layers * (K, V) * block * kv_heads * head_dim * fp32
+    llm, preempted = _run(tiny_model_dir, PROMPTS, params, kv_cache_memory_bytes=14 * block_bytes)
+    assert llm.engine.num_blocks == 14
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert preempted == alone
+    assert llm.engine.kv_cache_stats().num_free_blocks == 14
+
+
+def test_every_block_returns_after_finish_and_abort(tiny_model_dir):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), dtype="float32",
+                                                   kv_cache_memory_bytes=1 << 22))
+    total = engine.num_blocks
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p},
+                           SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    assert engine.kv_cache_stats().num_free_blocks < total
+    engine.abort_request(["r0", "r3", "r5"])
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].finish_reason
+    assert finished == {f"r{i}": ("abort" if i in (0, 3, 5) else "length") for i in range(8)}
+    stats = engine.kv_cache_stats()
+    assert stats.num_free_blocks == total and stats.num_allocated_slots == 0
+    assert engine.kv_cache_manager.pool.free_queue.num_free_blocks == total
+
+
+def test_memory_is_wasted_only_in_last_blocks(tiny_model_dir):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), dtype="float32",
+                                                   kv_cache_memory_bytes=1 << 22))
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p},
+                           SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    seen_running = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = engine.kv_cache_stats()
+        running = engine.scheduler.num_running
+        seen_running = max(seen_running, running)
+        assert 0 <= stats.num_allocated_slots - stats.num_used_slots < 16 * max(running, 1)
+        for req_id in engine.scheduler.requests:
+            blocks = engine.kv_cache_manager.get_block_ids(req_id)
+            used = engine.kv_cache_manager._req_num_tokens.get(req_id, 0)
+            assert len(blocks) == -(-used // 16), "a request holds more blocks than it needs"
+    assert seen_running == len(PROMPTS)
+
+
+def test_late_request_joins_running_batch(tiny_model_dir):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), dtype="float32",
+                                                   kv_cache_memory_bytes=1 << 22))
+    long_params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    engine.add_request("early", {"prompt_token_ids": PROMPTS[1]}, long_params)
+    for _ in range(5):
+        engine.step()
+    engine.add_request("late", {"prompt_token_ids": PROMPTS[2]},
+                       SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    order = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                order.append(out.request_id)
+    # the late request was batched with the running one and finished first
+    assert order == ["late", "early"]
+
+
+def test_impossible_requests_are_rejected_at_once(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=128,
+              kv_cache_memory_bytes=3 * 2 * 16 * 2 * 16 * 4 * 4)  # 4 blocks = 64 tokens
+    with pytest.raises(ValueError, match=r"^prompt: 200 tokens"):
+        llm.generate({"prompt_token_ids": [5] * 200}, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match=r"^prompt: the request needs"):
+        llm.generate({"prompt_token_ids": [5] * 100}, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match=r"^max_tokens: the request needs"):
+        llm.generate({"prompt_token_ids": [5] * 40}, SamplingParams(max_tokens=60))
+    # the engine keeps serving, and nothing leaked
+    out = llm.generate({"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=5,
+                                                                      ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 5
+    assert llm.engine.kv_cache_stats().num_free_blocks == 4
+    assert not llm.engine.has_unfinished_requests()
