@@ -7,6 +7,7 @@ places that read environment variables.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,10 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
 def _check(cond: bool, name: str, message: str) -> None:
     if not cond:
         raise ValueError(f"{name}: {message}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def normalize_dtype(dtype: str) -> str:
@@ -50,34 +55,36 @@ class ModelConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         if self.max_model_len is not None:
-            _check(isinstance(self.max_model_len, int) and self.max_model_len > 0,
+            _check(_is_int(self.max_model_len) and self.max_model_len > 0,
                    "max_model_len", f"must be a positive integer, got {self.max_model_len!r}")
-        _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        _check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Paged KV cache sizing.
 
-    ``kv_cache_memory_bytes`` wins when given; otherwise ``memory_utilization`` is the fraction
+    ``kv_cache_memory_bytes`` wins when given; otherwise ``gpu_memory_utilization`` (vLLM's
+    name, kept on CPU too) is the fraction
     of available host memory (CPU) or free device memory after loading weights (GPU).
     """
 
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
-    memory_utilization: float | None = None
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.block_size, int) and self.block_size in (1, 2, 4, 8, 16, 32, 64,
+        _check(_is_int(self.block_size) and self.block_size in (1, 2, 4, 8, 16, 32, 64,
                                                                          128, 256),
                "block_size", f"must be a power of two between 1 and 256, got {self.block_size!r}")
         if self.kv_cache_memory_bytes is not None:
-            _check(isinstance(self.kv_cache_memory_bytes, int) and self.kv_cache_memory_bytes > 0,
+            _check(_is_int(self.kv_cache_memory_bytes) and self.kv_cache_memory_bytes > 0,
                    "kv_cache_memory_bytes",
                    f"must be a positive integer, got {self.kv_cache_memory_bytes!r}")
-        if self.memory_utilization is not None:
-            _check(0.0 < self.memory_utilization <= 1.0, "memory_utilization",
-                   f"must be in (0, 1], got {self.memory_utilization!r}")
+        if self.gpu_memory_utilization is not None:
+            _check(isinstance(self.gpu_memory_utilization, (int, float))
+                   and 0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+                   f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -89,18 +96,18 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
-    policy: str = "fcfs"
+    scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens > 0,
+        _check(_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens > 0,
                "max_num_batched_tokens",
                f"must be a positive integer, got {self.max_num_batched_tokens!r}")
-        _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs > 0,
+        _check(_is_int(self.max_num_seqs) and self.max_num_seqs > 0,
                "max_num_seqs", f"must be a positive integer, got {self.max_num_seqs!r}")
-        _check(self.policy in SCHEDULING_POLICIES, "scheduling_policy",
-               f"must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
-        _check(isinstance(self.long_prefill_token_threshold, int)
+        _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+               f"must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        _check(_is_int(self.long_prefill_token_threshold)
                and self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
                f"must be a non-negative integer, got {self.long_prefill_token_threshold!r}")
 
@@ -113,10 +120,10 @@ class DeviceConfig:
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
-        _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
-               "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _check(isinstance(self.device, str)
+               and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.num_threads is not None:
-            _check(isinstance(self.num_threads, int) and self.num_threads > 0, "num_threads",
+            _check(_is_int(self.num_threads) and self.num_threads > 0, "num_threads",
                    f"must be a positive integer, got {self.num_threads!r}")
 
 
@@ -155,10 +162,10 @@ class EngineArgs:
                               max_model_len=self.max_model_len, seed=self.seed),
             cache=CacheConfig(block_size=self.block_size,
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                              memory_utilization=self.gpu_memory_utilization),
+                              gpu_memory_utilization=self.gpu_memory_utilization),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs,
-                                      policy=self.scheduling_policy,
+                                      scheduling_policy=self.scheduling_policy,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads),
         )

@@ -62,7 +62,7 @@ class LLMEngine:
                                       head_dim=model_cfg.head_dim,
                                       dtype_bytes=torch.finfo(self.dtype).bits // 8)
         budget = kv_budget_bytes(kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
-                                 memory_utilization=cache.memory_utilization,
+                                 memory_utilization=cache.gpu_memory_utilization,
                                  available_bytes=available_memory_bytes(self.device),
                                  on_gpu=self.device.type == "cuda")
         self.num_blocks = num_blocks_for_budget(budget_bytes=budget, block_bytes=block_bytes)
@@ -83,7 +83,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             kv_cache_manager=self.kv_cache_manager,
             max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
-            max_model_len=self.max_model_len, policy=sched.policy,
+            max_model_len=self.max_model_len, policy=sched.scheduling_policy,
             long_prefill_token_threshold=sched.long_prefill_token_threshold)
         self.runner = ModelRunner(loaded.model, kv_caches, cache.block_size, self.device,
                                   model_cfg.vocab_size, self.tokenizer.eos_token_ids,

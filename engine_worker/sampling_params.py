@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, replace
 
 _GREEDY_EPS = 1e-5
@@ -58,6 +59,16 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                _fail(name, f"must be a finite number, got {value!r}")
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs",
+                     "prompt_logprobs"):
+            if isinstance(getattr(self, name), bool):
+                _fail(name, f"must be an integer, got {getattr(self, name)!r}")
         if not isinstance(self.n, int) or self.n < 1:
             _fail("n", f"must be at least 1, got {self.n!r}")
         if self.temperature is None or self.temperature < 0:

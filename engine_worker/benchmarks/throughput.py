@@ -70,6 +70,11 @@ def make_workload(*, num_prompts: int, input_lens: tuple[int, int], output_lens:
     return Workload(prompts, tuple(n_out for _, n_out in lens))
 
 
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
 @dataclass(frozen=True, slots=True)
 class BenchConfig:
     """The benchmark's own settings; the engine's come as ``EngineArgs``."""
@@ -84,22 +89,20 @@ class BenchConfig:
     hf_num_prompts: int | None = None
     skip_hf: bool = False
     batch_sizes: tuple[int, ...] = ()
-    output_json: str = "bench_results/throughput.json"  # add_throughput_args repeats it
+    output_json: str = "bench_results/throughput.json"
     output_plot: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "min_input_len", "min_output_len", "hf_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+            _check(getattr(self, name) >= 1, name, f"must be at least 1, got {getattr(self, name)}")
         for kind in ("input", "output"):
             lo, hi = getattr(self, f"min_{kind}_len"), getattr(self, f"max_{kind}_len")
-            if hi < lo:
-                raise ValueError(f"max_{kind}_len: must be >= min_{kind}_len ({lo}), got {hi}")
-        if self.hf_num_prompts is not None and not 1 <= self.hf_num_prompts <= self.num_prompts:
-            raise ValueError(f"hf_num_prompts: must be in [1, num_prompts={self.num_prompts}], "
-                             f"got {self.hf_num_prompts}")
-        if any(b < 1 for b in self.batch_sizes):
-            raise ValueError(f"batch_sizes: must be positive, got {list(self.batch_sizes)}")
+            _check(hi >= lo, f"max_{kind}_len", f"must be >= min_{kind}_len ({lo}), got {hi}")
+        n = self.hf_num_prompts
+        _check(n is None or 1 <= n <= self.num_prompts, "hf_num_prompts",
+               f"must be in [1, num_prompts={self.num_prompts}], got {n}")
+        _check(all(b >= 1 for b in self.batch_sizes), "batch_sizes",
+               f"must be positive, got {list(self.batch_sizes)}")
 
     @property
     def plot_path(self) -> Path:
@@ -141,36 +144,37 @@ def _parse_batch_sizes(text: str) -> tuple[int, ...]:
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    d = BenchConfig()
     g = parser.add_argument_group("workload")
-    for field in dataclasses.fields(BenchConfig):
-        if field.name.endswith("_len") or field.name in ("num_prompts", "workload_seed"):
-            g.add_argument("--" + field.name.replace("_", "-"), type=int, default=field.default)
+    for name in ("num_prompts", "min_input_len", "max_input_len", "min_output_len",
+                 "max_output_len", "workload_seed"):
+        g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     h = parser.add_argument_group("transformers baseline")
-    h.add_argument("--hf-batch-size", type=int, default=32, help="static batch size")
+    h.add_argument("--hf-batch-size", type=int, default=d.hf_batch_size, help="static batch size")
     h.add_argument("--hf-num-prompts", type=int, default=None,
                    help="run the baseline on only the first N prompts (default: all)")
     h.add_argument("--skip-hf", action="store_true", help="do not run the baseline")
     o = parser.add_argument_group("sweep and output")
     o.add_argument("--batch-sizes", type=_parse_batch_sizes, default=(),
                    help="also run Quire with max_num_seqs set to each, e.g. 1,8,32")
-    o.add_argument("--output-json", default="bench_results/throughput.json")
+    o.add_argument("--output-json", default=d.output_json)
     o.add_argument("--output-plot", default=None, help="PNG (default: beside the JSON)")
     add_engine_args(parser)
     if parser.get_default("dtype") == "auto":  # QUIRE_DTYPE, when set, still wins
         parser.set_defaults(dtype="bfloat16")
 
 
-def _sampling_params(output_lens):
+def _requests(workload: Workload):
     from engine_worker import SamplingParams
 
-    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    prompts = [{"prompt_token_ids": list(p)} for p in workload.prompt_token_ids]
+    return prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                     for n in workload.output_lens]
 
 
 def time_quire(llm, workload: Workload, warmup: Workload, system: str = "quire") -> SystemResult:
-    prompts = [{"prompt_token_ids": list(p)} for p in workload.prompt_token_ids]
-    params = _sampling_params(workload.output_lens)
-    llm.generate([{"prompt_token_ids": list(p)} for p in warmup.prompt_token_ids],
-                 _sampling_params(warmup.output_lens), use_tqdm=False)
+    llm.generate(*_requests(warmup), use_tqdm=False)
+    prompts, params = _requests(workload)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -222,8 +226,7 @@ def time_hf(model_dir, dtype, device, workload: Workload, warmup: Workload,
     return SystemResult.from_timing("transformers", workload, elapsed, useful, decoded)
 
 
-def _print_table(results: list[SystemResult], ratio: float | None,
-                 sweep: list[tuple[int, SystemResult]]) -> None:
+def _print_table(results: list[SystemResult], ratio: float | None) -> None:
     print(f"{'system':<14}{'requests':>9}{'out tok/s':>12}{'total tok/s':>13}{'req/s':>9}"
           f"{'elapsed s':>11}")
     for r in results:
@@ -231,11 +234,6 @@ def _print_table(results: list[SystemResult], ratio: float | None,
               f"{r.total_tokens_per_s:>13.1f}{r.requests_per_s:>9.2f}{r.elapsed_s:>11.1f}")
     if ratio is not None:
         print(f"ratio (quire / transformers output tok/s): {ratio:.2f}x")
-    if sweep:
-        print(f"\n{'max_num_seqs':>12}{'out tok/s':>12}{'total tok/s':>13}{'req/s':>9}")
-        for size, r in sweep:
-            print(f"{size:>12}{r.output_tokens_per_s:>12.1f}{r.total_tokens_per_s:>13.1f}"
-                  f"{r.requests_per_s:>9.2f}")
 
 
 def _write_plot(path: Path, results: list[SystemResult],
@@ -262,70 +260,69 @@ def _write_plot(path: Path, results: list[SystemResult],
     return True
 
 
-def _run_quire(engine_args: EngineArgs, cfg: BenchConfig):
-    """Time the main run and the sweep; returns (result, sweep, workload, model facts)."""
+def _sweep(engine_args: EngineArgs, sizes, workload: Workload, warmup: Workload):
     from engine_worker import LLM
 
-    def build(args: EngineArgs):
-        return LLM(**dataclasses.asdict(args))
+    results = []
+    for size in sizes:
+        print(f"quire sweep: max_num_seqs={size}", file=sys.stderr)
+        llm = LLM(**dataclasses.asdict(dataclasses.replace(engine_args, max_num_seqs=size)))
+        results.append((size, time_quire(llm, workload, warmup, f"quire@{size}")))
+        del llm  # free this KV cache before the next one is allocated
+        gc.collect()
+    return results
 
-    llm = build(engine_args)
-    vocab_size = llm.engine.tokenizer.vocab_size
+
+def _report(cfg: BenchConfig, engine_args: EngineArgs, env: dict, workload: Workload,
+            results: list[SystemResult], ratio, sweep) -> dict:
+    by_system = {r.system: dataclasses.asdict(r) for r in results}
+    return {"config": {**dataclasses.asdict(cfg), "engine": dataclasses.asdict(engine_args)},
+            "environment": env, "workload": workload.summary(),
+            "quire": by_system["quire"], "hf": by_system.get("transformers"),
+            "ratio_output_tokens_per_s": ratio,
+            "batch_size_sweep": [{"max_num_seqs": s, **dataclasses.asdict(r)} for s, r in sweep]}
+
+
+def run_from_args(ns: argparse.Namespace) -> int:
+    import torch
+    import transformers
+
+    from engine_worker import LLM
+
+    cfg = BenchConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(BenchConfig)})
+    engine_args = engine_args_from_namespace(ns)
+    llm = LLM(**dataclasses.asdict(engine_args))
+    vocab_size, engine = llm.engine.tokenizer.vocab_size, llm.engine
     workload = make_workload(num_prompts=cfg.num_prompts, seed=cfg.workload_seed,
                              input_lens=(cfg.min_input_len, cfg.max_input_len),
                              output_lens=(cfg.min_output_len, cfg.max_output_len),
                              vocab_size=vocab_size)
-    # A different seed, so the warm-up leaves nothing in the prefix cache for the timed run.
+    # Another seed, so the warm-up leaves nothing in the prefix cache for the timed run.
     warmup = make_workload(num_prompts=4, input_lens=(16, 64), output_lens=(8, 8),
                            vocab_size=vocab_size, seed=cfg.workload_seed + 1)
-    facts = {"model_dir": str(llm.engine.model_dir), "dtype": llm.engine.dtype,
-             "device": llm.engine.device}
+    env = {"model_dir": str(engine.model_dir), "dtype": str(engine.dtype).removeprefix("torch."),
+           "device": str(engine.device), "torch_num_threads": torch.get_num_threads(),
+           "cpu_count": os.cpu_count(), "torch_version": torch.__version__,
+           "transformers_version": transformers.__version__}
     print(f"quire: {cfg.num_prompts} requests", file=sys.stderr)
-    result = time_quire(llm, workload, warmup)
-    sweep = []
-    for size in cfg.batch_sizes:
-        del llm  # free one KV cache before allocating the next
-        gc.collect()
-        print(f"quire sweep: max_num_seqs={size}", file=sys.stderr)
-        llm = build(dataclasses.replace(engine_args, max_num_seqs=size))
-        sweep.append((size, time_quire(llm, workload, warmup, f"quire@{size}")))
-    return result, sweep, workload, warmup, facts
-
-
-def run_from_args(ns: argparse.Namespace) -> int:
-    cfg = BenchConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(BenchConfig)})
-    engine_args = engine_args_from_namespace(ns)
-    quire, sweep, workload, warmup, facts = _run_quire(engine_args, cfg)
+    results = [time_quire(llm, workload, warmup)]
+    model_dir, dtype, device = engine.model_dir, engine.dtype, engine.device
+    del llm, engine  # free the KV cache before the baseline and the sweep
     gc.collect()
-    hf = None
     if not cfg.skip_hf:
         subset = workload.prefix(cfg.hf_num_prompts or cfg.num_prompts)
         print(f"transformers: {len(subset.output_lens)} requests in static batches of "
               f"{cfg.hf_batch_size}", file=sys.stderr)
-        hf = time_hf(facts["model_dir"], facts["dtype"], facts["device"], subset, warmup,
-                     cfg.hf_batch_size)
-    results = [quire] + ([hf] if hf else [])
-    ratio = quire.output_tokens_per_s / hf.output_tokens_per_s if hf else None
-    _print_table(results, ratio, sweep)
-    report = {"config": {**dataclasses.asdict(cfg), "engine": dataclasses.asdict(engine_args)},
-              "environment": _environment(facts), "workload": workload.summary(),
-              "quire": dataclasses.asdict(quire), "hf": dataclasses.asdict(hf) if hf else None,
-              "ratio_output_tokens_per_s": ratio,
-              "batch_size_sweep": [{"max_num_seqs": s, **dataclasses.asdict(r)} for s, r in sweep]}
+        results.append(time_hf(model_dir, dtype, device, subset, warmup, cfg.hf_batch_size))
+    sweep = _sweep(engine_args, cfg.batch_sizes, workload, warmup)
+    ratio = (results[0].output_tokens_per_s / results[1].output_tokens_per_s
+             if len(results) > 1 else None)
+    _print_table(results + [r for _, r in sweep], ratio)
     json_path = Path(cfg.output_json)
     json_path.parent.mkdir(parents=True, exist_ok=True)
+    report = _report(cfg, engine_args, env, workload, results, ratio, sweep)
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {json_path}")
     if _write_plot(cfg.plot_path, results, sweep):
         print(f"wrote {cfg.plot_path}")
     return 0
-
-
-def _environment(facts: dict) -> dict:
-    import torch
-    import transformers
-
-    return {"model_dir": facts["model_dir"], "dtype": str(facts["dtype"]).removeprefix("torch."),
-            "device": str(facts["device"]), "torch_num_threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(), "torch_version": torch.__version__,
-            "transformers_version": transformers.__version__}

@@ -55,14 +55,12 @@ class KVCacheManager:
         Returns the ids of newly allocated blocks (possibly empty), or ``None`` when the pool
         has too few free blocks, in which case nothing changes.
         """
-        blocks = self._req_blocks.setdefault(req_id, [])
-        num_new = self.num_blocks_for(num_total_tokens) - len(blocks)
+        held = len(self._req_blocks.get(req_id, ()))
+        num_new = self.num_blocks_for(num_total_tokens) - held
         if num_new > self.pool.num_free_blocks:
-            if not blocks:
-                del self._req_blocks[req_id]
             return None
         new_blocks = self.pool.get_new_blocks(num_new) if num_new > 0 else []
-        blocks.extend(new_blocks)
+        self._req_blocks.setdefault(req_id, []).extend(new_blocks)
         self._req_num_tokens[req_id] = max(num_total_tokens, self._req_num_tokens.get(req_id, 0))
         return [b.block_id for b in new_blocks]
 

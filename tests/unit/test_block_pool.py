@@ -1,4 +1,4 @@
-"""Exact tests of the KV block pool: which block ids are handed out, free-queue order, ref counts."""
+"""Exact tests of the KV block pool: block ids handed out, free-queue order, ref counts."""
 
 from __future__ import annotations
 

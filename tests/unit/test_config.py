@@ -81,13 +81,13 @@ def test_cache_config_rejects_bad_kv_cache_memory_bytes(value):
 
 @pytest.mark.parametrize("value", [0.0, -0.1, 1.01, 2, math.nan])
 def test_cache_config_rejects_bad_memory_utilization(value):
-    with raises_for("memory_utilization"):
-        CacheConfig(memory_utilization=value)
+    with raises_for("gpu_memory_utilization"):
+        CacheConfig(gpu_memory_utilization=value)
 
 
 def test_cache_config_accepts_edge_values():
-    config = CacheConfig(kv_cache_memory_bytes=1, memory_utilization=1.0)
-    assert (config.kv_cache_memory_bytes, config.memory_utilization) == (1, 1.0)
+    config = CacheConfig(kv_cache_memory_bytes=1, gpu_memory_utilization=1.0)
+    assert (config.kv_cache_memory_bytes, config.gpu_memory_utilization) == (1, 1.0)
 
 
 # ------------------------------------------------------------------------- SchedulerConfig
@@ -111,20 +111,18 @@ def test_scheduler_config_rejects_bad_long_prefill_token_threshold(value):
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_scheduler_config_accepts_known_policies(policy):
-    assert SchedulerConfig(policy=policy).policy == policy
+    assert SchedulerConfig(scheduling_policy=policy).scheduling_policy == policy
 
 
 @pytest.mark.parametrize("policy", ["lifo", "FCFS", ""])
 def test_scheduler_config_rejects_unknown_policy(policy):
     with pytest.raises(ValueError, match="must be one of"):
-        SchedulerConfig(policy=policy)
+        SchedulerConfig(scheduling_policy=policy)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: SchedulerConfig names the bad field "
-                   "'scheduling_policy' (the EngineArgs name) although the field is 'policy'")
 def test_scheduler_config_policy_error_names_the_field():
-    with raises_for("policy"):
-        SchedulerConfig(policy="lifo")
+    with raises_for("scheduling_policy"):
+        SchedulerConfig(scheduling_policy="lifo")
 
 
 # ---------------------------------------------------------------------------- DeviceConfig
@@ -145,9 +143,6 @@ def test_device_config_rejects_bad_num_threads(value):
         DeviceConfig(num_threads=value)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: DeviceConfig only checks the part before ':' "
-                   "and calls .split on non-strings, so 'cuda:x', 'cuda:', 'cpu:0:1' pass and "
-                   "None raises AttributeError")
 @pytest.mark.parametrize("device", ["cuda:x", "cuda:", "cuda:-1", "cpu:0:1", None, 0])
 def test_device_config_rejects_malformed_device_strings(device):
     with raises_for("device"):
@@ -164,8 +159,8 @@ def test_engine_args_build_every_config_group():
                         num_threads=2).create_engine_config()
     assert config == EngineConfig(
         model=ModelConfig(model="m", tokenizer="t", dtype="bfloat16", max_model_len=512, seed=11),
-        cache=CacheConfig(block_size=32, kv_cache_memory_bytes=1 << 20, memory_utilization=0.5),
-        scheduler=SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=3, policy="priority",
+        cache=CacheConfig(block_size=32, kv_cache_memory_bytes=1 << 20, gpu_memory_utilization=0.5),
+        scheduler=SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=3, scheduling_policy="priority",
                                   long_prefill_token_threshold=7),
         device=DeviceConfig(device="cpu", num_threads=2))
 
@@ -266,9 +261,22 @@ def test_sampling_params_accept_edge_values(field, value):
     SamplingParams(**{field: value})
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: NaN passes the range checks written as "
-                   "'x < 0' / 'x <= 0' (temperature, repetition_penalty)")
-@pytest.mark.parametrize("field", ["temperature", "repetition_penalty"])
-def test_sampling_params_reject_nan(field):
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p", "min_p",
+                                   "presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, True])
+def test_sampling_params_reject_non_finite_and_bools(field, value):
     with raises_for(field):
-        SamplingParams(**{field: math.nan})
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "n", "seed", "logprobs"])
+def test_sampling_params_reject_bools_as_ints(field):
+    with raises_for(field):
+        SamplingParams(**{field: True})
+
+
+def test_configs_reject_bools_as_ints():
+    with raises_for("block_size"):
+        CacheConfig(block_size=True)
+    with raises_for("max_model_len"):
+        ModelConfig(max_model_len=True)
