@@ -42,20 +42,21 @@ def embedded_gguf_path() -> Path:
 def resolve_model_dir(model: str | None) -> Path:
     """Return a local directory holding config.json, safetensors and tokenizer files."""
     if model is None or model == EMBEDDED_MODEL_ID:
-        return _converted_gguf_dir(embedded_gguf_path(), name="SmolLM2-135M-Instruct")
+        return _converted_gguf_dir(embedded_gguf_path())
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model: directory {path} has no config.json")
         return path
     if path.is_file() and path.suffix == ".gguf":
-        return _converted_gguf_dir(path, name=path.stem)
+        return _converted_gguf_dir(path)
     raise ValueError(
         f"model: {model!r} is neither a local model directory nor a .gguf file "
         f"(only {EMBEDDED_MODEL_ID!r} resolves offline without a path)")
 
 
-def _converted_gguf_dir(gguf: Path, name: str) -> Path:
+def _converted_gguf_dir(gguf: Path) -> Path:
+    name = gguf.stem
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     target = quire_cache_dir() / "models" / f"{name}-{key.hexdigest()[:12]}"
