@@ -36,9 +36,6 @@ class Workload:
     prompt_token_ids: tuple[tuple[int, ...], ...]
     output_lens: tuple[int, ...]
 
-    def prefix(self, n: int) -> Workload:
-        return Workload(self.prompt_token_ids[:n], self.output_lens[:n])
-
     def summary(self) -> dict:
         input_lens = [len(p) for p in self.prompt_token_ids]
         return {"num_prompts": len(input_lens),
@@ -211,9 +208,9 @@ def time_hf(model_dir, dtype, device, workload: Workload, warmup: Workload,
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    pad_id = model.generation_config.pad_token_id
-    pad_id = model.generation_config.eos_token_id if pad_id is None else pad_id
-    pad_id = pad_id[0] if isinstance(pad_id, list) else pad_id
+    gen = model.generation_config
+    pad_id = gen.pad_token_id if gen.pad_token_id is not None else gen.eos_token_id
+    pad_id = pad_id[0] if isinstance(pad_id, list) else pad_id  # any id: padding is masked
     useful = decoded = 0
     with torch.inference_mode():
         _hf_batch(model, warmup.prompt_token_ids, warmup.output_lens, pad_id, device)
@@ -273,56 +270,63 @@ def _sweep(engine_args: EngineArgs, sizes, workload: Workload, warmup: Workload)
     return results
 
 
-def _report(cfg: BenchConfig, engine_args: EngineArgs, env: dict, workload: Workload,
-            results: list[SystemResult], ratio, sweep) -> dict:
-    by_system = {r.system: dataclasses.asdict(r) for r in results}
-    return {"config": {**dataclasses.asdict(cfg), "engine": dataclasses.asdict(engine_args)},
-            "environment": env, "workload": workload.summary(),
-            "quire": by_system["quire"], "hf": by_system.get("transformers"),
-            "ratio_output_tokens_per_s": ratio,
-            "batch_size_sweep": [{"max_num_seqs": s, **dataclasses.asdict(r)} for s, r in sweep]}
-
-
-def run_from_args(ns: argparse.Namespace) -> int:
+def _environment(engine) -> dict:
     import torch
     import transformers
 
+    # The load average shows whether something else shared the CPU during the run.
+    return {"model_dir": str(engine.model_dir), "device": str(engine.device),
+            "dtype": str(engine.dtype).removeprefix("torch."), "cpu_count": os.cpu_count(),
+            "torch_num_threads": torch.get_num_threads(), "loadavg_1m_at_start": os.getloadavg()[0],
+            "torch_version": torch.__version__, "transformers_version": transformers.__version__}
+
+
+def _write_json(path: Path, cfg: BenchConfig, engine_args: EngineArgs, env: dict,
+                workload: Workload, results: list[SystemResult], ratio, sweep) -> None:
+    by_system = {r.system: dataclasses.asdict(r) for r in results}
+    report = {"config": {**dataclasses.asdict(cfg), "engine": dataclasses.asdict(engine_args)},
+              "environment": {**env, "loadavg_1m_at_end": os.getloadavg()[0]},
+              "workload": workload.summary(), "quire": by_system["quire"],
+              "hf": by_system.get("transformers"), "ratio_output_tokens_per_s": ratio,
+              "batch_size_sweep": [{"max_num_seqs": s, **dataclasses.asdict(r)} for s, r in sweep]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def run_from_args(ns: argparse.Namespace) -> int:
     from engine_worker import LLM
 
     cfg = BenchConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(BenchConfig)})
     engine_args = engine_args_from_namespace(ns)
     llm = LLM(**dataclasses.asdict(engine_args))
-    vocab_size, engine = llm.engine.tokenizer.vocab_size, llm.engine
+    engine = llm.engine
+    vocab_size, env = engine.tokenizer.vocab_size, _environment(engine)
     workload = make_workload(num_prompts=cfg.num_prompts, seed=cfg.workload_seed,
                              input_lens=(cfg.min_input_len, cfg.max_input_len),
                              output_lens=(cfg.min_output_len, cfg.max_output_len),
                              vocab_size=vocab_size)
-    # Another seed, so the warm-up leaves nothing in the prefix cache for the timed run.
-    warmup = make_workload(num_prompts=4, input_lens=(16, 64), output_lens=(8, 8),
+    # Prompts as long as the real ones, so first-use costs of large shapes are paid here; another
+    # seed, so the warm-up leaves nothing in the prefix cache for the timed run.
+    warmup = make_workload(num_prompts=min(8, cfg.num_prompts), output_lens=(8, 8),
+                           input_lens=(cfg.min_input_len, cfg.max_input_len),
                            vocab_size=vocab_size, seed=cfg.workload_seed + 1)
-    env = {"model_dir": str(engine.model_dir), "dtype": str(engine.dtype).removeprefix("torch."),
-           "device": str(engine.device), "torch_num_threads": torch.get_num_threads(),
-           "cpu_count": os.cpu_count(), "torch_version": torch.__version__,
-           "transformers_version": transformers.__version__}
     print(f"quire: {cfg.num_prompts} requests", file=sys.stderr)
     results = [time_quire(llm, workload, warmup)]
     model_dir, dtype, device = engine.model_dir, engine.dtype, engine.device
     del llm, engine  # free the KV cache before the baseline and the sweep
     gc.collect()
     if not cfg.skip_hf:
-        subset = workload.prefix(cfg.hf_num_prompts or cfg.num_prompts)
-        print(f"transformers: {len(subset.output_lens)} requests in static batches of "
-              f"{cfg.hf_batch_size}", file=sys.stderr)
+        n = cfg.hf_num_prompts or cfg.num_prompts
+        subset = Workload(workload.prompt_token_ids[:n], workload.output_lens[:n])
+        print(f"transformers: {n} requests in static batches of {cfg.hf_batch_size}",
+              file=sys.stderr)
         results.append(time_hf(model_dir, dtype, device, subset, warmup, cfg.hf_batch_size))
     sweep = _sweep(engine_args, cfg.batch_sizes, workload, warmup)
     ratio = (results[0].output_tokens_per_s / results[1].output_tokens_per_s
              if len(results) > 1 else None)
     _print_table(results + [r for _, r in sweep], ratio)
-    json_path = Path(cfg.output_json)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    report = _report(cfg, engine_args, env, workload, results, ratio, sweep)
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {json_path}")
+    _write_json(Path(cfg.output_json), cfg, engine_args, env, workload, results, ratio, sweep)
     if _write_plot(cfg.plot_path, results, sweep):
         print(f"wrote {cfg.plot_path}")
     return 0
