@@ -1,5 +1,6 @@
 """Quire's inference engine: paged KV cache, continuous batching, vLLM-shaped offline API."""
 
+from engine_worker.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine_worker.config import EngineArgs
 from engine_worker.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine_worker.sampling_params import RequestOutputKind, SamplingParams
@@ -18,5 +19,6 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutputKind",
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "BeamSearchParams", "BeamSearchOutput",
+           "BeamSearchSequence", "SamplingParams", "RequestOutputKind",
            "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics"]

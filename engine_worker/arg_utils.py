@@ -22,6 +22,7 @@ _HELP = {
     "block_size": "tokens per KV block",
     "kv_cache_memory_bytes": "KV cache budget in bytes (overrides gpu_memory_utilization)",
     "gpu_memory_utilization": "fraction of free memory for the KV cache (host memory on CPU)",
+    "enable_prefix_caching": "reuse cached KV blocks across requests (true/false)",
     "max_num_seqs": "most requests in one batch",
     "max_num_batched_tokens": "most tokens in one step (prefill is chunked to fit)",
     "scheduling_policy": "fcfs or priority",

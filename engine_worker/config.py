@@ -72,8 +72,11 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
+               f"must be a boolean, got {self.enable_prefix_caching!r}")
         _check(_is_int(self.block_size) and self.block_size in (1, 2, 4, 8, 16, 32, 64,
                                                                          128, 256),
                "block_size", f"must be a power of two between 1 and 256, got {self.block_size!r}")
@@ -148,6 +151,7 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
+    enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     scheduling_policy: str = "fcfs"
@@ -162,7 +166,8 @@ class EngineArgs:
                               max_model_len=self.max_model_len, seed=self.seed),
             cache=CacheConfig(block_size=self.block_size,
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                              gpu_memory_utilization=self.gpu_memory_utilization),
+                              gpu_memory_utilization=self.gpu_memory_utilization,
+                              enable_prefix_caching=self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs,
                                       scheduling_policy=self.scheduling_policy,

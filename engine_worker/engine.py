@@ -15,6 +15,7 @@ import torch
 from engine_worker.attention import ATTENTION_BACKENDS
 from engine_worker.config import EngineArgs, EngineConfig
 from engine_worker.input_processor import InputProcessor, PromptType
+from engine_worker.kv_cache.events import KVEventRecorder
 from engine_worker.kv_cache.manager import KVCacheManager, KVCacheStats
 from engine_worker.kv_cache.sizing import bytes_per_block, kv_budget_bytes, num_blocks_for_budget
 from engine_worker.model_runner.runner import ModelRunner
@@ -28,6 +29,7 @@ from engine_worker.scheduler.scheduler import Scheduler
 from engine_worker.tokenizer import Tokenizer
 from engine_worker.weights.loader import load_model
 from engine_worker.weights.resolve import resolve_model_dir
+from quire.kv_events import KVCacheSnapshot, KVEventBatch
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +80,9 @@ class LLMEngine:
                                       model_cfg.num_kv_heads, model_cfg.head_dim),
                                      self.dtype, self.device)
                      for _ in range(model_cfg.num_layers)]
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, cache.block_size)
+        self.kv_events = KVEventRecorder(medium=self.device.type)
+        self.kv_cache_manager = KVCacheManager(self.num_blocks, cache.block_size,
+                                               cache.enable_prefix_caching, self.kv_events)
         sched = config.scheduler
         self.scheduler = Scheduler(
             kv_cache_manager=self.kv_cache_manager,
@@ -100,18 +104,20 @@ class LLMEngine:
 
     # -------------------------------------------------------------------- the step API
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
         """Validate and queue a request; raises ValueError naming the bad field (nothing is
-        queued then, and other requests are unaffected)."""
+        queued then, and other requests are unaffected). ``cache_salt`` isolates its cached
+        blocks: requests share cached prefixes only when their salts are equal."""
         if self.output_processor.has(request_id):
             raise ValueError(f"request_id: {request_id!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        processed = self.input_processor.process(request_id, prompt, params, arrival, priority)
+        processed = self.input_processor.process(request_id, prompt, params, arrival, priority,
+                                                 cache_salt)
         self.output_processor.add_request(request_id, processed.prompt_text,
                                           processed.prompt_token_ids, params,
-                                          [r.req_id for r in processed.requests], arrival)
-        for request in processed.requests:
-            self.scheduler.add_request(request)
+                                          list(processed.sample_ids), arrival)
+        self.scheduler.add_request(processed.request)
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return outputs of every request that progressed or finished."""
@@ -126,6 +132,7 @@ class LLMEngine:
         new_outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.kv_events.seal()
         return outputs + new_outputs
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
@@ -146,3 +153,18 @@ class LLMEngine:
 
     def kv_cache_stats(self) -> KVCacheStats:
         return self.kv_cache_manager.stats()
+
+    # ------------------------------------------------------------------- prefix cache
+    def take_kv_events(self) -> list[KVEventBatch]:
+        """KV-event batches sealed since the last call, in order."""
+        return self.kv_events.take()
+
+    def kv_cache_snapshot(self) -> KVCacheSnapshot:
+        """Every cached block hash, as of the last sealed event batch."""
+        return self.kv_events.snapshot(self.kv_cache_manager.pool.cached)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks (only when no request holds any); True if done."""
+        done = self.kv_cache_manager.reset_prefix_cache()
+        self.kv_events.seal()
+        return done

@@ -21,7 +21,8 @@ PromptType = Union[str, list[int], dict]
 class ProcessedRequest:
     prompt_text: str | None
     prompt_token_ids: list[int]
-    requests: tuple[Request, ...]  # one per sample (n)
+    request: Request  # the first sample; it forks into the others
+    sample_ids: tuple[str, ...]  # request ids of all n samples
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -37,23 +38,35 @@ class InputProcessor:
         self.vocab_size = vocab_size
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                arrival_time: float, priority: int) -> ProcessedRequest:
+                arrival_time: float, priority: int,
+                cache_salt: str | None = None) -> ProcessedRequest:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")
         if not isinstance(priority, int):
             raise ValueError(f"priority: must be an integer, got {priority!r}")
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            cache_salt = prompt["cache_salt"]
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt: must be a non-empty string")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
-        requests = []
-        for i in range(params.n):
-            child = params if params.n == 1 else params.clone(
-                n=1, seed=None if params.seed is None else params.seed + i)
-            requests.append(Request(child_request_id(request_id, i, params.n), list(token_ids),
-                                    child, self.tokenizer.eos_token_ids, max_tokens,
-                                    arrival_time=arrival_time, priority=priority))
-        return ProcessedRequest(text, token_ids, tuple(requests))
+        # n > 1 is one request until its prompt is computed; then it forks into the samples,
+        # which share the prompt's KV blocks. Sample i draws from seed + i.
+        samples = [(child_request_id(request_id, i, params.n),
+                    params if params.n == 1 else params.clone(
+                        n=1, seed=None if params.seed is None else params.seed + i))
+                   for i in range(params.n)]
+        (first_id, first_params), others = samples[0], tuple(samples[1:])
+        request = Request(first_id, list(token_ids), first_params, self.tokenizer.eos_token_ids,
+                          max_tokens, arrival_time=arrival_time, priority=priority,
+                          cache_salt=cache_salt, fork_children=others)
+        return ProcessedRequest(text, token_ids, request, tuple(s[0] for s in samples))
+
+    def tokenize(self, prompt: PromptType) -> list[int]:
+        """The prompt's token ids, validated (ValueError naming the field otherwise)."""
+        return self._tokenize(prompt)[1]
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -6,6 +6,7 @@ import itertools
 import time
 from collections.abc import Sequence
 
+from engine_worker.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from engine_worker.config import EngineArgs
 from engine_worker.engine import LLMEngine
 from engine_worker.input_processor import PromptType
@@ -78,6 +79,14 @@ class LLM:
         for output, text in zip(outputs, prompts):
             output.prompt = text
         return outputs
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search (``beam_width`` beams, ``max_tokens`` steps); beams share KV blocks
+        through the prefix cache. Returns each prompt's beams, best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError("params: must be BeamSearchParams")
+        return beam_search(self, self._as_prompt_list(prompts), params)
 
     # ---------------------------------------------------------------------- internals
     @staticmethod

@@ -99,6 +99,7 @@ class OutputProcessor:
         for out in core_outputs:
             state = self._requests[self._child_to_parent[out.req_id]]
             seq = state.sequences[out.req_id]
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(self._to_dicts(out.new_prompt_logprobs))
             if out.new_token_ids:
@@ -120,11 +121,6 @@ class OutputProcessor:
             if seq.finish_reason is None:
                 seq.finish_reason = RequestStatus.FINISHED_ABORTED.finish_reason
         return self._emit([state], time.monotonic())
-
-    def set_num_cached_tokens(self, child_id: str, num_cached_tokens: int) -> None:
-        parent = self._requests.get(self._child_to_parent.get(child_id, ""))
-        if parent is not None:
-            parent.num_cached_tokens = max(parent.num_cached_tokens, num_cached_tokens)
 
     # ---------------------------------------------------------------------- internals
     def _append_tokens(self, state: _RequestState, seq: _Sequence, out: EngineCoreOutput,

@@ -42,11 +42,14 @@ class Request:
 
     __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "sampling_params",
                  "eos_token_ids", "max_tokens", "arrival_time", "priority", "status",
-                 "num_computed_tokens", "stop_reason", "num_preemptions", "admit_seq")
+                 "num_computed_tokens", "stop_reason", "num_preemptions", "admit_seq",
+                 "cache_salt", "block_hashes", "num_cached_tokens", "fork_children")
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: frozenset[int], max_tokens: int,
-                 arrival_time: float | None = None, priority: int = 0) -> None:
+                 arrival_time: float | None = None, priority: int = 0,
+                 cache_salt: str | None = None,
+                 fork_children: tuple[tuple[str, SamplingParams], ...] = ()) -> None:
         self.req_id = req_id
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
@@ -60,6 +63,22 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.admit_seq = -1  # order of (latest) admission into the running set
+        self.cache_salt = cache_salt
+        self.block_hashes: list[int] = []  # of every full block of all_token_ids
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
+        # n > 1: the other samples, created by forking this request once its prompt is done
+        self.fork_children = fork_children
+
+    def fork(self, req_id: str, params: SamplingParams) -> Request:
+        """A sibling sample sharing this request's computed prompt (and, in the cache, its
+        blocks), taken before the first sampled token is appended."""
+        child = Request(req_id, self.prompt_token_ids, params, self.eos_token_ids,
+                        self.max_tokens, self.arrival_time, self.priority, self.cache_salt)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.num_cached_tokens = self.num_cached_tokens
+        child.status = self.status
+        return child
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -90,6 +90,12 @@ def cmd_bench_throughput(ns: argparse.Namespace) -> int:
     return run_from_args(ns)
 
 
+def cmd_bench_prefix_cache(ns: argparse.Namespace) -> int:
+    from engine_worker.benchmarks.prefix_cache import run_from_args
+
+    return run_from_args(ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="quire", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -118,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_throughput_args(tp)
     tp.set_defaults(func=cmd_bench_throughput)
+    pc = bench_sub.add_parser("prefix-cache",
+                              help="shared-prefix workload, prefix caching on vs off")
+    from engine_worker.benchmarks.prefix_cache import add_prefix_cache_args
+
+    add_prefix_cache_args(pc)
+    pc.set_defaults(func=cmd_bench_prefix_cache)
     return parser
 
 

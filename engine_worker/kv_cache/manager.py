@@ -1,14 +1,28 @@
-"""Maps requests to KV blocks: the block table of every running request.
+"""Maps requests to KV blocks: block tables, prefix-cache hits, forks and copy-on-write.
 
 A request holding ``num_tokens`` tokens in the cache owns ``ceil(num_tokens / block_size)``
 blocks, so at most ``block_size - 1`` slots are ever wasted per request (in its last block).
+
+Publishing: a block is registered in the prefix cache when it is allocated for the step that
+fills it, so a request admitted later in the same step already hits it (within each layer the
+step writes every new K/V before any attention reads, so the hit reads computed values). The
+``BlockStored`` event follows only once the step has computed the block
+(``cache_full_blocks``); a request preempted or aborted before then unregisters its pending
+blocks, so nothing half-written is ever found or announced.
+
+Sharing: a block may sit in several block tables (prefix-cache hits, ``fork`` for n > 1). A
+block that is shared or cached is never written again; a request about to write into one gets
+a private copy first (copy-on-write), and the step carries the (src, dst) copies to the runner.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine_worker.kv_cache.block_pool import BlockPool, KVBlock
+from engine_worker.kv_cache.events import KVEventRecorder
+from quire.block_hash import first_block_extra_keys
 
 
 def cdiv(a: int, b: int) -> int:
@@ -23,20 +37,48 @@ class KVCacheStats:
     num_free_blocks: int
     num_allocated_slots: int
     num_used_slots: int
+    num_cached_blocks: int
+    prefix_cache_queries: int  # tokens looked up at admission
+    prefix_cache_hits: int  # of those, tokens found cached
 
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
 
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """What ``allocate_slots`` changed: blocks appended, and copy-on-write copies (src, dst)
+    that the runner must perform before the step (the table changed in place then)."""
+
+    new_block_ids: tuple[int, ...]
+    copies: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    blocks: tuple[KVBlock, ...]
+    num_tokens: int  # tokens whose K/V the hit provides (at most num_tokens - 1 of the request)
+
+
+NO_PREFIX = CachedPrefix((), 0)
+
+
 class KVCacheManager:
     """Allocates and frees blocks per request. Owned by the scheduler alone."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: KVEventRecorder | None = None) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.events = events
+        self.pool = BlockPool(num_blocks, events)
         self._req_blocks: dict[str, list[KVBlock]] = {}
         self._req_num_tokens: dict[str, int] = {}
+        self._req_num_registered: dict[str, int] = {}  # leading blocks hashed or skipped
+        self._req_pending: dict[str, list[int]] = {}  # registered, not yet computed (indices)
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -49,25 +91,128 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def allocate_slots(self, req_id: str, num_total_tokens: int) -> list[int] | None:
-        """Grow ``req_id``'s block table to hold ``num_total_tokens`` tokens.
+    # ------------------------------------------------------------------ prefix cache
+    def find_cached_prefix(self, block_hashes: Sequence[int], num_tokens: int) -> CachedPrefix:
+        """The longest run of the request's full blocks already cached. At least the last
+        token is always left to compute, because its logits are needed."""
+        if not self.enable_prefix_caching:
+            return NO_PREFIX
+        blocks = []
+        for block_hash in block_hashes:
+            block = self.pool.cached.get(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return CachedPrefix(tuple(blocks), min(len(blocks) * self.block_size, num_tokens - 1))
 
-        Returns the ids of newly allocated blocks (possibly empty), or ``None`` when the pool
-        has too few free blocks, in which case nothing changes.
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def _register(self, req_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
+        """Register the blocks that will be full after this step under their hashes."""
+        first = self._req_num_registered.get(req_id, 0)
+        last = min(num_tokens // self.block_size, len(block_hashes))
+        table = self._req_blocks[req_id]
+        pending = self._req_pending.setdefault(req_id, [])
+        for i in range(first, last):
+            if table[i].block_hash is None and self.pool.cache_block(table[i], block_hashes[i]):
+                pending.append(i)
+        self._req_num_registered[req_id] = max(first, last)
+
+    def cache_full_blocks(self, req_id: str, block_hashes: Sequence[int],
+                          num_computed_tokens: int, token_ids: Sequence[int],
+                          cache_salt: str | None) -> None:
+        """Confirm the request's registered blocks that the finished step computed, and
+        announce them (``BlockStored``, one event per run of consecutive blocks)."""
+        pending = self._req_pending.get(req_id)
+        if not pending:
+            return
+        num_full = num_computed_tokens // self.block_size
+        done = [i for i in pending if i < num_full]
+        self._req_pending[req_id] = [i for i in pending if i >= num_full]
+        start = 0
+        for k in range(1, len(done) + 1):
+            if k == len(done) or done[k] != done[k - 1] + 1:
+                run = done[start:k]
+                self._emit_stored([block_hashes[i] for i in run], run[0], block_hashes,
+                                  token_ids, cache_salt)
+                start = k
+
+    def _unregister_pending(self, req_id: str) -> None:
+        table = self._req_blocks.get(req_id, [])
+        for i in self._req_pending.pop(req_id, []):
+            self.pool.uncache(table[i])
+
+    def _emit_stored(self, run: list[int], start: int, block_hashes: Sequence[int],
+                     token_ids: Sequence[int], cache_salt: str | None) -> None:
+        if self.events is None:
+            return
+        bs = self.block_size
+        self.events.block_stored(
+            run, parent_block_hash=block_hashes[start - 1] if start else None,
+            token_ids=list(token_ids[start * bs:(start + len(run)) * bs]), block_size=bs,
+            extra_keys=first_block_extra_keys(cache_salt) if start == 0 else ())
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    # ------------------------------------------------------------------- allocation
+    def allocate_slots(self, req_id: str, num_computed_tokens: int, num_new_tokens: int,
+                       prefix: CachedPrefix = NO_PREFIX,
+                       block_hashes: Sequence[int] = ()) -> Allocation | None:
+        """Make room for ``num_new_tokens`` more tokens after ``num_computed_tokens``.
+
+        ``prefix`` (on admission only) puts cached blocks at the head of the table;
+        ``block_hashes`` (the request's full-block hashes) lets the blocks this step fills be
+        registered in the prefix cache. Returns None, changing nothing, when the pool has too
+        few free blocks.
         """
-        held = len(self._req_blocks.get(req_id, ()))
-        num_new = self.num_blocks_for(num_total_tokens) - held
-        if num_new > self.pool.num_free_blocks:
+        table = self._req_blocks.get(req_id, [])
+        assert not (prefix.blocks and table), "a cached prefix is only taken on admission"
+        candidate = table + list(prefix.blocks)
+        touched = {id(b) for b in prefix.blocks}
+        num_free_touched = sum(1 for b in prefix.blocks if b.ref_cnt == 0)
+        # blocks this step writes into that are shared or cached must be copied first
+        cow = [i for i in range(num_computed_tokens // self.block_size, len(candidate))
+               if candidate[i].ref_cnt + (id(candidate[i]) in touched) > 1
+               or candidate[i].block_hash is not None]
+        num_total = num_computed_tokens + num_new_tokens
+        num_needed = max(0, self.num_blocks_for(num_total) - len(candidate))
+        if num_needed + len(cow) > self.pool.num_free_blocks - num_free_touched:
             return None
-        new_blocks = self.pool.get_new_blocks(num_new) if num_new > 0 else []
-        self._req_blocks.setdefault(req_id, []).extend(new_blocks)
-        self._req_num_tokens[req_id] = max(num_total_tokens, self._req_num_tokens.get(req_id, 0))
-        return [b.block_id for b in new_blocks]
+        self.pool.touch(prefix.blocks)
+        if prefix.blocks:
+            self._req_num_registered[req_id] = len(prefix.blocks)
+        copies = []
+        for i in cow:
+            fresh = self.pool.get_new_blocks(1)[0]  # before freeing, so it is not the source
+            copies.append((candidate[i].block_id, fresh.block_id))
+            self.pool.free_blocks([candidate[i]])
+            candidate[i] = fresh
+        if cow:  # a fresh copy may become full (and findable) again
+            self._req_num_registered[req_id] = min(cow[0], self._req_num_registered.get(req_id, 0))
+        new_blocks = self.pool.get_new_blocks(num_needed) if num_needed else []
+        self._req_blocks[req_id] = candidate + new_blocks
+        self._req_num_tokens[req_id] = max(num_total, self._req_num_tokens.get(req_id, 0))
+        if self.enable_prefix_caching and block_hashes:
+            self._register(req_id, block_hashes, num_total)
+        return Allocation(tuple(b.block_id for b in new_blocks), tuple(copies))
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give ``child_id`` the parent's whole block table, shared (one more reference each)."""
+        table = list(self._req_blocks[parent_id])
+        self.pool.touch(table)
+        self._req_blocks[child_id] = table
+        self._req_num_tokens[child_id] = self._req_num_tokens[parent_id]
+        self._req_num_registered[child_id] = self._req_num_registered.get(parent_id, 0)
 
     def free(self, req_id: str) -> None:
-        """Release every block of ``req_id``, tail first so later blocks are reused first."""
+        """Release every block of ``req_id``, tail first so later blocks are evicted first."""
+        self._unregister_pending(req_id)
         blocks = self._req_blocks.pop(req_id, [])
         self._req_num_tokens.pop(req_id, None)
+        self._req_num_registered.pop(req_id, None)
         self.pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, req_id: str) -> list[int]:
@@ -78,4 +223,7 @@ class KVCacheManager:
         return KVCacheStats(num_blocks=self.pool.num_blocks,
                             num_free_blocks=self.pool.num_free_blocks,
                             num_allocated_slots=num_allocated,
-                            num_used_slots=sum(self._req_num_tokens.values()))
+                            num_used_slots=sum(self._req_num_tokens.values()),
+                            num_cached_blocks=len(self.pool.cached),
+                            prefix_cache_queries=self.prefix_cache_queries,
+                            prefix_cache_hits=self.prefix_cache_hits)

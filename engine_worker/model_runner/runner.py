@@ -29,6 +29,7 @@ class RunnerRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None
     prompt_logprobs_from: int = 0  # prompt positions before this already have logprobs
+    fork_children: tuple[tuple[str, SamplingParams], ...] = ()
 
 
 class ModelRunner:
@@ -51,28 +52,41 @@ class ModelRunner:
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in out.new_requests:
-            params = new.sampling_params
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(params.seed)
             self.requests[new.req_id] = RunnerRequestState(
                 req_id=new.req_id, token_ids=list(new.prompt_token_ids),
-                num_prompt_tokens=len(new.prompt_token_ids), params=params,
+                num_prompt_tokens=len(new.prompt_token_ids), params=new.sampling_params,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-                generator=generator)
+                generator=self._generator(new.sampling_params),
+                fork_children=new.fork_children)
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]
-            if cached.resumed:
+            if cached.replace_block_table:
                 state.block_ids = list(cached.block_ids)
             else:
                 state.block_ids.extend(cached.block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(params.seed)
+
+    def _copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Copy-on-write: every layer's K/V of each src block into its dst block. All sources
+        are read before any destination is written, so a freed source reused as a later
+        destination in the same step is still copied correctly."""
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for kv_cache in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
+            kv_cache[:, dst] = kv_cache[:, src]
 
     # ------------------------------------------------------------------------ the step
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the scheduled tokens through the model and sample where a request is complete."""
         self._apply_diffs(out)
+        if out.block_copies:
+            self._copy_blocks(out.block_copies)
         if out.is_empty:
             return ModelRunnerOutput({}, {}, {})
         # decodes (one new token) first, then prefill chunks; see attention.metadata
@@ -127,9 +141,17 @@ class ModelRunner:
         return input_ids, positions, meta, starts
 
     def _sample(self, states, counts, query_starts, rows, hidden):
-        picked = [states[i] for i in rows]
+        picked, logit_rows = [], []
+        for j, i in enumerate(rows):
+            picked.append(states[i])
+            logit_rows.append(j)
+            for child in self._fork(states[i], counts[i]):
+                picked.append(child)
+                logit_rows.append(j)  # the samples of one prompt share its logits
         last = torch.tensor([query_starts[i] + counts[i] - 1 for i in rows], device=self.device)
         logits = self.model.compute_logits(hidden[last])
+        if len(logit_rows) != len(rows):
+            logits = logits[torch.tensor(logit_rows, device=self.device)]
         meta = build_sampling_metadata(picked, self.vocab_size, self.eos_token_ids, self.device)
         tokens, logprobs = sample(logits, meta, self.default_generator)
         sampled, per_req_logprobs = {}, {}
@@ -142,6 +164,22 @@ class ModelRunner:
                     token_ids=(logprobs.token_ids[j][:k],), logprobs=(logprobs.logprobs[j][:k],),
                     ranks=(logprobs.ranks[j],))
         return sampled, per_req_logprobs
+
+    def _fork(self, parent: RunnerRequestState, num_scheduled: int) -> list[RunnerRequestState]:
+        """n > 1: the other samples' states, copied from the parent after its prompt."""
+        children = []
+        for child_id, params in parent.fork_children:
+            child = RunnerRequestState(
+                req_id=child_id, token_ids=list(parent.token_ids),
+                num_prompt_tokens=parent.num_prompt_tokens, params=params,
+                block_ids=list(parent.block_ids),
+                num_computed_tokens=parent.num_computed_tokens + num_scheduled,
+                generator=self._generator(params),
+                prompt_logprobs_from=parent.num_prompt_tokens)
+            self.requests[child_id] = child
+            children.append(child)
+        parent.fork_children = ()
+        return children
 
     def _prompt_logprobs(self, states, counts, query_starts, hidden):
         result: dict[str, SampledLogprobs] = {}

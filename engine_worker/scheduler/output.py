@@ -21,15 +21,19 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: tuple[int, ...]
     num_computed_tokens: int
+    # n > 1: (child req_id, params) of the other samples; the runner samples their first
+    # tokens from this request's first logits and forks its state for them
+    fork_children: tuple[tuple[str, SamplingParams], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class CachedRequestData:
-    """A request the runner already holds. When ``resumed`` (after preemption) ``block_ids``
-    replaces its block table; otherwise they are appended to it."""
+    """A request the runner already holds. When ``replace_block_table`` (resumed after
+    preemption, or a block copied on write) ``block_ids`` is its whole new block table;
+    otherwise they are appended to it."""
 
     req_id: str
-    resumed: bool
+    replace_block_table: bool
     block_ids: tuple[int, ...]
     num_computed_tokens: int
 
@@ -44,6 +48,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     preempted_req_ids: frozenset[str]
     finished_req_ids: frozenset[str]
+    # copy-on-write: copy every layer's K/V of block src into block dst before the step
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_empty(self) -> bool:

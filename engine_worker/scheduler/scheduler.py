@@ -5,7 +5,10 @@ Order of a step:
    when the KV pool is out of blocks, preempt the policy's victim (its blocks freed, its tokens
    recomputed later) until the request fits;
 2. if nothing was preempted, admit waiting requests while budget, ``max_num_seqs`` and free
-   blocks allow; a prompt longer than the remaining budget is prefilled in chunks.
+   blocks allow; a request starts from its longest cached prefix, and a prompt longer than the
+   remaining budget is prefilled in chunks.
+After the step, newly full and computed blocks are published to the prefix cache, and an
+n > 1 request whose prompt is done forks into its samples, which share its blocks.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-from engine_worker.kv_cache.manager import KVCacheManager
+from engine_worker.kv_cache.manager import NO_PREFIX, Allocation, KVCacheManager
 from engine_worker.model_runner.output import ModelRunnerOutput, SampledLogprobs
 from engine_worker.request import Request, RequestStatus
 from engine_worker.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_worker.scheduler.queue import QUEUE_POLICIES
+from quire.block_hash import ROOT_HASH, hash_block_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +37,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     new_logprobs: tuple[SampledLogprobs, ...] = ()
     new_prompt_logprobs: SampledLogprobs | None = None
+    num_cached_tokens: int = 0
 
 
 class Scheduler:
@@ -59,8 +64,18 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a validated request; it is considered from the next ``schedule()`` on."""
         assert request.req_id not in self.requests, f"duplicate request id {request.req_id}"
+        self._extend_block_hashes(request)
         self.requests[request.req_id] = request
         self.waiting.add(request)
+
+    def _extend_block_hashes(self, request: Request) -> None:
+        if not self.kv.enable_prefix_caching:
+            return
+        hashes = request.block_hashes
+        if request.num_tokens // self.kv.block_size > len(hashes):
+            hashes.extend(hash_block_tokens(
+                request.all_token_ids, self.kv.block_size, cache_salt=request.cache_salt,
+                parent_hash=hashes[-1] if hashes else ROOT_HASH, start_block=len(hashes)))
 
     def finish_requests(self, req_ids, status: RequestStatus) -> list[Request]:
         """End requests from outside a step (abort, stop string); frees their blocks."""
@@ -93,7 +108,7 @@ class Scheduler:
         """Form this step's batch. See the module docstring for the order."""
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        block_ids: dict[str, list[int]] = {}
+        allocations: dict[str, Allocation] = {}
         preempted: list[Request] = []
 
         i = 0
@@ -101,9 +116,9 @@ class Scheduler:
             request = self.running[i]
             num_new = self._num_new_tokens(request, budget)
             while True:
-                new_blocks = self.kv.allocate_slots(request.req_id,
-                                                    request.num_computed_tokens + num_new)
-                if new_blocks is not None:
+                allocation = self.kv.allocate_slots(request.req_id, request.num_computed_tokens,
+                                                    num_new, block_hashes=request.block_hashes)
+                if allocation is not None:
                     break
                 victim = self.waiting.pick_victim(self.running)
                 victim_index = self.running.index(victim)
@@ -111,38 +126,49 @@ class Scheduler:
                 preempted.append(victim)
                 if victim.req_id in num_scheduled:  # undo what this step gave it
                     budget += num_scheduled.pop(victim.req_id)
-                    block_ids.pop(victim.req_id, None)
+                    allocations.pop(victim.req_id, None)
                 if victim_index < i:
                     i -= 1
                 if victim is request:
                     break
-            if new_blocks is None:
+            if allocation is None:
                 continue  # the request preempted itself; self.running[i] is the next one
             num_scheduled[request.req_id] = num_new
-            block_ids[request.req_id] = new_blocks
+            allocations[request.req_id] = allocation
             budget -= num_new
             i += 1
 
         if not preempted:
-            budget = self._admit_waiting(budget, num_scheduled, block_ids)
+            budget = self._admit_waiting(budget, num_scheduled, allocations)
 
-        return self._build_output(num_scheduled, block_ids, preempted)
+        return self._build_output(num_scheduled, allocations, preempted)
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
-                       block_ids: dict[str, list[int]]) -> int:
+                       allocations: dict[str, Allocation]) -> int:
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            num_new = self._num_new_tokens(request, budget)
-            new_blocks = self.kv.allocate_slots(request.req_id,
-                                                request.num_computed_tokens + num_new)
-            if new_blocks is None:
+            prefix = NO_PREFIX
+            # prompt logprobs need every prompt position computed, so they skip the cache
+            if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
+                prefix = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
+            num_computed = request.num_computed_tokens or prefix.num_tokens
+            num_new = min(request.num_tokens - num_computed, budget)
+            if 0 < self.long_prefill_token_threshold < num_new:
+                num_new = self.long_prefill_token_threshold
+            allocation = self.kv.allocate_slots(request.req_id, num_computed, num_new, prefix,
+                                                request.block_hashes)
+            if allocation is None:
                 break  # head of line waits for blocks; later arrivals do not jump it
             self.waiting.pop()
+            self.kv.record_prefix_query(request.num_tokens, prefix.num_tokens)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = prefix.num_tokens
+            request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             request.admit_seq = next(self._admit_counter)
             self.running.append(request)
             num_scheduled[request.req_id] = num_new
-            block_ids[request.req_id] = new_blocks
+            allocations[request.req_id] = allocation
             budget -= num_new
         return budget
 
@@ -163,26 +189,29 @@ class Scheduler:
         self.waiting.add_preempted(request)
         logger.debug("preempted %s (%d tokens to recompute)", request.req_id, request.num_tokens)
 
-    def _build_output(self, num_scheduled: dict[str, int], block_ids: dict[str, list[int]],
+    def _build_output(self, num_scheduled: dict[str, int], allocations: dict[str, Allocation],
                       preempted: list[Request]) -> SchedulerOutput:
-        new_reqs, cached_reqs = [], []
+        new_reqs, cached_reqs, copies = [], [], []
         for req_id in num_scheduled:
             request = self.requests[req_id]
+            allocation = allocations[req_id]
+            copies.extend(allocation.copies)
             if req_id not in self._runner_knows:
                 self._runner_knows.add(req_id)
                 new_reqs.append(NewRequestData(
                     req_id=req_id, prompt_token_ids=tuple(request.all_token_ids),
                     sampling_params=request.sampling_params,
                     block_ids=tuple(self.kv.get_block_ids(req_id)),
-                    num_computed_tokens=request.num_computed_tokens))
-            else:
-                resumed = req_id in self._to_resume
-                self._to_resume.discard(req_id)
-                cached_reqs.append(CachedRequestData(
-                    req_id=req_id, resumed=resumed,
-                    block_ids=tuple(self.kv.get_block_ids(req_id) if resumed
-                                    else block_ids[req_id]),
-                    num_computed_tokens=request.num_computed_tokens))
+                    num_computed_tokens=request.num_computed_tokens,
+                    fork_children=request.fork_children))
+                continue
+            replace = req_id in self._to_resume or bool(allocation.copies)
+            self._to_resume.discard(req_id)
+            cached_reqs.append(CachedRequestData(
+                req_id=req_id, replace_block_table=replace,
+                block_ids=tuple(self.kv.get_block_ids(req_id)) if replace
+                else allocation.new_block_ids,
+                num_computed_tokens=request.num_computed_tokens))
         finished = frozenset(self._finished_req_ids)
         self._finished_req_ids.clear()
         return SchedulerOutput(
@@ -190,39 +219,69 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             preempted_req_ids=frozenset(r.req_id for r in preempted),
-            finished_req_ids=finished)
+            finished_req_ids=finished, block_copies=tuple(copies))
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Advance computed counts, append sampled tokens, apply stop rules, free finished."""
+        """Advance computed counts, publish full blocks, fork n > 1 requests, append sampled
+        tokens, apply stop rules, free finished requests."""
         outputs = []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += num_tokens
+            self.kv.cache_full_blocks(req_id, request.block_hashes,
+                                      request.num_computed_tokens, request.all_token_ids,
+                                      request.cache_salt)
             sampled = runner_output.sampled_token_ids.get(req_id, ())
-            logprobs = runner_output.logprobs.get(req_id)
-            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
-            new_tokens: list[int] = []
-            status = None
-            for token_id in sampled:
-                request.output_token_ids.append(token_id)
-                new_tokens.append(token_id)
-                status = request.check_stop(self.max_model_len)
-                if status is not None:
-                    break
-            if not new_tokens and prompt_logprobs is None:
-                continue
-            outputs.append(EngineCoreOutput(
-                req_id=req_id, new_token_ids=tuple(new_tokens), finish_status=status,
-                stop_reason=request.stop_reason,
-                new_logprobs=(logprobs,) if logprobs is not None and new_tokens else (),
-                new_prompt_logprobs=prompt_logprobs))
-            if status is not None:
-                self.running.remove(request)
-                self._free(request, status)
+            siblings = [request]
+            if sampled and request.fork_children:
+                siblings += self._fork(request)
+            for sibling in siblings:
+                out = self._append_sampled(
+                    sibling, runner_output.sampled_token_ids.get(sibling.req_id, ()),
+                    runner_output.logprobs.get(sibling.req_id),
+                    runner_output.prompt_logprobs.get(req_id) if sibling is request else None)
+                if out is not None:
+                    outputs.append(out)
         return outputs
+
+    def _fork(self, parent: Request) -> list[Request]:
+        children = []
+        for child_id, params in parent.fork_children:
+            child = parent.fork(child_id, params)
+            child.admit_seq = next(self._admit_counter)
+            self.kv.fork(parent.req_id, child_id)
+            self.requests[child_id] = child
+            self.running.append(child)
+            self._runner_knows.add(child_id)  # the runner forked its own state
+            children.append(child)
+        parent.fork_children = ()
+        return children
+
+    def _append_sampled(self, request: Request, sampled, logprobs,
+                        prompt_logprobs) -> EngineCoreOutput | None:
+        new_tokens: list[int] = []
+        status = None
+        for token_id in sampled:
+            request.output_token_ids.append(token_id)
+            new_tokens.append(token_id)
+            status = request.check_stop(self.max_model_len)
+            if status is not None:
+                break
+        self._extend_block_hashes(request)
+        if not new_tokens and prompt_logprobs is None:
+            return None
+        out = EngineCoreOutput(
+            req_id=request.req_id, new_token_ids=tuple(new_tokens), finish_status=status,
+            stop_reason=request.stop_reason,
+            new_logprobs=(logprobs,) if logprobs is not None and new_tokens else (),
+            new_prompt_logprobs=prompt_logprobs, num_cached_tokens=request.num_cached_tokens)
+        if status is not None:
+            self.running.remove(request)
+            self._free(request, status)
+        return out
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status

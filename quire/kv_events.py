@@ -1,0 +1,86 @@
+"""KV-cache events: how an engine tells subscribers (routers) which blocks it holds.
+
+Shapes follow vLLM's events, which llm-d and Dynamo consume: ``BlockStored``, ``BlockRemoved``,
+``AllBlocksCleared``, batched with a timestamp and a sequence number. A subscriber that takes a
+``KVCacheSnapshot`` (which names the last batch it includes) and then applies every later batch
+in order holds exactly the engine's set of cached block hashes; a gap in sequence numbers means
+it must take a new snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Full blocks whose K/V were computed and are now findable by hash, in chain order."""
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None  # None when the first block starts a sequence
+    token_ids: tuple[int, ...]  # block_size tokens per block, concatenated
+    block_size: int
+    extra_keys: tuple[str, ...] = ()  # those of the first block (cache salt)
+    lora_name: str | None = None
+    medium: str = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks evicted: their hashes no longer find anything."""
+
+    block_hashes: tuple[int, ...]
+    medium: str = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    medium: str = "cpu"
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventBatch:
+    seq: int  # 1, 2, 3... per engine; consecutive
+    timestamp_s: float  # wall clock (time.time()) when the batch was sealed
+    events: tuple[KVEvent, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSnapshot:
+    """Every cached block hash after the batch numbered ``seq`` (0: before any batch)."""
+
+    seq: int
+    block_hashes: frozenset[int]
+
+
+@dataclass(slots=True)
+class KVCacheMirror:
+    """A subscriber's copy of one engine's cached block set."""
+
+    seq: int = 0
+    block_hashes: set[int] = field(default_factory=set)
+
+    @classmethod
+    def from_snapshot(cls, snapshot: KVCacheSnapshot) -> KVCacheMirror:
+        return cls(seq=snapshot.seq, block_hashes=set(snapshot.block_hashes))
+
+    def apply(self, batch: KVEventBatch) -> bool:
+        """Apply the next batch. Older batches are ignored; returns False on a gap (the mirror
+        is then stale and needs a fresh snapshot)."""
+        if batch.seq <= self.seq:
+            return True
+        if batch.seq != self.seq + 1:
+            return False
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self.block_hashes.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self.block_hashes.difference_update(event.block_hashes)
+            else:
+                self.block_hashes.clear()
+        self.seq = batch.seq
+        return True
