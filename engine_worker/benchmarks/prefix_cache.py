@@ -83,6 +83,38 @@ def run_setting(engine_args, workload: PrefixWorkload, caching: bool) -> dict:
     return result
 
 
+def measure_sharing(engine_args, prompt_len: int = 1000, n: int = 8,
+                    max_tokens: int = 16) -> dict:
+    """Peak KV blocks in use for n samples of one prompt: one request with ``n`` (forked,
+    blocks shared) against ``n`` separate seeded requests; prefix caching off in both."""
+    from engine_worker import SamplingParams
+    from engine_worker.engine import LLMEngine
+
+    prompt = [FIRST_PLAIN_TOKEN_ID + (7 * i) % 40000 for i in range(prompt_len)]
+    peaks = {}
+    for label, params_list in (
+            ("shared", [SamplingParams(n=n, temperature=1.0, seed=0, max_tokens=max_tokens,
+                                       ignore_eos=True)]),
+            ("separate", [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens,
+                                         ignore_eos=True) for i in range(n)])):
+        engine = LLMEngine.from_engine_args(dataclasses.replace(engine_args,
+                                                                enable_prefix_caching=False))
+        for i, params in enumerate(params_list):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        peak = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            stats = engine.kv_cache_stats()
+            peak = max(peak, stats.num_blocks - stats.num_free_blocks)
+        peaks[label] = peak
+        del engine
+        gc.collect()
+    block_size = engine_args.block_size
+    return {"prompt_len": prompt_len, "n": n, "max_tokens": max_tokens,
+            "prompt_blocks": -(-prompt_len // block_size),
+            "peak_blocks_shared": peaks["shared"], "peak_blocks_separate": peaks["separate"]}
+
+
 def add_prefix_cache_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-groups", type=int, default=8)
     parser.add_argument("--prompts-per-group", type=int, default=8)
@@ -125,6 +157,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
         output_len=ns.output_len, seed=ns.workload_seed)
     results = [run_setting(engine_args, workload, caching) for caching in (False, True)]
     off, on = results
+    sharing = measure_sharing(engine_args)
     report = {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(ns).items()
                    if k != "func"},
@@ -132,6 +165,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
         "throughput_ratio": on["total_tokens_per_s"] / off["total_tokens_per_s"],
         "ttft_p50_ratio": off["ttft_p50_s"] / on["ttft_p50_s"],
         "idle_ttft_ratio": off["idle_ttft_s"] / on["idle_ttft_s"],
+        "parallel_sampling": sharing,
     }
     print(f"{'setting':<12}{'tok/s':>9}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p90':>10}"
           f"{'idle TTFT':>11}{'hit rate':>10}")
@@ -142,6 +176,9 @@ def run_from_args(ns: argparse.Namespace) -> int:
     print(f"caching on vs off: throughput x{report['throughput_ratio']:.2f}, "
           f"TTFT p50 x{report['ttft_p50_ratio']:.2f} faster, "
           f"idle TTFT x{report['idle_ttft_ratio']:.2f} faster")
+    print(f"n={sharing['n']} samples of a {sharing['prompt_len']}-token prompt "
+          f"({sharing['prompt_blocks']} blocks): peak {sharing['peak_blocks_shared']} blocks "
+          f"shared vs {sharing['peak_blocks_separate']} as separate requests")
     ns.output_json.parent.mkdir(parents=True, exist_ok=True)
     ns.output_json.write_text(json.dumps(report, indent=2) + "\n")
     _write_plot(ns.output_json.with_suffix(".png"), results)
