@@ -84,3 +84,52 @@ class KVCacheMirror:
                 self.block_hashes.clear()
         self.seq = batch.seq
         return True
+
+
+# ------------------------------------------------------------------- wire (quire.v1) forms
+def batch_to_proto(batch: KVEventBatch):
+    from quire.v1 import kv_cache_pb2 as pb
+
+    events = []
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            events.append(pb.KVEvent(block_stored=pb.BlockStored(
+                block_hashes=event.block_hashes, parent_block_hash=event.parent_block_hash,
+                token_ids=event.token_ids, block_size=event.block_size,
+                extra_keys=event.extra_keys, lora_name=event.lora_name, medium=event.medium)))
+        elif isinstance(event, BlockRemoved):
+            events.append(pb.KVEvent(block_removed=pb.BlockRemoved(
+                block_hashes=event.block_hashes, medium=event.medium)))
+        else:
+            events.append(pb.KVEvent(all_blocks_cleared=pb.AllBlocksCleared(medium=event.medium)))
+    return pb.KVEventBatch(seq=batch.seq, timestamp_s=batch.timestamp_s, events=events)
+
+
+def batch_from_proto(message) -> KVEventBatch:
+    events: list[KVEvent] = []
+    for event in message.events:
+        kind = event.WhichOneof("event")
+        if kind == "block_stored":
+            e = event.block_stored
+            events.append(BlockStored(
+                block_hashes=tuple(e.block_hashes),
+                parent_block_hash=e.parent_block_hash if e.HasField("parent_block_hash") else None,
+                token_ids=tuple(e.token_ids), block_size=e.block_size,
+                extra_keys=tuple(e.extra_keys),
+                lora_name=e.lora_name if e.HasField("lora_name") else None, medium=e.medium))
+        elif kind == "block_removed":
+            events.append(BlockRemoved(block_hashes=tuple(event.block_removed.block_hashes),
+                                       medium=event.block_removed.medium))
+        else:
+            events.append(AllBlocksCleared(medium=event.all_blocks_cleared.medium))
+    return KVEventBatch(seq=message.seq, timestamp_s=message.timestamp_s, events=tuple(events))
+
+
+def snapshot_to_proto(snapshot: KVCacheSnapshot):
+    from quire.v1 import kv_cache_pb2 as pb
+
+    return pb.KVCacheSnapshot(seq=snapshot.seq, block_hashes=sorted(snapshot.block_hashes))
+
+
+def snapshot_from_proto(message) -> KVCacheSnapshot:
+    return KVCacheSnapshot(seq=message.seq, block_hashes=frozenset(message.block_hashes))
