@@ -127,7 +127,11 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         self.output_processor.mark_scheduled(scheduler_output.num_scheduled_tokens,
                                              time.monotonic())
-        runner_output = self.runner.execute(scheduler_output)
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+        except BaseException:
+            self.kv_cache_manager.discard_pending()  # half-written blocks must not be found
+            raise
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         new_outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:

@@ -139,6 +139,11 @@ class KVCacheManager:
                                   token_ids, cache_salt)
                 start = k
 
+    def discard_pending(self) -> None:
+        """A step failed: nothing it was to compute may stay findable."""
+        for req_id in list(self._req_pending):
+            self._unregister_pending(req_id)
+
     def _unregister_pending(self, req_id: str) -> None:
         table = self._req_blocks.get(req_id, [])
         for i in self._req_pending.pop(req_id, []):

@@ -157,3 +157,20 @@ def test_beam_search_matches_transformers(tiny_model_dir):
         assert [b.score(len(prompt), 1.0) for b in output.sequences] == \
             pytest.approx(ref.sequences_scores.tolist(), abs=1e-4)
     assert llm.engine.kv_cache_stats().prefix_cache_hits > 0  # beams shared their blocks
+
+
+def test_a_failed_step_publishes_nothing(tiny_model_dir, monkeypatch):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), dtype="float32",
+                                                   kv_cache_memory_bytes=1 << 22))
+    engine.add_request("doomed", {"prompt_token_ids": PROMPTS[0]},
+                       SamplingParams(temperature=0, max_tokens=4))
+
+    def broken_forward(*args, **kwargs):  # fault injection into the real model
+        raise RuntimeError("injected device failure")
+
+    monkeypatch.setattr(engine.runner, "model", broken_forward)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert engine.kv_cache_manager.pool.cached == {}
+    assert all(not any(type(e).__name__ == "BlockStored" for e in b.events)
+               for b in engine.take_kv_events())
