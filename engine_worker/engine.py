@@ -94,7 +94,7 @@ class LLMEngine:
                                   config.model.seed)
         self.input_processor = InputProcessor(
             self.tokenizer, max_model_len=self.max_model_len, kv_capacity_tokens=capacity,
-            vocab_size=model_cfg.vocab_size)
+            vocab_size=model_cfg.vocab_size, max_num_seqs=sched.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending_outputs: list[RequestOutput] = []
 

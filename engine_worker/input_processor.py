@@ -31,7 +31,8 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, *, max_model_len: int, kv_capacity_tokens: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, max_num_seqs: int) -> None:
+        self.max_num_seqs = max_num_seqs
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.kv_capacity_tokens = kv_capacity_tokens
@@ -44,6 +45,8 @@ class InputProcessor:
             raise ValueError("request_id: must be a non-empty string")
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.max_num_seqs}")
         if not isinstance(priority, int):
             raise ValueError(f"priority: must be an integer, got {priority!r}")
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:

@@ -18,7 +18,7 @@ a private copy first (copy-on-write), and the step carries the (src, dst) copies
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine_worker.kv_cache.block_pool import BlockPool, KVBlock
 from engine_worker.kv_cache.events import KVEventRecorder
@@ -59,6 +59,18 @@ class Allocation:
 class CachedPrefix:
     blocks: tuple[KVBlock, ...]
     num_tokens: int  # tokens whose K/V the hit provides (at most num_tokens - 1 of the request)
+    block_size: int = field(default=1, compare=False)
+
+    @property
+    def needs_copy(self) -> bool:
+        """The whole prompt hit: its last token is recomputed inside the last hit block,
+        which must first be copied (a cached block is never written)."""
+        return self.num_tokens < len(self.blocks) * self.block_size
+
+    def shortened(self) -> CachedPrefix:
+        """The same hit without its last block: nothing to copy, one block to compute."""
+        blocks = self.blocks[:-1]
+        return CachedPrefix(blocks, len(blocks) * self.block_size, self.block_size)
 
 
 NO_PREFIX = CachedPrefix((), 0)
@@ -77,6 +89,7 @@ class KVCacheManager:
         self._req_num_tokens: dict[str, int] = {}
         self._req_num_registered: dict[str, int] = {}  # leading blocks hashed or skipped
         self._req_pending: dict[str, list[int]] = {}  # registered, not yet computed (indices)
+        self._pending_block_ids: set[int] = set()
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -103,7 +116,15 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        return CachedPrefix(tuple(blocks), min(len(blocks) * self.block_size, num_tokens - 1))
+        prefix = CachedPrefix(tuple(blocks), min(len(blocks) * self.block_size, num_tokens - 1),
+                              self.block_size)
+        if prefix.needs_copy and self._is_pending(blocks[-1]):
+            # the copy would run before this step computes the block: take one block less
+            return prefix.shortened()
+        return prefix
+
+    def _is_pending(self, block: KVBlock) -> bool:
+        return block.block_id in self._pending_block_ids
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_tokens
@@ -118,6 +139,7 @@ class KVCacheManager:
         for i in range(first, last):
             if table[i].block_hash is None and self.pool.cache_block(table[i], block_hashes[i]):
                 pending.append(i)
+                self._pending_block_ids.add(table[i].block_id)
         self._req_num_registered[req_id] = max(first, last)
 
     def cache_full_blocks(self, req_id: str, block_hashes: Sequence[int],
@@ -131,6 +153,8 @@ class KVCacheManager:
         num_full = num_computed_tokens // self.block_size
         done = [i for i in pending if i < num_full]
         self._req_pending[req_id] = [i for i in pending if i >= num_full]
+        table = self._req_blocks[req_id]
+        self._pending_block_ids.difference_update(table[i].block_id for i in done)
         start = 0
         for k in range(1, len(done) + 1):
             if k == len(done) or done[k] != done[k - 1] + 1:
@@ -147,6 +171,7 @@ class KVCacheManager:
     def _unregister_pending(self, req_id: str) -> None:
         table = self._req_blocks.get(req_id, [])
         for i in self._req_pending.pop(req_id, []):
+            self._pending_block_ids.discard(table[i].block_id)
             self.pool.uncache(table[i])
 
     def _emit_stored(self, run: list[int], start: int, block_hashes: Sequence[int],

@@ -57,6 +57,7 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()  # to tell the runner next step
         self._runner_knows: set[str] = set()
         self._to_resume: set[str] = set()  # preempted while the runner held their state
+        self._in_flight: frozenset[str] = frozenset()  # scheduled, outputs not yet applied
         self._admit_counter = itertools.count()
         self.num_preemptions = 0
 
@@ -145,18 +146,14 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
                        allocations: dict[str, Allocation]) -> int:
-        while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        # samples of running n > 1 requests that will join the batch when they fork
+        num_seqs = len(self.running) + sum(len(r.fork_children) for r in self.running)
+        while len(self.waiting) and budget > 0:
             request = self.waiting.peek()
-            prefix = NO_PREFIX
-            # prompt logprobs need every prompt position computed, so they skip the cache
-            if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
-                prefix = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
-            num_computed = request.num_computed_tokens or prefix.num_tokens
-            num_new = min(request.num_tokens - num_computed, budget)
-            if 0 < self.long_prefill_token_threshold < num_new:
-                num_new = self.long_prefill_token_threshold
-            allocation = self.kv.allocate_slots(request.req_id, num_computed, num_new, prefix,
-                                                request.block_hashes)
+            if num_seqs + 1 + len(request.fork_children) > self.max_num_seqs:
+                break
+            allocation, num_computed, num_new, prefix = self._allocate_on_admission(request,
+                                                                                   budget)
             if allocation is None:
                 break  # head of line waits for blocks; later arrivals do not jump it
             self.waiting.pop()
@@ -167,10 +164,27 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.admit_seq = next(self._admit_counter)
             self.running.append(request)
+            num_seqs += 1 + len(request.fork_children)
             num_scheduled[request.req_id] = num_new
             allocations[request.req_id] = allocation
             budget -= num_new
         return budget
+
+    def _allocate_on_admission(self, request: Request, budget: int):
+        prefix = NO_PREFIX
+        # prompt logprobs need every prompt position computed, so they skip the cache
+        if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
+            prefix = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
+        while True:
+            num_computed = request.num_computed_tokens or prefix.num_tokens
+            num_new = min(request.num_tokens - num_computed, budget)
+            if 0 < self.long_prefill_token_threshold < num_new:
+                num_new = self.long_prefill_token_threshold
+            allocation = self.kv.allocate_slots(request.req_id, num_computed, num_new, prefix,
+                                                request.block_hashes)
+            if allocation is not None or not prefix.needs_copy:
+                return allocation, num_computed, num_new, prefix
+            prefix = prefix.shortened()  # the copy did not fit: recompute the last block instead
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens - request.num_computed_tokens
@@ -214,6 +228,7 @@ class Scheduler:
                 num_computed_tokens=request.num_computed_tokens))
         finished = frozenset(self._finished_req_ids)
         self._finished_req_ids.clear()
+        self._in_flight = frozenset(num_scheduled)
         return SchedulerOutput(
             new_requests=tuple(new_reqs), cached_requests=tuple(cached_reqs),
             num_scheduled_tokens=num_scheduled,
@@ -226,6 +241,7 @@ class Scheduler:
         """Advance computed counts, publish full blocks, fork n > 1 requests, append sampled
         tokens, apply stop rules, free finished requests."""
         outputs = []
+        self._in_flight = frozenset()
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -291,3 +307,6 @@ class Scheduler:
         if request.req_id in self._runner_knows:
             self._runner_knows.discard(request.req_id)
             self._finished_req_ids.add(request.req_id)
+            if request.req_id in self._in_flight:
+                # ended mid-step: the runner may have forked its samples in this step
+                self._finished_req_ids.update(c for c, _ in request.fork_children)

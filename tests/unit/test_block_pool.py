@@ -1,4 +1,5 @@
-"""Exact tests of the KV block pool: block ids handed out, free-queue order, ref counts."""
+"""Exact tests of the KV block pool: block ids handed out, free-queue order, ref counts, and
+the prefix-cache side of the pool (cached hashes, eviction, reset, their events)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import sys
 import pytest
 
 from engine_worker.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from engine_worker.kv_cache.events import KVEventRecorder
+from quire.kv_events import AllBlocksCleared, BlockRemoved
 
 
 def make_queue(num_blocks: int) -> tuple[list[KVBlock], FreeBlockQueue]:
@@ -205,3 +208,96 @@ def test_pool_usage_is_fraction_of_blocks_held():
     assert pool.usage() == 0.25
     pool.get_new_blocks(2)
     assert pool.usage() == 0.75
+
+
+# --------------------------------------------------------------------------- prefix cache
+def recorded(pool: BlockPool) -> list:
+    """Every event recorded so far, sealed into one batch."""
+    batch = pool.events.seal()
+    return [] if batch is None else list(batch.events)
+
+
+def test_pool_caches_a_block_under_its_hash_once():
+    pool = BlockPool(4)
+    a, b = pool.get_new_blocks(2)
+    assert pool.cache_block(a, 111)
+    assert (a.block_hash, pool.cached) == (111, {111: a})
+    assert not pool.cache_block(b, 111)  # the hash already names block a
+    assert b.block_hash is None
+    assert pool.cached == {111: a}
+
+
+def test_freed_cached_block_keeps_its_hash_until_taken_again():
+    pool = BlockPool(3, KVEventRecorder("cpu"))
+    a, b = pool.get_new_blocks(2)  # 0 1; free: 2
+    pool.cache_block(a, 10)
+    pool.cache_block(b, 11)
+    pool.free_blocks([b, a])
+    assert pool.free_queue.block_ids() == [2, 1, 0]
+    assert pool.cached == {10: a, 11: b}
+    assert recorded(pool) == []  # freeing evicts nothing
+    # taking blocks evicts from the head: block 2 holds nothing, block 1 loses hash 11
+    assert ids(pool.get_new_blocks(2)) == [2, 1]
+    assert b.block_hash is None
+    assert pool.cached == {10: a}
+    assert recorded(pool) == [BlockRemoved((11,), medium="cpu")]
+
+
+def test_one_removed_event_per_take_in_eviction_order():
+    pool = BlockPool(4, KVEventRecorder("cpu"))
+    blocks = pool.get_new_blocks(4)
+    for block in blocks:
+        pool.cache_block(block, 100 + block.block_id)
+    pool.free_blocks(reversed(blocks))  # free: 3 2 1 0
+    assert ids(pool.get_new_blocks(3)) == [3, 2, 1]
+    assert recorded(pool) == [BlockRemoved((103, 102, 101), medium="cpu")]
+    assert list(pool.cached) == [100]
+
+
+def test_touch_pulls_a_free_cached_block_out_of_the_middle_of_the_queue():
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(5)
+    pool.cache_block(blocks[2], 7)
+    pool.free_blocks(blocks)  # free: 0 1 2 3 4
+    pool.touch([blocks[2]])
+    assert blocks[2].ref_cnt == 1
+    assert pool.free_queue.block_ids() == [0, 1, 3, 4]
+    pool.touch([blocks[2]])  # a second holder: no queue change
+    assert blocks[2].ref_cnt == 2
+    assert pool.num_free_blocks == 4
+    pool.free_blocks([blocks[2]])
+    assert pool.free_queue.block_ids() == [0, 1, 3, 4]
+    pool.free_blocks([blocks[2]])
+    assert pool.free_queue.block_ids() == [0, 1, 3, 4, 2]  # back at the tail: evicted last
+    assert pool.cached == {7: blocks[2]}
+
+
+def test_reset_prefix_cache_only_when_no_block_is_in_use():
+    pool = BlockPool(3, KVEventRecorder("cuda"))
+    a, b = pool.get_new_blocks(2)
+    pool.cache_block(a, 1)
+    pool.cache_block(b, 2)
+    pool.free_blocks([a])
+    assert not pool.reset_prefix_cache()  # b is still held
+    assert pool.cached == {1: a, 2: b}
+    assert recorded(pool) == []
+    pool.free_blocks([b])
+    assert pool.reset_prefix_cache()
+    assert pool.cached == {}
+    assert (a.block_hash, b.block_hash) == (None, None)
+    assert pool.free_queue.block_ids() == [2, 0, 1]  # the queue order is kept
+    assert recorded(pool) == [AllBlocksCleared(medium="cuda")]
+    # taking the formerly cached blocks now evicts nothing
+    pool.get_new_blocks(3)
+    assert recorded(pool) == []
+
+
+def test_pool_without_a_recorder_still_evicts():
+    pool = BlockPool(1)
+    block = pool.get_new_blocks(1)[0]
+    pool.cache_block(block, 5)
+    pool.free_blocks([block])
+    assert pool.get_new_blocks(1) == [block]
+    assert pool.cached == {} and block.block_hash is None
+    pool.free_blocks([block])
+    assert pool.reset_prefix_cache()
