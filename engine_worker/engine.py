@@ -34,6 +34,10 @@ from quire.kv_events import KVCacheSnapshot, KVEventBatch
 logger = logging.getLogger(__name__)
 
 
+class EngineDeadError(RuntimeError):
+    """A step failed; the engine's state is unknown and it serves nothing more."""
+
+
 class LLMEngine:
     """One model, one KV cache, one scheduler."""
 
@@ -97,6 +101,7 @@ class LLMEngine:
             vocab_size=model_cfg.vocab_size, max_num_seqs=sched.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending_outputs: list[RequestOutput] = []
+        self.dead_reason: str | None = None  # set when a step failed; the engine is unusable
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -109,11 +114,16 @@ class LLMEngine:
         """Validate and queue a request; raises ValueError naming the bad field (nothing is
         queued then, and other requests are unaffected). ``cache_salt`` isolates its cached
         blocks: requests share cached prefixes only when their salts are equal."""
+        self._check_alive()
         if self.output_processor.has(request_id):
             raise ValueError(f"request_id: {request_id!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         processed = self.input_processor.process(request_id, prompt, params, arrival, priority,
                                                  cache_salt)
+        clash = [s for s in processed.sample_ids if self.output_processor.is_live_sample(s)]
+        if clash:
+            raise ValueError(f"request_id: {request_id!r} would reuse the live sample id "
+                             f"{clash[0]!r}")
         self.output_processor.add_request(request_id, processed.prompt_text,
                                           processed.prompt_token_ids, params,
                                           list(processed.sample_ids), arrival)
@@ -121,6 +131,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return outputs of every request that progressed or finished."""
+        self._check_alive()
         outputs, self._pending_outputs = self._pending_outputs, []
         if not self.scheduler.has_unfinished_requests():
             return outputs
@@ -129,8 +140,12 @@ class LLMEngine:
                                              time.monotonic())
         try:
             runner_output = self.runner.execute(scheduler_output)
-        except BaseException:
-            self.kv_cache_manager.discard_pending()  # half-written blocks must not be found
+        except BaseException as e:
+            # The step's K/V is unknown: nothing it was to compute may be found, and the engine
+            # refuses further work (the server reports it dead so the pod is restarted).
+            self.kv_cache_manager.discard_pending()
+            self._pending_outputs = outputs
+            self.dead_reason = f"{type(e).__name__}: {e}"
             raise
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         new_outputs, stopped = self.output_processor.process(core_outputs)
@@ -138,6 +153,10 @@ class LLMEngine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.kv_events.seal()
         return outputs + new_outputs
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(f"the engine failed and must be restarted ({self.dead_reason})")
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Stop requests now; their blocks return to the pool and a final output with

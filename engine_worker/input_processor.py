@@ -13,6 +13,8 @@ from engine_worker.request import Request
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.tokenizer import Tokenizer
 
+MAX_LOGPROBS = 20  # top-k logprobs a request may ask for (vLLM's default max_logprobs)
+
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": ...}.
 PromptType = Union[str, list[int], dict]
 
@@ -45,6 +47,10 @@ class InputProcessor:
             raise ValueError("request_id: must be a non-empty string")
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(f"{name}: at most {MAX_LOGPROBS} per token, got {value}")
         if params.n > self.max_num_seqs:
             raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.max_num_seqs}")
         if not isinstance(priority, int):
@@ -57,8 +63,10 @@ class InputProcessor:
         max_tokens = self._max_tokens(len(token_ids), params)
         # n > 1 is one request until its prompt is computed; then it forks into the samples,
         # which share the prompt's KV blocks. Sample i draws from seed + i.
+        # Each sample gets its own copy, so a caller mutating its SamplingParams later
+        # changes nothing in flight.
         samples = [(child_request_id(request_id, i, params.n),
-                    params if params.n == 1 else params.clone(
+                    params.clone() if params.n == 1 else params.clone(
                         n=1, seed=None if params.seed is None else params.seed + i))
                    for i in range(params.n)]
         (first_id, first_params), others = samples[0], tuple(samples[1:])

@@ -6,6 +6,7 @@ Detokenizes incrementally, applies stop strings, turns logprob tensors' plain da
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ class _RequestState:
     metrics: RequestMetrics
     prompt_logprobs: list[LogprobsDict | None] | None = None
     num_cached_tokens: int = 0
+    num_sent_prompt_logprobs: int = 0  # DELTA: entries already handed out
 
     @property
     def finished(self) -> bool:
@@ -62,7 +64,8 @@ class OutputProcessor:
             detok = None
             if params.detokenize:
                 detok = self.tokenizer.detokenizer(prompt_token_ids, params.skip_special_tokens,
-                                                   params.stop, params.include_stop_str_in_output)
+                                                   params.stop, params.include_stop_str_in_output,
+                                                   params.min_tokens)
             sequences[child_id] = _Sequence(
                 index=index, detokenizer=detok,
                 logprobs=[] if params.logprobs is not None else None,
@@ -80,6 +83,9 @@ class OutputProcessor:
     def has(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def is_live_sample(self, sample_id: str) -> bool:
+        return sample_id in self._child_to_parent or sample_id in self._requests
+
     def __len__(self) -> int:
         return len(self._requests)
 
@@ -95,6 +101,7 @@ class OutputProcessor:
         (the caller must finish those in the scheduler)."""
         now = time.monotonic()
         touched: dict[str, _RequestState] = {}
+        changed: set[str] = set()  # sample ids with news (DELTA sends only those)
         stopped_by_string: list[str] = []
         for out in core_outputs:
             state = self._requests[self._child_to_parent[out.req_id]]
@@ -110,17 +117,20 @@ class OutputProcessor:
                 seq.finish_reason = out.finish_status.finish_reason
                 seq.stop_reason = out.stop_reason
             touched[state.request_id] = state
-        return self._emit(touched.values(), now), stopped_by_string
+            changed.add(out.req_id)
+        return self._emit(touched.values(), now, changed), stopped_by_string
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Mark every unfinished sequence aborted; returns the final output to hand out."""
         state = self._requests.get(request_id)
         if state is None:
             return []
-        for seq in state.sequences.values():
+        changed = set()
+        for sample_id, seq in state.sequences.items():
             if seq.finish_reason is None:
                 seq.finish_reason = RequestStatus.FINISHED_ABORTED.finish_reason
-        return self._emit([state], time.monotonic())
+                changed.add(sample_id)
+        return self._emit([state], time.monotonic(), changed)
 
     # ---------------------------------------------------------------------- internals
     def _append_tokens(self, state: _RequestState, seq: _Sequence, out: EngineCoreOutput,
@@ -152,7 +162,7 @@ class OutputProcessor:
             dicts.append(d)
         return dicts
 
-    def _emit(self, states, now: float) -> list[RequestOutput]:
+    def _emit(self, states, now: float, changed: set[str]) -> list[RequestOutput]:
         outputs = []
         for state in states:
             finished = state.finished
@@ -161,15 +171,21 @@ class OutputProcessor:
                 continue
             delta = kind == RequestOutputKind.DELTA
             completions = [self._completion(seq, finished or seq.finish_reason is not None, delta)
-                           for seq in state.sequences.values()]
+                           for sample_id, seq in state.sequences.items()
+                           if not delta or sample_id in changed]
+            prompt_logprobs = state.prompt_logprobs
+            if prompt_logprobs is not None:
+                start = state.num_sent_prompt_logprobs if delta else 0
+                prompt_logprobs = prompt_logprobs[start:]
+                state.num_sent_prompt_logprobs = len(state.prompt_logprobs)
             if finished:
                 state.metrics.finished_time = now
                 self._forget(state)
             outputs.append(RequestOutput(
                 request_id=state.request_id, prompt=state.prompt,
                 prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
-                prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.num_cached_tokens,
-                metrics=state.metrics))
+                prompt_logprobs=prompt_logprobs, num_cached_tokens=state.num_cached_tokens,
+                metrics=dataclasses.replace(state.metrics)))
         return outputs
 
     @staticmethod

@@ -93,14 +93,17 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail("min_tokens", f"must not exceed max_tokens={self.max_tokens}, "
                                 f"got {self.min_tokens}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            _fail("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            _fail("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 _fail(name, f"must be a non-negative integer, got {value!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             _fail("stop", "every stop string must be a non-empty string")
+        if self.stop and not self.detokenize:
+            _fail("stop", "stop strings need detokenize=True")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", "every stop token id must be a non-negative integer")
 

@@ -48,9 +48,10 @@ class Tokenizer:
                                            add_generation_prompt=add_generation_prompt, **kwargs)
 
     def detokenizer(self, prompt_token_ids: list[int], skip_special_tokens: bool,
-                    stop: list[str], include_stop_str_in_output: bool) -> IncrementalDetokenizer:
+                    stop: list[str], include_stop_str_in_output: bool,
+                    min_tokens: int = 0) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.backend, prompt_token_ids, skip_special_tokens,
-                                      stop, include_stop_str_in_output)
+                                      stop, include_stop_str_in_output, min_tokens)
 
 
 def _eos_ids(path: Path, tokenizer_eos: int | None) -> set[int]:
@@ -73,7 +74,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, backend, prompt_token_ids: list[int], skip_special_tokens: bool,
-                 stop: list[str], include_stop_str_in_output: bool) -> None:
+                 stop: list[str], include_stop_str_in_output: bool, min_tokens: int = 0) -> None:
         self._backend = backend
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         for token_id in prompt_token_ids[-_PRIME_TOKENS:]:
@@ -82,18 +83,21 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop_str_in_output
         self._hold_back = 0 if include_stop_str_in_output else max((len(s) for s in stop),
                                                                    default=1) - 1
+        self._min_tokens = min_tokens  # stop strings count only after this many tokens
+        self._num_tokens = 0
         self.output_text = ""
         self.stop_string: str | None = None
 
     def update(self, new_token_ids) -> str | None:
         """Add tokens; return the stop string if one now appears (text truncated before it)."""
         for token_id in new_token_ids:
+            self._num_tokens += 1
             piece = self._stream.step(self._backend, token_id)
             if not piece:
                 continue
             start = max(0, len(self.output_text) - self._longest_stop() + 1)
             self.output_text += piece
-            if self._stop and self._check_stop(start):
+            if self._stop and self._num_tokens > self._min_tokens and self._check_stop(start):
                 return self.stop_string
         return None
 

@@ -163,6 +163,9 @@ class KVCacheManager:
                                   token_ids, cache_salt)
                 start = k
 
+    def has_pending(self, req_id: str) -> bool:
+        return bool(self._req_pending.get(req_id))
+
     def discard_pending(self) -> None:
         """A step failed: nothing it was to compute may stay findable."""
         for req_id in list(self._req_pending):

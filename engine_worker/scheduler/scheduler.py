@@ -247,9 +247,10 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += num_tokens
-            self.kv.cache_full_blocks(req_id, request.block_hashes,
-                                      request.num_computed_tokens, request.all_token_ids,
-                                      request.cache_salt)
+            if self.kv.has_pending(req_id):  # all_token_ids copies: only when needed
+                self.kv.cache_full_blocks(req_id, request.block_hashes,
+                                          request.num_computed_tokens, request.all_token_ids,
+                                          request.cache_salt)
             sampled = runner_output.sampled_token_ids.get(req_id, ())
             siblings = [request]
             if sampled and request.fork_children:

@@ -211,3 +211,53 @@ def test_unknown_model_path_and_architecture(tmp_path):
         LLM(str(tmp_path), max_num_seqs=0)
     with pytest.raises(ValueError, match=r"^not_an_arg:"):
         LLM(str(tmp_path), not_an_arg=1)
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    free = _tokens(llm, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    tokenizer = llm.engine.tokenizer
+    first_piece = tokenizer.decode(free.token_ids[:1])
+    assert first_piece.strip()
+    early = _tokens(llm, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                        stop=[first_piece]))
+    assert early.text == "" and early.finish_reason == "stop"
+    late = _tokens(llm, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                       stop=[first_piece], min_tokens=5))
+    assert len(late.token_ids) > 5 or late.finish_reason == "length"
+    assert late.text.startswith(first_piece)
+
+
+def test_limits_on_logprobs_and_sample_ids(llm):
+    with pytest.raises(ValueError, match="^logprobs: at most 20"):
+        llm.generate([[1, 2]], SamplingParams(logprobs=21))
+    with pytest.raises(ValueError, match="^prompt_logprobs: at most 20"):
+        llm.generate([[1, 2]], SamplingParams(prompt_logprobs=1000))
+    engine = llm.engine
+    engine.add_request("1_x", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="^request_id: 'x' would reuse the live sample id"):
+        engine.add_request("x", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(n=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_cache_stats().num_free_blocks == engine.num_blocks
+
+
+def test_delta_outputs_of_parallel_samples_carry_only_news(llm):
+    from engine_worker import RequestOutputKind
+
+    engine = llm.engine
+    params = SamplingParams(n=3, temperature=1.0, seed=5, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    params.max_tokens = 4
+    engine.add_request("d", {"prompt_token_ids": PROMPT}, params)
+    pieces: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    finishes: dict[int, int] = {0: 0, 1: 0, 2: 0}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                assert c.token_ids, "a sample without news was sent"
+                pieces[c.index] += c.token_ids
+                finishes[c.index] += c.finish_reason is not None
+    assert all(len(v) == 4 for v in pieces.values()) and set(finishes.values()) == {1}
+    full = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(
+        n=3, temperature=1.0, seed=5, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert [pieces[i] for i in range(3)] == [c.token_ids for c in full.outputs]

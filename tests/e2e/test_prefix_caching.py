@@ -174,3 +174,9 @@ def test_a_failed_step_publishes_nothing(tiny_model_dir, monkeypatch):
     assert engine.kv_cache_manager.pool.cached == {}
     assert all(not any(type(e).__name__ == "BlockStored" for e in b.events)
                for b in engine.take_kv_events())
+    from engine_worker.engine import EngineDeadError
+
+    with pytest.raises(EngineDeadError, match="injected device failure"):
+        engine.step()  # a failed engine refuses further work instead of serving garbage
+    with pytest.raises(EngineDeadError):
+        engine.add_request("next", {"prompt_token_ids": [1, 2]}, SamplingParams())

@@ -255,7 +255,7 @@ def test_min_tokens_may_not_exceed_max_tokens():
 @pytest.mark.parametrize("field, value", [
     ("top_k", -1), ("top_k", 0), ("top_k", 1), ("temperature", 0.0), ("top_p", 1.0),
     ("min_p", 0.0), ("min_p", 1.0), ("presence_penalty", -2.0), ("frequency_penalty", 2.0),
-    ("logprobs", 0), ("prompt_logprobs", 0), ("seed", 0), ("seed", -3),
+    ("logprobs", 0), ("prompt_logprobs", 0), ("seed", 0), ("seed", 2**63 - 1),
 ])
 def test_sampling_params_accept_edge_values(field, value):
     SamplingParams(**{field: value})
@@ -280,3 +280,14 @@ def test_configs_reject_bools_as_ints():
         CacheConfig(block_size=True)
     with raises_for("max_model_len"):
         ModelConfig(max_model_len=True)
+
+
+@pytest.mark.parametrize("seed", [-3, 2**63, 2**64])
+def test_sampling_params_reject_seeds_a_generator_cannot_take(seed):
+    with raises_for("seed"):
+        SamplingParams(seed=seed)
+
+
+def test_stop_strings_need_detokenization():
+    with raises_for("stop"):
+        SamplingParams(stop=["x"], detokenize=False)
