@@ -51,18 +51,28 @@ def _base_type(annotation) -> type:
     return hints[0]
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    hints = typing.get_type_hints(EngineArgs)
-    for field in dataclasses.fields(EngineArgs):
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str,
+                       helps: dict[str, str] | None = None) -> None:
+    """One ``--flag`` (and ``QUIRE_FLAG`` variable) per field of the dataclass ``cls``."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
         kind = _base_type(hints[field.name])
         flag = "--" + field.name.replace("_", "-")
         env = os.environ.get(env_name(field.name))
         parse = _parse_bool if kind is bool else kind
         default = parse(env) if env is not None else field.default
         group.add_argument(flag, dest=field.name, type=parse, default=default,
-                           help=f"{_HELP.get(field.name, '')} [env {env_name(field.name)}]")
+                           help=f"{(helps or {}).get(field.name, '')} [env {env_name(field.name)}]")
+
+
+def dataclass_from_namespace(cls, ns: argparse.Namespace):
+    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    add_dataclass_args(parser, EngineArgs, "engine", _HELP)
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+    return dataclass_from_namespace(EngineArgs, ns)

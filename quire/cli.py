@@ -84,6 +84,19 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_engine(ns: argparse.Namespace) -> int:
+    import asyncio
+
+    from engine_worker.arg_utils import dataclass_from_namespace
+    from engine_worker.server.app import serve
+    from engine_worker.server.config import ServerConfig
+
+    cfg = dataclass_from_namespace(ServerConfig, ns)
+    engine = _build_engine(ns)
+    asyncio.run(serve(engine, cfg))
+    return 0
+
+
 def cmd_bench_throughput(ns: argparse.Namespace) -> int:
     from engine_worker.benchmarks.throughput import run_from_args
 
@@ -116,6 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    eng = sub.add_parser("engine", help="serve one engine over gRPC (quire.v1.EngineService)")
+    from engine_worker.arg_utils import add_dataclass_args
+    from engine_worker.server.config import ServerConfig
+
+    add_dataclass_args(eng, ServerConfig, "server")
+    add_engine_args(eng)
+    eng.set_defaults(func=cmd_engine)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

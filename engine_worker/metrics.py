@@ -1,0 +1,226 @@
+"""The engine pod's Prometheus metrics, named as vLLM names them, and the ``/metrics`` server.
+
+Dashboards, autoscalers and the Gateway API Inference Extension already read vLLM's metric
+names (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ...), so we expose the same
+names, types, units and labels rather than our own. prometheus_client keeps the colon and, as
+for vLLM, exposes a counter ``vllm:prompt_tokens`` as ``vllm:prompt_tokens_total``.
+
+Each ``EngineMetrics`` owns its own ``CollectorRegistry``: the process-wide default registry
+would be hidden global state, and two engines (or two tests) in one process would collide.
+"""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+# Bucket edges in seconds, close to vLLM's so its dashboards' quantile panels line up.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                             40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _CumulativeCounter:
+    """A labelled counter fed with the engine's running totals instead of increments.
+
+    The engine reports totals every step; adding only the growth since the last report makes
+    repeated reports of the same total harmless. A total that goes down means the engine's own
+    count was reset (e.g. the prefix cache was cleared), so the new total is all new growth.
+    """
+
+    def __init__(self, counter: Counter) -> None:
+        self._counter = counter
+        self._last_total = 0
+
+    def update(self, total: int) -> None:
+        delta = total - self._last_total if total >= self._last_total else total
+        self._last_total = total
+        if delta > 0:
+            self._counter.inc(delta)
+
+
+class EngineMetrics:
+    """vLLM-compatible metrics of one engine, in a registry of its own.
+
+    ``observe_step`` is called by the engine loop after each step; ``observe_finished`` once per
+    finished request. Both may be called from the engine thread while ``render`` runs on the
+    server's threads: prometheus_client's metrics are thread-safe, and ``_lock`` guards the
+    last-seen totals of the cumulative counters.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._lock = threading.Lock()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        # Scheduler state, sampled after every step.
+        self._num_running = gauge("vllm:num_requests_running",
+                                  "Number of requests in model execution batches.")
+        self._num_waiting = gauge("vllm:num_requests_waiting",
+                                  "Number of requests waiting to be processed.")
+        self._kv_cache_usage = gauge("vllm:kv_cache_usage_perc",
+                                     "KV-cache usage. 1 means 100 percent usage.")
+
+        # Counters whose source is a running total in the engine.
+        self._prefix_cache_queries = _CumulativeCounter(counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens."))
+        self._prefix_cache_hits = _CumulativeCounter(counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."))
+        self._num_preemptions = _CumulativeCounter(counter(
+            "vllm:num_preemptions", "Cumulative number of preemptions from the engine."))
+
+        # Counters fed per finished request.
+        self._prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self._generation_tokens = counter("vllm:generation_tokens",
+                                          "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          ["model_name", "finished_reason"], registry=r)
+        # Pre-create every reason so a dashboard sees 0 instead of a missing series.
+        self._request_success = {reason: success.labels(model_name, reason)
+                                 for reason in FINISH_REASONS}
+
+        self._ttft = histogram("vllm:time_to_first_token_seconds",
+                               "Histogram of time to first token in seconds.", TTFT_BUCKETS_S)
+        self._tpot = histogram("vllm:time_per_output_token_seconds",
+                               "Histogram of time per output token in seconds.", TPOT_BUCKETS_S)
+        # vLLM observes this once per decode step; we see only finished requests, so it gets
+        # each request's mean gap (the same value as TPOT) and its count is per request.
+        self._itl = histogram("vllm:inter_token_latency_seconds",
+                              "Histogram of inter-token latency in seconds.", TPOT_BUCKETS_S)
+        self._e2e = histogram("vllm:e2e_request_latency_seconds",
+                              "Histogram of end to end request latency in seconds.",
+                              REQUEST_LATENCY_BUCKETS_S)
+        self._queue_time = histogram("vllm:request_queue_time_seconds",
+                                     "Histogram of time spent in WAITING phase for request.",
+                                     REQUEST_LATENCY_BUCKETS_S)
+
+    def observe_step(self, *, num_running: int, num_waiting: int, kv_cache_usage: float,
+                     prefix_cache_queries: int, prefix_cache_hits: int,
+                     num_preemptions: int) -> None:
+        """Record the engine's state after a step.
+
+        ``kv_cache_usage`` is a fraction in [0, 1]. The last three arguments are the engine's
+        running totals (tokens queried, tokens hit, preemptions), not this step's increments.
+        """
+        self._num_running.set(num_running)
+        self._num_waiting.set(num_waiting)
+        self._kv_cache_usage.set(kv_cache_usage)
+        with self._lock:
+            self._prefix_cache_queries.update(prefix_cache_queries)
+            self._prefix_cache_hits.update(prefix_cache_hits)
+            self._num_preemptions.update(num_preemptions)
+
+    def observe_finished(self, *, finish_reason: str, num_prompt_tokens: int,
+                         num_generation_tokens: int, arrival_time: float,
+                         first_scheduled_time: float | None, first_token_time: float | None,
+                         finished_time: float) -> None:
+        """Record one finished request; times are from one monotonic clock, in seconds.
+
+        A latency whose start is ``None`` (a request aborted before it was scheduled, or before
+        its first token) is skipped rather than guessed.
+        """
+        if finish_reason not in self._request_success:
+            # An open label set would let a bug grow the series without bound.
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, "
+                             f"got {finish_reason!r}")
+        self._request_success[finish_reason].inc()
+        self._prompt_tokens.inc(num_prompt_tokens)
+        self._generation_tokens.inc(num_generation_tokens)
+        self._e2e.observe(finished_time - arrival_time)
+        if first_scheduled_time is not None:
+            self._queue_time.observe(first_scheduled_time - arrival_time)
+        if first_token_time is not None:
+            self._ttft.observe(first_token_time - arrival_time)
+            # The first token's time is TTFT's; the rest share the decode time.
+            if num_generation_tokens > 1:
+                tpot_s = (finished_time - first_token_time) / (num_generation_tokens - 1)
+                self._tpot.observe(tpot_s)
+                self._itl.observe(tpot_s)
+
+    def render(self) -> bytes:
+        """The registry in Prometheus' text exposition format (version 0.0.4)."""
+        return generate_latest(self.registry)
+
+
+class MetricsServer:
+    """Serves ``GET /metrics`` from one ``EngineMetrics`` on a background thread.
+
+    Kept apart from the gRPC server so a scrape never waits behind model work.
+    """
+
+    def __init__(self, metrics: EngineMetrics, host: str, port: int) -> None:
+        self._metrics = metrics
+        self._host = host
+        self._requested_port = port  # 0: let the OS pick a free port
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The port actually bound; only known after ``start``."""
+        if self._server is None:
+            raise RuntimeError("MetricsServer.port is known only after start()")
+        return self._server.server_address[1]
+
+    def start(self) -> None:
+        if self._server is not None:
+            raise RuntimeError("MetricsServer already started")
+        self._server = ThreadingHTTPServer((self._host, self._requested_port),
+                                           _make_handler(self._metrics))
+        self._server.daemon_threads = True  # a stuck scraper must not block shutdown
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        name="metrics-server", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        assert self._thread is not None
+        self._thread.join()
+        self._server = None
+        self._thread = None
+
+
+def _make_handler(metrics: EngineMetrics) -> type[BaseHTTPRequestHandler]:
+    # http.server builds a handler per request from a class, so the metrics are bound here
+    # rather than stored on the server or in a module global.
+    class _MetricsHandler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            if self.path.split("?", 1)[0] != "/metrics":
+                self._reply(404, b"not found\n", "text/plain; charset=utf-8")
+                return
+            self._reply(200, metrics.render(), CONTENT_TYPE_PLAIN_0_0_4)
+
+        def _reply(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+            pass  # a scrape every few seconds would flood the pod's log
+
+    return _MetricsHandler

@@ -1,0 +1,152 @@
+"""Assembles the engine pod: gRPC server (EngineService, grpc.health.v1, reflection), the engine
+loop thread, optional metrics HTTP server, and graceful shutdown on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine_worker.engine import LLMEngine
+from engine_worker.metrics import EngineMetrics, MetricsServer
+from engine_worker.server.async_engine import AsyncEngine
+from engine_worker.server.config import ServerConfig
+from engine_worker.server.convert import RequestLimits
+from engine_worker.server.servicer import EngineServicer
+from quire.v1 import engine_pb2, engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+
+
+def server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
+    if cfg.tls_cert_file is None:
+        return None
+    key, cert = Path(cfg.tls_key_file).read_bytes(), Path(cfg.tls_cert_file).read_bytes()
+    client_ca = Path(cfg.tls_client_ca_file).read_bytes() if cfg.tls_client_ca_file else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
+class EngineServer:
+    """Start with ``await start()``; ``await drain_and_stop()`` is the SIGTERM path."""
+
+    def __init__(self, engine: LLMEngine, cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.metrics = EngineMetrics(cfg.model_name) if cfg.metrics_port is not None else None
+        self.metrics_server: MetricsServer | None = None
+        self.async_engine = AsyncEngine(
+            engine, max_waiting_requests=cfg.max_waiting_requests,
+            max_queued_tokens=cfg.max_queued_tokens,
+            on_step=_step_recorder(self.metrics) if self.metrics else None,
+            on_finished=_request_recorder(self.metrics) if self.metrics else None)
+        limits = RequestLimits(max_n=cfg.max_n, max_stop_strings=cfg.max_stop_strings,
+                               max_stop_string_len=cfg.max_stop_string_len,
+                               max_prompt_chars=cfg.max_prompt_chars)
+        self.servicer = EngineServicer(self.async_engine, model_name=cfg.model_name,
+                                       limits=limits, tokenizer_dir=engine.model_dir)
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else \
+            health.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.port: int | None = None
+        self._watchdog: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        options = [("grpc.max_receive_message_length", self.cfg.max_message_bytes),
+                   ("grpc.max_send_message_length", self.cfg.max_message_bytes)]
+        self.server = grpc.aio.server(options=options)
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self.server)
+        address = f"{self.cfg.host}:{self.cfg.port}"
+        credentials = server_credentials(self.cfg)
+        self.port = (self.server.add_secure_port(address, credentials) if credentials
+                     else self.server.add_insecure_port(address))
+        self.async_engine.start()
+        if self.metrics is not None:
+            self.metrics_server = MetricsServer(self.metrics, self.cfg.host, self.cfg.metrics_port)
+            self.metrics_server.start()
+        await self.server.start()
+        await self._set_serving(True)
+        self._watchdog = asyncio.create_task(self._watch_engine())
+        logger.info("engine serving on %s:%d", self.cfg.host, self.port)
+        return self.port
+
+    async def _set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", SERVICE_NAME):
+            result = self.health.set(service, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def _watch_engine(self) -> None:
+        """A dead engine flips health to NOT_SERVING, so Kubernetes restarts the pod."""
+        while self.async_engine.dead_reason is None:
+            await asyncio.sleep(0.05)
+        await self._set_serving(False)
+
+    async def drain_and_stop(self) -> None:
+        """Stop taking requests, let in-flight ones finish within the grace period, stop."""
+        await self._set_serving(False)
+        self.servicer.draining = True
+        deadline = asyncio.get_running_loop().time() + self.cfg.drain_timeout_s
+        while self.async_engine.num_unfinished and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        await self.stop(grace_s=1.0)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        await asyncio.to_thread(self.async_engine.stop)
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+
+
+def _step_recorder(metrics: EngineMetrics):
+    def record(engine: LLMEngine) -> None:
+        stats = engine.kv_cache_stats()
+        metrics.observe_step(num_running=engine.scheduler.num_running,
+                             num_waiting=engine.scheduler.num_waiting,
+                             kv_cache_usage=stats.usage,
+                             prefix_cache_queries=stats.prefix_cache_queries,
+                             prefix_cache_hits=stats.prefix_cache_hits,
+                             num_preemptions=engine.scheduler.num_preemptions)
+    return record
+
+
+def _request_recorder(metrics: EngineMetrics):
+    def record(output, num_generated: int) -> None:
+        m = output.metrics
+        metrics.observe_finished(
+            finish_reason=output.outputs[0].finish_reason or "abort",
+            num_prompt_tokens=len(output.prompt_token_ids), num_generation_tokens=num_generated,
+            arrival_time=m.arrival_time, first_scheduled_time=m.first_scheduled_time,
+            first_token_time=m.first_token_time, finished_time=m.finished_time)
+    return record
+
+
+async def serve(engine: LLMEngine, cfg: ServerConfig) -> None:
+    """Run until SIGTERM/SIGINT, then drain and return (the process exits 0)."""
+    server = EngineServer(engine, cfg)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    metrics_at = (f", metrics on http://{cfg.host}:{server.metrics_server.port}/metrics"
+                  if server.metrics_server else "")
+    print(f"quire engine listening on {cfg.host}:{server.port}{metrics_at}", flush=True)
+    await stop.wait()
+    logger.info("shutting down: draining in-flight requests (up to %.0f s)", cfg.drain_timeout_s)
+    await server.drain_and_stop()

@@ -1,0 +1,250 @@
+"""The engine loop in its own thread, and the asyncio side that gRPC handlers talk to.
+
+Handlers never run model work: they put commands on a queue that the loop thread drains
+between steps, and results come back to the event loop with ``call_soon_threadsafe``. Only the
+loop thread touches the ``LLMEngine``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from engine_worker.engine import LLMEngine
+from engine_worker.input_processor import PromptType
+from engine_worker.outputs import RequestOutput
+from engine_worker.sampling_params import RequestOutputKind, SamplingParams
+from quire.kv_events import KVCacheSnapshot
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at its limit; the caller should retry later or elsewhere."""
+
+
+class EngineUnavailableError(Exception):
+    """The engine died or is shutting down."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    num_running: int
+    num_waiting: int
+    num_queued_tokens: int
+    kv_cache_usage: float
+    timestamp_s: float
+
+
+_END = object()  # marks the end of a request's output queue
+
+
+class AsyncEngine:
+    """Owns the loop thread. ``max_waiting_requests`` / ``max_queued_tokens`` bound the queue."""
+
+    def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 1024,
+                 max_queued_tokens: int = 1 << 20,
+                 on_step: Callable[[LLMEngine], None] | None = None,
+                 on_finished: Callable[[RequestOutput, int], None] | None = None) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.max_queued_tokens = max_queued_tokens
+        self._on_step = on_step
+        self._on_finished = on_finished
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}  # loop thread writes via the event loop
+        self._num_generated: dict[str, int] = {}  # tokens streamed so far, per request
+        self._subscribers: list[asyncio.Queue] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._ids = itertools.count()
+        self.dead_reason: str | None = None
+        self.load = LoadSnapshot(0, 0, 0, 0.0, time.time())
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None and not self._stopping.is_set()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------- asyncio side
+    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+                       priority: int = 0, cache_salt: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield DELTA outputs until the request finishes. Leaving the loop early (cancel,
+        deadline, closed stream) aborts the request in the engine."""
+        if not self.alive:
+            raise EngineUnavailableError(self.dead_reason or "the engine is shutting down")
+        request_id = request_id or f"req-{next(self._ids)}"
+        params = params.clone(output_kind=RequestOutputKind.DELTA)
+        stream: asyncio.Queue = asyncio.Queue()
+        added: Future = Future()
+        self._commands.put(("add", request_id, prompt, params, priority, cache_salt, stream,
+                            added))
+        await asyncio.wrap_future(added)  # raises ValueError / QueueFullError from the loop
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if item is _END:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    async def subscribe_kv_events(self) -> tuple[KVCacheSnapshot, asyncio.Queue]:
+        """A snapshot and a queue of every later KV event batch (None when the feed ends)."""
+        sink: asyncio.Queue = asyncio.Queue()
+        taken: Future = Future()
+        self._commands.put(("subscribe", sink, taken))
+        return await asyncio.wrap_future(taken), sink
+
+    def unsubscribe_kv_events(self, sink: asyncio.Queue) -> None:
+        self._commands.put(("unsubscribe", sink))
+
+    # -------------------------------------------------------------- loop thread
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping.is_set():
+            idle = not engine.has_unfinished_requests()
+            self._drain_commands(block=idle)
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # the engine is dead: end every stream, never hang one
+                logger.exception("engine step failed; the engine stops serving")
+                self._die(f"{type(e).__name__}: {e}")
+                return
+            for output in outputs:
+                self._deliver(output)
+            self._after_step()
+        self._end_all(EngineUnavailableError("the engine is shutting down"))
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            self._add(*command[1:])
+        elif kind == "abort":
+            if command[1] in self._streams:
+                self.engine.abort_request(command[1])
+        elif kind == "subscribe":
+            sink, taken = command[1], command[2]
+            self._subscribers.append(sink)
+            taken.set_result(self.engine.kv_cache_snapshot())
+        elif kind == "unsubscribe":
+            if command[1] in self._subscribers:
+                self._subscribers.remove(command[1])
+
+    def _add(self, request_id, prompt, params, priority, cache_salt, stream, added) -> None:
+        scheduler = self.engine.scheduler
+        if scheduler.num_waiting >= self.max_waiting_requests:
+            added.set_exception(QueueFullError(
+                f"{scheduler.num_waiting} requests are waiting (limit "
+                f"{self.max_waiting_requests})"))
+            return
+        if self._queued_tokens() >= self.max_queued_tokens:
+            added.set_exception(QueueFullError(
+                f"queued prompt tokens at the limit of {self.max_queued_tokens}"))
+            return
+        try:
+            self.engine.add_request(request_id, prompt, params, priority=priority,
+                                    cache_salt=cache_salt)
+        except ValueError as e:
+            added.set_exception(e)
+            return
+        self._streams[request_id] = stream
+        added.set_result(None)
+
+    def _queued_tokens(self) -> int:
+        scheduler = self.engine.scheduler
+        return sum(r.num_tokens - r.num_computed_tokens for r in scheduler.requests.values())
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        generated = self._num_generated.get(output.request_id, 0) + \
+            sum(len(c.token_ids) for c in output.outputs)
+        self._num_generated[output.request_id] = generated
+        if output.finished:
+            del self._streams[output.request_id]
+            del self._num_generated[output.request_id]
+            if self._on_finished is not None:
+                self._on_finished(output, generated)
+        self._loop.call_soon_threadsafe(stream.put_nowait, output)
+
+    def _after_step(self) -> None:
+        engine = self.engine
+        stats = engine.kv_cache_stats()
+        self.load = LoadSnapshot(num_running=engine.scheduler.num_running,
+                                 num_waiting=engine.scheduler.num_waiting,
+                                 num_queued_tokens=self._queued_tokens(),
+                                 kv_cache_usage=stats.usage, timestamp_s=time.time())
+        batches = engine.take_kv_events()
+        for batch in batches:
+            for sink in self._subscribers:
+                self._loop.call_soon_threadsafe(sink.put_nowait, batch)
+        if self._on_step is not None:
+            self._on_step(engine)
+
+    def _die(self, reason: str) -> None:
+        self.dead_reason = reason
+        self._end_all(EngineUnavailableError(f"the engine failed: {reason}"))
+
+    def _end_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            self._loop.call_soon_threadsafe(stream.put_nowait, error)
+        self._streams.clear()
+        for sink in self._subscribers:
+            self._loop.call_soon_threadsafe(sink.put_nowait, None)
+        self._subscribers.clear()
+        while True:  # refuse what is still queued
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] in ("add", "subscribe"):
+                command[-1].set_exception(EngineUnavailableError(str(error)))

@@ -1,0 +1,92 @@
+"""Between quire.v1 messages and the engine's own types. Bad fields raise ValueError naming them."""
+
+from __future__ import annotations
+
+from engine_worker.outputs import RequestOutput
+from engine_worker.sampling_params import SamplingParams
+from quire.v1 import engine_pb2 as pb
+
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+           "abort": pb.FINISH_REASON_ABORT}
+
+# proto field -> SamplingParams field, for the optional scalars
+_OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+             "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens",
+             "logprobs", "prompt_logprobs", "skip_special_tokens")
+
+
+def request_from_proto(message: pb.GenerateRequest, limits: RequestLimits):
+    """-> (prompt for LLMEngine.add_request, SamplingParams, priority, cache_salt)."""
+    kind = message.WhichOneof("prompt")
+    if kind == "text":
+        if not message.text:
+            raise ValueError("text: the prompt must not be empty")
+        prompt = message.text
+    elif kind == "token_ids":
+        prompt = {"prompt_token_ids": list(message.token_ids.ids)}
+    else:
+        raise ValueError("prompt: set either text or token_ids")
+    sampling = message.sampling
+    kwargs = {name: getattr(sampling, name) for name in _OPTIONAL if sampling.HasField(name)}
+    if "max_tokens" not in kwargs:
+        kwargs["max_tokens"] = None  # up to the model's length limit, as vLLM's server does
+    params = SamplingParams(stop=list(sampling.stop),
+                            stop_token_ids=list(sampling.stop_token_ids),
+                            ignore_eos=sampling.ignore_eos,
+                            include_stop_str_in_output=sampling.include_stop_str_in_output,
+                            **kwargs)
+    limits.check(params, prompt)
+    return prompt, params, message.priority, message.cache_salt or None
+
+
+class RequestLimits:
+    """Server-side caps beyond what the engine itself validates."""
+
+    def __init__(self, *, max_n: int, max_stop_strings: int, max_stop_string_len: int,
+                 max_prompt_chars: int) -> None:
+        self.max_n = max_n
+        self.max_stop_strings = max_stop_strings
+        self.max_stop_string_len = max_stop_string_len
+        self.max_prompt_chars = max_prompt_chars
+
+    def check(self, params: SamplingParams, prompt) -> None:
+        if params.n > self.max_n:
+            raise ValueError(f"n: at most {self.max_n}, got {params.n}")
+        if len(params.stop) > self.max_stop_strings:
+            raise ValueError(f"stop: at most {self.max_stop_strings} stop strings")
+        if any(len(s) > self.max_stop_string_len for s in params.stop):
+            raise ValueError(f"stop: each stop string at most {self.max_stop_string_len} chars")
+        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+            raise ValueError(f"text: at most {self.max_prompt_chars} characters")
+
+
+def _logprobs_to_proto(entries) -> list[pb.PositionLogprobs]:
+    """Each entry lists the chosen token first (insertion order), then the top-k."""
+    out = []
+    for entry in entries:
+        if entry is None:  # the first prompt position has no logprob
+            out.append(pb.PositionLogprobs())
+            continue
+        chosen = next(iter(entry.values()))
+        out.append(pb.PositionLogprobs(token_ids=list(entry),
+                                       logprobs=[lp.logprob for lp in entry.values()],
+                                       chosen_rank=chosen.rank or 0))
+    return out
+
+
+def response_to_proto(output: RequestOutput, first: bool) -> pb.GenerateResponse:
+    """One DELTA RequestOutput as a stream message."""
+    message = pb.GenerateResponse(request_id=output.request_id, finished=output.finished)
+    for completion in output.outputs:
+        delta = message.outputs.add(index=completion.index, token_ids=completion.token_ids,
+                                    text=completion.text,
+                                    finish_reason=_FINISH.get(completion.finish_reason, 0))
+        if completion.stop_reason is not None:
+            delta.stop_reason = str(completion.stop_reason)
+        if completion.logprobs:
+            delta.logprobs.extend(_logprobs_to_proto(completion.logprobs))
+    if first:
+        message.prompt_token_ids.extend(output.prompt_token_ids)
+    if output.prompt_logprobs:
+        message.prompt_logprobs.extend(_logprobs_to_proto(output.prompt_logprobs))
+    return message

@@ -1,0 +1,102 @@
+"""The quire.v1.EngineService servicer: thin, it converts and streams; the engine batches."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from pathlib import Path
+
+import grpc
+
+from engine_worker.server.async_engine import AsyncEngine
+from engine_worker.server.convert import RequestLimits, request_from_proto, response_to_proto
+from engine_worker.server.errors import abort_with
+from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
+from quire.kv_events import batch_to_proto, snapshot_to_proto
+from quire.v1 import engine_pb2 as pb
+from quire.v1 import engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def tokenizer_digest(model_dir: Path) -> str:
+    """SHA-256 of tokenizer.json: routers compare it to know they tokenize identically."""
+    path = model_dir / "tokenizer.json"
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
+
+
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+    def __init__(self, engine: AsyncEngine, *, model_name: str, limits: RequestLimits,
+                 tokenizer_dir: Path) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.limits = limits
+        self._tokenizer_digest = tokenizer_digest(tokenizer_dir)
+        self.draining = False
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
+        try:
+            prompt, params, priority, salt = request_from_proto(request, self.limits)
+        except ValueError as e:
+            await abort_with(context, e)
+            return
+        first = True
+        counts: dict[int, int] = {}
+        try:
+            async for output in self.engine.generate(request.request_id, prompt, params,
+                                                     priority=priority, cache_salt=salt):
+                message = response_to_proto(output, first)
+                first = False
+                for completion in output.outputs:
+                    counts[completion.index] = counts.get(completion.index, 0) + \
+                        len(completion.token_ids)
+                if output.finished:
+                    message.usage.CopyFrom(pb.Usage(
+                        prompt_tokens=len(output.prompt_token_ids),
+                        completion_tokens=sum(counts.values()),
+                        cached_tokens=max(0, output.num_cached_tokens)))
+                yield message
+        except (asyncio.CancelledError, GeneratorExit):
+            raise  # the engine side aborts the request (AsyncEngine.generate's finally)
+        except Exception as e:
+            await abort_with(context, e)
+
+    async def GetModelInfo(self, request, context) -> pb.ModelInfo:
+        engine = self.engine.engine
+        return pb.ModelInfo(
+            model_name=self.model_name, max_model_len=engine.max_model_len,
+            block_size=engine.config.cache.block_size,
+            block_hash_algorithm=BLOCK_HASH_ALGORITHM, block_hash_seed=ROOT_HASH,
+            tokenizer_digest=self._tokenizer_digest, vocab_size=engine.tokenizer.vocab_size,
+            enable_prefix_caching=engine.config.cache.enable_prefix_caching,
+            num_kv_blocks=engine.num_blocks)
+
+    async def StreamLoad(self, request: pb.StreamLoadRequest, context):
+        interval_s = max(10, request.interval_ms or 1000) / 1000
+        while True:
+            load = self.engine.load
+            yield pb.LoadReport(num_running=load.num_running, num_waiting=load.num_waiting,
+                                num_queued_tokens=load.num_queued_tokens,
+                                kv_cache_usage=load.kv_cache_usage, timestamp_s=time.time())
+            await asyncio.sleep(interval_s)
+
+    async def StreamKVEvents(self, request, context):
+        try:
+            snapshot, sink = await self.engine.subscribe_kv_events()
+        except Exception as e:
+            await abort_with(context, e)
+            return
+        try:
+            yield pb.KVEventsMessage(snapshot=snapshot_to_proto(snapshot))
+            while True:
+                batch = await sink.get()
+                if batch is None:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine stopped")
+                    return
+                yield pb.KVEventsMessage(batch=batch_to_proto(batch))
+        finally:
+            self.engine.unsubscribe_kv_events(sink)

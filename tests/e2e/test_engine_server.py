@@ -1,0 +1,177 @@
+"""The engine pod over real loopback gRPC, on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine_worker import LLM, SamplingParams
+from engine_worker.config import EngineArgs
+from engine_worker.engine import LLMEngine
+from engine_worker.server.app import SERVICE_NAME, EngineServer
+from engine_worker.server.config import ServerConfig
+from quire.kv_events import KVCacheMirror, batch_from_proto, snapshot_from_proto
+from quire.v1 import engine_pb2 as pb
+from quire.v1 import engine_pb2_grpc
+
+
+class RunningServer:
+    """An EngineServer on its own event loop thread, for synchronous test clients."""
+
+    def __init__(self, engine: LLMEngine, cfg: ServerConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.server = EngineServer(engine, cfg)
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = self.call(self.server.start())
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def call(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+        try:
+            self.call(self.server.stop(0))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+def _engine(model_dir, **kwargs) -> LLMEngine:
+    args = dict(model=str(model_dir), dtype="float32", kv_cache_memory_bytes=1 << 24) | kwargs
+    return LLMEngine.from_engine_args(EngineArgs(**args))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    running = RunningServer(_engine(tiny_model_dir), ServerConfig(host="127.0.0.1", port=0,
+                                                                  max_n=4))
+    yield running
+    running.close()
+
+
+def _request(ids, max_tokens=8, **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingOptions(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, **sampling))
+
+
+def _collect(stream):
+    tokens, text, last = [], "", None
+    for message in stream:
+        for delta in message.outputs:
+            tokens += delta.token_ids
+            text += delta.text
+        last = message
+    return tokens, text, last
+
+
+PROMPT = list(range(300, 340))
+
+
+def test_streams_the_same_tokens_as_the_offline_api(server, tiny_model_dir):
+    tokens, text, last = _collect(server.stub.Generate(_request(PROMPT, max_tokens=12)))
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=1 << 22)
+    ref = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert tokens == ref.token_ids and text == ref.text
+    assert last.finished and last.outputs[0].finish_reason == pb.FINISH_REASON_LENGTH
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (40, 12)
+
+
+def test_many_concurrent_streams_and_a_late_joiner(server):
+    def run(i):
+        return _collect(server.stub.Generate(_request(PROMPT[:10] + [1000 + i], max_tokens=24)))
+    with ThreadPoolExecutor(40) as pool:
+        futures = [pool.submit(run, i) for i in range(36)]
+        time.sleep(0.5)
+        start = time.monotonic()
+        late = server.stub.Generate(_request([7, 8, 9], max_tokens=2))
+        first_message = next(late)
+        late_first_token_s = time.monotonic() - start
+        results = [f.result(timeout=300) for f in futures]
+    assert all(len(tokens) == 24 for tokens, _, _ in results)
+    assert first_message.outputs[0].token_ids
+    # it was batched in while the 36 ran: its first token came before they all finished
+    assert not all(f.done() for f in futures) or late_first_token_s < 60
+
+
+def test_cancelling_a_stream_aborts_and_frees_blocks(server):
+    engine = server.server.async_engine.engine
+    stream = server.stub.Generate(_request(PROMPT, max_tokens=10_000 - len(PROMPT) - 100))
+    next(stream)
+    stream.cancel()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and engine.scheduler.num_running:
+        time.sleep(0.05)
+    assert engine.scheduler.num_running == 0 and not engine.scheduler.requests
+
+
+def test_deadline_is_honoured_and_work_stops(server):
+    engine = server.server.async_engine.engine
+    with pytest.raises(grpc.RpcError) as err:
+        _collect(server.stub.Generate(_request(PROMPT, max_tokens=900), timeout=0.5))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and engine.scheduler.requests:
+        time.sleep(0.05)
+    assert not engine.scheduler.requests
+
+
+@pytest.mark.parametrize("request_, field", [
+    (pb.GenerateRequest(), "prompt"),
+    (pb.GenerateRequest(text=""), "text"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[10**7])), "prompt_token_ids"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(temperature=-1)), "temperature"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(top_p=2)), "top_p"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(n=5)), "n"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(logprobs=50)), "logprobs"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(stop=["x"] * 17)), "stop"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 2000)), "prompt"),
+])
+def test_bad_input_gets_invalid_argument_naming_the_field(server, request_, field):
+    with pytest.raises(grpc.RpcError) as err:
+        _collect(server.stub.Generate(request_))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field), err.value.details()
+    tokens, _, _ = _collect(server.stub.Generate(_request([1, 2, 3], max_tokens=2)))
+    assert len(tokens) == 2  # and the server keeps serving
+
+
+def test_model_info_health_and_reflection(server):
+    info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.block_size == 16 and info.block_hash_algorithm == "sha256-64-chained-v1"
+    assert len(info.tokenizer_digest) == 64 and info.max_model_len == 1024
+    for service in ("", SERVICE_NAME):
+        response = server.health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(server.channel)
+    reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+        list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert {SERVICE_NAME, "grpc.health.v1.Health"} <= names
+
+
+def test_load_reports_and_kv_event_feed(server):
+    load = next(server.stub.StreamLoad(pb.StreamLoadRequest(interval_ms=10)))
+    assert 0.0 <= load.kv_cache_usage <= 1.0
+    feed = server.stub.StreamKVEvents(pb.StreamKVEventsRequest())
+    mirror = KVCacheMirror.from_snapshot(snapshot_from_proto(next(feed).snapshot))
+    _collect(server.stub.Generate(_request(list(range(5000, 5050)), max_tokens=4)))
+    engine = server.server.async_engine.engine
+    truth = server.call(asyncio.to_thread(lambda: set(engine.kv_cache_manager.pool.cached)))
+    deadline = time.monotonic() + 10
+    while mirror.block_hashes != truth and time.monotonic() < deadline:
+        assert mirror.apply(batch_from_proto(next(feed).batch))
+    feed.cancel()
+    assert mirror.block_hashes == truth
