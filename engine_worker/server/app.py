@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine_worker.engine import LLMEngine
 from engine_worker.metrics import EngineMetrics, MetricsServer
+from engine_worker.weights.resolve import EMBEDDED_MODEL_ID
 from engine_worker.server.async_engine import AsyncEngine
 from engine_worker.server.config import ServerConfig
 from engine_worker.server.convert import RequestLimits
@@ -39,7 +40,8 @@ class EngineServer:
 
     def __init__(self, engine: LLMEngine, cfg: ServerConfig) -> None:
         self.cfg = cfg
-        self.metrics = EngineMetrics(cfg.model_name) if cfg.metrics_port is not None else None
+        model_name = cfg.model_name or engine.config.model.model or EMBEDDED_MODEL_ID
+        self.metrics = EngineMetrics(model_name) if cfg.metrics_port is not None else None
         self.metrics_server: MetricsServer | None = None
         self.async_engine = AsyncEngine(
             engine, max_waiting_requests=cfg.max_waiting_requests,
@@ -49,7 +51,7 @@ class EngineServer:
         limits = RequestLimits(max_n=cfg.max_n, max_stop_strings=cfg.max_stop_strings,
                                max_stop_string_len=cfg.max_stop_string_len,
                                max_prompt_chars=cfg.max_prompt_chars)
-        self.servicer = EngineServicer(self.async_engine, model_name=cfg.model_name,
+        self.servicer = EngineServicer(self.async_engine, model_name=model_name,
                                        limits=limits, tokenizer_dir=engine.model_dir)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else \
             health.HealthServicer()

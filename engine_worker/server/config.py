@@ -12,7 +12,7 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 50051
     metrics_port: int | None = None  # None: no metrics server; 0: any free port
-    model_name: str = "default"
+    model_name: str | None = None  # None: the model as named on the command line
     max_waiting_requests: int = 1024
     max_queued_tokens: int = 1 << 20
     max_n: int = 16
