@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -15,7 +14,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 from tests.e2e.test_engine_server import RunningServer, _collect, _engine, _request
 from engine_worker.server.config import ServerConfig
