@@ -1,0 +1,193 @@
+"""Placing one request: request block hashes + endpoint snapshots -> the engine to send it to.
+
+``choose`` is a pure function of its arguments (the round-robin policy carries a counter, which is
+the whole of its state). A policy scores every healthy endpoint, lower is better, and the lowest
+score wins; ties go to the smallest engine id so decisions are reproducible.
+
+Policies live in ``POLICIES`` (name -> class):
+
+- ``prefix_aware``: estimated time to first token. An engine holding more of the prompt has less
+  to prefill, but a queue in front of it costs as much as recomputing: a hot shared prefix moves
+  to a second engine exactly when waiting on the first is slower than prefilling from scratch.
+- ``least_loaded``: fewest queued + in-flight tokens, then fewest running requests.
+- ``round_robin``: healthy engines in engine-id order, one step per call.
+- ``session_affinity``: rendezvous (highest-random-weight) hashing of the session key, so taking
+  an engine away moves only the sessions it held; requests without a key fall back to
+  ``prefix_aware``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+
+class NoEndpointError(RuntimeError):
+    """No healthy endpoint can take the request (maps to UNAVAILABLE at the edge)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRequest:
+    block_hashes: tuple[int, ...]  # full blocks of the prompt, quire.block_hash chain
+    num_prompt_tokens: int
+    session_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            raise ValueError(f"num_prompt_tokens must be >= 0, got {self.num_prompt_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSnapshot:
+    """One engine as the router sees it at decision time."""
+
+    engine_id: str
+    healthy: bool
+    cached_blocks: int  # leading request blocks cached there (from the prefix index)
+    block_size: int
+    num_running: int = 0
+    num_waiting: int = 0
+    num_queued_tokens: int = 0  # prefill tokens waiting, from the engine's last load report
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    inflight_tokens: int = 0  # tokens the router sent that the load report may not show yet
+    prefill_tokens_per_s: float = 2000.0  # estimated prefill throughput
+
+    def __post_init__(self) -> None:
+        for name in ("cached_blocks", "num_running", "num_waiting", "num_queued_tokens",
+                     "inflight_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not 0.0 <= self.kv_cache_usage <= 1.0:
+            raise ValueError(f"kv_cache_usage must be in [0, 1], got {self.kv_cache_usage}")
+        if self.prefill_tokens_per_s <= 0:
+            raise ValueError(f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    engine_id: str
+    policy: str
+    scores: dict[str, float] = field(hash=False)  # healthy engines only; lower is better
+    predicted_cached_tokens: int
+
+
+def cached_tokens(request: RoutingRequest, endpoint: EndpointSnapshot) -> int:
+    """Prompt tokens the engine will not prefill. Like the engine's prefix cache, a hit never
+    covers the last prompt token: it must be computed to produce the first output."""
+    return min(endpoint.cached_blocks * endpoint.block_size, max(request.num_prompt_tokens - 1, 0))
+
+
+class Policy(Protocol):
+    name: str
+
+    def scores(self, request: RoutingRequest,
+               endpoints: Sequence[EndpointSnapshot]) -> dict[str, float]:
+        """A score per (healthy, non-empty) endpoint; lower is better."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixAware:
+    """Estimated TTFT in seconds, plus a penalty rising linearly from ``kv_usage_threshold``
+    to ``kv_full_penalty_s`` at a full cache (a full engine preempts or evicts what it holds)."""
+
+    kv_usage_threshold: float = 0.9
+    kv_full_penalty_s: float = 0.5
+    name: ClassVar[str] = "prefix_aware"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.kv_usage_threshold < 1.0:
+            raise ValueError(f"kv_usage_threshold must be in [0, 1), got {self.kv_usage_threshold}")
+        if self.kv_full_penalty_s < 0:
+            raise ValueError(f"kv_full_penalty_s must be >= 0, got {self.kv_full_penalty_s}")
+
+    def ttft_s(self, request: RoutingRequest, endpoint: EndpointSnapshot) -> float:
+        uncached = request.num_prompt_tokens - cached_tokens(request, endpoint)
+        waiting = uncached + endpoint.num_queued_tokens + endpoint.inflight_tokens
+        over = max(endpoint.kv_cache_usage - self.kv_usage_threshold, 0.0)
+        penalty = self.kv_full_penalty_s * over / (1.0 - self.kv_usage_threshold)
+        return waiting / endpoint.prefill_tokens_per_s + penalty
+
+    def scores(self, request, endpoints):
+        return {e.engine_id: self.ttft_s(request, e) for e in endpoints}
+
+
+@dataclass(frozen=True, slots=True)
+class LeastLoaded:
+    name: ClassVar[str] = "least_loaded"
+
+    def scores(self, request, endpoints):
+        # Tokens are integers; running requests add a fraction below 1, so they only break ties.
+        scale = 1 + max(e.num_running for e in endpoints)
+        return {e.engine_id: float(e.num_queued_tokens + e.inflight_tokens)
+                + e.num_running / scale for e in endpoints}
+
+
+class RoundRobin:
+    """Healthy engines in engine-id order; the counter advances once per scored request."""
+
+    __slots__ = ("_counter",)
+    name: ClassVar[str] = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = 0
+
+    def scores(self, request, endpoints):
+        order = sorted(e.engine_id for e in endpoints)
+        turn = self._counter % len(order)
+        self._counter += 1
+        return {engine_id: float((i - turn) % len(order)) for i, engine_id in enumerate(order)}
+
+
+def rendezvous_weight(session_key: str, engine_id: str) -> int:
+    """Stable 64-bit weight of a (key, engine) pair; the same in every router process."""
+    data = session_key.encode("utf-8") + b"\x00" + engine_id.encode("utf-8")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionAffinity:
+    fallback: PrefixAware = field(default_factory=PrefixAware)
+    name: ClassVar[str] = "session_affinity"
+
+    def scores(self, request, endpoints):
+        if request.session_key is None:
+            return self.fallback.scores(request, endpoints)
+        # Highest weight wins; negate so that lower is better like every other policy.
+        return {e.engine_id: -float(rendezvous_weight(request.session_key, e.engine_id))
+                for e in endpoints}
+
+
+POLICIES: dict[str, type] = {
+    "prefix_aware": PrefixAware,
+    "least_loaded": LeastLoaded,
+    "round_robin": RoundRobin,
+    "session_affinity": SessionAffinity,
+}
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}") from None
+
+
+def choose(request: RoutingRequest, endpoints: Sequence[EndpointSnapshot],
+           policy: Policy) -> Decision:
+    """The endpoint ``policy`` scores lowest among the healthy ones (ties: smallest engine id).
+
+    Raises ``NoEndpointError`` when no endpoint is healthy.
+    """
+    healthy = [e for e in endpoints if e.healthy]
+    if not healthy:
+        raise NoEndpointError(f"no healthy endpoint among {len(endpoints)}")
+    scores = policy.scores(request, healthy)
+    engine_id = min(scores, key=lambda eid: (scores[eid], eid))
+    chosen = next(e for e in healthy if e.engine_id == engine_id)
+    return Decision(engine_id=engine_id, policy=policy.name, scores=scores,
+                    predicted_cached_tokens=cached_tokens(request, chosen))

@@ -1,0 +1,191 @@
+"""Which engine holds which KV blocks: the router's answer to "how much of this prompt is cached where".
+
+Two indexes share one ``match`` interface (engine id -> number of *leading* request blocks cached):
+
+- ``PrefixIndex`` is precise. Each engine's entry is a mirror of that engine's KV-event feed
+  (a ``KVCacheSnapshot`` followed by every later ``KVEventBatch`` in order), so it knows about
+  evictions. A gap in sequence numbers drops the engine's entry and marks it stale until the
+  next snapshot: a stale engine is simply absent from ``match``, never guessed at.
+- ``ApproximateIndex`` is the fallback for engines whose feed is down. It remembers the blocks
+  the router itself sent to each engine, bounded per engine (LRU), because it cannot see
+  evictions and must assume old blocks are gone.
+
+Both keep a reverse map ``block hash -> engine ids`` so ``match`` costs O(matched prefix length x
+engines holding it), never O(engines x cached blocks). Block hashes are the engine's own
+(``quire.block_hash``), so a hit here is a hit in the engine's prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from quire.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheSnapshot,
+                             KVEventBatch)
+
+
+def _match(engines_by_hash: Mapping[int, set[str]], block_hashes: Sequence[int]) -> dict[str, int]:
+    """Leading-block counts. Engines holding none of the prefix are absent from the result."""
+    counts: dict[str, int] = {}
+    alive: set[str] | None = None  # engines that hold every block so far
+    for num_blocks, block_hash in enumerate(block_hashes, start=1):
+        holders = engines_by_hash.get(block_hash)
+        if not holders:
+            break
+        alive = set(holders) if alive is None else alive & holders
+        if not alive:
+            break
+        for engine_id in alive:
+            counts[engine_id] = num_blocks
+    return counts
+
+
+@dataclass(slots=True)
+class _EngineEntry:
+    seq: int = 0  # last batch applied
+    block_hashes: set[int] = field(default_factory=set)
+    stale: bool = False
+
+
+class PrefixIndex:
+    """Precise per-engine sets of cached block hashes, kept fresh from KV events."""
+
+    def __init__(self) -> None:
+        self._engines: dict[str, _EngineEntry] = {}
+        self._engines_by_hash: dict[int, set[str]] = {}
+
+    # -------------------------------------------------------------------- feed
+    def reset_from_snapshot(self, engine_id: str, snapshot: KVCacheSnapshot) -> None:
+        """Replace the engine's entry by ``snapshot`` (also clears a stale mark)."""
+        self._clear(engine_id)
+        entry = _EngineEntry(seq=snapshot.seq)
+        self._engines[engine_id] = entry
+        self._add(engine_id, entry, snapshot.block_hashes)
+
+    def apply(self, engine_id: str, batch: KVEventBatch) -> bool:
+        """Apply the engine's next batch; returns False on a gap (or while stale).
+
+        An engine never seen starts at seq 0 with nothing cached, as a fresh ``KVCacheMirror``
+        does. Batches already applied (``seq`` at or below the entry's) are ignored. On a gap the
+        engine's blocks are dropped and it is stale until ``reset_from_snapshot``: a partial view
+        would claim blocks that may since have been evicted.
+        """
+        entry = self._engines.setdefault(engine_id, _EngineEntry())
+        if entry.stale:
+            return False
+        if batch.seq <= entry.seq:
+            return True
+        if batch.seq != entry.seq + 1:
+            self._clear(engine_id)
+            self._engines[engine_id] = _EngineEntry(seq=entry.seq, stale=True)
+            return False
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self._add(engine_id, entry, event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self._discard(engine_id, entry, event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self._discard(engine_id, entry, tuple(entry.block_hashes))
+            else:
+                raise TypeError(f"unknown KV event {type(event).__name__}")
+        entry.seq = batch.seq
+        return True
+
+    def remove_engine(self, engine_id: str) -> None:
+        self._clear(engine_id)
+
+    # ------------------------------------------------------------------ queries
+    def is_stale(self, engine_id: str) -> bool:
+        entry = self._engines.get(engine_id)
+        return entry is not None and entry.stale
+
+    def engine_ids(self) -> frozenset[str]:
+        return frozenset(self._engines)
+
+    def seq(self, engine_id: str) -> int:
+        return self._engines[engine_id].seq
+
+    def block_hashes(self, engine_id: str) -> frozenset[int]:
+        entry = self._engines.get(engine_id)
+        return frozenset(entry.block_hashes) if entry is not None else frozenset()
+
+    def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Number of leading ``block_hashes`` cached on each engine (absent: none, or stale)."""
+        return _match(self._engines_by_hash, block_hashes)
+
+    # ---------------------------------------------------------------- internals
+    def _add(self, engine_id: str, entry: _EngineEntry, block_hashes: Iterable[int]) -> None:
+        for block_hash in block_hashes:
+            if block_hash not in entry.block_hashes:
+                entry.block_hashes.add(block_hash)
+                self._engines_by_hash.setdefault(block_hash, set()).add(engine_id)
+
+    def _discard(self, engine_id: str, entry: _EngineEntry, block_hashes: Iterable[int]) -> None:
+        for block_hash in block_hashes:
+            if block_hash in entry.block_hashes:
+                entry.block_hashes.remove(block_hash)
+                self._unlink(engine_id, block_hash)
+
+    def _unlink(self, engine_id: str, block_hash: int) -> None:
+        holders = self._engines_by_hash[block_hash]
+        holders.discard(engine_id)
+        if not holders:
+            del self._engines_by_hash[block_hash]
+
+    def _clear(self, engine_id: str) -> None:
+        entry = self._engines.pop(engine_id, None)
+        if entry is not None:
+            for block_hash in entry.block_hashes:
+                self._unlink(engine_id, block_hash)
+
+
+class ApproximateIndex:
+    """Blocks the router routed to each engine, at most ``max_blocks_per_engine`` each (LRU).
+
+    ``record`` touches a request's blocks tail first, so its leading blocks are the most recently
+    used: when the bound bites, a prefix loses its tail before its head (as the engine's own
+    free queue evicts), and what remains still matches as a leading prefix.
+    """
+
+    def __init__(self, max_blocks_per_engine: int) -> None:
+        if max_blocks_per_engine < 1:
+            raise ValueError(f"max_blocks_per_engine must be >= 1, got {max_blocks_per_engine}")
+        self.max_blocks_per_engine = max_blocks_per_engine
+        # per engine: block hash -> None, least recently used first
+        self._engines: dict[str, OrderedDict[int, None]] = {}
+        self._engines_by_hash: dict[int, set[str]] = {}
+
+    def record(self, engine_id: str, block_hashes: Sequence[int]) -> None:
+        """Note that a request with ``block_hashes`` was just routed to ``engine_id``."""
+        lru = self._engines.setdefault(engine_id, OrderedDict())
+        for block_hash in reversed(block_hashes):
+            if block_hash in lru:
+                lru.move_to_end(block_hash)
+            else:
+                lru[block_hash] = None
+                self._engines_by_hash.setdefault(block_hash, set()).add(engine_id)
+        while len(lru) > self.max_blocks_per_engine:
+            evicted, _ = lru.popitem(last=False)
+            self._unlink(engine_id, evicted)
+
+    def remove_engine(self, engine_id: str) -> None:
+        for block_hash in self._engines.pop(engine_id, ()):
+            self._unlink(engine_id, block_hash)
+
+    def num_blocks(self, engine_id: str) -> int:
+        return len(self._engines.get(engine_id, ()))
+
+    def block_hashes(self, engine_id: str) -> tuple[int, ...]:
+        """The engine's recorded blocks, least recently used first."""
+        return tuple(self._engines.get(engine_id, ()))
+
+    def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """Number of leading ``block_hashes`` recorded for each engine (absent: none)."""
+        return _match(self._engines_by_hash, block_hashes)
+
+    def _unlink(self, engine_id: str, block_hash: int) -> None:
+        holders = self._engines_by_hash[block_hash]
+        holders.discard(engine_id)
+        if not holders:
+            del self._engines_by_hash[block_hash]

@@ -1,0 +1,183 @@
+"""The router's tokenizer: tokenize once, render chat templates, hash blocks like the engine.
+
+No torch and no transformers: the Rust ``tokenizers`` package loads ``tokenizer.json`` and a
+sandboxed ``jinja2`` environment renders the chat template with the settings transformers uses
+(``transformers/utils/chat_template_utils.py``), so the router's token ids, prompts and block
+hashes equal the engine's. ``digest`` is the SHA-256 of ``tokenizer.json``, the value the engine
+reports in ``GetModelInfo.tokenizer_digest``; a router compares the two before trusting its hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer, processors
+
+from quire.block_hash import hash_block_tokens
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class RouterTokenizer:
+    """A fast tokenizer plus chat template loaded from a model directory (no torch)."""
+
+    def __init__(self, backend: Tokenizer, *, digest: str, special_tokens: dict[str, str],
+                 chat_template: str | None) -> None:
+        self.backend = backend
+        self.digest = digest
+        self.special_tokens = special_tokens  # bos_token, eos_token, ... -> token text
+        self.chat_template = chat_template
+        self._template = _compile_template(chat_template) if chat_template else None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> RouterTokenizer:
+        path = Path(path)
+        tokenizer_json = path / "tokenizer.json"
+        if not tokenizer_json.is_file():
+            raise ValueError(f"tokenizer: {path} has no tokenizer.json")
+        raw = tokenizer_json.read_bytes()
+        backend = Tokenizer.from_str(raw.decode("utf-8"))
+        config_path = path / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        special = {key: text for key in _SPECIAL_KEYS
+                   if (text := _token_text(config.get(key))) is not None}
+        _prepare_backend(backend, config, special)
+        template_path = path / "chat_template.jinja"
+        template = template_path.read_text() if template_path.is_file() else None
+        if template is None and isinstance(config.get("chat_template"), str):
+            template = config["chat_template"]
+        return cls(backend, digest=hashlib.sha256(raw).hexdigest(), special_tokens=special,
+                   chat_template=template)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids exactly as transformers' ``tokenizer.encode(text)`` gives them."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        """The prompt text, rendered as transformers' ``apply_chat_template(tokenize=False)``."""
+        if self._template is None:
+            raise ValueError("messages: this model's tokenizer has no chat template")
+        variables = {**self.special_tokens, **kwargs}  # kwargs override special tokens
+        return self._template.render(messages=messages, tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt, **variables)
+
+    def block_hashes(self, token_ids: Sequence[int], block_size: int,
+                     cache_salt: str | None = None) -> list[int]:
+        """The engine's hashes of every full block of ``token_ids``."""
+        return hash_block_tokens(token_ids, block_size, cache_salt=cache_salt)
+
+
+def _token_text(value) -> str | None:
+    """A special token from tokenizer_config.json: a string or an AddedToken-style dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _prepare_backend(backend: Tokenizer, config: dict, special: dict[str, str]) -> None:
+    """Apply what transformers' TokenizersBackend changes in the backend when it loads."""
+    backend.no_truncation()
+    backend.no_padding()
+    backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+    explicit = "add_bos_token" in config or "add_eos_token" in config
+    if not explicit and backend.post_processor is not None:
+        return  # transformers keeps tokenizer.json's post-processor as it is
+    bos, eos = special.get("bos_token"), special.get("eos_token")
+    add_bos = bool(config.get("add_bos_token", False)) and bos is not None
+    add_eos = bool(config.get("add_eos_token", False)) and eos is not None
+    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
+    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+    tokens = []
+    if add_bos:
+        tokens.append((bos, backend.token_to_id(bos)))
+    if add_eos:
+        tokens.append((eos, backend.token_to_id(eos)))
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair,
+                                                           special_tokens=tokens)
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # as transformers: no HTML escaping, and its options exposed
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(format):
+    return datetime.now().strftime(format)
+
+
+class _TemplateDict:
+    """``dict`` for templates without attribute access to the real type."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """``namespace`` that refuses underscore-prefixed attributes."""
+
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot store underscore-prefixed attributes, got {name!r}")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accepts ``{% generation %}...{% endgeneration %}`` and renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """The environment of transformers' ``_cached_compile_jinja_template``."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env.from_string(source)

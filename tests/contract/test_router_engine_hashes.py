@@ -1,0 +1,156 @@
+"""The router tokenizes, renders chat templates and hashes blocks exactly as the engine does.
+
+The router side is ``router.tokenizer.RouterTokenizer`` (Rust tokenizers + jinja2, no torch);
+the engine side is ``engine_worker.tokenizer.Tokenizer`` (transformers) and the hashes its
+scheduler stores on ``Request.block_hashes``. Both load the embedded SmolLM2 directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from router.tokenizer import RouterTokenizer
+
+TEXTS = [
+    "Hello world",
+    " leading space and trailing space ",
+    "The quick brown fox jumps over the lazy dog.\n\nNew paragraph\twith a tab.",
+    "Größe, naïve café, smørrebrød, Ærø",
+    "日本語のテキストと中文字符，还有한국어도 있습니다。",
+    "Emoji: 👋🏽 🚀🔥 👨‍👩‍👧‍👦 and flags 🇫🇷🇯🇵",
+    "def fib(n: int) -> int:\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+    '{"key": [1, 2.5, null, true], "nested": {"a": "b\\n"}}',
+    "<|im_start|>user\nspecial tokens inline<|im_end|>\n<|endoftext|>",
+    "   \n\n\t  whitespace   runs \r\n",
+    "Numbers 1234567890 3.14159 -42 1e10 0x1F",
+    ("A long passage about caches. " * 60) + "Ünïcödé at the end ✓",
+]
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "user", "content": "Hi there! 👋"}],
+    [{"role": "system", "content": "You translate to French."},
+     {"role": "user", "content": "Good morning"},
+     {"role": "assistant", "content": "Bonjour"},
+     {"role": "user", "content": "Good night, café ☕"}],
+    [{"role": "user", "content": "  {% raw %}not a tag{% endraw %}  \n"},
+     {"role": "assistant", "content": "```python\nprint('x')\n```"},
+     {"role": "user", "content": ""}],
+]
+
+BLOCK_SIZES = [1, 4, 16, 32]
+SALTS = [None, "tenant-a"]
+
+
+@pytest.fixture(scope="module")
+def router_tokenizer(embedded_model_dir: Path) -> RouterTokenizer:
+    start = time.perf_counter()
+    tok = RouterTokenizer.from_dir(embedded_model_dir)
+    print(f"\nRouterTokenizer.from_dir: {(time.perf_counter() - start) * 1000:.1f} ms")
+    return tok
+
+
+@pytest.fixture(scope="module")
+def engine_tokenizer(embedded_model_dir: Path):
+    from engine_worker.tokenizer import Tokenizer
+
+    return Tokenizer(embedded_model_dir)
+
+
+@pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_matches_engine(router_tokenizer, engine_tokenizer, text, add_special_tokens):
+    assert (router_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            == engine_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def test_bos_handling_matches_transformers(router_tokenizer, engine_tokenizer):
+    """SmolLM2 adds no BOS on encode; whatever transformers does, the router does too."""
+    ids = engine_tokenizer.encode("Hello")
+    assert router_tokenizer.encode("Hello") == ids
+    assert engine_tokenizer.hf.bos_token == router_tokenizer.bos_token
+    assert engine_tokenizer.hf.eos_token == router_tokenizer.eos_token
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS, ids=range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_engine(router_tokenizer, engine_tokenizer, messages,
+                                      add_generation_prompt):
+    ours = router_tokenizer.apply_chat_template(messages, add_generation_prompt)
+    theirs = engine_tokenizer.apply_chat_template(messages, add_generation_prompt)
+    assert ours == theirs
+    assert router_tokenizer.encode(ours) == engine_tokenizer.encode(theirs)
+
+
+def test_digest_matches_engine(router_tokenizer, embedded_model_dir):
+    from engine_worker.server.servicer import tokenizer_digest
+
+    assert router_tokenizer.digest == tokenizer_digest(embedded_model_dir)
+    raw = (embedded_model_dir / "tokenizer.json").read_bytes()
+    assert router_tokenizer.digest == hashlib.sha256(raw).hexdigest()
+
+
+def _scheduler_block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None,
+                            eos_ids) -> list[int]:
+    from engine_worker.kv_cache.manager import KVCacheManager
+    from engine_worker.request import Request
+    from engine_worker.sampling_params import SamplingParams
+    from engine_worker.scheduler.scheduler import Scheduler
+
+    kv = KVCacheManager(num_blocks=4096, block_size=block_size, enable_prefix_caching=True)
+    scheduler = Scheduler(kv_cache_manager=kv, max_num_batched_tokens=8192, max_num_seqs=8,
+                          max_model_len=8192)
+    request = Request("r0", list(token_ids), SamplingParams(), eos_ids, max_tokens=16,
+                      cache_salt=cache_salt)
+    scheduler.add_request(request)
+    return list(request.block_hashes)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("cache_salt", SALTS)
+def test_block_hashes_match_scheduler(router_tokenizer, engine_tokenizer, block_size, cache_salt):
+    prompts = [TEXTS[2], TEXTS[5], TEXTS[11]]
+    prompts += [engine_tokenizer.apply_chat_template(m) for m in CONVERSATIONS[:2]]
+    checked_blocks = 0
+    for prompt in prompts:
+        router_ids = router_tokenizer.encode(prompt)
+        engine_ids = engine_tokenizer.encode(prompt)
+        assert router_ids == engine_ids
+        ours = router_tokenizer.block_hashes(router_ids, block_size, cache_salt=cache_salt)
+        theirs = _scheduler_block_hashes(engine_ids, block_size, cache_salt,
+                                         engine_tokenizer.eos_token_ids)
+        assert ours == theirs
+        assert len(ours) == len(router_ids) // block_size
+        checked_blocks += len(ours)
+    assert checked_blocks > 0
+
+
+def test_salt_changes_every_hash(router_tokenizer):
+    ids = router_tokenizer.encode(TEXTS[11])
+    plain = router_tokenizer.block_hashes(ids, 16)
+    salted = router_tokenizer.block_hashes(ids, 16, cache_salt="tenant-a")
+    assert len(plain) == len(salted) > 1
+    assert all(a != b for a, b in zip(plain, salted))
+
+
+def test_router_tokenizer_imports_no_torch_or_transformers():
+    code = ("import router.tokenizer, sys; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, "
+            "[m for m in ('torch', 'transformers') if m in sys.modules]")
+    repo_root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=repo_root)
+
+
+def test_from_dir_load_time(embedded_model_dir, capsys):
+    start = time.perf_counter()
+    RouterTokenizer.from_dir(embedded_model_dir)
+    elapsed = time.perf_counter() - start
+    with capsys.disabled():
+        print(f"\nRouterTokenizer.from_dir (warm): {elapsed * 1000:.1f} ms")
