@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -97,6 +98,61 @@ def cmd_engine(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_router(ns: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from router.server import RouterServer
+
+    addresses = [a.strip() for a in ns.engines.split(",") if a.strip()]
+
+    async def run() -> int:
+        router = RouterServer(addresses, ns.tokenizer_dir, policy=ns.policy, host=ns.host,
+                              port=ns.port)
+        port = await router.start()
+        print(f"quire router listening on {ns.host}:{port}, engines {', '.join(addresses)}",
+              flush=True)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await router.stop()
+        return 0
+
+    return asyncio.run(run())
+
+
+def cmd_up(ns: argparse.Namespace) -> int:
+    import asyncio
+    import dataclasses
+    import subprocess
+
+    from engine_worker.arg_utils import dataclass_from_namespace
+    from engine_worker.config import EngineArgs
+    from quire.up import StackConfig, run_stack, start_engines, stop_engines
+
+    cfg = dataclass_from_namespace(StackConfig, ns)
+    engine_flags = []
+    for field in dataclasses.fields(EngineArgs):
+        value = getattr(ns, field.name)
+        if value != field.default:
+            engine_flags += ["--" + field.name.replace("_", "-"), str(value)]
+    # Resolve (and on first use convert) the model once, in a child: torch stays out of here.
+    resolved = subprocess.run(
+        [sys.executable, "-c", "import sys; from engine_worker.weights.resolve import "
+         "resolve_model_dir; print(resolve_model_dir(sys.argv[1] or None))", ns.model or ""],
+        capture_output=True, text=True, check=False)
+    if resolved.returncode != 0:
+        print(resolved.stderr.strip().splitlines()[-1], file=sys.stderr)
+        return 2
+    tokenizer_dir = resolved.stdout.strip().splitlines()[-1]
+    engines = start_engines(cfg, engine_flags)
+    try:
+        return asyncio.run(run_stack(cfg, engines, tokenizer_dir))
+    finally:
+        stop_engines(engines)
+
+
 def cmd_bench_throughput(ns: argparse.Namespace) -> int:
     from engine_worker.benchmarks.throughput import run_from_args
 
@@ -137,6 +193,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(eng, ServerConfig, "server")
     add_engine_args(eng)
     eng.set_defaults(func=cmd_engine)
+
+    rt = sub.add_parser("router", help="serve the gRPC router in front of engines")
+    rt.add_argument("--engines", default=os.environ.get("QUIRE_ENGINES", ""),
+                    help="comma-separated engine addresses host:port [env QUIRE_ENGINES]")
+    rt.add_argument("--tokenizer-dir", default=os.environ.get("QUIRE_TOKENIZER_DIR"),
+                    required="QUIRE_TOKENIZER_DIR" not in os.environ,
+                    help="directory with the engines' tokenizer.json [env QUIRE_TOKENIZER_DIR]")
+    rt.add_argument("--policy", default=os.environ.get("QUIRE_POLICY", "prefix_aware"))
+    rt.add_argument("--host", default=os.environ.get("QUIRE_HOST", "0.0.0.0"))
+    rt.add_argument("--port", type=int, default=int(os.environ.get("QUIRE_PORT", "50050")))
+    rt.set_defaults(func=cmd_router)
+
+    up = sub.add_parser("up", help="local stack: a router and N engine processes on loopback")
+    from quire.up import StackConfig
+
+    add_dataclass_args(up, StackConfig, "stack")
+    add_engine_args(up)
+    up.set_defaults(func=cmd_up)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

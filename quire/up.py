@@ -1,0 +1,119 @@
+"""``quire up``: a local stack on loopback, N engine processes behind one router.
+
+Engines run as ``quire engine`` subprocesses (each owns its model and KV cache); the router runs
+in this process (it never imports torch). After one example request through the router, the
+stack serves until Ctrl-C / SIGTERM, then stops the engines (they drain) and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+EXAMPLE_QUESTION = "What is the capital of France?"
+
+
+@dataclass(frozen=True, slots=True)
+class StackConfig:
+    num_engines: int = 2
+    router_host: str = "127.0.0.1"
+    router_port: int = 50050
+    policy: str = "prefix_aware"
+    startup_timeout_s: float = 600.0
+    once: bool = False  # exit after the example request (scripts, CI)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_engines <= 16:
+            raise ValueError(f"num_engines: must be in [1, 16], got {self.num_engines}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine_argv(port: int, engine_flags: list[str], num_threads: int) -> list[str]:
+    argv = [sys.executable, "-m", "quire.cli", "engine", "--host", "127.0.0.1", "--port",
+            str(port)]
+    if "--num-threads" not in engine_flags:
+        argv += ["--num-threads", str(num_threads)]
+    return argv + engine_flags
+
+
+def start_engines(cfg: StackConfig, engine_flags: list[str]) -> list[tuple[subprocess.Popen, str]]:
+    """Start the engines and wait until each prints that it listens."""
+    threads = max(1, (os.cpu_count() or 1) // cfg.num_engines)
+    engines = []
+    for _ in range(cfg.num_engines):
+        port = _free_port()
+        proc = subprocess.Popen(_engine_argv(port, engine_flags, threads),
+                                stdout=subprocess.PIPE, text=True)
+        engines.append((proc, f"127.0.0.1:{port}"))
+    deadline = time.monotonic() + cfg.startup_timeout_s
+    for proc, address in engines:
+        line = proc.stdout.readline() if time.monotonic() < deadline else ""
+        if not re.search(r"listening on", line):
+            stop_engines(engines)
+            raise RuntimeError(f"engine {address} did not start (exit code {proc.poll()})")
+    return engines
+
+
+def stop_engines(engines) -> None:
+    for proc, _ in engines:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # they drain, then exit 0
+    for proc, _ in engines:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def _example(port: int, tokenizer) -> str:
+    import grpc
+
+    from quire.v1 import engine_pb2 as pb
+    from quire.v1 import engine_pb2_grpc
+
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": EXAMPLE_QUESTION}])
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        text = []
+        call = stub.Generate(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=ids),
+            sampling=pb.SamplingOptions(temperature=0, max_tokens=64)), timeout=300)
+        async for message in call:
+            text += [d.text for d in message.outputs]
+    return "".join(text)
+
+
+async def run_stack(cfg: StackConfig, engines, tokenizer_dir: str) -> int:
+    from router.server import RouterServer
+    from router.tokenizer import RouterTokenizer
+
+    router = RouterServer([a for _, a in engines], tokenizer_dir, policy=cfg.policy,
+                          host=cfg.router_host, port=cfg.router_port)
+    port = await router.start()
+    print(f"quire up: router on {cfg.router_host}:{port} (quire.v1.EngineService), "
+          f"engines on {', '.join(a for _, a in engines)}", flush=True)
+    tokenizer = RouterTokenizer.from_dir(tokenizer_dir)
+    answer = await _example(port, tokenizer)
+    print(f"example: {EXAMPLE_QUESTION!r} -> {answer!r}", flush=True)
+    if not cfg.once:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        print("serving; Ctrl-C stops the stack", flush=True)
+        await stop.wait()
+    await router.stop()
+    return 0

@@ -1,0 +1,44 @@
+"""`quire up`: a router and two engine processes on loopback answer a real request."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+
+def _up(model_dir, *extra):
+    return [sys.executable, "-m", "quire.cli", "up", "--model", str(model_dir), "--dtype",
+            "float32", "--kv-cache-memory-bytes", str(1 << 24), "--router-port", "0", *extra]
+
+
+def test_up_answers_the_example_and_exits(tiny_model_dir):
+    result = subprocess.run(_up(tiny_model_dir, "--once", "true"), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.search(r"router on 127\.0\.0\.1:\d+ .*engines on 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+",
+                     result.stdout)
+    assert re.search(r"example: 'What is the capital of France\?' -> '.+'", result.stdout)
+
+
+def test_up_stops_cleanly_on_ctrl_c(tiny_model_dir):
+    proc = subprocess.Popen(_up(tiny_model_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 300
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if "Ctrl-C stops the stack" in line or not line:
+            break
+    assert any("example:" in line for line in lines), lines
+    engines = re.search(r"engines on (.+)$", "".join(lines), re.M).group(1)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 0
+    for address in engines.split(", "):  # the engines are gone too
+        port = address.rsplit(":", 1)[1]
+        check = subprocess.run(["bash", "-c", f"</dev/tcp/127.0.0.1/{port}"],
+                               capture_output=True)
+        assert check.returncode != 0
