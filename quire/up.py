@@ -25,6 +25,7 @@ class StackConfig:
     num_engines: int = 2
     router_host: str = "127.0.0.1"
     router_port: int = 50050
+    http_port: int = 8000  # OpenAI-compatible HTTP front on the router
     policy: str = "prefix_aware"
     startup_timeout_s: float = 600.0
     once: bool = False  # exit after the example request (scripts, CI)
@@ -97,13 +98,17 @@ async def _example(port: int, tokenizer) -> str:
 
 
 async def run_stack(cfg: StackConfig, engines, tokenizer_dir: str) -> int:
+    from router.openai_api import OpenAIFront
     from router.server import RouterServer
     from router.tokenizer import RouterTokenizer
 
     router = RouterServer([a for _, a in engines], tokenizer_dir, policy=cfg.policy,
                           host=cfg.router_host, port=cfg.router_port)
     port = await router.start()
-    print(f"quire up: router on {cfg.router_host}:{port} (quire.v1.EngineService), "
+    front = OpenAIFront(router, model_name="quire", host=cfg.router_host, port=cfg.http_port)
+    http_port = await front.start()
+    print(f"quire up: router on {cfg.router_host}:{port} (quire.v1.EngineService) and "
+          f"http://{cfg.router_host}:{http_port}/v1 (OpenAI API, model 'quire'), "
           f"engines on {', '.join(a for _, a in engines)}", flush=True)
     tokenizer = RouterTokenizer.from_dir(tokenizer_dir)
     answer = await _example(port, tokenizer)
@@ -115,5 +120,6 @@ async def run_stack(cfg: StackConfig, engines, tokenizer_dir: str) -> int:
             loop.add_signal_handler(sig, stop.set)
         print("serving; Ctrl-C stops the stack", flush=True)
         await stop.wait()
+    await front.stop()
     await router.stop()
     return 0

@@ -11,15 +11,16 @@ import time
 
 def _up(model_dir, *extra):
     return [sys.executable, "-m", "quire.cli", "up", "--model", str(model_dir), "--dtype",
-            "float32", "--kv-cache-memory-bytes", str(1 << 24), "--router-port", "0", *extra]
+            "float32", "--kv-cache-memory-bytes", str(1 << 24), "--router-port", "0", "--http-port", "0",
+            *extra]
 
 
 def test_up_answers_the_example_and_exits(tiny_model_dir):
     result = subprocess.run(_up(tiny_model_dir, "--once", "true"), capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert re.search(r"router on 127\.0\.0\.1:\d+ .*engines on 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+",
-                     result.stdout)
+    assert re.search(r"router on 127\.0\.0\.1:\d+ .*http://127\.0\.0\.1:\d+/v1 .*"
+                     r"engines on 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+", result.stdout)
     assert re.search(r"example: 'What is the capital of France\?' -> '.+'", result.stdout)
 
 
