@@ -1,0 +1,54 @@
+"""Two router replicas subscribed to the same engines hold the same prefix index."""
+
+from __future__ import annotations
+
+import time
+
+from quire.v1 import engine_pb2 as pb
+from tests.e2e.test_router import RunningRouter, _start_engine
+
+
+def _index(router: RunningRouter) -> dict[str, frozenset[int]]:
+    async def read():
+        index = router.server.index
+        return {engine_id: index.block_hashes(engine_id) for engine_id in index.engine_ids()}
+    return router.call(read())
+
+
+def _truth(engines) -> dict[str, frozenset[int]]:
+    return {f"127.0.0.1:{e.port}": frozenset(e.server.async_engine.engine.kv_cache_manager.pool
+                                             .cached) for e in engines}
+
+
+def test_two_replicas_hold_the_same_index(tiny_model_dir):
+    engines = [_start_engine(tiny_model_dir) for _ in range(2)]
+    addresses = [f"127.0.0.1:{e.port}" for e in engines]
+    first = RunningRouter(addresses, tiny_model_dir)
+    try:
+        # traffic through the first replica only, before and after the second subscribes
+        for i in range(3):
+            prompt = list(range(1000 * i + 100, 1000 * i + 180))
+            list(first.stub.Generate(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt),
+                sampling=pb.SamplingOptions(temperature=0, max_tokens=4)), timeout=60))
+        second = RunningRouter(addresses, tiny_model_dir)
+        try:
+            for i in range(3, 6):
+                prompt = list(range(1000 * i + 100, 1000 * i + 180))
+                list(first.stub.Generate(pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=prompt),
+                    sampling=pb.SamplingOptions(temperature=0, max_tokens=4)), timeout=60))
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                a, b, truth = _index(first), _index(second), _truth(engines)
+                if a == b == truth:
+                    break
+                time.sleep(0.05)
+            assert a == b == truth
+            assert sum(len(v) for v in truth.values()) >= 6 * 5  # 80-token prompts: 5 blocks
+        finally:
+            second.close()
+    finally:
+        first.close()
+        for engine in engines:
+            engine.close()
