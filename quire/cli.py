@@ -100,8 +100,8 @@ def cmd_engine(ns: argparse.Namespace) -> int:
 
 def cmd_router(ns: argparse.Namespace) -> int:
     import asyncio
-    import signal
 
+    from quire.signals import shutdown_event
     from router.server import RouterServer
 
     addresses = [a.strip() for a in ns.engines.split(",") if a.strip()]
@@ -110,11 +110,9 @@ def cmd_router(ns: argparse.Namespace) -> int:
         router = RouterServer(addresses, ns.tokenizer_dir, policy=ns.policy, host=ns.host,
                               port=ns.port)
         port = await router.start()
+        stop = shutdown_event()
         print(f"quire router listening on {ns.host}:{port}, engines {', '.join(addresses)}",
               flush=True)
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
         await router.stop()
         return 0

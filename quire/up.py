@@ -7,7 +7,6 @@ stack serves until Ctrl-C / SIGTERM, then stops the engines (they drain) and exi
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import signal
@@ -98,6 +97,7 @@ async def _example(port: int, tokenizer) -> str:
 
 
 async def run_stack(cfg: StackConfig, engines, tokenizer_dir: str) -> int:
+    from quire.signals import shutdown_event
     from router.openai_api import OpenAIFront
     from router.server import RouterServer
     from router.tokenizer import RouterTokenizer
@@ -114,10 +114,7 @@ async def run_stack(cfg: StackConfig, engines, tokenizer_dir: str) -> int:
     answer = await _example(port, tokenizer)
     print(f"example: {EXAMPLE_QUESTION!r} -> {answer!r}", flush=True)
     if not cfg.once:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = shutdown_event()
         print("serving; Ctrl-C stops the stack", flush=True)
         await stop.wait()
     await front.stop()

@@ -9,7 +9,6 @@ reports in ``GetModelInfo.tokenizer_digest``; a router compares the two before t
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -20,6 +19,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, processors
 
+from quire.tokenizer_digest import tokenizer_digest
 from quire.block_hash import hash_block_tokens
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -53,7 +53,7 @@ class RouterTokenizer:
         template = template_path.read_text() if template_path.is_file() else None
         if template is None and isinstance(config.get("chat_template"), str):
             template = config["chat_template"]
-        return cls(backend, digest=hashlib.sha256(raw).hexdigest(), special_tokens=special,
+        return cls(backend, digest=tokenizer_digest(raw), special_tokens=special,
                    chat_template=template)
 
     @property

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from pathlib import Path
 
 import grpc
@@ -19,6 +18,7 @@ from engine_worker.server.async_engine import AsyncEngine
 from engine_worker.server.config import ServerConfig
 from engine_worker.server.convert import RequestLimits
 from engine_worker.server.servicer import EngineServicer
+from quire.signals import shutdown_event
 from quire.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -116,8 +116,7 @@ class EngineServer:
 
 
 def _step_recorder(metrics: EngineMetrics):
-    def record(engine: LLMEngine) -> None:
-        stats = engine.kv_cache_stats()
+    def record(engine: LLMEngine, stats) -> None:
         metrics.observe_step(num_running=engine.scheduler.num_running,
                              num_waiting=engine.scheduler.num_waiting,
                              kv_cache_usage=stats.usage,
@@ -142,10 +141,7 @@ async def serve(engine: LLMEngine, cfg: ServerConfig) -> None:
     """Run until SIGTERM/SIGINT, then drain and return (the process exits 0)."""
     server = EngineServer(engine, cfg)
     await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = shutdown_event()
     metrics_at = (f", metrics on http://{cfg.host}:{server.metrics_server.port}/metrics"
                   if server.metrics_server else "")
     print(f"quire engine listening on {cfg.host}:{server.port}{metrics_at}", flush=True)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from engine_worker.engine import LLMEngine
 from engine_worker.input_processor import PromptType
+from engine_worker.kv_cache.manager import KVCacheStats
 from engine_worker.outputs import RequestOutput
 from engine_worker.sampling_params import RequestOutputKind, SamplingParams
 from quire.kv_events import KVCacheSnapshot
@@ -51,7 +52,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 1024,
                  max_queued_tokens: int = 1 << 20,
-                 on_step: Callable[[LLMEngine], None] | None = None,
+                 on_step: Callable[[LLMEngine, KVCacheStats], None] | None = None,
                  on_finished: Callable[[RequestOutput, int], None] | None = None) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
@@ -228,7 +229,7 @@ class AsyncEngine:
             for sink in self._subscribers:
                 self._loop.call_soon_threadsafe(sink.put_nowait, batch)
         if self._on_step is not None:
-            self._on_step(engine)
+            self._on_step(engine, stats)  # stats computed once per step
 
     def _die(self, reason: str) -> None:
         self.dead_reason = reason

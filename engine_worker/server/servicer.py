@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from pathlib import Path
@@ -14,17 +13,12 @@ from engine_worker.server.async_engine import AsyncEngine
 from engine_worker.server.convert import RequestLimits, request_from_proto, response_to_proto
 from engine_worker.server.errors import abort_with
 from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
+from quire.tokenizer_digest import tokenizer_dir_digest
 from quire.kv_events import batch_to_proto, snapshot_to_proto
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-
-def tokenizer_digest(model_dir: Path) -> str:
-    """SHA-256 of tokenizer.json: routers compare it to know they tokenize identically."""
-    path = model_dir / "tokenizer.json"
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -33,7 +27,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self.engine = engine
         self.model_name = model_name
         self.limits = limits
-        self._tokenizer_digest = tokenizer_digest(tokenizer_dir)
+        self._tokenizer_digest = tokenizer_dir_digest(tokenizer_dir)
         self.draining = False
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):

@@ -90,7 +90,7 @@ def test_chat_template_matches_engine(router_tokenizer, engine_tokenizer, messag
 
 
 def test_digest_matches_engine(router_tokenizer, embedded_model_dir):
-    from engine_worker.server.servicer import tokenizer_digest
+    from quire.tokenizer_digest import tokenizer_dir_digest as tokenizer_digest
 
     assert router_tokenizer.digest == tokenizer_digest(embedded_model_dir)
     raw = (embedded_model_dir / "tokenizer.json").read_bytes()
