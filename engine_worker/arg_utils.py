@@ -1,17 +1,14 @@
 """Every engine argument as a command-line flag and a ``QUIRE_*`` environment variable.
 
-Flags are derived from ``EngineArgs`` so a new engine option appears on the command line by
-itself. A flag beats its environment variable, which beats the default.
+Flags are derived from ``EngineArgs`` (see ``quire.config_args``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
-import typing
 
 from engine_worker.config import EngineArgs
+from quire.config_args import add_dataclass_args, dataclass_from_namespace
 
 _HELP = {
     "model": "local HF directory, .gguf file, or the embedded model's Hub id (default: embedded "
@@ -31,43 +28,6 @@ _HELP = {
     "device": "auto, cpu or cuda[:N]",
     "num_threads": "torch CPU threads",
 }
-
-
-def env_name(field_name: str) -> str:
-    return "QUIRE_" + field_name.upper()
-
-
-def _parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
-
-
-def _base_type(annotation) -> type:
-    hints = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
-    return hints[0]
-
-
-def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str,
-                       helps: dict[str, str] | None = None) -> None:
-    """One ``--flag`` (and ``QUIRE_FLAG`` variable) per field of the dataclass ``cls``."""
-    group = parser.add_argument_group(title)
-    hints = typing.get_type_hints(cls)
-    for field in dataclasses.fields(cls):
-        kind = _base_type(hints[field.name])
-        flag = "--" + field.name.replace("_", "-")
-        env = os.environ.get(env_name(field.name))
-        parse = _parse_bool if kind is bool else kind
-        default = parse(env) if env is not None else field.default
-        group.add_argument(flag, dest=field.name, type=parse, default=default,
-                           help=f"{(helps or {}).get(field.name, '')} [env {env_name(field.name)}]")
-
-
-def dataclass_from_namespace(cls, ns: argparse.Namespace):
-    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

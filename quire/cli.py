@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 
@@ -88,7 +87,7 @@ def cmd_chat(ns: argparse.Namespace) -> int:
 def cmd_engine(ns: argparse.Namespace) -> int:
     import asyncio
 
-    from engine_worker.arg_utils import dataclass_from_namespace
+    from quire.config_args import dataclass_from_namespace
     from engine_worker.server.app import serve
     from engine_worker.server.config import ServerConfig
 
@@ -101,23 +100,14 @@ def cmd_engine(ns: argparse.Namespace) -> int:
 def cmd_router(ns: argparse.Namespace) -> int:
     import asyncio
 
-    from quire.signals import shutdown_event
-    from router.server import RouterServer
+    from quire.config_args import dataclass_from_namespace
+    from router.app import serve
+    from router.config import DiscoveryConfig, EngineTLSConfig, PlacementConfig, RouterServerConfig
 
-    addresses = [a.strip() for a in ns.engines.split(",") if a.strip()]
-
-    async def run() -> int:
-        router = RouterServer(addresses, ns.tokenizer_dir, policy=ns.policy, host=ns.host,
-                              port=ns.port)
-        port = await router.start()
-        stop = shutdown_event()
-        print(f"quire router listening on {ns.host}:{port}, engines {', '.join(addresses)}",
-              flush=True)
-        await stop.wait()
-        await router.stop()
-        return 0
-
-    return asyncio.run(run())
+    configs = [dataclass_from_namespace(cls, ns) for cls in
+               (RouterServerConfig, DiscoveryConfig, PlacementConfig, EngineTLSConfig)]
+    asyncio.run(serve(*configs))
+    return 0
 
 
 def cmd_up(ns: argparse.Namespace) -> int:
@@ -125,7 +115,7 @@ def cmd_up(ns: argparse.Namespace) -> int:
     import dataclasses
     import subprocess
 
-    from engine_worker.arg_utils import dataclass_from_namespace
+    from quire.config_args import dataclass_from_namespace
     from engine_worker.config import EngineArgs
     from quire.up import StackConfig, run_stack, start_engines, stop_engines
 
@@ -135,7 +125,8 @@ def cmd_up(ns: argparse.Namespace) -> int:
         value = getattr(ns, field.name)
         if value != field.default:
             engine_flags += ["--" + field.name.replace("_", "-"), str(value)]
-    # Resolve (and on first use convert) the model once, in a child: torch stays out of here.
+    # Resolve (and on first use convert) the model once, in a child (torch stays out of this
+    # process), so the engines do not all convert it at once.
     resolved = subprocess.run(
         [sys.executable, "-c", "import sys; from engine_worker.weights.resolve import "
          "resolve_model_dir; print(resolve_model_dir(sys.argv[1] or None))", ns.model or ""],
@@ -143,10 +134,9 @@ def cmd_up(ns: argparse.Namespace) -> int:
     if resolved.returncode != 0:
         print(resolved.stderr.strip().splitlines()[-1], file=sys.stderr)
         return 2
-    tokenizer_dir = resolved.stdout.strip().splitlines()[-1]
     engines = start_engines(cfg, engine_flags)
     try:
-        return asyncio.run(run_stack(cfg, engines, tokenizer_dir))
+        return asyncio.run(run_stack(cfg, engines))
     finally:
         stop_engines(engines)
 
@@ -185,22 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     eng = sub.add_parser("engine", help="serve one engine over gRPC (quire.v1.EngineService)")
-    from engine_worker.arg_utils import add_dataclass_args
+    from quire.config_args import add_dataclass_args
     from engine_worker.server.config import ServerConfig
 
     add_dataclass_args(eng, ServerConfig, "server")
     add_engine_args(eng)
     eng.set_defaults(func=cmd_engine)
 
-    rt = sub.add_parser("router", help="serve the gRPC router in front of engines")
-    rt.add_argument("--engines", default=os.environ.get("QUIRE_ENGINES", ""),
-                    help="comma-separated engine addresses host:port [env QUIRE_ENGINES]")
-    rt.add_argument("--tokenizer-dir", default=os.environ.get("QUIRE_TOKENIZER_DIR"),
-                    required="QUIRE_TOKENIZER_DIR" not in os.environ,
-                    help="directory with the engines' tokenizer.json [env QUIRE_TOKENIZER_DIR]")
-    rt.add_argument("--policy", default=os.environ.get("QUIRE_POLICY", "prefix_aware"))
-    rt.add_argument("--host", default=os.environ.get("QUIRE_HOST", "0.0.0.0"))
-    rt.add_argument("--port", type=int, default=int(os.environ.get("QUIRE_PORT", "50050")))
+    rt = sub.add_parser("router", help="serve the router (gRPC + OpenAI HTTP) in front of engines")
+    from router.config import HELP as ROUTER_HELP
+    from router.config import DiscoveryConfig, EngineTLSConfig, PlacementConfig, RouterServerConfig
+
+    for cls, title in ((RouterServerConfig, "router"), (DiscoveryConfig, "discovery"),
+                       (PlacementConfig, "placement"), (EngineTLSConfig, "engine TLS")):
+        add_dataclass_args(rt, cls, title, ROUTER_HELP)
     rt.set_defaults(func=cmd_router)
 
     up = sub.add_parser("up", help="local stack: a router and N engine processes on loopback")

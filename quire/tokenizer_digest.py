@@ -5,6 +5,11 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+# What a router needs to tokenize and render chat templates as an engine does; an engine's
+# GetTokenizer sends these files where the model has them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
+
 
 def tokenizer_digest(tokenizer_json: bytes) -> str:
     """SHA-256 (hex) of a tokenizer.json's bytes, as GetModelInfo.tokenizer_digest reports it."""

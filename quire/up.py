@@ -96,27 +96,28 @@ async def _example(port: int, tokenizer) -> str:
     return "".join(text)
 
 
-async def run_stack(cfg: StackConfig, engines, tokenizer_dir: str) -> int:
+async def run_stack(cfg: StackConfig, engines) -> int:
+    """The router (tokenizer fetched from the engines) in this process, until Ctrl-C."""
     from quire.signals import shutdown_event
-    from router.openai_api import OpenAIFront
-    from router.server import RouterServer
-    from router.tokenizer import RouterTokenizer
+    from router.app import RouterServer
 
-    router = RouterServer([a for _, a in engines], tokenizer_dir, policy=cfg.policy,
-                          host=cfg.router_host, port=cfg.router_port)
+    router = RouterServer.static([a for _, a in engines], policy=cfg.policy,
+                                 host=cfg.router_host, port=cfg.router_port,
+                                 http_port=cfg.http_port)
     port = await router.start()
-    front = OpenAIFront(router, model_name="quire", host=cfg.router_host, port=cfg.http_port)
-    http_port = await front.start()
-    print(f"quire up: router on {cfg.router_host}:{port} (quire.v1.EngineService) and "
-          f"http://{cfg.router_host}:{http_port}/v1 (OpenAI API, model 'quire'), "
-          f"engines on {', '.join(a for _, a in engines)}", flush=True)
-    tokenizer = RouterTokenizer.from_dir(tokenizer_dir)
-    answer = await _example(port, tokenizer)
-    print(f"example: {EXAMPLE_QUESTION!r} -> {answer!r}", flush=True)
-    if not cfg.once:
-        stop = shutdown_event()
-        print("serving; Ctrl-C stops the stack", flush=True)
-        await stop.wait()
-    await front.stop()
-    await router.stop()
+    try:
+        if not await router.wait_ready(len(engines), timeout_s=cfg.startup_timeout_s):
+            raise RuntimeError(f"engines not serving: {router.engine_states()}")
+        print(f"quire up: router on {cfg.router_host}:{port} (quire.v1.EngineService) and "
+              f"http://{cfg.router_host}:{router.http_port}/v1 (OpenAI API, model "
+              f"{router.model_name!r}), engines on {', '.join(a for _, a in engines)}",
+              flush=True)
+        answer = await _example(port, router.pool.identity.tokenizer)
+        print(f"example: {EXAMPLE_QUESTION!r} -> {answer!r}", flush=True)
+        if not cfg.once:
+            stop = shutdown_event()
+            print("serving; Ctrl-C stops the stack", flush=True)
+            await stop.wait()
+    finally:
+        await router.stop()
     return 0

@@ -1,28 +1,36 @@
-"""One engine as the router reaches it: a grpc.aio channel, the model-identity check, the
-KV-event and load feeds that keep the router's view fresh, and per-request Generate calls.
+"""One engine as the router reaches it: a grpc.aio channel, the admission check, the feeds that
+keep the router's view fresh, and per-request Generate calls.
 
-``connect`` refuses an engine that would make the router's block hashes wrong (another block
-size, hash algorithm, seed or tokenizer): routing on hashes the engine does not share would
-send every request to the wrong place while looking healthy. After ``connect`` two background
-tasks run until ``close``:
+A client supervises its engine for as long as discovery lists it:
 
-- the KV feed: a snapshot resets the engine's entry in the shared ``PrefixIndex``, every later
-  batch is applied; on a gap or a broken stream the entry is dropped and the feed re-subscribes
-  (a fresh snapshot) after a short backoff;
-- the load feed: keeps the latest ``LoadReport``.
+    UNREACHABLE --GetModelInfo ok, admitted--> (health watch) SERVING <--> NOT_SERVING
+         ^                 |                              |
+         |                 +--refused--> REFUSED (re-checked every refused_recheck_s)
+         +------------- health stream broke (engine gone, restarting) ----+
 
-The engine counts as healthy while both feeds are alive: a dead feed means the router is
-blind to the engine, and in practice that the engine is gone.
+- Admission (``admit``, supplied by the pool) refuses an engine that would make the router's
+  block hashes wrong (another block size, hash algorithm, seed or tokenizer): routing on hashes
+  the engine does not share would send every request to the wrong place while looking healthy.
+  It runs again after every reconnect, since a restarted pod may serve something else.
+- ``grpc.health.v1`` Watch is the engine's own readiness: a draining or dead engine says
+  NOT_SERVING, a vanished one breaks the stream. Either takes it out of placement at once.
+- The KV feed mirrors the engine's cache into the shared ``PrefixIndex`` (snapshot, then
+  batches; a gap or broken stream drops the entry and re-subscribes). While it is down the
+  router places this engine by its approximate index (``kv_feed_alive`` is False).
+- The load feed keeps the latest ``LoadReport``; while it is down the load counts as unknown
+  (zero), and the router's own in-flight count still applies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from quire.kv_events import batch_from_proto, snapshot_from_proto
 from quire.v1 import engine_pb2 as pb
@@ -32,6 +40,7 @@ from router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
+ENGINE_SERVICE = "quire.v1.EngineService"
 _CHECKED_FIELDS = ("block_size", "block_hash_algorithm", "block_hash_seed", "tokenizer_digest")
 
 
@@ -68,98 +77,150 @@ def compare_model_info(engine_id: str, expected: ModelExpectation, info: pb.Mode
         raise EngineMismatchError(engine_id, differences)
 
 
-class EngineClient:
-    """The router's connection to one engine pod."""
+class EngineState(enum.Enum):
+    UNREACHABLE = "unreachable"
+    REFUSED = "refused"
+    NOT_SERVING = "not_serving"
+    SERVING = "serving"
 
-    def __init__(self, engine_id: str, address: str, *, index: PrefixIndex,
-                 expected: ModelExpectation, load_interval_ms: int = 100,
-                 connect_timeout_s: float = 10.0, resubscribe_backoff_s: float = 0.1,
-                 max_backoff_s: float = 2.0) -> None:
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    load_interval_ms: int = 100
+    connect_timeout_s: float = 10.0
+    min_backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+    refused_recheck_s: float = 30.0
+    prefill_tokens_per_s: float = 2000.0  # assumed prefill rate, for placement estimates
+    max_message_bytes: int = 64 << 20  # GetTokenizer answers can be tens of MB
+    credentials: grpc.ChannelCredentials | None = None  # None: plaintext
+    server_name: str | None = None  # TLS: name to check in the engine's certificate
+
+
+# Called on every (re)connect; raises EngineMismatchError to refuse the engine.
+Admit = Callable[["EngineClient", pb.ModelInfo], Awaitable[None]]
+
+
+class EngineClient:
+    """The router's connection to one engine pod. ``start()`` it, ``await close()`` it."""
+
+    def __init__(self, engine_id: str, address: str, *, index: PrefixIndex, admit: Admit,
+                 options: ClientOptions = ClientOptions()) -> None:
         self.engine_id = engine_id
         self.address = address
         self.index = index
-        self.expected = expected
-        self.load_interval_ms = load_interval_ms
-        self.connect_timeout_s = connect_timeout_s
-        self.resubscribe_backoff_s = resubscribe_backoff_s
-        self.max_backoff_s = max_backoff_s
+        self.admit = admit
+        self.options = options
+        self.state = EngineState.UNREACHABLE
         self.info: pb.ModelInfo | None = None
+        self.refusal: EngineMismatchError | None = None
         self.load: pb.LoadReport | None = None
         self.inflight_tokens = 0  # prompt tokens sent whose prefill has not answered yet
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: engine_pb2_grpc.EngineServiceStub | None = None
-        self._kv_alive = False
-        self._load_alive = False
-        self._tasks: list[asyncio.Task] = []
+        self.kv_feed_alive = False
+        self.channel = self._open_channel()
+        self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
+        self._supervisor: asyncio.Task | None = None
+        self._feeds: list[asyncio.Task] = []
         self._closed = False
+        self.serving_changed = asyncio.Event()  # set on every state change (tests, readiness)
+
+    def _open_channel(self) -> grpc.aio.Channel:
+        options = [("grpc.max_receive_message_length", self.options.max_message_bytes)]
+        if self.options.server_name:
+            options.append(("grpc.ssl_target_name_override", self.options.server_name))
+        if self.options.credentials is not None:
+            return grpc.aio.secure_channel(self.address, self.options.credentials, options)
+        return grpc.aio.insecure_channel(self.address, options)
 
     # ------------------------------------------------------------------ lifecycle
-    async def connect(self) -> pb.ModelInfo:
-        """Check the engine's model identity and start the feeds.
-
-        Raises ``EngineMismatchError`` (the engine is refused, the channel closed) or
-        ``grpc.aio.AioRpcError`` when the engine cannot be reached.
-        """
-        self._channel = grpc.aio.insecure_channel(self.address)
-        self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
-        try:
-            info = await self._stub.GetModelInfo(pb.GetModelInfoRequest(),
-                                                 timeout=self.connect_timeout_s,
-                                                 wait_for_ready=True)
-            compare_model_info(self.engine_id, self.expected, info)
-        except EngineMismatchError as e:
-            logger.error("refusing %s", e)
-            await self._channel.close()
-            raise
-        except BaseException:
-            await self._channel.close()
-            raise
-        if not info.enable_prefix_caching:
-            logger.warning("engine %s has prefix caching off: prefix-aware placement is moot",
-                           self.engine_id)
-        self.info = info
-        self._tasks = [asyncio.create_task(self._follow_kv_events()),
-                       asyncio.create_task(self._follow_load())]
-        logger.info("engine %s at %s connected (%s, block_size %d)", self.engine_id,
-                    self.address, info.model_name, info.block_size)
-        return info
+    def start(self) -> None:
+        self._supervisor = asyncio.create_task(self._supervise(), name=f"engine {self.engine_id}")
 
     async def close(self) -> None:
         self._closed = True
-        for task in self._tasks:
+        tasks = [t for t in (self._supervisor, *self._feeds) if t is not None]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._feeds = []
         self.index.remove_engine(self.engine_id)
-        self._kv_alive = self._load_alive = False
-        if self._channel is not None:
-            await self._channel.close()
+        self.kv_feed_alive = False
+        self._set_state(EngineState.UNREACHABLE)
+        await self.channel.close()
 
-    # ---------------------------------------------------------------------- state
     @property
     def healthy(self) -> bool:
-        return self.info is not None and not self._closed and self._kv_alive and self._load_alive
+        return self.state is EngineState.SERVING and not self._closed
 
+    def _set_state(self, state: EngineState) -> None:
+        if state is not self.state:
+            logger.log(logging.INFO if state is EngineState.SERVING else logging.WARNING,
+                       "engine %s at %s: %s -> %s", self.engine_id, self.address,
+                       self.state.value, state.value)
+            self.state = state
+            self.serving_changed.set()
+            self.serving_changed = asyncio.Event()
+
+    async def _supervise(self) -> None:
+        backoff_s = self.options.min_backoff_s
+        health = health_pb2_grpc.HealthStub(self.channel)
+        while not self._closed:
+            try:
+                info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(),
+                                                    timeout=self.options.connect_timeout_s)
+                await self.admit(self, info)
+            except EngineMismatchError as e:
+                if self.state is not EngineState.REFUSED:
+                    logger.error("refusing %s", e)
+                self.refusal = e
+                self._stop_feeds()
+                self._set_state(EngineState.REFUSED)
+                await asyncio.sleep(self.options.refused_recheck_s)
+                continue
+            except grpc.aio.AioRpcError as e:
+                logger.debug("engine %s unreachable: %s", self.engine_id, e.code().name)
+                self._set_state(EngineState.UNREACHABLE)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, self.options.max_backoff_s)
+                continue
+            self.info, self.refusal = info, None
+            self._start_feeds()
+            try:
+                async for reply in health.Watch(health_pb2.HealthCheckRequest(
+                        service=ENGINE_SERVICE)):
+                    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+                    self._set_state(EngineState.SERVING if serving else EngineState.NOT_SERVING)
+                    backoff_s = self.options.min_backoff_s
+            except grpc.aio.AioRpcError as e:
+                logger.debug("engine %s health watch ended: %s", self.engine_id, e.code().name)
+            self._set_state(EngineState.UNREACHABLE)
+            await asyncio.sleep(backoff_s)
+
+    # ---------------------------------------------------------------------- state
     def snapshot(self, cached_blocks: int = 0) -> EndpointSnapshot:
         """The engine at decision time; ``cached_blocks`` comes from the prefix index match."""
-        load = self.load or pb.LoadReport()
+        load = self.load if self.load is not None else pb.LoadReport()
         return EndpointSnapshot(
             engine_id=self.engine_id, healthy=self.healthy, cached_blocks=cached_blocks,
-            block_size=self.expected.block_size, num_running=load.num_running,
+            block_size=self.info.block_size if self.info else 1, num_running=load.num_running,
             num_waiting=load.num_waiting, num_queued_tokens=load.num_queued_tokens,
             kv_cache_usage=min(max(load.kv_cache_usage, 0.0), 1.0),
-            inflight_tokens=self.inflight_tokens)
+            inflight_tokens=self.inflight_tokens,
+            prefill_tokens_per_s=self.options.prefill_tokens_per_s)
 
     # ------------------------------------------------------------------- requests
-    async def generate(self, request: pb.GenerateRequest,
-                       timeout_s: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, request: pb.GenerateRequest, *, num_uncached_tokens: int,
+                       timeout_s: float | None = None,
+                       metadata: tuple[tuple[str, str], ...] = ()
+                       ) -> AsyncIterator[pb.GenerateResponse]:
         """Relay the engine's stream. Closing the iterator (or cancelling the task reading it)
-        cancels the upstream call, which aborts the request on the engine."""
-        if self._stub is None:
-            raise RuntimeError(f"engine {self.engine_id}: generate before connect")
-        num_tokens = len(request.token_ids.ids)
+        cancels the upstream call, which aborts the request on the engine.
+
+        ``num_uncached_tokens`` (the prefill the router expects this request to cost) counts
+        as in-flight work until the first message: the engine's load reports lag behind."""
+        num_tokens = num_uncached_tokens
         self.inflight_tokens += num_tokens
-        call = self._stub.Generate(request, timeout=timeout_s)
+        call = self.stub.Generate(request, timeout=timeout_s, metadata=metadata or None)
         try:
             async for message in call:
                 if num_tokens:
@@ -172,17 +233,30 @@ class EngineClient:
                 call.cancel()
 
     # ---------------------------------------------------------------------- feeds
+    def _start_feeds(self) -> None:
+        if not self._feeds:
+            self._feeds = [asyncio.create_task(self._follow_kv_events()),
+                           asyncio.create_task(self._follow_load())]
+
+    def _stop_feeds(self) -> None:
+        for task in self._feeds:
+            task.cancel()
+        self._feeds = []
+        self.index.remove_engine(self.engine_id)
+        self.kv_feed_alive = False
+        self.load = None
+
     async def _follow_kv_events(self) -> None:
-        backoff_s = self.resubscribe_backoff_s
+        backoff_s = self.options.min_backoff_s
         while not self._closed:
-            call = self._stub.StreamKVEvents(pb.StreamKVEventsRequest())
+            call = self.stub.StreamKVEvents(pb.StreamKVEventsRequest())
             try:
                 async for message in call:
                     if message.HasField("snapshot"):
                         self.index.reset_from_snapshot(self.engine_id,
                                                        snapshot_from_proto(message.snapshot))
-                        self._kv_alive = True
-                        backoff_s = self.resubscribe_backoff_s
+                        self.kv_feed_alive = True
+                        backoff_s = self.options.min_backoff_s
                     elif not self.index.apply(self.engine_id, batch_from_proto(message.batch)):
                         logger.warning("engine %s: KV event gap, re-subscribing", self.engine_id)
                         break
@@ -191,24 +265,24 @@ class EngineClient:
                                self.engine_id, e.code().name)
             finally:
                 call.cancel()
-                self._kv_alive = False
+                self.kv_feed_alive = False
                 self.index.remove_engine(self.engine_id)
             await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, self.max_backoff_s)
+            backoff_s = min(backoff_s * 2, self.options.max_backoff_s)
 
     async def _follow_load(self) -> None:
-        backoff_s = self.resubscribe_backoff_s
+        backoff_s = self.options.min_backoff_s
         while not self._closed:
-            call = self._stub.StreamLoad(pb.StreamLoadRequest(interval_ms=self.load_interval_ms))
+            call = self.stub.StreamLoad(
+                pb.StreamLoadRequest(interval_ms=self.options.load_interval_ms))
             try:
                 async for report in call:
                     self.load = report
-                    self._load_alive = True
-                    backoff_s = self.resubscribe_backoff_s
+                    backoff_s = self.options.min_backoff_s
             except grpc.aio.AioRpcError as e:
-                logger.warning("engine %s: load feed broke (%s)", self.engine_id, e.code().name)
+                logger.debug("engine %s: load feed broke (%s)", self.engine_id, e.code().name)
             finally:
                 call.cancel()
-                self._load_alive = False
+                self.load = None
             await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, self.max_backoff_s)
+            backoff_s = min(backoff_s * 2, self.options.max_backoff_s)

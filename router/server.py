@@ -1,33 +1,37 @@
-"""The router pod: serves the engine's own Generate API and places each request on an engine.
+"""The router's quire.v1.EngineService: the engine's own API, placed across engines.
 
-Per request: tokenize once (token-id prompts pass through), hash the prompt's full blocks
-exactly as the engines do (cache salt included), ask the prefix index how much of the prompt
-each engine holds, let the balancer pick, then forward the request *as token ids* and relay the
-stream. An engine that fails before its first message is retried on another one (bounded);
-once a message was relayed the request is never replayed, since the client already has tokens.
-Cancelling the client call cancels the upstream call, which aborts the request on the engine.
+Per request: tokenize once (off the event loop; token-id prompts pass through), hash the
+prompt's full blocks exactly as the engines do (cache salt included), ask the pool how much of
+the prompt each engine holds, let the balancer pick, then forward the request *as token ids*
+and relay the stream. An engine that fails before its first message is retried on another one
+(bounded, within the deadline); once a message was relayed the request is never replayed, since
+the client already has tokens. Cancelling the client call cancels the upstream call, which
+aborts the request on the engine. The chosen engine is sent back as the initial metadata
+``quire-engine-id``, and every placement is kept in the decision log.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import time
+import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
-from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
-from router.balancer import Decision, NoEndpointError, Policy, RoutingRequest, choose, make_policy
-from router.engine_client import EngineClient, EngineMismatchError, ModelExpectation
+from router.balancer import Decision, NoEndpointError, Policy, RoutingRequest, choose
+from router.engine_client import EngineClient
 from router.errors import RETRYABLE_CODES, abort_with
-from router.prefix_index import PrefixIndex
-from router.tokenizer import RouterTokenizer
+from router.metrics import DecisionRecord, RouterMetrics
+from router.pool import EnginePool, ModelIdentity
 
 logger = logging.getLogger(__name__)
+
+ENGINE_ID_METADATA = "quire-engine-id"
+_LONG_TEXT_CHARS = 512  # shorter prompts tokenize faster than a thread hop costs
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,95 +40,170 @@ class RoutedPrompt:
     block_hashes: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    max_n: int = 16
+    max_tokens: int = 0  # 0: no router-side cap
+
+    def check(self, request: pb.GenerateRequest) -> None:
+        """Raise ValueError naming the field when the request exceeds a limit."""
+        sampling = request.sampling
+        if sampling.HasField("n") and not 1 <= sampling.n <= self.max_n:
+            raise ValueError(f"sampling.n: must be in [1, {self.max_n}], got {sampling.n}")
+        if self.max_tokens and sampling.HasField("max_tokens") and \
+                sampling.max_tokens > self.max_tokens:
+            raise ValueError(f"sampling.max_tokens: must be <= {self.max_tokens}, "
+                             f"got {sampling.max_tokens}")
+
+
 class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
-    """quire.v1.EngineService in front of several engines (Generate and GetModelInfo)."""
+    """quire.v1.EngineService in front of the engines of ``pool``."""
 
-    def __init__(self, clients: Sequence[EngineClient], *, tokenizer: RouterTokenizer,
-                 index: PrefixIndex, policy: Policy, block_size: int,
-                 max_attempts: int = 2) -> None:
+    def __init__(self, pool: EnginePool, *, policy: Policy, metrics: RouterMetrics,
+                 limits: RequestLimits = RequestLimits(), max_attempts: int = 2,
+                 session_header: str = "x-session-id") -> None:
         if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
-        self.clients = {client.engine_id: client for client in clients}
-        self.tokenizer = tokenizer
-        self.index = index
+            raise ValueError(f"max_attempts: must be >= 1, got {max_attempts}")
+        self.pool = pool
         self.policy = policy
-        self.block_size = block_size
+        self.metrics = metrics
+        self.limits = limits
         self.max_attempts = max_attempts
+        self.session_header = session_header.lower()
+        self.draining = False
 
-    def prepare(self, request: pb.GenerateRequest) -> RoutedPrompt:
-        """Token ids and block hashes of the request's prompt. Raises ValueError on a bad prompt."""
+    @property
+    def identity(self) -> ModelIdentity | None:
+        return self.pool.identity
+
+    async def prepare(self, request: pb.GenerateRequest) -> RoutedPrompt:
+        """Token ids and block hashes of the request's prompt. Raises ValueError on a bad
+        prompt and NoEndpointError while no engine has fixed the model identity."""
+        identity = self.identity
+        if identity is None:
+            raise NoEndpointError("no engine is available yet")
         kind = request.WhichOneof("prompt")
         if kind == "text":
             if not request.text:
                 raise ValueError("text: the prompt must not be empty")
-            token_ids = tuple(self.tokenizer.encode(request.text))
+            started = time.perf_counter()
+            if len(request.text) > _LONG_TEXT_CHARS:
+                token_ids = await asyncio.to_thread(identity.tokenizer.encode, request.text)
+            else:
+                token_ids = identity.tokenizer.encode(request.text)
+            self.metrics.tokenize_s.observe(time.perf_counter() - started)
         elif kind == "token_ids":
-            token_ids = tuple(request.token_ids.ids)
+            token_ids = request.token_ids.ids
+            if not token_ids:
+                raise ValueError("token_ids: the prompt must not be empty")
         else:
             raise ValueError("prompt: set either text or token_ids")
-        hashes = self.tokenizer.block_hashes(token_ids, self.block_size,
-                                             cache_salt=request.cache_salt or None)
+        token_ids = tuple(token_ids)
+        hashes = identity.tokenizer.block_hashes(token_ids, identity.block_size,
+                                                 cache_salt=request.cache_salt or None)
         return RoutedPrompt(token_ids=token_ids, block_hashes=tuple(hashes))
 
-    def place(self, prompt: RoutedPrompt, exclude: set[str]) -> tuple[EngineClient, Decision]:
+    def place(self, prompt: RoutedPrompt, exclude: set[str],
+              session_key: str | None = None) -> tuple[EngineClient, Decision]:
         """The engine for ``prompt`` among those not in ``exclude`` (NoEndpointError if none)."""
-        matches = self.index.match(prompt.block_hashes)
+        matches = self.pool.match(prompt.block_hashes)
         snapshots = [client.snapshot(matches.get(engine_id, 0))
-                     for engine_id, client in self.clients.items() if engine_id not in exclude]
+                     for engine_id, client in self.pool.clients.items()
+                     if engine_id not in exclude]
         decision = choose(RoutingRequest(block_hashes=prompt.block_hashes,
-                                         num_prompt_tokens=len(prompt.token_ids)),
+                                         num_prompt_tokens=len(prompt.token_ids),
+                                         session_key=session_key),
                           snapshots, self.policy)
-        return self.clients[decision.engine_id], decision
+        return self.pool.clients[decision.engine_id], decision
+
+    def _session_key(self, context) -> str | None:
+        for key, value in context.invocation_metadata() or ():
+            if key == self.session_header:
+                return value
+        return None
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        received = time.perf_counter()
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
         try:
-            prompt = self.prepare(request)
-        except ValueError as e:
+            self.limits.check(request)
+            prompt = await self.prepare(request)
+        except (ValueError, NoEndpointError) as e:
             await abort_with(context, e)
             return
         forward = pb.GenerateRequest()
         forward.CopyFrom(request)
         forward.token_ids.ids[:] = prompt.token_ids  # sets the oneof: the engine skips tokenizing
+        forward.request_id = request.request_id or uuid.uuid4().hex
+        session_key = self._session_key(context)
         tried: set[str] = set()
         last_error: BaseException | None = None
         for attempt in range(1, self.max_attempts + 1):
+            placed = time.perf_counter()
             try:
-                client, decision = self.place(prompt, tried)
+                client, decision = self.place(prompt, tried, session_key)
             except NoEndpointError as e:
                 await abort_with(context, last_error or e)
                 return
+            record = self._record(forward.request_id, decision, attempt, len(prompt.token_ids),
+                                  time.perf_counter() - placed)
             tried.add(client.engine_id)
-            logger.info("request %r -> engine %s (attempt %d, policy %s, score %.4f, "
-                        "predicted cached tokens %d of %d)", request.request_id,
-                        decision.engine_id, attempt, decision.policy,
-                        decision.scores[decision.engine_id], decision.predicted_cached_tokens,
-                        len(prompt.token_ids))
-            stream = client.generate(forward, timeout_s=context.time_remaining())
+            self.pool.record(client.engine_id, prompt.block_hashes)
+            remaining_s = context.time_remaining()
+            stream = client.generate(
+                forward, timeout_s=remaining_s,
+                num_uncached_tokens=len(prompt.token_ids) - decision.predicted_cached_tokens)
             relayed = False
             try:
                 async for message in stream:
-                    relayed = True
+                    if not relayed:
+                        relayed = True
+                        await context.send_initial_metadata(
+                            ((ENGINE_ID_METADATA, client.engine_id),))
+                        self.metrics.ttft_s.observe(time.perf_counter() - received)
+                    if message.HasField("usage"):
+                        self.metrics.observe_usage(record, message.usage.cached_tokens)
                     yield message
+                record.outcome = "OK"
+                self.metrics.requests.labels(client.engine_id, "OK").inc()
                 return
             except grpc.aio.AioRpcError as e:
+                record.outcome = e.code().name
+                self.metrics.requests.labels(client.engine_id, e.code().name).inc()
                 if relayed or e.code() not in RETRYABLE_CODES:
                     await abort_with(context, e)
                     return
                 logger.warning("request %r: engine %s failed before its first message (%s); "
-                               "trying another", request.request_id, client.engine_id,
+                               "trying another", forward.request_id, client.engine_id,
                                e.code().name)
+                self.metrics.retries.labels(client.engine_id).inc()
                 last_error = e
             finally:
                 await stream.aclose()
         await abort_with(context, last_error)
 
+    def _record(self, request_id: str, decision: Decision, attempt: int, num_tokens: int,
+                placement_s: float) -> DecisionRecord:
+        self.metrics.placement_s.observe(placement_s)
+        logger.info("request %r -> engine %s (attempt %d, policy %s, score %.4f, predicted "
+                    "cached tokens %d of %d, placed in %.0f us)", request_id,
+                    decision.engine_id, attempt, decision.policy,
+                    decision.scores[decision.engine_id], decision.predicted_cached_tokens,
+                    num_tokens, placement_s * 1e6)
+        return self.metrics.decisions.add(DecisionRecord(
+            request_id=request_id, engine_id=decision.engine_id, policy=decision.policy,
+            attempt=attempt, scores=dict(decision.scores), num_prompt_tokens=num_tokens,
+            predicted_cached_tokens=decision.predicted_cached_tokens,
+            placement_us=placement_s * 1e6))
+
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        infos = [c.info for c in self.clients.values() if c.info is not None]
+        infos = [c.info for c in self.pool.serving() if c.info is not None]
         if not infos:
-            await abort_with(context, NoEndpointError("no engine connected"))
+            await abort_with(context, NoEndpointError("no engine is serving"))
         first = infos[0]
-        # Hashing fields are equal on every engine (connect checked them); capacity adds up and
-        # the length limit is the smallest, so any engine can take what the router accepts.
+        # Hashing fields are equal on every engine (admission checked them); capacity adds up
+        # and the length limit is the smallest, so any engine can take what the router accepts.
         return pb.ModelInfo(
             model_name=first.model_name, max_model_len=min(i.max_model_len for i in infos),
             block_size=first.block_size, block_hash_algorithm=first.block_hash_algorithm,
@@ -133,70 +212,27 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
             enable_prefix_caching=all(i.enable_prefix_caching for i in infos),
             num_kv_blocks=sum(i.num_kv_blocks for i in infos))
 
+    async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:
+        serving = self.pool.serving()
+        if not serving:
+            await abort_with(context, NoEndpointError("no engine is serving"))
+        return await serving[0].stub.GetTokenizer(request, timeout=context.time_remaining())
 
-class RouterServer:
-    """Start with ``await start()`` (returns the port); ``await stop()``.
+    async def StreamLoad(self, request: pb.StreamLoadRequest, context):
+        """The pool's load: sums over serving engines, KV usage averaged."""
+        interval_s = max(10, request.interval_ms or 1000) / 1000
+        while True:
+            loads = [c.load for c in self.pool.serving() if c.load is not None]
+            yield pb.LoadReport(
+                num_running=sum(x.num_running for x in loads),
+                num_waiting=sum(x.num_waiting for x in loads),
+                num_queued_tokens=sum(x.num_queued_tokens for x in loads),
+                kv_cache_usage=sum(x.kv_cache_usage for x in loads) / max(len(loads), 1),
+                timestamp_s=time.time())
+            await asyncio.sleep(interval_s)
 
-    Engines come from a static address list; each is its own engine id. Engines whose model
-    identity differs from ``expected`` are refused (logged, listed in ``refused``).
-    """
-
-    def __init__(self, static_addresses: Sequence[str], tokenizer_dir: str | Path,
-                 policy: str = "prefix_aware", host: str = "127.0.0.1", port: int = 0, *,
-                 block_size: int = 16, expected: ModelExpectation | None = None,
-                 max_attempts: int = 2) -> None:
-        if not static_addresses:
-            raise ValueError("static_addresses: at least one engine address is required")
-        self.static_addresses = tuple(static_addresses)
-        self.tokenizer_dir = Path(tokenizer_dir)
-        self.policy = make_policy(policy)
-        self.host = host
-        self.port = port
-        self.block_size = expected.block_size if expected else block_size
-        self.expected = expected
-        self.max_attempts = max_attempts
-        self.index = PrefixIndex()
-        self.clients: list[EngineClient] = []
-        self.refused: dict[str, EngineMismatchError] = {}
-        self.servicer: RouterServicer | None = None
-        self.server: grpc.aio.Server | None = None
-
-    async def start(self) -> int:
-        tokenizer = await asyncio.to_thread(RouterTokenizer.from_dir, self.tokenizer_dir)
-        expected = self.expected or ModelExpectation(
-            block_size=self.block_size, block_hash_algorithm=BLOCK_HASH_ALGORITHM,
-            block_hash_seed=ROOT_HASH, tokenizer_digest=tokenizer.digest)
-        candidates = [EngineClient(address, address, index=self.index, expected=expected)
-                      for address in self.static_addresses]
-        results = await asyncio.gather(*(c.connect() for c in candidates),
-                                       return_exceptions=True)
-        for client, result in zip(candidates, results):
-            if isinstance(result, EngineMismatchError):
-                self.refused[client.engine_id] = result
-            elif isinstance(result, BaseException):
-                await self._close_clients()
-                raise result
-            else:
-                self.clients.append(client)
-        if not self.clients:
-            raise RuntimeError(f"no usable engine: {len(self.refused)} refused "
-                               f"({'; '.join(map(str, self.refused.values()))})")
-        self.servicer = RouterServicer(self.clients, tokenizer=tokenizer, index=self.index,
-                                       policy=self.policy, block_size=expected.block_size,
-                                       max_attempts=self.max_attempts)
-        self.server = grpc.aio.server()
-        engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
-        self.port = self.server.add_insecure_port(f"{self.host}:{self.port}")
-        await self.server.start()
-        logger.info("router serving on %s:%d over %d engine(s), policy %s", self.host,
-                    self.port, len(self.clients), self.policy.name)
-        return self.port
-
-    async def stop(self, grace_s: float | None = None) -> None:
-        if self.server is not None:
-            await self.server.stop(grace_s)
-        await self._close_clients()
-
-    async def _close_clients(self) -> None:
-        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
-        self.clients = []
+    async def StreamKVEvents(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "a router has no KV cache of its own: subscribe to each engine's "
+                            "StreamKVEvents")
+        yield  # pragma: no cover - makes this an async generator

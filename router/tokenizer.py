@@ -10,7 +10,7 @@ reports in ``GetModelInfo.tokenizer_digest``; a router compares the two before t
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 
@@ -19,7 +19,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, processors
 
-from quire.tokenizer_digest import tokenizer_digest
+from quire.tokenizer_digest import TOKENIZER_FILES, tokenizer_digest
 from quire.block_hash import hash_block_tokens
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -39,18 +39,26 @@ class RouterTokenizer:
     @classmethod
     def from_dir(cls, path: str | Path) -> RouterTokenizer:
         path = Path(path)
-        tokenizer_json = path / "tokenizer.json"
-        if not tokenizer_json.is_file():
+        files = {name: (path / name).read_bytes() for name in TOKENIZER_FILES
+                 if (path / name).is_file()}
+        if "tokenizer.json" not in files:
             raise ValueError(f"tokenizer: {path} has no tokenizer.json")
-        raw = tokenizer_json.read_bytes()
+        return cls.from_files(files)
+
+    @classmethod
+    def from_files(cls, files: Mapping[str, bytes]) -> RouterTokenizer:
+        """From file contents by name (an engine's ``GetTokenizer`` answer, or a directory)."""
+        raw = files.get("tokenizer.json")
+        if raw is None:
+            raise ValueError("tokenizer: tokenizer.json is missing")
         backend = Tokenizer.from_str(raw.decode("utf-8"))
-        config_path = path / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = json.loads(files["tokenizer_config.json"]) \
+            if "tokenizer_config.json" in files else {}
         special = {key: text for key in _SPECIAL_KEYS
                    if (text := _token_text(config.get(key))) is not None}
         _prepare_backend(backend, config, special)
-        template_path = path / "chat_template.jinja"
-        template = template_path.read_text() if template_path.is_file() else None
+        template = files["chat_template.jinja"].decode("utf-8") \
+            if "chat_template.jinja" in files else None
         if template is None and isinstance(config.get("chat_template"), str):
             template = config["chat_template"]
         return cls(backend, digest=tokenizer_digest(raw), special_tokens=special,

@@ -13,7 +13,7 @@ from engine_worker.server.async_engine import AsyncEngine
 from engine_worker.server.convert import RequestLimits, request_from_proto, response_to_proto
 from engine_worker.server.errors import abort_with
 from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
-from quire.tokenizer_digest import tokenizer_dir_digest
+from quire.tokenizer_digest import TOKENIZER_FILES, tokenizer_dir_digest
 from quire.kv_events import batch_to_proto, snapshot_to_proto
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
@@ -27,6 +27,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self.engine = engine
         self.model_name = model_name
         self.limits = limits
+        self._tokenizer_dir = Path(tokenizer_dir)
         self._tokenizer_digest = tokenizer_dir_digest(tokenizer_dir)
         self.draining = False
 
@@ -68,6 +69,14 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             tokenizer_digest=self._tokenizer_digest, vocab_size=engine.tokenizer.vocab_size,
             enable_prefix_caching=engine.config.cache.enable_prefix_caching,
             num_kv_blocks=engine.num_blocks)
+
+    async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:
+        files = {name: (self._tokenizer_dir / name).read_bytes() for name in TOKENIZER_FILES
+                 if (self._tokenizer_dir / name).is_file()}
+        if "tokenizer.json" not in files:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                "this engine's tokenizer has no tokenizer.json")
+        return pb.TokenizerFiles(files=files, digest=self._tokenizer_digest)
 
     async def StreamLoad(self, request: pb.StreamLoadRequest, context):
         interval_s = max(10, request.interval_ms or 1000) / 1000

@@ -159,6 +159,25 @@ class ModelInfo(_message.Message):
     num_kv_blocks: int
     def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., block_hash_algorithm: _Optional[str] = ..., block_hash_seed: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., vocab_size: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
 
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenizerFiles(_message.Message):
+    __slots__ = ("files", "digest")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.ScalarMap[str, bytes]
+    digest: str
+    def __init__(self, files: _Optional[_Mapping[str, bytes]] = ..., digest: _Optional[str] = ...) -> None: ...
+
 class StreamLoadRequest(_message.Message):
     __slots__ = ("interval_ms",)
     INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class EngineServiceStub:
                 request_serializer=quire_dot_v1_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=quire_dot_v1_dot_engine__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_unary(
+                '/quire.v1.EngineService/GetTokenizer',
+                request_serializer=quire_dot_v1_dot_engine__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=quire_dot_v1_dot_engine__pb2.TokenizerFiles.FromString,
+                _registered_method=True)
         self.StreamLoad = channel.unary_stream(
                 '/quire.v1.EngineService/StreamLoad',
                 request_serializer=quire_dot_v1_dot_engine__pb2.StreamLoadRequest.SerializeToString,
@@ -76,6 +81,14 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """The tokenizer files this engine tokenizes with, so a router needs no copy of the model:
+        it tokenizes and renders chat templates exactly as the engine would.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StreamLoad(self, request, context):
         """A load report now and then every `interval_ms` until the call is cancelled.
         """
@@ -102,6 +115,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=quire_dot_v1_dot_engine__pb2.GetModelInfoRequest.FromString,
                     response_serializer=quire_dot_v1_dot_engine__pb2.ModelInfo.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=quire_dot_v1_dot_engine__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=quire_dot_v1_dot_engine__pb2.TokenizerFiles.SerializeToString,
             ),
             'StreamLoad': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamLoad,
@@ -168,6 +186,33 @@ class EngineService:
             '/quire.v1.EngineService/GetModelInfo',
             quire_dot_v1_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
             quire_dot_v1_dot_engine__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quire.v1.EngineService/GetTokenizer',
+            quire_dot_v1_dot_engine__pb2.GetTokenizerRequest.SerializeToString,
+            quire_dot_v1_dot_engine__pb2.TokenizerFiles.FromString,
             options,
             channel_credentials,
             insecure,

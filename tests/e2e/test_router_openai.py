@@ -10,19 +10,26 @@ import openai
 import pytest
 
 from quire.v1 import engine_pb2 as pb
-from router.openai_api import OpenAIFront
-from tests.e2e.test_router import TIMEOUT_S, engines, router  # noqa: F401 (fixtures)
+from tests.e2e.router_harness import TIMEOUT_S, RunningRouter, address
+from tests.e2e.test_router import engines as engines_fixture
 
 MODEL = "tiny-llama"
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
+engines = engines_fixture
+
+
 @pytest.fixture(scope="module")
-def front(router):  # noqa: F811
-    server = OpenAIFront(router.server, MODEL, host="127.0.0.1", port=0)
-    router.call(server.start())
-    yield server
-    router.call(server.stop())
+def router(engines):
+    running = RunningRouter([address(e) for e in engines], http_port=0, model_name=MODEL)
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="module")
+def front(router):
+    return router.server.front
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +116,9 @@ def test_models_health_metrics(client, front):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert _http(front, "GET", "/health")[0] == 200
     status, text = _http(front, "GET", "/metrics")
-    assert status == 200 and "quire_http_requests_total" in text
+    assert status == 200 and "quire_router_http_requests_total" in text
+    assert 'quire_router_engines{state="serving"} 2.0' in text
+    assert "quire_router_placement_seconds_count" in text
 
 
 @pytest.mark.parametrize("create, kwargs, param", [

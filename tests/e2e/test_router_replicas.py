@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 
 from quire.v1 import engine_pb2 as pb
-from tests.e2e.test_router import RunningRouter, _start_engine
+from tests.e2e.router_harness import RunningRouter, start_engine as _start_engine
 
 
 def _index(router: RunningRouter) -> dict[str, frozenset[int]]:
     async def read():
-        index = router.server.index
+        index = router.server.pool.index
         return {engine_id: index.block_hashes(engine_id) for engine_id in index.engine_ids()}
     return router.call(read())
 
@@ -23,7 +23,7 @@ def _truth(engines) -> dict[str, frozenset[int]]:
 def test_two_replicas_hold_the_same_index(tiny_model_dir):
     engines = [_start_engine(tiny_model_dir) for _ in range(2)]
     addresses = [f"127.0.0.1:{e.port}" for e in engines]
-    first = RunningRouter(addresses, tiny_model_dir)
+    first = RunningRouter(addresses)
     try:
         # traffic through the first replica only, before and after the second subscribes
         for i in range(3):
@@ -31,7 +31,7 @@ def test_two_replicas_hold_the_same_index(tiny_model_dir):
             list(first.stub.Generate(pb.GenerateRequest(
                 token_ids=pb.TokenIds(ids=prompt),
                 sampling=pb.SamplingOptions(temperature=0, max_tokens=4)), timeout=60))
-        second = RunningRouter(addresses, tiny_model_dir)
+        second = RunningRouter(addresses)
         try:
             for i in range(3, 6):
                 prompt = list(range(1000 * i + 100, 1000 * i + 180))

@@ -1,0 +1,49 @@
+"""Flags from frozen config dataclasses: one ``--flag`` and one ``QUIRE_*`` variable per field.
+
+Shared by the engine, the router and ``quire up`` so a new option appears on the command line by
+itself. A flag beats its environment variable, which beats the default. Torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+
+
+def env_name(field_name: str) -> str:
+    return "QUIRE_" + field_name.upper()
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
+def _base_type(annotation) -> type:
+    hints = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    return hints[0]
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str,
+                       helps: dict[str, str] | None = None) -> None:
+    """One ``--flag`` (and ``QUIRE_FLAG`` variable) per field of the dataclass ``cls``."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        kind = _base_type(hints[field.name])
+        flag = "--" + field.name.replace("_", "-")
+        env = os.environ.get(env_name(field.name))
+        parse = _parse_bool if kind is bool else kind
+        default = parse(env) if env is not None else field.default
+        group.add_argument(flag, dest=field.name, type=parse, default=default,
+                           help=f"{(helps or {}).get(field.name, '')} [env {env_name(field.name)}]")
+
+
+def dataclass_from_namespace(cls, ns: argparse.Namespace):
+    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})

@@ -1,0 +1,157 @@
+"""Assembles the router pod: discovery -> engine pool -> gRPC front (EngineService, health,
+reflection, optional API keys) and the OpenAI-compatible HTTP front with /metrics.
+
+Health (``grpc.health.v1``): service "" is SERVING while the process runs (liveness); service
+"quire.v1.EngineService" is SERVING while at least one engine serves (readiness). On SIGTERM
+both go NOT_SERVING, new requests get UNAVAILABLE, in-flight ones finish within
+``drain_timeout_s``, then the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from quire.v1 import engine_pb2_grpc
+from router.auth import ApiKeyInterceptor, ApiKeys
+from router.balancer import make_policy
+from router.config import DiscoveryConfig, EngineTLSConfig, PlacementConfig, RouterServerConfig
+from router.discovery import Discovery, make_discovery
+from router.engine_client import ENGINE_SERVICE, ClientOptions
+from router.metrics import RouterMetrics
+from router.pool import EnginePool
+from router.server import RequestLimits, RouterServicer
+from router.tokenizer import RouterTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class RouterServer:
+    """Start with ``await start()`` (returns the gRPC port); ``await stop()``."""
+
+    def __init__(self, server: RouterServerConfig, discovery: DiscoveryConfig,
+                 placement: PlacementConfig = PlacementConfig(),
+                 tls: EngineTLSConfig = EngineTLSConfig(), *,
+                 discovery_impl: Discovery | None = None,
+                 client_options: ClientOptions | None = None) -> None:
+        self.cfg = server
+        self.placement = placement
+        self.keys = ApiKeys(server.keys())
+        tokenizer = RouterTokenizer.from_dir(server.tokenizer) if server.tokenizer else None
+        options = client_options or ClientOptions(
+            load_interval_ms=placement.load_interval_ms,
+            connect_timeout_s=placement.connect_timeout_s,
+            max_backoff_s=placement.reconnect_max_backoff_s,
+            prefill_tokens_per_s=placement.prefill_tokens_per_s,
+            credentials=tls.credentials(), server_name=tls.engine_tls_server_name)
+        self.pool = EnginePool(discovery_impl or make_discovery(discovery), tokenizer=tokenizer,
+                               options=options,
+                               approx_index_blocks=placement.approx_index_blocks)
+        self.metrics = RouterMetrics(self.engine_states)
+        self.servicer = RouterServicer(
+            self.pool, policy=make_policy(placement.policy), metrics=self.metrics,
+            limits=RequestLimits(max_n=server.max_n, max_tokens=server.max_tokens_limit),
+            max_attempts=placement.max_attempts, session_header=placement.session_header)
+        self.health = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.front = None
+        self.port: int | None = None
+        self.http_port: int | None = None
+        self._readiness: asyncio.Task | None = None
+
+    @classmethod
+    def static(cls, addresses: Sequence[str], *, tokenizer: str | None = None,
+               policy: str = "prefix_aware", host: str = "127.0.0.1", port: int = 0,
+               http_port: int = -1, placement: dict | None = None,
+               **server_fields) -> RouterServer:
+        """A router over a fixed list of engines (local stacks and tests)."""
+        return cls(RouterServerConfig(host=host, port=port, http_port=http_port,
+                                      tokenizer=tokenizer, **server_fields),
+                   DiscoveryConfig(discovery="static", engines=",".join(addresses)),
+                   PlacementConfig(policy=policy, **(placement or {})))
+
+    @property
+    def model_name(self) -> str | None:
+        identity = self.pool.identity
+        return self.cfg.model_name or (identity.model_name if identity else None)
+
+    def engine_states(self) -> dict[str, int]:
+        states = Counter(c.state.value for c in self.pool.clients.values())
+        return {s: states.get(s, 0) for s in ("serving", "not_serving", "unreachable",
+                                              "refused")}
+
+    async def start(self) -> int:
+        options = [("grpc.max_receive_message_length", self.cfg.max_message_bytes),
+                   ("grpc.max_send_message_length", 64 << 20)]
+        interceptors = [ApiKeyInterceptor(self.keys)] if self.keys.enabled else []
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (ENGINE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        await self.pool.start()
+        await self.server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._readiness = asyncio.create_task(self._follow_readiness())
+        if self.cfg.http_port >= 0:
+            from router.openai_api import OpenAIFront
+
+            self.front = OpenAIFront(self, host=self.cfg.host, port=self.cfg.http_port)
+            self.http_port = await self.front.start()
+        logger.info("router serving gRPC on %s:%d%s, policy %s", self.cfg.host, self.port,
+                    f" and HTTP on :{self.http_port}" if self.front else "",
+                    self.placement.policy)
+        return self.port
+
+    async def wait_ready(self, count: int = 1, timeout_s: float | None = None) -> bool:
+        """Wait until ``count`` engines serve (False on timeout)."""
+        return await self.pool.wait_serving(count, timeout_s)
+
+    async def _follow_readiness(self) -> None:
+        serving = None
+        while True:
+            now = bool(self.pool.serving()) and not self.servicer.draining
+            if now != serving:
+                serving = now
+                await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING
+                                      if now else health_pb2.HealthCheckResponse.NOT_SERVING)
+            await asyncio.sleep(0.05)
+
+    async def drain_and_stop(self) -> None:
+        """Stop taking requests, let in-flight ones finish within the drain timeout, stop."""
+        self.servicer.draining = True
+        await self.health.enter_graceful_shutdown()
+        await self.stop(grace_s=self.cfg.drain_timeout_s)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        if self._readiness is not None:
+            self._readiness.cancel()
+        if self.front is not None:
+            await self.front.stop()
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        await self.pool.stop()
+
+
+async def serve(server: RouterServerConfig, discovery: DiscoveryConfig,
+                placement: PlacementConfig, tls: EngineTLSConfig) -> None:
+    """Run a router until SIGTERM / SIGINT, then drain and exit."""
+    from quire.signals import shutdown_event
+
+    router = RouterServer(server, discovery, placement, tls)
+    port = await router.start()
+    stop = shutdown_event()
+    http = f", OpenAI API on http://{server.host}:{router.http_port}/v1" if router.front else ""
+    print(f"quire router listening on {server.host}:{port} (gRPC){http}; discovery "
+          f"{discovery.discovery}", flush=True)
+    await stop.wait()
+    await router.drain_and_stop()

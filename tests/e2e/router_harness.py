@@ -1,0 +1,108 @@
+"""Shared pieces of the router's end-to-end tests: real engines and routers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+
+from engine_worker.server.config import ServerConfig
+from quire.block_hash import hash_block_tokens
+from quire.v1 import engine_pb2 as pb
+from quire.v1 import engine_pb2_grpc
+from router.app import RouterServer
+from tests.e2e.test_engine_server import RunningServer, _engine
+
+TIMEOUT_S = 60
+
+
+class RunningRouter:
+    """A RouterServer on its own event-loop thread, for synchronous test clients.
+
+    Waits until ``ready`` engines serve (default: every static address)."""
+
+    def __init__(self, addresses, ready: int | None = None, server: RouterServer | None = None,
+                 **kwargs) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        kwargs.setdefault("placement", {"reconnect_max_backoff_s": 0.5})
+        self.server = server or self.call(self._build(addresses, kwargs))
+        self.port = self.call(self.server.start())
+        want = len(addresses) if ready is None else ready
+        if want and not self.call(self.server.wait_ready(want, timeout_s=TIMEOUT_S)):
+            raise RuntimeError(f"engines not serving: {self.server.engine_states()}")
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
+
+    @staticmethod
+    async def _build(addresses, kwargs) -> RouterServer:
+        return RouterServer.static(addresses, host="127.0.0.1", port=0, **kwargs)
+
+    def call(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def read(self, fn):
+        """Run ``fn()`` on the router's loop (its state is not thread-safe)."""
+        async def run():
+            return fn()
+        return self.call(run())
+
+    def matches(self, token_ids) -> dict[str, int]:
+        hashes = hash_block_tokens(token_ids, 16)
+        return self.read(lambda: self.server.pool.index.match(hashes))
+
+    def healthy(self) -> dict[str, bool]:
+        return self.read(lambda: {eid: c.healthy for eid, c in self.server.pool.clients.items()})
+
+    def last_engine(self) -> str:
+        return self.read(lambda: self.server.metrics.decisions.latest(1)[0].engine_id)
+
+    def decisions(self, limit: int = 1000):
+        return self.read(lambda: self.server.metrics.decisions.latest(limit))
+
+    def close(self) -> None:
+        self.channel.close()
+        try:
+            self.call(self.server.stop(0))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+def start_engine(model_dir, **engine_kwargs) -> RunningServer:
+    engine_kwargs.setdefault("enable_prefix_caching", True)
+    server_kwargs = {k: engine_kwargs.pop(k) for k in list(engine_kwargs)
+                     if k in ServerConfig.__dataclass_fields__}
+    return RunningServer(_engine(model_dir, **engine_kwargs),
+                         ServerConfig(host="127.0.0.1", port=0, **server_kwargs))
+
+
+def address(engine: RunningServer) -> str:
+    return f"127.0.0.1:{engine.port}"
+
+
+def request(ids=None, text=None, max_tokens=8, **sampling) -> pb.GenerateRequest:
+    prompt = {"text": text} if text is not None else {"token_ids": pb.TokenIds(ids=ids)}
+    return pb.GenerateRequest(**prompt, sampling=pb.SamplingOptions(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, **sampling))
+
+
+def collect(stream):
+    tokens, last = [], None
+    for message in stream:
+        for delta in message.outputs:
+            tokens += delta.token_ids
+        last = message
+    return tokens, last
+
+
+def wait_for(predicate, timeout_s=10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
