@@ -1,0 +1,28 @@
+{{/* QUIRE_* variables that tell the router where this release's engines are. */}}
+{{- define "quire.routerDiscoveryEnv" -}}
+{{- $d := .Values.router.discovery }}
+- name: QUIRE_DISCOVERY
+  value: {{ $d.mode | quote }}
+- name: QUIRE_ENGINE_PORT
+  value: {{ .Values.engine.ports.grpc | quote }}
+{{- if eq $d.mode "kubernetes" }}
+# EndpointSlices labelled kubernetes.io/service-name=<engine Service>, port "grpc".
+- name: QUIRE_K8S_NAMESPACE
+  value: {{ .Release.Namespace | quote }}
+- name: QUIRE_K8S_SERVICE
+  value: {{ include "quire.engineName" . | quote }}
+- name: QUIRE_K8S_PORT_NAME
+  value: grpc
+- name: QUIRE_K8S_WATCH_TIMEOUT_S
+  value: {{ $d.watchTimeoutS | quote }}
+{{- else if eq $d.mode "dns" }}
+# The headless Service resolves to the ready engine pods.
+- name: QUIRE_DNS_NAME
+  value: {{ printf "%s.%s.svc" (include "quire.engineName" .) .Release.Namespace | quote }}
+- name: QUIRE_DNS_INTERVAL_S
+  value: {{ $d.dnsIntervalS | quote }}
+{{- else }}
+- name: QUIRE_ENGINES
+  value: {{ required "router.discovery.engines: static discovery needs at least one host:port" (join "," $d.engines) | quote }}
+{{- end }}
+{{- end }}
