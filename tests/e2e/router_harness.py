@@ -21,15 +21,14 @@ TIMEOUT_S = 60
 class RunningRouter:
     """A RouterServer on its own event-loop thread, for synchronous test clients.
 
-    Waits until ``ready`` engines serve (default: every static address)."""
+    Waits until ``ready`` engines serve (default: as many as ``addresses``)."""
 
-    def __init__(self, addresses, ready: int | None = None, server: RouterServer | None = None,
-                 **kwargs) -> None:
+    def __init__(self, addresses, ready: int | None = None, build=None, **kwargs) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         kwargs.setdefault("placement", {"reconnect_max_backoff_s": 0.5})
-        self.server = server or self.call(self._build(addresses, kwargs))
+        self.server = self.call(self._build(addresses, kwargs, build))
         self.port = self.call(self.server.start())
         want = len(addresses) if ready is None else ready
         if want and not self.call(self.server.wait_ready(want, timeout_s=TIMEOUT_S)):
@@ -38,7 +37,10 @@ class RunningRouter:
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
 
     @staticmethod
-    async def _build(addresses, kwargs) -> RouterServer:
+    async def _build(addresses, kwargs, build) -> RouterServer:
+        """``build()`` makes the RouterServer (on the router's loop) when given."""
+        if build is not None:
+            return build()
         return RouterServer.static(addresses, host="127.0.0.1", port=0, **kwargs)
 
     def call(self, coro, timeout: float = 60):
