@@ -136,8 +136,10 @@ class LLMEngine:
         if not self.scheduler.has_unfinished_requests():
             return outputs
         scheduler_output = self.scheduler.schedule()
-        self.output_processor.mark_scheduled(scheduler_output.num_scheduled_tokens,
-                                             time.monotonic())
+        now = time.monotonic()
+        self.output_processor.mark_scheduled(scheduler_output.num_scheduled_tokens, now)
+        if scheduler_output.preempted_req_ids:
+            self.output_processor.mark_preempted(scheduler_output.preempted_req_ids, now)
         try:
             runner_output = self.runner.execute(scheduler_output)
         except BaseException as e:

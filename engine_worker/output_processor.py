@@ -95,6 +95,14 @@ class OutputProcessor:
             if parent is not None and parent.metrics.first_scheduled_time is None:
                 parent.metrics.first_scheduled_time = now
 
+    def mark_preempted(self, child_ids, now: float) -> None:
+        """Preemptions are rare: a tuple append each keeps their times for tracing."""
+        for child_id in child_ids:
+            parent = self._requests.get(self._child_to_parent.get(child_id, ""))
+            if parent is not None:
+                parent.metrics.num_preemptions += 1
+                parent.metrics.preempted_times += (now,)
+
     def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput],
                                                                     list[str]]:
         """Returns the outputs to hand out and the child ids that a stop string just ended

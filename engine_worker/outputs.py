@@ -44,6 +44,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    preempted_times: tuple[float, ...] = ()  # when each preemption sent it back to waiting
 
     @property
     def time_to_first_token_s(self) -> float | None:

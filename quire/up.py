@@ -99,11 +99,14 @@ async def _example(port: int, tokenizer) -> str:
 async def run_stack(cfg: StackConfig, engines) -> int:
     """The router (tokenizer fetched from the engines) in this process, until Ctrl-C."""
     from quire.signals import shutdown_event
+    from quire.tracing import TracingConfig, make_tracing
     from router.app import RouterServer
 
+    # The engines inherit this environment, so OTEL_* variables trace the whole stack.
+    tracing = make_tracing(TracingConfig.from_env(default_service_name="quire-router"))
     router = RouterServer.static([a for _, a in engines], policy=cfg.policy,
                                  host=cfg.router_host, port=cfg.router_port,
-                                 http_port=cfg.http_port)
+                                 http_port=cfg.http_port, tracing=tracing)
     port = await router.start()
     try:
         if not await router.wait_ready(len(engines), timeout_s=cfg.startup_timeout_s):
@@ -120,4 +123,6 @@ async def run_stack(cfg: StackConfig, engines) -> int:
             await stop.wait()
     finally:
         await router.stop()
+        if tracing is not None:
+            tracing.shutdown()  # flushes the spans still batched
     return 0

@@ -10,6 +10,7 @@ both go NOT_SERVING, new requests get UNAVAILABLE, in-flight ones finish within
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from quire.tracing import Tracing, TracingConfig, make_tracing
 from quire.v1 import engine_pb2_grpc
 from router.auth import ApiKeyInterceptor, ApiKeys
 from router.balancer import make_policy
@@ -39,7 +41,9 @@ class RouterServer:
                  placement: PlacementConfig = PlacementConfig(),
                  tls: EngineTLSConfig = EngineTLSConfig(), *,
                  discovery_impl: Discovery | None = None,
-                 client_options: ClientOptions | None = None) -> None:
+                 client_options: ClientOptions | None = None,
+                 tracing: Tracing | None = None) -> None:
+        """``tracing``: where request spans go (None: tracing off; the owner shuts it down)."""
         self.cfg = server
         self.placement = placement
         self.keys = ApiKeys(server.keys())
@@ -54,10 +58,12 @@ class RouterServer:
                                options=options,
                                approx_index_blocks=placement.approx_index_blocks)
         self.metrics = RouterMetrics(self.engine_states)
+        self.tracing = tracing
         self.servicer = RouterServicer(
             self.pool, policy=make_policy(placement.policy), metrics=self.metrics,
             limits=RequestLimits(max_n=server.max_n, max_tokens=server.max_tokens_limit),
-            max_attempts=placement.max_attempts, session_header=placement.session_header)
+            max_attempts=placement.max_attempts, session_header=placement.session_header,
+            spans=_span_factory(tracing))
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.front = None
@@ -69,12 +75,12 @@ class RouterServer:
     def static(cls, addresses: Sequence[str], *, tokenizer: str | None = None,
                policy: str = "prefix_aware", host: str = "127.0.0.1", port: int = 0,
                http_port: int = -1, placement: dict | None = None,
-               **server_fields) -> RouterServer:
+               tracing: Tracing | None = None, **server_fields) -> RouterServer:
         """A router over a fixed list of engines (local stacks and tests)."""
         return cls(RouterServerConfig(host=host, port=port, http_port=http_port,
                                       tokenizer=tokenizer, **server_fields),
                    DiscoveryConfig(discovery="static", engines=",".join(addresses)),
-                   PlacementConfig(policy=policy, **(placement or {})))
+                   PlacementConfig(policy=policy, **(placement or {})), tracing=tracing)
 
     @property
     def model_name(self) -> str | None:
@@ -142,16 +148,31 @@ class RouterServer:
         await self.pool.stop()
 
 
+def _span_factory(tracing: Tracing | None):
+    if tracing is None:
+        return None
+    from router.tracing import RouterSpan  # imports OpenTelemetry: only when tracing is on
+
+    return functools.partial(RouterSpan, tracing)
+
+
 async def serve(server: RouterServerConfig, discovery: DiscoveryConfig,
                 placement: PlacementConfig, tls: EngineTLSConfig) -> None:
-    """Run a router until SIGTERM / SIGINT, then drain and exit."""
+    """Run a router until SIGTERM / SIGINT, then drain and exit. Traces go where the
+    standard ``OTEL_*`` variables say (off when they name no endpoint)."""
     from quire.signals import shutdown_event
 
-    router = RouterServer(server, discovery, placement, tls)
-    port = await router.start()
-    stop = shutdown_event()
-    http = f", OpenAI API on http://{server.host}:{router.http_port}/v1" if router.front else ""
-    print(f"quire router listening on {server.host}:{port} (gRPC){http}; discovery "
-          f"{discovery.discovery}", flush=True)
-    await stop.wait()
-    await router.drain_and_stop()
+    tracing = make_tracing(TracingConfig.from_env(default_service_name="quire-router"))
+    router = RouterServer(server, discovery, placement, tls, tracing=tracing)
+    try:
+        port = await router.start()
+        stop = shutdown_event()
+        http = (f", OpenAI API on http://{server.host}:{router.http_port}/v1" if router.front
+                else "")
+        print(f"quire router listening on {server.host}:{port} (gRPC){http}; discovery "
+              f"{discovery.discovery}", flush=True)
+        await stop.wait()
+        await router.drain_and_stop()
+    finally:
+        if tracing is not None:
+            tracing.shutdown()  # flushes the spans still batched

@@ -4,7 +4,9 @@ metrics and the decision log.
 Every generation goes through the router's own gRPC ``Generate`` over a loopback channel, so
 placement, retries, auth and limits are the one code path gRPC clients use; this module only
 translates JSON <-> ``quire.v1`` messages (``router.openai_protocol``). Chat renders the model's
-template here, off the event loop, and sends token ids.
+template here, off the event loop, and sends token ids. The HTTP front makes no span of its own:
+it hands the client's ``traceparent`` / ``tracestate`` headers to that gRPC call, whose span is
+the router's one span of the request.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import grpc
 from aiohttp import web
 
+from quire.tracing import TRACE_HEADERS
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 from router.auth import OPEN_HTTP_PATHS
@@ -158,13 +161,17 @@ class OpenAIFront:
         return body
 
     def _forwarded_metadata(self, request: web.Request) -> tuple[tuple[str, str], ...]:
-        """What the gRPC front needs from the HTTP request: the key and the session."""
+        """What the gRPC front needs from the HTTP request: the key, the session and the W3C
+        trace context (so the router's span joins the HTTP client's trace)."""
         forwarded = []
         if (authorization := request.headers.get("Authorization")) is not None:
             forwarded.append(("authorization", authorization))
         session = self.router.placement.session_header
         if (value := request.headers.get(session)) is not None:
             forwarded.append((session.lower(), value))
+        for key in TRACE_HEADERS:
+            if (value := request.headers.get(key)) is not None:
+                forwarded.append((key, value))
         return tuple(forwarded)
 
     async def _generate_request(self, req: OpenAIRequest) -> pb.GenerateRequest:

@@ -7,19 +7,24 @@ and relay the stream. An engine that fails before its first message is retried o
 (bounded, within the deadline); once a message was relayed the request is never replayed, since
 the client already has tokens. Cancelling the client call cancels the upstream call, which
 aborts the request on the engine. The chosen engine is sent back as the initial metadata
-``quire-engine-id``, and every placement is kept in the decision log.
+``quire-engine-id``, and every placement is kept in the decision log. With tracing on, each
+request also gets a span (``router.tracing``) whose context goes to the engine as metadata.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
+from quire.tracing import traced
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 from router.balancer import Decision, NoEndpointError, Policy, RoutingRequest, choose
@@ -27,6 +32,9 @@ from router.engine_client import EngineClient
 from router.errors import RETRYABLE_CODES, abort_with
 from router.metrics import DecisionRecord, RouterMetrics
 from router.pool import EnginePool, ModelIdentity
+
+if TYPE_CHECKING:
+    from router.tracing import RouterSpan
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +69,11 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
 
     def __init__(self, pool: EnginePool, *, policy: Policy, metrics: RouterMetrics,
                  limits: RequestLimits = RequestLimits(), max_attempts: int = 2,
-                 session_header: str = "x-session-id") -> None:
+                 session_header: str = "x-session-id",
+                 spans: Callable[[pb.GenerateRequest, object], RouterSpan] | None = None
+                 ) -> None:
+        """``spans`` (request, invocation metadata) -> a started ``RouterSpan``: given when
+        tracing is on, None when off."""
         if max_attempts < 1:
             raise ValueError(f"max_attempts: must be >= 1, got {max_attempts}")
         self.pool = pool
@@ -70,6 +82,7 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         self.limits = limits
         self.max_attempts = max_attempts
         self.session_header = session_header.lower()
+        self.spans = spans
         self.draining = False
 
     @property
@@ -123,6 +136,19 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         return None
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        """Place the request on an engine and relay its stream (traced when ``spans`` is set)."""
+        if self.spans is None:
+            async with contextlib.aclosing(self._generate(request, context, None)) as stream:
+                async for message in stream:
+                    yield message
+            return
+        span = self.spans(request, context.invocation_metadata())
+        async for message in traced(self._generate(request, context, span),
+                                    lambda error: span.end(error, context)):
+            yield message
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                        span: RouterSpan | None):
         received = time.perf_counter()
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
@@ -147,12 +173,12 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
                 await abort_with(context, last_error or e)
                 return
             record = self._record(forward.request_id, decision, attempt, len(prompt.token_ids),
-                                  time.perf_counter() - placed)
+                                  time.perf_counter() - placed, span)
             tried.add(client.engine_id)
             self.pool.record(client.engine_id, prompt.block_hashes)
             remaining_s = context.time_remaining()
             stream = client.generate(
-                forward, timeout_s=remaining_s,
+                forward, timeout_s=remaining_s, metadata=span.metadata if span else (),
                 num_uncached_tokens=len(prompt.token_ids) - decision.predicted_cached_tokens)
             relayed = False
             try:
@@ -162,8 +188,12 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
                         await context.send_initial_metadata(
                             ((ENGINE_ID_METADATA, client.engine_id),))
                         self.metrics.ttft_s.observe(time.perf_counter() - received)
+                        if span is not None:
+                            span.first_message(client.engine_id)
                     if message.HasField("usage"):
                         self.metrics.observe_usage(record, message.usage.cached_tokens)
+                        if span is not None:
+                            span.usage(message.usage)
                     yield message
                 record.outcome = "OK"
                 self.metrics.requests.labels(client.engine_id, "OK").inc()
@@ -178,14 +208,18 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
                                "trying another", forward.request_id, client.engine_id,
                                e.code().name)
                 self.metrics.retries.labels(client.engine_id).inc()
+                if span is not None:
+                    span.retried(client.engine_id, e.code().name)
                 last_error = e
             finally:
                 await stream.aclose()
         await abort_with(context, last_error)
 
     def _record(self, request_id: str, decision: Decision, attempt: int, num_tokens: int,
-                placement_s: float) -> DecisionRecord:
+                placement_s: float, span: RouterSpan | None) -> DecisionRecord:
         self.metrics.placement_s.observe(placement_s)
+        if span is not None:
+            span.placed(decision, attempt, request_id, num_tokens)
         logger.info("request %r -> engine %s (attempt %d, policy %s, score %.4f, predicted "
                     "cached tokens %d of %d, placed in %.0f us)", request_id,
                     decision.engine_id, attempt, decision.policy,

@@ -4,6 +4,7 @@ loop thread, optional metrics HTTP server, and graceful shutdown on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from engine_worker.server.config import ServerConfig
 from engine_worker.server.convert import RequestLimits
 from engine_worker.server.servicer import EngineServicer
 from quire.signals import shutdown_event
+from quire.tracing import Tracing, TracingConfig, make_tracing
 from quire.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -38,7 +40,9 @@ def server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
 class EngineServer:
     """Start with ``await start()``; ``await drain_and_stop()`` is the SIGTERM path."""
 
-    def __init__(self, engine: LLMEngine, cfg: ServerConfig) -> None:
+    def __init__(self, engine: LLMEngine, cfg: ServerConfig, *,
+                 tracing: Tracing | None = None) -> None:
+        """``tracing``: where request spans go (None: off; the owner shuts it down)."""
         self.cfg = cfg
         model_name = cfg.model_name or engine.config.model.model or EMBEDDED_MODEL_ID
         self.metrics = EngineMetrics(model_name) if cfg.metrics_port is not None else None
@@ -52,7 +56,8 @@ class EngineServer:
                                max_stop_string_len=cfg.max_stop_string_len,
                                max_prompt_chars=cfg.max_prompt_chars)
         self.servicer = EngineServicer(self.async_engine, model_name=model_name,
-                                       limits=limits, tokenizer_dir=engine.model_dir)
+                                       limits=limits, tokenizer_dir=engine.model_dir,
+                                       spans=_span_factory(tracing, model_name))
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else \
             health.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -137,14 +142,29 @@ def _request_recorder(metrics: EngineMetrics):
     return record
 
 
+def _span_factory(tracing: Tracing | None, model_name: str):
+    if tracing is None:
+        return None
+    from engine_worker.server.tracing import EngineSpan  # OpenTelemetry: only when tracing
+
+    return functools.partial(EngineSpan, tracing, model_name=model_name)
+
+
 async def serve(engine: LLMEngine, cfg: ServerConfig) -> None:
-    """Run until SIGTERM/SIGINT, then drain and return (the process exits 0)."""
-    server = EngineServer(engine, cfg)
-    await server.start()
-    stop = shutdown_event()
-    metrics_at = (f", metrics on http://{cfg.host}:{server.metrics_server.port}/metrics"
-                  if server.metrics_server else "")
-    print(f"quire engine listening on {cfg.host}:{server.port}{metrics_at}", flush=True)
-    await stop.wait()
-    logger.info("shutting down: draining in-flight requests (up to %.0f s)", cfg.drain_timeout_s)
-    await server.drain_and_stop()
+    """Run until SIGTERM/SIGINT, then drain and return (the process exits 0). Traces go where
+    the standard ``OTEL_*`` variables say (off when they name no endpoint)."""
+    tracing = make_tracing(TracingConfig.from_env(default_service_name="quire-engine"))
+    server = EngineServer(engine, cfg, tracing=tracing)
+    try:
+        await server.start()
+        stop = shutdown_event()
+        metrics_at = (f", metrics on http://{cfg.host}:{server.metrics_server.port}/metrics"
+                      if server.metrics_server else "")
+        print(f"quire engine listening on {cfg.host}:{server.port}{metrics_at}", flush=True)
+        await stop.wait()
+        logger.info("shutting down: draining in-flight requests (up to %.0f s)",
+                    cfg.drain_timeout_s)
+        await server.drain_and_stop()
+    finally:
+        if tracing is not None:
+            tracing.shutdown()  # flushes the spans still batched

@@ -1,11 +1,18 @@
-"""The quire.v1.EngineService servicer: thin, it converts and streams; the engine batches."""
+"""The quire.v1.EngineService servicer: thin, it converts and streams; the engine batches.
+
+With tracing on, each Generate call also feeds an ``EngineSpan`` (engine_worker.server.tracing),
+written once the request ends; the engine loop itself does no tracing work.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -15,16 +22,25 @@ from engine_worker.server.errors import abort_with
 from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
 from quire.tokenizer_digest import TOKENIZER_FILES, tokenizer_dir_digest
 from quire.kv_events import batch_to_proto, snapshot_to_proto
+from quire.tracing import traced
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
+
+if TYPE_CHECKING:
+    from engine_worker.server.tracing import EngineSpan
 
 logger = logging.getLogger(__name__)
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self, engine: AsyncEngine, *, model_name: str, limits: RequestLimits,
-                 tokenizer_dir: Path) -> None:
+                 tokenizer_dir: Path,
+                 spans: Callable[[pb.GenerateRequest, object], EngineSpan] | None = None
+                 ) -> None:
+        """``spans`` (request, invocation metadata) -> an ``EngineSpan``: given when tracing
+        is on, None when off."""
         self.engine = engine
+        self.spans = spans
         self.model_name = model_name
         self.limits = limits
         self._tokenizer_dir = Path(tokenizer_dir)
@@ -32,6 +48,19 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self.draining = False
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        """Run one request on the engine and stream its outputs (DELTA)."""
+        if self.spans is None:
+            async with contextlib.aclosing(self._generate(request, context, None)) as stream:
+                async for message in stream:
+                    yield message
+            return
+        span = self.spans(request, context.invocation_metadata())
+        async for message in traced(self._generate(request, context, span),
+                                    lambda error: span.end(error, context)):
+            yield message
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                        span: EngineSpan | None):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
         try:
@@ -44,6 +73,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         try:
             async for output in self.engine.generate(request.request_id, prompt, params,
                                                      priority=priority, cache_salt=salt):
+                if span is not None:
+                    span.observe(output)
                 message = response_to_proto(output, first)
                 first = False
                 for completion in output.outputs:

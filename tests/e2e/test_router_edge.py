@@ -70,9 +70,11 @@ def test_grpc_needs_a_key_but_health_does_not(router):
     assert len(tokens) == 8
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    reply = health_pb2_grpc.HealthStub(router.channel).Check(
-        health_pb2.HealthCheckRequest(service="quire.v1.EngineService"), timeout=TIMEOUT_S)
-    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    def ready() -> bool:  # readiness follows the pool within a few tens of milliseconds
+        reply = health_pb2_grpc.HealthStub(router.channel).Check(
+            health_pb2.HealthCheckRequest(service="quire.v1.EngineService"), timeout=TIMEOUT_S)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert wait_for(ready)
 
 
 def test_http_needs_a_key_but_health_and_metrics_do_not(router):
