@@ -153,6 +153,18 @@ def cmd_bench_prefix_cache(ns: argparse.Namespace) -> int:
     return run_from_args(ns)
 
 
+def cmd_bench_serve(ns: argparse.Namespace) -> int:
+    from router.benchmarks.serve import run_from_args
+
+    return run_from_args(ns)
+
+
+def cmd_bench_router_overhead(ns: argparse.Namespace) -> int:
+    from router.benchmarks.overhead import run_from_args
+
+    return run_from_args(ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="quire", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -211,6 +223,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_prefix_cache_args(pc)
     pc.set_defaults(func=cmd_bench_prefix_cache)
+    sv = bench_sub.add_parser("serve", help="routing policies compared on engine processes "
+                              "under Poisson arrivals")
+    from router.benchmarks.config import add_serve_args
+
+    add_serve_args(sv)
+    sv.set_defaults(func=cmd_bench_serve)
+    ro = bench_sub.add_parser("router-overhead",
+                              help="latency the router adds: direct vs routed requests")
+    from router.benchmarks.config import add_overhead_args
+
+    add_overhead_args(ro)
+    ro.set_defaults(func=cmd_bench_router_overhead)
     return parser
 
 

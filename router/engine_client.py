@@ -145,7 +145,7 @@ class EngineClient:
         self._feeds = []
         self.index.remove_engine(self.engine_id)
         self.kv_feed_alive = False
-        self._set_state(EngineState.UNREACHABLE)
+        self.state = EngineState.UNREACHABLE  # closed by the router: nothing to warn about
         await self.channel.close()
 
     @property

@@ -1,0 +1,139 @@
+"""Settings of the online benchmarks, and their flags. Light on purpose: ``quire --help``
+builds every parser, so nothing here imports grpc or protobuf."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.balancer import POLICIES
+
+WORKLOAD_NAMES = ("shared_prefix", "no_sharing")  # router.benchmarks.serve.WORKLOADS
+
+
+@dataclass(frozen=True, slots=True)
+class ServeBenchConfig:
+    """The benchmark's own settings; the engines' come as engine flags."""
+
+    num_engines: int = 2
+    policies: str = "prefix_aware,round_robin,least_loaded"
+    workloads: str = "shared_prefix,no_sharing"
+    num_groups: int = 4
+    prompts_per_group: int = 10  # 40 requests a run: a full default run takes ~5 min on 2 cores
+    system_prompt_len: int = 512
+    question_len: int = 32
+    output_len: int = 32
+    request_rate: float = 1.0
+    max_concurrency: int = 0
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+    output_json: str = "bench-serve.json"
+    output_png: str = "bench-serve.png"
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.num_engines <= 16:
+            raise ValueError(f"num_engines: must be in [2, 16] (placement needs a choice), "
+                             f"got {self.num_engines}")
+        for name in ("num_groups", "prompts_per_group", "system_prompt_len", "question_len",
+                     "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate: must be > 0 (inf: all at once), "
+                             f"got {self.request_rate}")
+        if self.max_concurrency < 0:
+            raise ValueError(f"max_concurrency: must be >= 0 (0: unlimited), "
+                             f"got {self.max_concurrency}")
+        _check_names("policies", self.policy_names, POLICIES)
+        _check_names("workloads", self.workload_names, WORKLOAD_NAMES)
+
+    @property
+    def policy_names(self) -> tuple[str, ...]:
+        return _split(self.policies)
+
+    @property
+    def workload_names(self) -> tuple[str, ...]:
+        return _split(self.workloads)
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_groups * self.prompts_per_group
+
+    @property
+    def prompt_len(self) -> int:
+        return self.system_prompt_len + self.question_len
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _check_names(field: str, names: Sequence[str], known) -> None:
+    unknown = [n for n in names if n not in known]
+    if not names or unknown:
+        raise ValueError(f"{field}: choose from {sorted(known)}, got {list(names) or 'none'}")
+
+
+SERVE_HELP = {
+    "num_engines": "engine processes (each gets cpu_count // num_engines threads)",
+    "policies": "comma-separated routing policies to compare",
+    "workloads": "comma-separated: shared_prefix, no_sharing",
+    "num_groups": "system prompts (shared_prefix)",
+    "prompts_per_group": "requests per system prompt",
+    "system_prompt_len": "tokens per system prompt",
+    "question_len": "tokens per unique question",
+    "output_len": "tokens generated per request (greedy, EOS ignored)",
+    "request_rate": "Poisson arrival rate in requests/s (inf: all at once)",
+    "max_concurrency": "most requests in flight (0: unlimited)",
+    "output_png": "plots (needs matplotlib)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class OverheadBenchConfig:
+    num_requests: int = 100  # per path
+    prompt_len: int = 32
+    output_len: int = 8
+    policy: str = "prefix_aware"
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 120.0
+    output_json: str = "bench-router-overhead.json"
+    output_png: str = "bench-router-overhead.png"
+
+    def __post_init__(self) -> None:
+        for name in ("num_requests", "prompt_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: choose from {sorted(POLICIES)}, got {self.policy!r}")
+
+
+OVERHEAD_HELP = {
+    "num_requests": "requests per path (direct and routed each), sent one at a time",
+    "prompt_len": "tokens per prompt (unique, so nothing is cached)",
+    "output_len": "tokens generated per request",
+    "policy": "the router's policy (one engine: it only costs time)",
+    "output_png": "latency distributions (needs matplotlib)",
+}
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Benchmark flags, then every engine flag (passed on to the engines when changed;
+    ``--seed`` also seeds the workload)."""
+    # The engine's flags live with the engine (torch-free to import); only the benchmarks,
+    # which start engines anyway, pull them into the router package.
+    from engine_worker.arg_utils import add_engine_args
+    from quire.config_args import add_dataclass_args
+
+    add_dataclass_args(parser, ServeBenchConfig, "benchmark", SERVE_HELP)
+    add_engine_args(parser)
+
+
+def add_overhead_args(parser: argparse.ArgumentParser) -> None:
+    """Benchmark flags, then every engine flag (as for ``add_serve_args``)."""
+    from engine_worker.arg_utils import add_engine_args
+    from quire.config_args import add_dataclass_args
+
+    add_dataclass_args(parser, OverheadBenchConfig, "benchmark", OVERHEAD_HELP)
+    add_engine_args(parser)

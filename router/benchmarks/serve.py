@@ -1,0 +1,223 @@
+"""``quire bench serve``: routing policies compared on real engine processes.
+
+For each workload and each policy, fresh ``quire engine`` subprocesses (cold caches, so runs
+are comparable) and an in-process router in front of them; requests arrive as a Poisson
+process at ``request_rate`` (``inf``: all at once) and stream back through the router.
+
+Workloads are token ids drawn from ``seed`` (the engine flag ``--seed``, which also seeds the
+engines), so lengths are exact and every policy sees the same prompts in the same order at the
+same times:
+
+- ``shared_prefix``: ``num_groups`` system prompts, each shared by ``prompts_per_group``
+  requests that add a unique question; groups interleave in a shuffled order.
+- ``no_sharing``: the same number and lengths of prompts, every one unique (the control).
+
+Reported per run: TTFT, time per output token and inter-token latency (p50/p90/p99), request
+and output-token throughput, the cache hit rate the engines reported, requests and prompt
+tokens per engine, errors and the router's placement time; then prefix_aware against each
+other policy. Report and plots: ``router.benchmarks.serve_report``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from quire.v1 import engine_pb2_grpc
+from router.benchmarks.config import WORKLOAD_NAMES, ServeBenchConfig
+from router.benchmarks.harness import (FIRST_SAFE_TOKEN_ID, RequestResult, describe_ms,
+                                       engine_flags, generate_request, machine_info,
+                                       model_info, percentile, resolve_model,
+                                       running_engines, running_router, stream_request,
+                                       warm_up)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Prompts in send order and when each is sent (seconds after the run starts)."""
+
+    name: str
+    prompts: tuple[tuple[int, ...], ...]
+    arrival_offsets_s: tuple[float, ...]
+    output_len: int
+
+
+def _draw(rng: random.Random, vocab_size: int, n: int) -> list[int]:
+    return [rng.randrange(FIRST_SAFE_TOKEN_ID, vocab_size - FIRST_SAFE_TOKEN_ID)
+            for _ in range(n)]
+
+
+def _shared_prefix_prompts(cfg: ServeBenchConfig, rng: random.Random, vocab_size: int):
+    systems = [_draw(rng, vocab_size, cfg.system_prompt_len) for _ in range(cfg.num_groups)]
+    prompts = [tuple(systems[g] + _draw(rng, vocab_size, cfg.question_len))
+               for g in range(cfg.num_groups) for _ in range(cfg.prompts_per_group)]
+    # Shuffled rather than strictly alternating: with as many groups as engines, strict
+    # alternation would hand round_robin perfect affinity by accident.
+    rng.shuffle(prompts)
+    return prompts
+
+
+def _no_sharing_prompts(cfg: ServeBenchConfig, rng: random.Random, vocab_size: int):
+    return [tuple(_draw(rng, vocab_size, cfg.prompt_len)) for _ in range(cfg.num_requests)]
+
+
+WORKLOADS: dict[str, Callable] = {
+    "shared_prefix": _shared_prefix_prompts,
+    "no_sharing": _no_sharing_prompts,
+}
+assert tuple(WORKLOADS) == WORKLOAD_NAMES  # the config validates names without importing us
+
+
+def poisson_offsets(num_requests: int, rate: float, rng: random.Random) -> tuple[float, ...]:
+    """Arrival times: the first at 0, then exponential gaps of mean 1/rate (0 when inf)."""
+    offsets, t = [], 0.0
+    for i in range(num_requests):
+        if i and rate != float("inf"):
+            t += rng.expovariate(rate)
+        offsets.append(t)
+    return tuple(offsets)
+
+
+def make_workload(name: str, cfg: ServeBenchConfig, *, vocab_size: int, seed: int) -> Workload:
+    if vocab_size < 2 * FIRST_SAFE_TOKEN_ID + 100:
+        raise ValueError(f"vocab_size: too small for random prompts, got {vocab_size}")
+    # Separate streams per workload, and arrivals independent of prompt content.
+    prompts = WORKLOADS[name](cfg, random.Random(f"{seed}-{name}"), vocab_size)
+    offsets = poisson_offsets(len(prompts), cfg.request_rate, random.Random(f"{seed}-arrivals"))
+    return Workload(name, tuple(prompts), offsets, cfg.output_len)
+
+
+async def drive(stub, workload: Workload, *, tag: str, max_concurrency: int,
+                timeout_s: float, t0: float) -> list[RequestResult]:
+    """Send every request of ``workload`` at its arrival time; results in workload order."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(i: int) -> RequestResult:
+        await asyncio.sleep(max(0.0, t0 + workload.arrival_offsets_s[i] - time.perf_counter()))
+        async with limit or contextlib.nullcontext():
+            request = generate_request(f"{tag}-{i}", workload.prompts[i], workload.output_len)
+            return await stream_request(stub, request, t0=t0, timeout_s=timeout_s)
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(workload.prompts)))))
+
+
+def summarize(results: Sequence[RequestResult], addresses: Sequence[str],
+              placement_us: Sequence[float], duration_s: float) -> dict:
+    """Latency, throughput, cache and load-spread metrics of one run."""
+    ok = [r for r in results if r.ok]
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    cached_tokens = sum(r.cached_tokens for r in ok)
+    output_tokens = sum(r.num_output_tokens for r in ok)
+    per_engine = {}
+    for i, address in enumerate(addresses):
+        mine = [r for r in ok if r.engine_id == address]
+        per_engine[f"engine-{i}"] = {
+            "address": address, "num_requests": len(mine),
+            "request_share": len(mine) / len(ok) if ok else 0.0,
+            "prompt_tokens": sum(r.prompt_tokens for r in mine),
+            "prompt_token_share": sum(r.prompt_tokens for r in mine) / prompt_tokens
+            if prompt_tokens else 0.0,
+            "cached_tokens": sum(r.cached_tokens for r in mine)}
+    counts = [e["num_requests"] for e in per_engine.values()]
+    return {
+        "num_requests": len(results), "num_finished": len(ok),
+        "num_errors": len(results) - len(ok),
+        "errors": sorted({r.error or f"unfinished ({r.finish_reason})" for r in results
+                          if not r.ok})[:5],
+        "duration_s": duration_s,
+        "request_throughput": len(ok) / duration_s if duration_s > 0 else None,
+        "output_token_throughput": output_tokens / duration_s if duration_s > 0 else None,
+        "prompt_tokens": prompt_tokens, "cached_tokens": cached_tokens,
+        "output_tokens": output_tokens,
+        "cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "ttft_ms": describe_ms([r.ttft_s for r in ok]),
+        "tpot_ms": describe_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "itl_ms": describe_ms([gap for r in ok for gap in r.itls_s()]),
+        "e2e_ms": describe_ms([r.e2e_s for r in ok]),
+        "per_engine": per_engine,
+        # max/min requests per engine; None when an engine got none (the spread is unbounded)
+        "load_spread": max(counts) / min(counts) if min(counts) else None,
+        "placement_us": {"mean": sum(placement_us) / len(placement_us) if placement_us
+                         else None, "p50": percentile(placement_us, 50),
+                         "p99": percentile(placement_us, 99)},
+    }
+
+
+async def measure(addresses: Sequence[str], policy: str, workload_name: str,
+                  cfg: ServeBenchConfig, seed: int) -> dict:
+    """One (policy, workload) run on fresh engines at ``addresses``."""
+    info = await model_info(addresses[0])
+    if cfg.prompt_len + cfg.output_len > info.max_model_len:
+        raise ValueError(f"system_prompt_len: prompt + output ({cfg.prompt_len} + "
+                         f"{cfg.output_len}) exceed max_model_len {info.max_model_len}")
+    workload = make_workload(workload_name, cfg, vocab_size=info.vocab_size, seed=seed)
+    await warm_up(addresses, cfg.prompt_len, 2, cfg.request_timeout_s)
+    async with running_router(addresses, policy, cfg.startup_timeout_s) as router:
+        decisions = router.metrics.decisions
+        # The log keeps only its latest placements: make room for every request of the run.
+        decisions.capacity = max(decisions.capacity, 4 * len(workload.prompts))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
+            stub = engine_pb2_grpc.EngineServiceStub(channel)
+            t0 = time.perf_counter()
+            results = await drive(stub, workload, tag=f"{policy}-{workload_name}",
+                                  max_concurrency=cfg.max_concurrency,
+                                  timeout_s=cfg.request_timeout_s, t0=t0)
+            duration_s = time.perf_counter() - t0
+        ids = {r.req_id for r in results}
+        placement_us = [d.placement_us for d in decisions.latest(decisions.capacity)
+                        if d.request_id in ids]
+    return {"policy": policy, "workload": workload_name,
+            **summarize(results, addresses, placement_us, duration_s),
+            "requests": [_request_row(r, addresses) for r in results]}
+
+
+def _request_row(r: RequestResult, addresses: Sequence[str]) -> dict:
+    engine = f"engine-{addresses.index(r.engine_id)}" if r.engine_id in addresses else None
+    return {"req_id": r.req_id, "engine": engine, "sent_s": r.sent_s,
+            "ttft_s": r.ttft_s if r.chunks else None, "e2e_s": r.e2e_s,
+            "output_tokens": r.num_output_tokens, "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens, "finish_reason": r.finish_reason,
+            "error": r.error}
+
+
+async def run_all(cfg: ServeBenchConfig, flags: list[str], seed: int) -> list[dict]:
+    runs = []
+    for workload_name in cfg.workload_names:
+        for policy in cfg.policy_names:
+            # Other work on the machine skews a run; its load average is kept beside it.
+            load_1m = os.getloadavg()[0]
+            with running_engines(cfg.num_engines, flags, cfg.startup_timeout_s) as addresses:
+                run = await measure(addresses, policy, workload_name, cfg, seed)
+            runs.append(dict(run, load_average_1m_before=load_1m))
+            print(f"  {workload_name:<14}{policy:<14}{run['num_finished']}/"
+                  f"{run['num_requests']} finished in {run['duration_s']:.1f}s", flush=True)
+    return runs
+
+
+def run_from_args(ns: argparse.Namespace) -> int:
+    from engine_worker.config import EngineArgs
+    from quire.config_args import dataclass_from_namespace
+    from router.benchmarks.serve_report import build_report, print_summary, write_outputs
+
+    cfg = dataclass_from_namespace(ServeBenchConfig, ns)
+    flags = engine_flags(ns, EngineArgs)
+    resolve_model(ns.model)
+    machine_before = machine_info()
+    print(f"bench serve: {len(cfg.workload_names)} workloads x {len(cfg.policy_names)} "
+          f"policies, {cfg.num_requests} requests each at {cfg.request_rate} req/s, "
+          f"{cfg.num_engines} engines", flush=True)
+    runs = asyncio.run(run_all(cfg, flags, ns.seed))
+    report = build_report(cfg, seed=ns.seed, engine_flags=flags, runs=runs,
+                          machine=dict(machine_before,
+                                       load_average_after=machine_info()["load_average"]))
+    print_summary(report)
+    write_outputs(report, cfg.output_json, cfg.output_png)
+    return 0

@@ -1,0 +1,153 @@
+"""The report of ``quire bench serve``: JSON, a summary table and plots.
+
+JSON layout::
+
+    {"config": {...}, "seed": int, "engine_flags": [...], "machine": {...},
+     "runs": [{"policy", "workload", "num_requests", "num_finished", "num_errors", "errors",
+               "duration_s", "request_throughput", "output_token_throughput",
+               "prompt_tokens", "cached_tokens", "output_tokens", "cache_hit_rate",
+               "ttft_ms" | "tpot_ms" | "itl_ms" | "e2e_ms": {"p50", "p90", "p99", "mean"},
+               "per_engine": {"engine-<i>": {"address", "num_requests", "request_share",
+                                             "prompt_tokens", "prompt_token_share",
+                                             "cached_tokens"}},
+               "load_spread", "placement_us": {"mean", "p50", "p99"}, "requests": [...],
+               "load_average_1m_before"}],
+     "comparisons": {workload: {baseline: {"ttft_p50_speedup", "ttft_p90_speedup",
+                                           "throughput_ratio", "cache_hit_rate_delta"}}}}
+
+Speedups are baseline / prefix_aware (above 1: prefix_aware is faster); the throughput ratio is
+prefix_aware / baseline. JSON cannot hold infinity, so an infinite rate is written as "inf".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+REFERENCE_POLICY = "prefix_aware"
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def compare(runs: list[dict]) -> dict:
+    """prefix_aware against every other policy, per workload."""
+    by_key = {(r["workload"], r["policy"]): r for r in runs}
+    out: dict[str, dict] = {}
+    for (workload, policy), base in by_key.items():
+        ref = by_key.get((workload, REFERENCE_POLICY))
+        if ref is None or policy == REFERENCE_POLICY:
+            continue
+        out.setdefault(workload, {})[policy] = {
+            "ttft_p50_speedup": _ratio(base["ttft_ms"]["p50"], ref["ttft_ms"]["p50"]),
+            "ttft_p90_speedup": _ratio(base["ttft_ms"]["p90"], ref["ttft_ms"]["p90"]),
+            "throughput_ratio": _ratio(ref["output_token_throughput"],
+                                       base["output_token_throughput"]),
+            "cache_hit_rate_delta": ref["cache_hit_rate"] - base["cache_hit_rate"],
+        }
+    return out
+
+
+def build_report(cfg, *, seed: int, engine_flags: list[str], runs: list[dict],
+                 machine: dict) -> dict:
+    config = {k: _json_safe(v) for k, v in dataclasses.asdict(cfg).items()}
+    return {"config": config, "seed": seed, "engine_flags": engine_flags, "machine": machine,
+            "runs": runs, "comparisons": compare(runs)}
+
+
+def _fmt(value: float | None, spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_summary(report: dict) -> None:
+    header = (f"{'workload':<14}{'policy':<14}{'TTFT p50':>9}{'p90':>8}{'p99':>8}"
+              f"{'TPOT p50':>9}{'ITL p50':>8}{'req/s':>7}{'out tok/s':>10}{'hit rate':>9}"
+              f"{'per engine':>12}{'err':>5}{'place us':>9}")
+    print("latencies in ms")
+    print(header)
+    for r in report["runs"]:
+        spread = "/".join(str(e["num_requests"]) for e in r["per_engine"].values())
+        print(f"{r['workload']:<14}{r['policy']:<14}{_fmt(r['ttft_ms']['p50']):>9}"
+              f"{_fmt(r['ttft_ms']['p90']):>8}{_fmt(r['ttft_ms']['p99']):>8}"
+              f"{_fmt(r['tpot_ms']['p50']):>9}{_fmt(r['itl_ms']['p50']):>8}"
+              f"{_fmt(r['request_throughput'], '.2f'):>7}"
+              f"{_fmt(r['output_token_throughput'], '.1f'):>10}{r['cache_hit_rate']:>9.1%}"
+              f"{spread:>12}{r['num_errors']:>5}{_fmt(r['placement_us']['mean']):>9}")
+    for workload, baselines in report["comparisons"].items():
+        for policy, c in baselines.items():
+            print(f"{workload}: {REFERENCE_POLICY} vs {policy}: TTFT p50 "
+                  f"x{_fmt(c['ttft_p50_speedup'], '.2f')} faster, p90 "
+                  f"x{_fmt(c['ttft_p90_speedup'], '.2f')}, throughput "
+                  f"x{_fmt(c['throughput_ratio'], '.2f')}, hit rate "
+                  f"{c['cache_hit_rate_delta']:+.1%}")
+
+
+def write_outputs(report: dict, json_path: str, png_path: str) -> None:
+    json_path, png_path = Path(json_path), Path(png_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    wrote = [str(json_path)]
+    if write_plot(png_path, report["runs"]):
+        wrote.append(str(png_path))
+    print(f"wrote {' and '.join(wrote)}")
+
+
+def write_plot(path: Path, runs: list[dict]) -> bool:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("note: matplotlib is not installed; no plot written", file=sys.stderr)
+        return False
+    workloads = list(dict.fromkeys(r["workload"] for r in runs))
+    policies = list(dict.fromkeys(r["policy"] for r in runs))
+    by_key = {(r["workload"], r["policy"]): r for r in runs}
+    fig = Figure(figsize=(13, 8), layout="constrained")
+    (ax_ttft, ax_tp), (ax_hit, ax_share) = fig.subplots(2, 2)
+    width = 0.8 / len(policies)
+    for j, policy in enumerate(policies):
+        xs = [i + (j - (len(policies) - 1) / 2) * width for i in range(len(workloads))]
+        runs_j = [by_key.get((w, policy)) for w in workloads]
+        p50 = [r["ttft_ms"]["p50"] or 0 if r else 0 for r in runs_j]
+        p90 = [r["ttft_ms"]["p90"] or 0 if r else 0 for r in runs_j]
+        # p90 drawn behind p50, lighter: one bar per policy shows both
+        ax_ttft.bar(xs, p90, width=width, color=f"C{j}", alpha=0.4)
+        ax_ttft.bar(xs, p50, width=width, color=f"C{j}", label=policy)
+        ax_tp.bar(xs, [r["output_token_throughput"] or 0 if r else 0 for r in runs_j],
+                  width=width, color=f"C{j}", label=policy)
+        ax_hit.bar(xs, [r["cache_hit_rate"] if r else 0 for r in runs_j], width=width,
+                   color=f"C{j}", label=policy)
+    for ax, title, ylabel in (
+            (ax_ttft, "TTFT p50 (solid) and p90 (light)", "ms"),
+            (ax_tp, "Output token throughput", "tokens/s"),
+            (ax_hit, "Prefix cache hit rate (engine-reported)", "cached / prompt tokens")):
+        ax.set(title=title, ylabel=ylabel, xticks=range(len(workloads)), xticklabels=workloads)
+        ax.legend(fontsize="small")
+    _plot_shares(ax_share, runs)
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def _plot_shares(ax, runs: list[dict]) -> None:
+    """Stacked request share per engine, one bar per run: flat bars are even spreads."""
+    labels = [f"{r['workload']}\n{r['policy']}" for r in runs]
+    engines = list(dict.fromkeys(e for r in runs for e in r["per_engine"]))
+    bottoms = [0.0] * len(runs)
+    for k, engine in enumerate(engines):
+        shares = [r["per_engine"].get(engine, {}).get("request_share", 0.0) for r in runs]
+        ax.bar(range(len(runs)), shares, bottom=bottoms, color=f"C{k}", alpha=0.7,
+               label=engine)
+        bottoms = [b + s for b, s in zip(bottoms, shares)]
+    ax.set(title="Request share per engine", ylabel="share of requests",
+           xticks=range(len(runs)), ylim=(0, 1))
+    ax.set_xticklabels(labels, fontsize="x-small", rotation=30, ha="right")
+    ax.legend(fontsize="small")

@@ -1,0 +1,76 @@
+"""`quire bench serve` and `quire bench router-overhead` end to end on a tiny random model:
+the JSON they write is complete and consistent. No timing is asserted (benchmarks are not
+tests); only counts, shares and the cache hit rate, which do not depend on speed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+ENGINE_FLAGS = ("--dtype", "float32", "--kv-cache-memory-bytes", str(1 << 24))
+
+
+def _bench(model_dir, tmp_path, name: str, *args) -> dict:
+    out = tmp_path / f"{name}.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "quire.cli", "bench", name, "--model", str(model_dir),
+         *ENGINE_FLAGS, "--output-json", str(out), "--output-png",
+         str(tmp_path / f"{name}.png"), *args],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "wrote" in result.stdout
+    return json.loads(out.read_text())
+
+
+def test_bench_serve_compares_policies(tiny_model_dir, tmp_path):
+    # One request at a time (all arrive at once, then queue in the client): prefix_aware
+    # then finds a group's cached system prompt (unless a load report caught that engine
+    # mid-prefill), so round robin cannot beat its hit rate.
+    report = _bench(tiny_model_dir, tmp_path, "serve", "--num-groups", "2",
+                    "--prompts-per-group", "3", "--system-prompt-len", "48", "--question-len",
+                    "8", "--output-len", "4", "--request-rate", "inf", "--max-concurrency", "1",
+                    "--num-engines", "2", "--policies", "prefix_aware,round_robin")
+    assert report["config"]["request_rate"] == "inf"
+    assert {"cpu_count", "load_average", "load_average_after"} <= set(report["machine"])
+    runs = {(r["workload"], r["policy"]): r for r in report["runs"]}
+    assert set(runs) == {(w, p) for w in ("shared_prefix", "no_sharing")
+                         for p in ("prefix_aware", "round_robin")}
+    for run in runs.values():
+        assert run["num_requests"] == run["num_finished"] == 6 and run["num_errors"] == 0
+        assert run["prompt_tokens"] == 6 * 56 and run["output_tokens"] == 6 * 4
+        assert 0.0 <= run["cache_hit_rate"] <= 1.0
+        engines = run["per_engine"]
+        assert set(engines) == {"engine-0", "engine-1"}
+        assert sum(e["num_requests"] for e in engines.values()) == 6
+        assert abs(sum(e["prompt_token_share"] for e in engines.values()) - 1) < 1e-9
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            assert set(run[metric]) == {"p50", "p90", "p99", "mean"}
+            assert run[metric]["p50"] <= run[metric]["p99"]
+        assert run["placement_us"]["mean"] > 0
+        assert all(r["finish_reason"] == "FINISH_REASON_LENGTH" and r["output_tokens"] == 4
+                   for r in run["requests"])
+    # round robin alternates between the two engines
+    assert [e["num_requests"] for e in runs["shared_prefix", "round_robin"]["per_engine"]
+            .values()] == [3, 3]
+    assert runs["no_sharing", "prefix_aware"]["cache_hit_rate"] == 0.0
+    shared = runs["shared_prefix", "prefix_aware"]
+    # at most 2 groups x 2 followers find the 48-token system prompt (3 full blocks) cached
+    assert 0 < shared["cached_tokens"] <= 4 * 48 and shared["cached_tokens"] % 16 == 0
+    assert shared["cache_hit_rate"] >= runs["shared_prefix", "round_robin"]["cache_hit_rate"]
+    comparison = report["comparisons"]["shared_prefix"]["round_robin"]
+    assert {"ttft_p50_speedup", "ttft_p90_speedup", "throughput_ratio",
+            "cache_hit_rate_delta"} <= set(comparison)
+    assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_bench_router_overhead(tiny_model_dir, tmp_path):
+    report = _bench(tiny_model_dir, tmp_path, "router-overhead", "--num-requests", "6",
+                    "--prompt-len", "32", "--output-len", "4")
+    for path in ("direct", "routed"):
+        assert report[path]["num_requests"] == 6 and report[path]["num_errors"] == 0
+        assert len(report["samples_ms"][path]["ttft"]) == 6
+    assert set(report["added_ms"]) == {"ttft_ms", "e2e_ms"}
+    assert "paired_median" in report["added_ms"]["ttft_ms"]
+    assert report["placement_us"]["num_decisions"] == 6
+    assert (tmp_path / "router-overhead.png").stat().st_size > 0
