@@ -100,7 +100,6 @@ class OutputProcessor:
         for child_id in child_ids:
             parent = self._requests.get(self._child_to_parent.get(child_id, ""))
             if parent is not None:
-                parent.metrics.num_preemptions += 1
                 parent.metrics.preempted_times += (now,)
 
     def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput],

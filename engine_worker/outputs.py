@@ -43,8 +43,11 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    num_preemptions: int = 0
     preempted_times: tuple[float, ...] = ()  # when each preemption sent it back to waiting
+
+    @property
+    def num_preemptions(self) -> int:
+        return len(self.preempted_times)
 
     @property
     def time_to_first_token_s(self) -> float | None:

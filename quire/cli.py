@@ -112,29 +112,14 @@ def cmd_router(ns: argparse.Namespace) -> int:
 
 def cmd_up(ns: argparse.Namespace) -> int:
     import asyncio
-    import dataclasses
-    import subprocess
 
     from quire.config_args import dataclass_from_namespace
-    from engine_worker.config import EngineArgs
-    from quire.up import StackConfig, run_stack, start_engines, stop_engines
+    from quire.up import (StackConfig, changed_engine_flags, resolve_model_once, run_stack,
+                          start_engines, stop_engines)
 
     cfg = dataclass_from_namespace(StackConfig, ns)
-    engine_flags = []
-    for field in dataclasses.fields(EngineArgs):
-        value = getattr(ns, field.name)
-        if value != field.default:
-            engine_flags += ["--" + field.name.replace("_", "-"), str(value)]
-    # Resolve (and on first use convert) the model once, in a child (torch stays out of this
-    # process), so the engines do not all convert it at once.
-    resolved = subprocess.run(
-        [sys.executable, "-c", "import sys; from engine_worker.weights.resolve import "
-         "resolve_model_dir; print(resolve_model_dir(sys.argv[1] or None))", ns.model or ""],
-        capture_output=True, text=True, check=False)
-    if resolved.returncode != 0:
-        print(resolved.stderr.strip().splitlines()[-1], file=sys.stderr)
-        return 2
-    engines = start_engines(cfg, engine_flags)
+    resolve_model_once(ns.model)
+    engines = start_engines(cfg, changed_engine_flags(ns))
     try:
         return asyncio.run(run_stack(cfg, engines))
     finally:

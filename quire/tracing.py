@@ -144,6 +144,29 @@ async def traced(stream: AsyncIterator, end: Callable[[BaseException | None], No
         end(error)
 
 
+def traced_generate(generate: Callable) -> Callable:
+    """A servicer's streaming ``Generate`` from ``generate(self, request, context, span)``.
+
+    ``self.spans`` (request, invocation metadata) -> a span with ``end(error, context)``, or
+    None when tracing is off: then ``span`` is None and no tracing work is done. Shared by the
+    engine's and the router's servicers; the result is an async generator function, as
+    grpc.aio needs for a server-streaming handler.
+    """
+    async def handler(self, request, context):
+        if self.spans is None:
+            async with contextlib.aclosing(generate(self, request, context, None)) as stream:
+                async for message in stream:
+                    yield message
+            return
+        span = self.spans(request, context.invocation_metadata())
+        async for message in traced(generate(self, request, context, span),
+                                    lambda error: span.end(error, context)):
+            yield message
+
+    handler.__doc__ = generate.__doc__
+    return handler
+
+
 def _otlp_exporter(cfg: TracingConfig):
     if cfg.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter

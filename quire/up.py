@@ -48,6 +48,32 @@ def _engine_argv(port: int, engine_flags: list[str], num_threads: int) -> list[s
     return argv + engine_flags
 
 
+def changed_engine_flags(ns) -> list[str]:
+    """The engine flags the user changed from their defaults, to pass on to ``quire engine``."""
+    import dataclasses
+
+    from engine_worker.config import EngineArgs
+
+    flags = []
+    for field in dataclasses.fields(EngineArgs):
+        value = getattr(ns, field.name)
+        if value != field.default:
+            flags += ["--" + field.name.replace("_", "-"), str(value)]
+    return flags
+
+
+def resolve_model_once(model: str | None) -> None:
+    """Resolve (and on first use convert) the model once, in a child so torch stays out of
+    this process and the engines do not all convert it at once. ValueError if it fails."""
+    resolved = subprocess.run(
+        [sys.executable, "-c", "import sys; from engine_worker.weights.resolve import "
+         "resolve_model_dir; print(resolve_model_dir(sys.argv[1] or None))", model or ""],
+        capture_output=True, text=True, check=False)
+    if resolved.returncode != 0:
+        lines = resolved.stderr.strip().splitlines() or ["model resolution failed"]
+        raise ValueError(lines[-1] if lines[-1].startswith("model") else f"model: {lines[-1]}")
+
+
 def start_engines(cfg: StackConfig, engine_flags: list[str]) -> list[tuple[subprocess.Popen, str]]:
     """Start the engines and wait until each prints that it listens."""
     threads = max(1, (os.cpu_count() or 1) // cfg.num_engines)

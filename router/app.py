@@ -124,13 +124,12 @@ class RouterServer:
 
     async def _follow_readiness(self) -> None:
         serving = None
-        while True:
-            now = bool(self.pool.serving()) and not self.servicer.draining
+        async for _ in self.pool.changes():
+            now = bool(self.pool.serving())
             if now != serving:
                 serving = now
                 await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.SERVING
                                       if now else health_pb2.HealthCheckResponse.NOT_SERVING)
-            await asyncio.sleep(0.05)
 
     async def drain_and_stop(self) -> None:
         """Stop taking requests, let in-flight ones finish within the drain timeout, stop."""

@@ -105,7 +105,8 @@ class EngineClient:
     """The router's connection to one engine pod. ``start()`` it, ``await close()`` it."""
 
     def __init__(self, engine_id: str, address: str, *, index: PrefixIndex, admit: Admit,
-                 options: ClientOptions = ClientOptions()) -> None:
+                 options: ClientOptions = ClientOptions(),
+                 on_change: Callable[[], None] = lambda: None) -> None:
         self.engine_id = engine_id
         self.address = address
         self.index = index
@@ -122,7 +123,7 @@ class EngineClient:
         self._supervisor: asyncio.Task | None = None
         self._feeds: list[asyncio.Task] = []
         self._closed = False
-        self.serving_changed = asyncio.Event()  # set on every state change (tests, readiness)
+        self.on_change = on_change  # called on every state change (the pool's readiness)
 
     def _open_channel(self) -> grpc.aio.Channel:
         options = [("grpc.max_receive_message_length", self.options.max_message_bytes)]
@@ -158,8 +159,7 @@ class EngineClient:
                        "engine %s at %s: %s -> %s", self.engine_id, self.address,
                        self.state.value, state.value)
             self.state = state
-            self.serving_changed.set()
-            self.serving_changed = asyncio.Event()
+            self.on_change()
 
     async def _supervise(self) -> None:
         backoff_s = self.options.min_backoff_s

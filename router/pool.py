@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
@@ -98,7 +98,8 @@ class EnginePool:
             if engine_id not in self.clients:
                 logger.info("engine %s at %s joined the pool", engine_id, endpoint.address)
                 client = EngineClient(engine_id, endpoint.address, index=self.index,
-                                      admit=self._admit, options=self.options)
+                                      admit=self._admit, options=self.options,
+                                      on_change=self._notify)
                 self.clients[engine_id] = client
                 client.start()
         self._notify()
@@ -168,16 +169,16 @@ class EnginePool:
         """Wait until at least ``count`` engines serve (False on timeout)."""
         async def wait() -> None:
             while len(self.serving()) < count:
-                waiters = [asyncio.ensure_future(self.changed.wait())]
-                waiters += [asyncio.ensure_future(c.serving_changed.wait())
-                            for c in self.clients.values()]
-                try:
-                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for w in waiters:
-                        w.cancel()
+                await self.changed.wait()
         try:
             await asyncio.wait_for(wait(), timeout_s)
             return True
         except asyncio.TimeoutError:
             return False
+
+    async def changes(self) -> AsyncIterator[None]:
+        """Yields at once, then after every change of membership or of an engine's state."""
+        while True:
+            changed = self.changed
+            yield
+            await changed.wait()

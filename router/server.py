@@ -14,7 +14,6 @@ request also gets a span (``router.tracing``) whose context goes to the engine a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from quire.tracing import traced
+from quire.tracing import traced_generate
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 from router.balancer import Decision, NoEndpointError, Policy, RoutingRequest, choose
@@ -135,20 +134,10 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
                 return value
         return None
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    @traced_generate
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                       span: RouterSpan | None):
         """Place the request on an engine and relay its stream (traced when ``spans`` is set)."""
-        if self.spans is None:
-            async with contextlib.aclosing(self._generate(request, context, None)) as stream:
-                async for message in stream:
-                    yield message
-            return
-        span = self.spans(request, context.invocation_metadata())
-        async for message in traced(self._generate(request, context, span),
-                                    lambda error: span.end(error, context)):
-            yield message
-
-    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                        span: RouterSpan | None):
         received = time.perf_counter()
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")

@@ -7,7 +7,6 @@ written once the request ends; the engine loop itself does no tracing work.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from engine_worker.server.errors import abort_with
 from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
 from quire.tokenizer_digest import TOKENIZER_FILES, tokenizer_dir_digest
 from quire.kv_events import batch_to_proto, snapshot_to_proto
-from quire.tracing import traced
+from quire.tracing import traced_generate
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 
@@ -47,20 +46,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self._tokenizer_digest = tokenizer_dir_digest(tokenizer_dir)
         self.draining = False
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    @traced_generate
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                       span: EngineSpan | None):
         """Run one request on the engine and stream its outputs (DELTA)."""
-        if self.spans is None:
-            async with contextlib.aclosing(self._generate(request, context, None)) as stream:
-                async for message in stream:
-                    yield message
-            return
-        span = self.spans(request, context.invocation_metadata())
-        async for message in traced(self._generate(request, context, span),
-                                    lambda error: span.end(error, context)):
-            yield message
-
-    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                        span: EngineSpan | None):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
         try:

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -138,28 +136,6 @@ def machine_info() -> dict:
     return {"platform": platform.platform(), "python": sys.version.split()[0],
             "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "load_average": list(os.getloadavg())}
-
-
-def engine_flags(ns, engine_args_cls) -> list[str]:
-    """Engine flags the user changed from their defaults, to pass on to ``quire engine``."""
-    flags = []
-    for field in dataclasses.fields(engine_args_cls):
-        value = getattr(ns, field.name)
-        if value != field.default:
-            flags += ["--" + field.name.replace("_", "-"), str(value)]
-    return flags
-
-
-def resolve_model(model: str | None) -> None:
-    """Resolve (and on first use convert) the model once, in a child so torch stays out of
-    this process and the engines do not all convert it at once."""
-    resolved = subprocess.run(
-        [sys.executable, "-c", "import sys; from engine_worker.weights.resolve import "
-         "resolve_model_dir; print(resolve_model_dir(sys.argv[1] or None))", model or ""],
-        capture_output=True, text=True, check=False)
-    if resolved.returncode != 0:
-        lines = resolved.stderr.strip().splitlines() or ["model resolution failed"]
-        raise ValueError(f"model: {lines[-1]}")
 
 
 @contextlib.contextmanager

@@ -25,8 +25,7 @@ import grpc
 from quire.v1 import engine_pb2_grpc
 from router.benchmarks.config import OverheadBenchConfig
 from router.benchmarks.harness import (FIRST_SAFE_TOKEN_ID, RequestResult, describe_ms,
-                                       engine_flags, generate_request, machine_info,
-                                       model_info, percentile, resolve_model,
+                                       generate_request, machine_info, model_info, percentile,
                                        running_engines, running_router, stream_request,
                                        warm_up)
 
@@ -145,12 +144,12 @@ def write_plot(path: Path, report: dict) -> bool:
 
 
 def run_from_args(ns: argparse.Namespace) -> int:
-    from engine_worker.config import EngineArgs
+    from quire.up import changed_engine_flags, resolve_model_once
     from quire.config_args import dataclass_from_namespace
 
     cfg = dataclass_from_namespace(OverheadBenchConfig, ns)
-    flags = engine_flags(ns, EngineArgs)
-    resolve_model(ns.model)
+    flags = changed_engine_flags(ns)
+    resolve_model_once(ns.model)
     machine = machine_info()
 
     async def run() -> dict:

@@ -34,8 +34,7 @@ import grpc
 from quire.v1 import engine_pb2_grpc
 from router.benchmarks.config import WORKLOAD_NAMES, ServeBenchConfig
 from router.benchmarks.harness import (FIRST_SAFE_TOKEN_ID, RequestResult, describe_ms,
-                                       engine_flags, generate_request, machine_info,
-                                       model_info, percentile, resolve_model,
+                                       generate_request, machine_info, model_info, percentile,
                                        running_engines, running_router, stream_request,
                                        warm_up)
 
@@ -203,13 +202,13 @@ async def run_all(cfg: ServeBenchConfig, flags: list[str], seed: int) -> list[di
 
 
 def run_from_args(ns: argparse.Namespace) -> int:
-    from engine_worker.config import EngineArgs
+    from quire.up import changed_engine_flags, resolve_model_once
     from quire.config_args import dataclass_from_namespace
     from router.benchmarks.serve_report import build_report, print_summary, write_outputs
 
     cfg = dataclass_from_namespace(ServeBenchConfig, ns)
-    flags = engine_flags(ns, EngineArgs)
-    resolve_model(ns.model)
+    flags = changed_engine_flags(ns)
+    resolve_model_once(ns.model)
     machine_before = machine_info()
     print(f"bench serve: {len(cfg.workload_names)} workloads x {len(cfg.policy_names)} "
           f"policies, {cfg.num_requests} requests each at {cfg.request_rate} req/s, "

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 
 import grpc
@@ -13,20 +11,19 @@ from quire.block_hash import hash_block_tokens
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 from router.app import RouterServer
+from tests.e2e.loop_thread import LoopThread
 from tests.e2e.test_engine_server import RunningServer, _engine
 
 TIMEOUT_S = 60
 
 
-class RunningRouter:
+class RunningRouter(LoopThread):
     """A RouterServer on its own event-loop thread, for synchronous test clients.
 
     Waits until ``ready`` engines serve (default: as many as ``addresses``)."""
 
     def __init__(self, addresses, ready: int | None = None, build=None, **kwargs) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        super().__init__()
         kwargs.setdefault("placement", {"reconnect_max_backoff_s": 0.5})
         self.server = self.call(self._build(addresses, kwargs, build))
         self.port = self.call(self.server.start())
@@ -42,9 +39,6 @@ class RunningRouter:
         if build is not None:
             return build()
         return RouterServer.static(addresses, host="127.0.0.1", port=0, **kwargs)
-
-    def call(self, coro, timeout: float = 60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def read(self, fn):
         """Run ``fn()`` on the router's loop (its state is not thread-safe)."""
@@ -64,14 +58,6 @@ class RunningRouter:
 
     def decisions(self, limit: int = 1000):
         return self.read(lambda: self.server.metrics.decisions.latest(limit))
-
-    def close(self) -> None:
-        self.channel.close()
-        try:
-            self.call(self.server.stop(0))
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
 
 
 def start_engine(model_dir, **engine_kwargs) -> RunningServer:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,31 +18,19 @@ from engine_worker.server.config import ServerConfig
 from quire.kv_events import KVCacheMirror, batch_from_proto, snapshot_from_proto
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
+from tests.e2e.loop_thread import LoopThread
 
 
-class RunningServer:
+class RunningServer(LoopThread):
     """An EngineServer on its own event loop thread, for synchronous test clients."""
 
-    def __init__(self, engine: LLMEngine, cfg: ServerConfig) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.server = EngineServer(engine, cfg)
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+    def __init__(self, engine: LLMEngine, cfg: ServerConfig, **server_kwargs) -> None:
+        super().__init__()
+        self.server = EngineServer(engine, cfg, **server_kwargs)
         self.port = self.call(self.server.start())
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
-
-    def call(self, coro, timeout: float = 60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.channel.close()
-        try:
-            self.call(self.server.stop(0))
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
 
 
 def _engine(model_dir, **kwargs) -> LLMEngine:

@@ -5,22 +5,17 @@ configured by the standard OTEL_* variables alone."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import secrets
 import subprocess
 import sys
-import threading
 import urllib.request
 
-import grpc
 import pytest
 
-from engine_worker.server.app import EngineServer
 from engine_worker.server.config import ServerConfig
 from quire.tracing import Tracing, TracingConfig, make_tracing
-from quire.v1 import engine_pb2_grpc
 from tests.e2e.router_harness import (TIMEOUT_S, RunningRouter, address, collect, request,
                                       wait_for)
 from tests.e2e.test_engine_server import RunningServer, _engine
@@ -31,19 +26,6 @@ ERROR = 2  # OTLP Status code
 CANARY_PROMPT = "zq-canary-prompt-7f3a9"
 
 
-class TracedEngine(RunningServer):
-    """RunningServer with a tracing pipeline handed to its EngineServer."""
-
-    def __init__(self, engine, cfg: ServerConfig, tracing: Tracing) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.server = EngineServer(engine, cfg, tracing=tracing)
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.port = self.call(self.server.start())
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
-
-
 class Stack:
     """Two traced engines behind a traced router (HTTP front on), spans to ``receiver``."""
 
@@ -52,8 +34,9 @@ class Stack:
         self.receiver = receiver
         self.tracings = [_tracing(receiver, "quire-engine", include_text),
                          _tracing(receiver, "quire-router", include_text)]
-        self.engines = [TracedEngine(_engine(model_dir, enable_prefix_caching=True),
-                                     ServerConfig(host="127.0.0.1", port=0), self.tracings[0])
+        self.engines = [RunningServer(_engine(model_dir, enable_prefix_caching=True),
+                                      ServerConfig(host="127.0.0.1", port=0),
+                                      tracing=self.tracings[0])
                         for _ in range(num_engines)]
         self.router = RunningRouter([address(e) for e in self.engines], http_port=0,
                                     tracing=self.tracings[1])
