@@ -115,14 +115,22 @@ class SchedulerConfig:
                f"must be a non-negative integer, got {self.long_prefill_token_threshold!r}")
 
 
+KERNEL_CHOICES = ("auto", "torch", "cpu")
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceConfig:
-    """Which torch device runs the model: ``auto`` picks CUDA when torch sees one."""
+    """Which torch device runs the model (``auto`` picks CUDA when torch sees one), and which
+    kernels: ``cpu`` is the compiled AVX-512 set in ``csrc/cpu``, ``torch`` the pure-PyTorch
+    reference, ``auto`` the compiled set on a CPU where it builds."""
 
     device: str = "auto"
     num_threads: int | None = None
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
+        _check(self.kernels in KERNEL_CHOICES, "kernels",
+               f"must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         _check(isinstance(self.device, str)
                and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.num_threads is not None:
@@ -159,6 +167,7 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"
     num_threads: int | None = None
+    kernels: str = "auto"
 
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -172,5 +181,6 @@ class EngineArgs:
                                       max_num_seqs=self.max_num_seqs,
                                       scheduling_policy=self.scheduling_policy,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold),
-            device=DeviceConfig(device=self.device, num_threads=self.num_threads),
+            device=DeviceConfig(device=self.device, num_threads=self.num_threads,
+                                kernels=self.kernels),
         )

@@ -21,8 +21,9 @@ from engine_worker.kv_cache.sizing import bytes_per_block, kv_budget_bytes, num_
 from engine_worker.model_runner.runner import ModelRunner
 from engine_worker.output_processor import OutputProcessor
 from engine_worker.outputs import RequestOutput
+from engine_worker.layers.linear import LINEAR_KERNELS
 from engine_worker.platform import (allocate_zeroed, available_memory_bytes, select_device,
-                                   select_dtype)
+                                   select_dtype, select_kernels)
 from engine_worker.request import RequestStatus
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.scheduler.scheduler import Scheduler
@@ -52,15 +53,18 @@ class LLMEngine:
             else model_dir
         self.model_dir = model_dir
         start = time.monotonic()
+        self.kernels = select_kernels(config.device.kernels, self.device)
         loaded = load_model(model_dir, dtype=self.dtype, device=self.device,
-                            backend=ATTENTION_BACKENDS["torch"](),
+                            backend=ATTENTION_BACKENDS[self.kernels](),
+                            linear=LINEAR_KERNELS[self.kernels],
                             max_model_len=config.model.max_model_len)
         self.tokenizer = Tokenizer(tokenizer_dir)
         self.architecture = loaded.architecture
         self.max_model_len = loaded.max_model_len
         model_cfg = loaded.model.cfg
-        logger.info("Loaded %s (%s) as %s on %s in %.1f s", model_dir.name, loaded.architecture,
-                    self.dtype, self.device, time.monotonic() - start)
+        logger.info("Loaded %s (%s) as %s on %s with %s kernels in %.1f s", model_dir.name,
+                    loaded.architecture, self.dtype, self.device, self.kernels,
+                    time.monotonic() - start)
 
         cache = config.cache
         block_bytes = bytes_per_block(num_layers=model_cfg.num_layers, block_size=cache.block_size,

@@ -60,3 +60,19 @@ def allocate_zeroed(shape: tuple[int, ...], dtype: torch.dtype,
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * (torch.finfo(dtype).bits // 8)
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def select_kernels(name: str, device: torch.device) -> str:
+    """``auto`` -> ``cpu`` (the compiled kernels) on a CPU where they build, else ``torch``."""
+    from engine_worker.ops import cpu_ops_unavailable_reason, load_cpu_ops
+
+    if name == "torch":
+        return name
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"kernels: 'cpu' runs on the CPU only, the device is {device}")
+        reason = cpu_ops_unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"kernels: 'cpu' requested but unavailable: {reason}")
+        return name
+    return "cpu" if device.type == "cpu" and load_cpu_ops() else "torch"

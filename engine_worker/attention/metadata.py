@@ -30,9 +30,15 @@ class PrefillChunk:
 
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
+    """The decode / prefill split serves the reference backend; the varlen view (every request
+    in step order, decodes included) serves the kernels, as flash-attention's varlen API."""
+
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V go
     num_decode_tokens: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_num_blocks] int64, padded with 0
     decode_seq_lens: torch.Tensor  # [num_decodes] int64: tokens in the cache incl. the new one
     decode_max_seq_len: int
     prefills: tuple[PrefillChunk, ...]
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int64: request i's tokens are [q[i], q[i+1])
+    seq_lens: torch.Tensor  # [num_seqs] int64: cached tokens after this step, new ones included
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, padded with 0

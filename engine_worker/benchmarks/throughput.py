@@ -1,10 +1,11 @@
 """``quire bench throughput``: offline throughput of Quire's engine against transformers
-``generate`` with static batching, on one fixed synthetic workload.
+``generate`` with static batching, on one fixed long-tailed synthetic workload, plus decode
+throughput against batch size with each step's time split by part (``step_profile``).
 
-Both systems decode greedily and never stop early, so each request yields exactly its requested
-number of output tokens. A static batch must run until its longest member finishes; only each
-request's own requested tokens count as useful, which is the cost continuous batching removes.
-torch and transformers are imported inside functions so ``quire --help`` stays cheap.
+Both systems decode greedily and stop at EOS (unless ``--ignore-eos``) or at each request's own
+``max_tokens``. A static batch runs until its longest member finishes; only each request's own
+tokens (up to its EOS and its limit) count as useful, which is the cost continuous batching
+removes. torch and transformers are imported inside functions so ``quire --help`` stays cheap.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_worker.arg_utils import add_engine_args, engine_args_from_namespace
+from engine_worker.benchmarks.step_profile import PARTS, sweep_batch_sizes
 from engine_worker.config import EngineArgs
 
 FIRST_PLAIN_TOKEN_ID = 100  # SmolLM2's special and control tokens all sit below this id
@@ -76,21 +78,25 @@ def _check(ok: bool, name: str, message: str) -> None:
 class BenchConfig:
     """The benchmark's own settings; the engine's come as ``EngineArgs``."""
 
-    num_prompts: int = 64
+    num_prompts: int = 256
     min_input_len: int = 16
-    max_input_len: int = 512
+    max_input_len: int = 1024
     min_output_len: int = 16
-    max_output_len: int = 256
+    max_output_len: int = 512
     workload_seed: int = 0
+    ignore_eos: bool = False
     hf_batch_size: int = 32
     hf_num_prompts: int | None = None
     skip_hf: bool = False
     batch_sizes: tuple[int, ...] = ()
+    sweep_prompt_len: int = 128
+    sweep_output_len: int = 64
     output_json: str = "bench_results/throughput.json"
     output_plot: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_prompts", "min_input_len", "min_output_len", "hf_batch_size"):
+        for name in ("num_prompts", "min_input_len", "min_output_len", "hf_batch_size",
+                     "sweep_prompt_len", "sweep_output_len"):
             _check(getattr(self, name) >= 1, name, f"must be at least 1, got {getattr(self, name)}")
         for kind in ("input", "output"):
             lo, hi = getattr(self, f"min_{kind}_len"), getattr(self, f"max_{kind}_len")
@@ -146,6 +152,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     for name in ("num_prompts", "min_input_len", "max_input_len", "min_output_len",
                  "max_output_len", "workload_seed"):
         g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="decode every request to its max_tokens (default: stop at EOS)")
     h = parser.add_argument_group("transformers baseline")
     h.add_argument("--hf-batch-size", type=int, default=d.hf_batch_size, help="static batch size")
     h.add_argument("--hf-num-prompts", type=int, default=None,
@@ -153,7 +161,10 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--skip-hf", action="store_true", help="do not run the baseline")
     o = parser.add_argument_group("sweep and output")
     o.add_argument("--batch-sizes", type=_parse_batch_sizes, default=(),
-                   help="also run Quire with max_num_seqs set to each, e.g. 1,8,32")
+                   help="also measure decode throughput and the step-time split at each batch "
+                        "size, e.g. 1,8,32,128")
+    o.add_argument("--sweep-prompt-len", type=int, default=d.sweep_prompt_len)
+    o.add_argument("--sweep-output-len", type=int, default=d.sweep_output_len)
     o.add_argument("--output-json", default=d.output_json)
     o.add_argument("--output-plot", default=None, help="PNG (default: beside the JSON)")
     add_engine_args(parser)
@@ -161,29 +172,41 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
         parser.set_defaults(dtype="bfloat16")
 
 
-def _requests(workload: Workload):
+def _requests(workload: Workload, ignore_eos: bool):
     from engine_worker import SamplingParams
 
     prompts = [{"prompt_token_ids": list(p)} for p in workload.prompt_token_ids]
-    return prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos)
                      for n in workload.output_lens]
 
 
-def time_quire(llm, workload: Workload, warmup: Workload, system: str = "quire") -> SystemResult:
-    llm.generate(*_requests(warmup), use_tqdm=False)
-    prompts, params = _requests(workload)
+def time_quire(llm, workload: Workload, warmup: Workload, ignore_eos: bool,
+               system: str = "quire") -> SystemResult:
+    llm.generate(*_requests(warmup, True), use_tqdm=False)
+    prompts, params = _requests(workload, ignore_eos)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     got = [len(o.outputs[0].token_ids) for o in outputs]
-    if got != list(workload.output_lens):
+    if ignore_eos and got != list(workload.output_lens):
         print(f"warning: {system} produced {sum(got)} output tokens, "
               f"{sum(workload.output_lens)} requested", file=sys.stderr)
     return SystemResult.from_timing(system, workload, elapsed, sum(got), sum(got))
 
 
-def _hf_batch(model, prompts, output_lens, pad_id: int, device) -> tuple[int, int]:
-    """One static batch; returns (useful output tokens, tokens decoded in all)."""
+def _useful_tokens(generated, limit: int, eos_ids: frozenset[int] | None) -> int:
+    """A row's tokens up to and including its first EOS (when EOS ends requests), at most
+    its own limit."""
+    for i, token in enumerate(generated[:limit]):
+        if eos_ids is not None and token in eos_ids:
+            return i + 1
+    return min(limit, len(generated))
+
+
+def _hf_batch(model, prompts, output_lens, pad_id: int, device,
+              eos_ids: frozenset[int] | None) -> tuple[int, int]:
+    """One static batch; returns (useful output tokens, tokens decoded in all). With
+    ``eos_ids`` None, EOS is masked until the longest request's limit (ignore_eos)."""
     import torch
 
     width = max(len(p) for p in prompts)
@@ -194,16 +217,19 @@ def _hf_batch(model, prompts, output_lens, pad_id: int, device) -> tuple[int, in
         input_ids[row, width - len(p):] = torch.tensor(p)
         mask[row, width - len(p):] = 1
     max_new = max(output_lens)
-    # min_new_tokens masks EOS until max_new, so no row may stop before the longest one.
+    # min_new_tokens masks EOS until max_new, so no row may stop before the longest one; with
+    # EOS allowed the batch still runs until every row has stopped or reached max_new.
     out = model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                         do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
-                         pad_token_id=pad_id)
-    decoded = out.shape[1] - width  # reading the shape waits for the device
-    return sum(min(n, decoded) for n in output_lens), decoded * len(prompts)
+                         do_sample=False, max_new_tokens=max_new,
+                         min_new_tokens=max_new if eos_ids is None else 0, pad_token_id=pad_id,
+                         **({} if eos_ids is None else {"eos_token_id": sorted(eos_ids)}))
+    generated = out[:, width:].tolist()
+    useful = sum(_useful_tokens(row, n, eos_ids) for row, n in zip(generated, output_lens))
+    return useful, len(generated[0]) * len(prompts)
 
 
 def time_hf(model_dir, dtype, device, workload: Workload, warmup: Workload,
-            batch_size: int) -> SystemResult:
+            batch_size: int, eos_ids: frozenset[int] | None) -> SystemResult:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -213,11 +239,11 @@ def time_hf(model_dir, dtype, device, workload: Workload, warmup: Workload,
     pad_id = pad_id[0] if isinstance(pad_id, list) else pad_id  # any id: padding is masked
     useful = decoded = 0
     with torch.inference_mode():
-        _hf_batch(model, warmup.prompt_token_ids, warmup.output_lens, pad_id, device)
+        _hf_batch(model, warmup.prompt_token_ids, warmup.output_lens, pad_id, device, None)
         start = time.perf_counter()
         for i in range(0, len(workload.output_lens), batch_size):
             u, d = _hf_batch(model, workload.prompt_token_ids[i:i + batch_size],
-                             workload.output_lens[i:i + batch_size], pad_id, device)
+                             workload.output_lens[i:i + batch_size], pad_id, device, eos_ids)
             useful, decoded = useful + u, decoded + d
         elapsed = time.perf_counter() - start
     return SystemResult.from_timing("transformers", workload, elapsed, useful, decoded)
@@ -233,41 +259,37 @@ def _print_table(results: list[SystemResult], ratio: float | None) -> None:
         print(f"ratio (quire / transformers output tok/s): {ratio:.2f}x")
 
 
-def _write_plot(path: Path, results: list[SystemResult],
-                sweep: list[tuple[int, SystemResult]]) -> bool:
+def _write_plot(path: Path, results: list[SystemResult], sweep: list) -> bool:
     try:
         from matplotlib.figure import Figure  # no pyplot: no global backend state to set
     except ImportError:
         print("note: matplotlib is not installed (pip install quire[bench]); no plot written",
               file=sys.stderr)
         return False
-    fig = Figure(figsize=(11 if sweep else 6, 4.5), layout="constrained")
-    axes = fig.subplots(1, 2 if sweep else 1, squeeze=False)[0]
+    fig = Figure(figsize=(15 if sweep else 6, 4.5), layout="constrained")
+    axes = fig.subplots(1, 3 if sweep else 1, squeeze=False)[0]
     bars = axes[0].bar([r.system for r in results], [r.output_tokens_per_s for r in results],
                        color=["tab:blue", "tab:gray"][:len(results)])
     axes[0].bar_label(bars, fmt="%.0f")
-    axes[0].set(title="Output throughput", ylabel="output tokens/s")
+    axes[0].set(title=f"Mixed workload, {results[0].num_requests} requests",
+                ylabel="output tokens/s")
     if sweep:
-        sizes = [s for s, _ in sweep]
-        axes[1].plot(sizes, [r.output_tokens_per_s for _, r in sweep], marker="o")
-        axes[1].set(title="Quire throughput vs batch size", xlabel="max_num_seqs",
+        sizes = [p.batch_size for p in sweep]
+        axes[1].plot(sizes, [p.output_tokens_per_s for p in sweep], marker="o")
+        axes[1].set(title="Decode throughput vs batch size", xlabel="requests in the batch",
                     ylabel="output tokens/s", xscale="log", xticks=sizes, xticklabels=sizes)
+        labels = [str(s) for s in sizes]
+        bottom = [0.0] * len(sweep)
+        for part in PARTS:
+            values = [p.decode_step_ms[part] for p in sweep]
+            axes[2].bar(labels, values, bottom=bottom, label=part)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        axes[2].set(title="Time per decode step by part", xlabel="requests in the batch",
+                    ylabel="ms per step", yscale="log")
+        axes[2].legend()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     return True
-
-
-def _sweep(engine_args: EngineArgs, sizes, workload: Workload, warmup: Workload):
-    from engine_worker import LLM
-
-    results = []
-    for size in sizes:
-        print(f"quire sweep: max_num_seqs={size}", file=sys.stderr)
-        llm = LLM(**dataclasses.asdict(dataclasses.replace(engine_args, max_num_seqs=size)))
-        results.append((size, time_quire(llm, workload, warmup, f"quire@{size}")))
-        del llm  # free this KV cache before the next one is allocated
-        gc.collect()
-    return results
 
 
 def _environment(engine) -> dict:
@@ -276,9 +298,10 @@ def _environment(engine) -> dict:
 
     # The load average shows whether something else shared the CPU during the run.
     return {"model_dir": str(engine.model_dir), "device": str(engine.device),
-            "dtype": str(engine.dtype).removeprefix("torch."), "cpu_count": os.cpu_count(),
-            "torch_num_threads": torch.get_num_threads(), "loadavg_1m_at_start": os.getloadavg()[0],
-            "torch_version": torch.__version__, "transformers_version": transformers.__version__}
+            "dtype": str(engine.dtype).removeprefix("torch."), "kernels": engine.kernels,
+            "cpu_count": os.cpu_count(), "torch_num_threads": torch.get_num_threads(),
+            "loadavg_1m_at_start": os.getloadavg()[0], "torch_version": torch.__version__,
+            "transformers_version": transformers.__version__}
 
 
 def _write_json(path: Path, cfg: BenchConfig, engine_args: EngineArgs, env: dict,
@@ -288,10 +311,17 @@ def _write_json(path: Path, cfg: BenchConfig, engine_args: EngineArgs, env: dict
               "environment": {**env, "loadavg_1m_at_end": os.getloadavg()[0]},
               "workload": workload.summary(), "quire": by_system["quire"],
               "hf": by_system.get("transformers"), "ratio_output_tokens_per_s": ratio,
-              "batch_size_sweep": [{"max_num_seqs": s, **dataclasses.asdict(r)} for s, r in sweep]}
+              "batch_size_sweep": [dataclasses.asdict(p) for p in sweep]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def _print_sweep(sweep) -> None:
+    print(f"{'batch':>6}{'out tok/s':>11}" + "".join(f"{p + ' ms':>15}" for p in PARTS))
+    for p in sweep:
+        print(f"{p.batch_size:>6}{p.output_tokens_per_s:>11.1f}"
+              + "".join(f"{p.decode_step_ms[k]:>15.2f}" for k in PARTS))
 
 
 def run_from_args(ns: argparse.Namespace) -> int:
@@ -302,6 +332,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
     llm = LLM(**dataclasses.asdict(engine_args))
     engine = llm.engine
     vocab_size, env = engine.tokenizer.vocab_size, _environment(engine)
+    eos_ids = None if cfg.ignore_eos else engine.tokenizer.eos_token_ids
     workload = make_workload(num_prompts=cfg.num_prompts, seed=cfg.workload_seed,
                              input_lens=(cfg.min_input_len, cfg.max_input_len),
                              output_lens=(cfg.min_output_len, cfg.max_output_len),
@@ -312,7 +343,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
                            input_lens=(cfg.min_input_len, cfg.max_input_len),
                            vocab_size=vocab_size, seed=cfg.workload_seed + 1)
     print(f"quire: {cfg.num_prompts} requests", file=sys.stderr)
-    results = [time_quire(llm, workload, warmup)]
+    results = [time_quire(llm, workload, warmup, cfg.ignore_eos)]
     model_dir, dtype, device = engine.model_dir, engine.dtype, engine.device
     del llm, engine  # free the KV cache before the baseline and the sweep
     gc.collect()
@@ -321,11 +352,15 @@ def run_from_args(ns: argparse.Namespace) -> int:
         subset = Workload(workload.prompt_token_ids[:n], workload.output_lens[:n])
         print(f"transformers: {n} requests in static batches of {cfg.hf_batch_size}",
               file=sys.stderr)
-        results.append(time_hf(model_dir, dtype, device, subset, warmup, cfg.hf_batch_size))
-    sweep = _sweep(engine_args, cfg.batch_sizes, workload, warmup)
+        results.append(time_hf(model_dir, dtype, device, subset, warmup, cfg.hf_batch_size,
+                               eos_ids))
+    sweep = sweep_batch_sizes(engine_args, cfg.batch_sizes, prompt_len=cfg.sweep_prompt_len,
+                              output_len=cfg.sweep_output_len, vocab_size=vocab_size)
     ratio = (results[0].output_tokens_per_s / results[1].output_tokens_per_s
              if len(results) > 1 else None)
-    _print_table(results + [r for _, r in sweep], ratio)
+    _print_table(results, ratio)
+    if sweep:
+        _print_sweep(sweep)
     _write_json(Path(cfg.output_json), cfg, engine_args, env, workload, results, ratio, sweep)
     if _write_plot(cfg.plot_path, results, sweep):
         print(f"wrote {cfg.plot_path}")

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from engine_worker.attention.metadata import AttentionMetadata, PrefillChunk
+from engine_worker.model_runner.inputs import build_step_inputs
 from engine_worker.model_runner.output import ModelRunnerOutput, SampledLogprobs
 from engine_worker.model_runner.sampling_inputs import build_sampling_metadata
 from engine_worker.sampler import gather_logprobs, sample
@@ -93,7 +92,8 @@ class ModelRunner:
         order = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
         states = [self.requests[r] for r in order]
         counts = [out.num_scheduled_tokens[r] for r in order]
-        input_ids, positions, meta, query_starts = self._prepare_inputs(states, counts)
+        input_ids, positions, meta, query_starts = build_step_inputs(states, counts,
+                                                                     self.block_size, self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         sample_rows = [i for i, (s, n) in enumerate(zip(states, counts))
@@ -106,39 +106,6 @@ class ModelRunner:
         for state, n in zip(states, counts):
             state.num_computed_tokens += n
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
-
-    def _prepare_inputs(self, states, counts):
-        bs = self.block_size
-        ids, pos, slots, starts = [], [], [], []
-        start = 0
-        for state, n in zip(states, counts):
-            first = state.num_computed_tokens
-            p = np.arange(first, first + n)
-            table = np.asarray(state.block_ids, dtype=np.int64)
-            ids.append(state.token_ids[first:first + n])
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            starts.append(start)
-            start += n
-        to_dev = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64)).to(self.device)
-        input_ids = to_dev(np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]))
-        positions = to_dev(np.concatenate(pos))
-        num_decodes = next((i for i, n in enumerate(counts) if n != 1), len(counts))
-        decode_tables = np.zeros((num_decodes, max((len(s.block_ids) for s in
-                                                   states[:num_decodes]), default=0)), np.int64)
-        for i, state in enumerate(states[:num_decodes]):
-            decode_tables[i, :len(state.block_ids)] = state.block_ids
-        seq_lens = [s.num_computed_tokens + 1 for s in states[:num_decodes]]
-        prefills = tuple(
-            PrefillChunk(query_start=starts[i], query_len=counts[i],
-                         context_len=states[i].num_computed_tokens,
-                         block_table=to_dev(states[i].block_ids))
-            for i in range(num_decodes, len(states)))
-        meta = AttentionMetadata(
-            slot_mapping=to_dev(np.concatenate(slots)), num_decode_tokens=num_decodes,
-            decode_block_tables=to_dev(decode_tables), decode_seq_lens=to_dev(seq_lens),
-            decode_max_seq_len=max(seq_lens, default=0), prefills=prefills)
-        return input_ids, positions, meta, starts
 
     def _sample(self, states, counts, query_starts, rows, hidden):
         picked, logit_rows = [], []

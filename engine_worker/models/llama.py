@@ -14,6 +14,7 @@ from torch import nn
 
 from engine_worker.attention.metadata import AttentionMetadata
 from engine_worker.layers.activation import silu_and_mul
+from engine_worker.layers.linear import Linear, LinearFn
 from engine_worker.layers.norm import RMSNorm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding
 
@@ -43,11 +44,12 @@ class LlamaConfig:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend) -> None:
+    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend,
+                 linear: LinearFn) -> None:
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias, linear)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, linear)
         self.rotary = rotary
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
@@ -65,23 +67,24 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, linear: LinearFn) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size,
-                                      bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
+                                   linear)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend) -> None:
+    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend,
+                 linear: LinearFn) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary, backend)
+        self.self_attn = LlamaAttention(cfg, rotary, backend, linear)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, linear)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -92,19 +95,20 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """``forward`` returns final hidden states; ``compute_logits`` projects the rows to sample."""
 
-    def __init__(self, cfg: LlamaConfig, backend, max_position: int,
-                 device: torch.device) -> None:
+    def __init__(self, cfg: LlamaConfig, backend, max_position: int, device: torch.device,
+                 linear: LinearFn = torch.nn.functional.linear) -> None:
         super().__init__()
         self.cfg = cfg
+        self.linear = linear
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.rope, max_position, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend, linear)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, linear)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -117,4 +121,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden_size] -> fp32 logits [num_rows, vocab_size]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return self.linear(hidden, weight, None).float()

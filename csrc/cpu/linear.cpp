@@ -1,0 +1,116 @@
+// bf16 linear for few rows (decode at small batch): out[M, N] = x[M, K] @ w[N, K]^T (+ bias).
+//
+// At small M a linear layer is a stream over its weights, so the speed is memory bandwidth.
+// Each thread streams a contiguous band of weight rows once, and every row it loads is used
+// by all M inputs before moving on (AVX-512 BF16 dot products, fp32 accumulation, one
+// rounding to bf16 at the end, as torch's own bf16 matmul rounds).
+//
+// Reference: torch.nn.functional.linear; tests compare the two.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include "vec.h"
+
+namespace quire {
+namespace {
+
+#ifdef __AVX512BF16__
+
+constexpr int64_t kMaxRows = 8;
+
+inline __m512bh load_bh(const at::BFloat16* p) {
+  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
+}
+
+// R weight rows at a time, each dotted with all M inputs: M * R accumulators.
+template <int M, int R>
+void band(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias,
+          at::BFloat16* out, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    __m512 acc[M][R];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512bh wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = load_bh(w + (n + r) * K + k);
+      for (int m = 0; m < M; ++m) {
+        const __m512bh xv = load_bh(x + m * K + k);
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) {
+        float v = _mm512_reduce_add_ps(acc[m][r]);
+        if (bias) v += float(bias[n + r]);
+        out[m * N + n + r] = at::BFloat16(v);
+      }
+  }
+  if (n < n1) band<M, 1>(x, w, bias, out, K, N, n, n1);
+}
+
+template <int M>
+void run_rows(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias,
+              at::BFloat16* out, int64_t K, int64_t N) {
+  constexpr int R = M <= 2 ? 4 : 2;
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    band<M, R>(x, w, bias, out, K, N, n0, n1);
+  });
+}
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w,
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "skinny_linear: x [M, K] and w [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
+              "skinny_linear: bf16 only");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "skinny_linear: 1 to 8 rows");
+  TORCH_CHECK(x.size(1) % 32 == 0, "skinny_linear: K must be a multiple of 32");
+  TORCH_CHECK(w.is_contiguous(), "skinny_linear: contiguous weight");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const at::BFloat16* b = nullptr;
+  at::Tensor bc;
+  if (bias.has_value()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kBFloat16 && bc.numel() == N, "skinny_linear: bias [N]");
+    b = bc.data_ptr<at::BFloat16>();
+  }
+  auto* xp = xc.data_ptr<at::BFloat16>();
+  auto* wp = w.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  switch (M) {
+    case 1: run_rows<1>(xp, wp, b, op, K, N); break;
+    case 2: run_rows<2>(xp, wp, b, op, K, N); break;
+    case 3: run_rows<3>(xp, wp, b, op, K, N); break;
+    case 4: run_rows<4>(xp, wp, b, op, K, N); break;
+    case 5: run_rows<5>(xp, wp, b, op, K, N); break;
+    case 6: run_rows<6>(xp, wp, b, op, K, N); break;
+    case 7: run_rows<7>(xp, wp, b, op, K, N); break;
+    default: run_rows<8>(xp, wp, b, op, K, N); break;
+  }
+  return out;
+}
+
+#else
+
+at::Tensor skinny_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "skinny_linear: built without AVX-512 BF16");
+}
+
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(quire, m) {
+  m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(quire, CPU, m) {
+  m.impl("skinny_linear", &skinny_linear);
+}
+
+}  // namespace quire

@@ -1,0 +1,138 @@
+"""Where an engine step's time goes, and decode throughput against batch size.
+
+``StepProfiler`` wraps, on one engine instance only, the callables whose time it reports:
+the whole step, the model runner's ``execute``, the model's forward, every layer's attention
+backend and the runner's sampling. Nothing in the engine knows about it, so the serving path
+carries no timing code. The split of one step::
+
+    step ── scheduling (schedule, update, detokenize, outputs)
+       └─ execute ── inputs (building the flat step inputs, copying block tables)
+             ├─ forward ── attention (KV write + paged attention, every layer)
+             │        └─ model (linear layers, norms, RoPE, activations, embeddings)
+             └─ sampling (logits projection, sampler, bookkeeping)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+PARTS = ("model", "attention", "sampling", "inputs", "scheduling")
+
+
+class _Timed:
+    """A callable that adds its own wall time to ``totals[key]``."""
+
+    def __init__(self, fn, totals: dict[str, float], key: str) -> None:
+        self.fn, self.totals, self.key = fn, totals, key
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.totals[self.key] += time.perf_counter() - start
+
+
+class _TimedBackend:
+    def __init__(self, inner, totals: dict[str, float]) -> None:
+        self.name = inner.name
+        self.forward = _Timed(inner.forward, totals, "attention")
+
+
+class StepProfiler:
+    """Attach to an ``LLMEngine``; ``split_ms()`` gives mean milliseconds per step by part."""
+
+    def __init__(self, engine) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self.num_steps = 0
+        runner, model = engine.runner, engine.runner.model
+        step = engine.step
+
+        def counted_step():
+            self.num_steps += 1
+            return step()
+
+        engine.step = _Timed(counted_step, self.totals, "step")
+        runner.execute = _Timed(runner.execute, self.totals, "execute")
+        runner._sample = _Timed(runner._sample, self.totals, "sampling")
+        model.forward = _Timed(model.forward, self.totals, "forward")
+        backends = {}
+        for layer in model.layers:
+            inner = layer.self_attn.backend
+            backends.setdefault(id(inner), _TimedBackend(inner, self.totals))
+            layer.self_attn.backend = backends[id(inner)]
+
+    def reset(self) -> None:
+        self.totals.clear()
+        self.num_steps = 0
+
+    def split_ms(self) -> dict[str, float]:
+        t = self.totals
+        parts = {
+            "attention": t["attention"],
+            "model": t["forward"] - t["attention"],
+            "sampling": t["sampling"],
+            "inputs": t["execute"] - t["forward"] - t["sampling"],
+            "scheduling": t["step"] - t["execute"],
+        }
+        n = max(self.num_steps, 1)
+        return {k: round(v / n * 1000, 3) for k, v in parts.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class SweepPoint:
+    batch_size: int
+    num_steps: int
+    elapsed_s: float
+    output_tokens_per_s: float
+    decode_step_ms: dict[str, float]  # mean per decode-only step, by part
+
+
+def _prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int):
+    import random
+
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(100, vocab_size) for _ in range(prompt_len)]}
+            for _ in range(batch_size)]
+
+
+def sweep_batch_sizes(engine_args, sizes, *, prompt_len: int, output_len: int,
+                      vocab_size: int) -> list[SweepPoint]:
+    """For each size: that many requests at once (max_num_seqs = size); prefill all, then time
+    ``output_len - 1`` decode steps of the full batch with the step split."""
+    from engine_worker import LLM, SamplingParams
+    from engine_worker.sampling_params import RequestOutputKind
+
+    points = []
+    for size in sizes:
+        print(f"batch-size sweep: {size}", file=sys.stderr)
+        llm = LLM(**dataclasses.asdict(dataclasses.replace(
+            engine_args, max_num_seqs=size, enable_prefix_caching=False)))
+        engine = llm.engine
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        llm.generate(_prompts(size, prompt_len, vocab_size, 1), SamplingParams(
+            temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+        for i, prompt in enumerate(_prompts(size, prompt_len, vocab_size, 2)):
+            engine.add_request(f"sweep-{i}", prompt, params)
+        while len(engine.scheduler.waiting) or any(  # prefill everyone, untimed
+                r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+            engine.step()
+        profiler = StepProfiler(engine)
+        start = time.perf_counter()
+        produced = 0
+        while engine.has_unfinished_requests():
+            produced += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        elapsed = time.perf_counter() - start
+        # every request had its first token from the prefill; the rest came from these steps
+        decoded = produced - size
+        points.append(SweepPoint(size, profiler.num_steps, round(elapsed, 3),
+                                 round(decoded / elapsed, 1), profiler.split_ms()))
+        del llm, engine, profiler
+        gc.collect()
+    return points

@@ -1,0 +1,53 @@
+"""Flat step inputs from the runner's request states: token ids, positions, attention metadata.
+
+Requests come in step order (decodes first, see ``attention.metadata``); request i schedules
+``counts[i]`` tokens starting at its ``num_computed_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from engine_worker.attention.metadata import AttentionMetadata, PrefillChunk
+
+
+def build_step_inputs(states: Sequence, counts: Sequence[int], block_size: int,
+                      device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    """-> input_ids [num_tokens], positions [num_tokens], metadata, each request's first row.
+    ``states`` need ``token_ids``, ``block_ids`` and ``num_computed_tokens``."""
+    num_seqs = len(states)
+    starts = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_seqs)
+    seq_lens = computed + np.asarray(counts, dtype=np.int64)
+    # [num_seqs, max_num_blocks]: every request's block table, padded with block 0
+    tables = np.zeros((num_seqs, max(len(s.block_ids) for s in states)), dtype=np.int32)
+    for i, state in enumerate(states):
+        tables[i, :len(state.block_ids)] = state.block_ids
+    # the step's tokens: request i's positions computed[i] .. seq_lens[i] - 1
+    rows = np.repeat(np.arange(num_seqs), counts)
+    positions = np.arange(starts[-1]) - np.repeat(starts[:-1] - computed, counts)
+    slots = (tables[rows, positions // block_size].astype(np.int64) * block_size
+             + positions % block_size)
+    ids = np.fromiter((t for s, n in zip(states, counts)
+                       for t in s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n]),
+                      np.int64, int(starts[-1]))
+    to_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
+    num_decodes = next((i for i, n in enumerate(counts) if n != 1), num_seqs)
+    block_tables = to_dev(tables)
+    prefills = tuple(
+        PrefillChunk(query_start=int(starts[i]), query_len=counts[i],
+                     context_len=int(computed[i]),
+                     block_table=block_tables[i, :len(states[i].block_ids)].long())
+        for i in range(num_decodes, num_seqs))
+    decode_lens = to_dev(seq_lens[:num_decodes])
+    meta = AttentionMetadata(
+        slot_mapping=to_dev(slots), num_decode_tokens=num_decodes,
+        decode_block_tables=block_tables[:num_decodes].long(), decode_seq_lens=decode_lens,
+        decode_max_seq_len=int(seq_lens[:num_decodes].max(initial=0)), prefills=prefills,
+        query_start_loc=to_dev(starts), seq_lens=to_dev(seq_lens), block_tables=block_tables)
+    return to_dev(ids), to_dev(positions), meta, starts[:-1].tolist()

@@ -1,0 +1,51 @@
+"""`quire bench throughput` end to end on a tiny random model: the JSON it writes is complete
+and its token counts are consistent. No timing is asserted (benchmarks are not tests)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine_worker.benchmarks.step_profile import PARTS
+
+
+def _bench(model_dir, tmp_path, *args) -> dict:
+    out = tmp_path / "throughput.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "quire.cli", "bench", "throughput", "--model", str(model_dir),
+         "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(1 << 24), "--num-prompts", "6",
+         "--max-input-len", "40", "--max-output-len", "12", "--hf-batch-size", "3",
+         "--output-json", str(out), *args],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_bench_throughput_counts_and_split(tiny_model_dir, tmp_path, ignore_eos):
+    report = _bench(tiny_model_dir, tmp_path, "--batch-sizes", "1,4", "--sweep-prompt-len",
+                    "16", "--sweep-output-len", "6", *(["--ignore-eos"] if ignore_eos else []))
+    requested = report["workload"]["num_output_tokens"]
+    quire, hf = report["quire"], report["hf"]
+    assert quire["num_requests"] == hf["num_requests"] == 6
+    if ignore_eos:
+        assert quire["num_output_tokens"] == hf["num_output_tokens"] == requested
+    else:  # a request may stop at EOS, never past its limit
+        assert 6 <= quire["num_output_tokens"] <= requested
+        assert 6 <= hf["num_output_tokens"] <= requested
+    # a static batch decodes to its longest member: at least every useful token
+    assert hf["num_generated_tokens"] >= hf["num_output_tokens"]
+    assert report["ratio_output_tokens_per_s"] == pytest.approx(
+        quire["output_tokens_per_s"] / hf["output_tokens_per_s"])
+    assert report["environment"]["kernels"] in ("cpu", "torch")
+    sweep = report["batch_size_sweep"]
+    assert [p["batch_size"] for p in sweep] == [1, 4]
+    for point in sweep:
+        assert point["num_steps"] == 5  # 6 tokens each: the first from the prefill
+        assert set(point["decode_step_ms"]) == set(PARTS)
+        assert all(v >= 0 for v in point["decode_step_ms"].values())
+        assert point["decode_step_ms"]["model"] > 0 and point["decode_step_ms"]["attention"] > 0
