@@ -17,7 +17,8 @@ def _bench(model_dir, tmp_path, *args) -> dict:
     result = subprocess.run(
         [sys.executable, "-m", "quire.cli", "bench", "throughput", "--model", str(model_dir),
          "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(1 << 24), "--num-prompts", "6",
-         "--max-input-len", "40", "--max-output-len", "12", "--hf-batch-size", "3",
+         "--max-input-len", "40", "--min-output-len", "4", "--max-output-len", "12",
+         "--hf-batch-size", "3",
          "--output-json", str(out), *args],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
