@@ -21,7 +21,7 @@ from engine_worker.kv_cache.sizing import bytes_per_block, kv_budget_bytes, num_
 from engine_worker.model_runner.runner import ModelRunner
 from engine_worker.output_processor import OutputProcessor
 from engine_worker.outputs import RequestOutput
-from engine_worker.layers.linear import LINEAR_KERNELS
+from engine_worker.layers.kernels import LAYER_KERNELS
 from engine_worker.platform import (allocate_zeroed, available_memory_bytes, select_device,
                                    select_dtype, select_kernels)
 from engine_worker.request import RequestStatus
@@ -56,7 +56,7 @@ class LLMEngine:
         self.kernels = select_kernels(config.device.kernels, self.device)
         loaded = load_model(model_dir, dtype=self.dtype, device=self.device,
                             backend=ATTENTION_BACKENDS[self.kernels](),
-                            linear=LINEAR_KERNELS[self.kernels],
+                            kernels=LAYER_KERNELS[self.kernels],
                             max_model_len=config.model.max_model_len)
         self.tokenizer = Tokenizer(tokenizer_dir)
         self.architecture = loaded.architecture

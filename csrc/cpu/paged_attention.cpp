@@ -32,7 +32,8 @@ constexpr int kPrefillTile = 32;    // query positions per work item in prefill
 
 struct Item {
   int64_t seq;
-  int64_t kv_head;
+  int64_t kv_begin;  // kv heads [kv_begin, kv_end)
+  int64_t kv_end;
   int64_t row_begin;  // first query row of the tile (global token index)
   int64_t row_end;
   int64_t cost;  // rows times the keys the last of them sees: its work, roughly
@@ -52,7 +53,8 @@ template <typename T>
 struct Layout {
   const T* key_cache;    // [num_blocks, block_size, num_kv_heads, head_dim]
   const T* value_cache;
-  int64_t block_size;
+  int64_t block_size;  // a power of two
+  int64_t block_shift;
   int64_t num_kv_heads;
   int64_t head_dim;
   int64_t slot_stride() const { return num_kv_heads * head_dim; }
@@ -62,7 +64,9 @@ struct Layout {
 template <typename T>
 inline int64_t slot_offset(const Layout<T>& lay, const int32_t* table, int64_t kv_head,
                            int64_t p) {
-  const int64_t slot = int64_t(table[p / lay.block_size]) * lay.block_size + p % lay.block_size;
+  // block sizes are powers of two: shift and mask, not a 64-bit division per key
+  const int64_t slot = (int64_t(table[p >> lay.block_shift]) << lay.block_shift) |
+                       (p & (lay.block_size - 1));
   return slot * lay.slot_stride() + kv_head * lay.head_dim;
 }
 
@@ -115,54 +119,70 @@ void prefill_rows(const Chunked& w, int64_t r0, int count, int64_t pos, int64_t 
   vec::accumulate_pv<RB>(p, alpha, w.vf, count, d, w.acc + r0 * d);
 }
 
-// One work item: rows = (query position, head of the group), positions ascending.
+// One work item: for each kv head in [kv_begin, kv_end), rows = (query position, head of its
+// group), positions ascending. Decodes take every kv head of a sequence in one item, so the
+// heads' K/V rows, which sit side by side in each slot, are read in one sweep.
 template <typename T>
 void attend_item(const Item& it, const T* q, T* out, const Layout<T>& lay, const int32_t* table,
                  int64_t num_heads, int64_t first_pos, float scale) {
   const int64_t d = lay.head_dim;
   const int64_t group = num_heads / lay.num_kv_heads;
   const int64_t num_pos = it.row_end - it.row_begin;
-  const int64_t num_rows = num_pos * group;
+  const int64_t num_rows = num_pos * group;  // per kv head
+  const int64_t num_kv = it.kv_end - it.kv_begin;
   const int64_t last_pos = first_pos + num_pos - 1;  // the furthest key any row may see
   const bool prefill = num_pos > 1;
 
-  std::vector<float> buf(num_rows * d * 2 + 2 * kChunk * d + num_rows * 2);
-  Chunked w;
-  w.qf = buf.data();                // [num_rows, d], pre-scaled
-  w.acc = w.qf + num_rows * d;      // [num_rows, d]
-  w.kf = w.acc + num_rows * d;      // [kChunk, d] or [d, kChunk]
-  w.vf = w.kf + kChunk * d;         // [kChunk, d]
-  w.m = w.vf + kChunk * d;          // [num_rows] running max
-  w.l = w.m + num_rows;             // [num_rows] running sum
-  for (int64_t i = 0; i < num_pos; ++i) {
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t head = it.kv_head * group + g;
-      float* row = w.qf + (i * group + g) * d;
-      vec::to_float(q + ((it.row_begin + i) * num_heads + head) * d, row, d);
-      vec::scale(row, scale, d);
+  // per-thread scratch, kept between items; the key chunk starts zeroed so that rows past
+  // `count` are finite (dots16 reads all 16)
+  const int64_t per_head = num_rows * (2 * d + 2);
+  thread_local std::vector<float> buf;
+  buf.assign(num_kv * per_head + 2 * kChunk * d, 0.f);
+  float* kf = buf.data() + num_kv * per_head;  // [kChunk, d] or [d, kChunk]
+  float* vf = kf + kChunk * d;                 // [kChunk, d]
+  std::vector<Chunked> heads(num_kv);
+  for (int64_t h = 0; h < num_kv; ++h) {
+    Chunked& w = heads[h];
+    w.qf = buf.data() + h * per_head;  // [num_rows, d], pre-scaled
+    w.acc = w.qf + num_rows * d;       // [num_rows, d]
+    w.m = w.acc + num_rows * d;        // [num_rows] running max
+    w.l = w.m + num_rows;              // [num_rows] running sum
+    w.kf = kf;
+    w.vf = vf;
+    std::fill(w.m, w.m + num_rows, -std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < num_pos; ++i) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = (it.kv_begin + h) * group + g;
+        float* row = w.qf + (i * group + g) * d;
+        vec::to_float(q + ((it.row_begin + i) * num_heads + head) * d, row, d);
+        vec::scale(row, scale, d);
+      }
     }
   }
-  std::fill(w.acc, w.acc + num_rows * d, 0.f);
-  std::fill(w.m, w.m + num_rows, -std::numeric_limits<float>::infinity());
-  std::fill(w.l, w.l + num_rows, 0.f);
 
   for (int64_t pos = 0; pos <= last_pos; pos += kChunk) {
     const int count = int(std::min<int64_t>(kChunk, last_pos + 1 - pos));
-    load_chunk(lay, table, it.kv_head, pos, count, prefill, w.kf, w.vf);
-    if (!prefill) {
-      decode_rows(w, count, num_rows, d);
-      continue;
-    }
     // rows whose position is before this chunk see none of it
     const int64_t first_row = std::max<int64_t>(0, (pos - first_pos) * group);
-    int64_t r = first_row;
-    for (; r + 4 <= num_rows; r += 4) prefill_rows<4>(w, r, count, pos, first_pos, group, d);
-    for (; r < num_rows; ++r) prefill_rows<1>(w, r, count, pos, first_pos, group, d);
+    for (int64_t h = 0; h < num_kv; ++h) {
+      const int64_t kv_head = it.kv_begin + h;
+      load_chunk(lay, table, kv_head, pos, count, prefill, kf, vf);
+      if (!prefill) {
+        decode_rows(heads[h], count, num_rows, d);
+        continue;
+      }
+      int64_t r = first_row;
+      for (; r + 4 <= num_rows; r += 4)
+        prefill_rows<4>(heads[h], r, count, pos, first_pos, group, d);
+      for (; r < num_rows; ++r) prefill_rows<1>(heads[h], r, count, pos, first_pos, group, d);
+    }
   }
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t i = r / group, head = it.kv_head * group + r % group;
-    vec::store_scaled(w.acc + r * d, 1.f / w.l[r],
-                      out + ((it.row_begin + i) * num_heads + head) * d, d);
+  for (int64_t h = 0; h < num_kv; ++h) {
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const int64_t i = r / group, head = (it.kv_begin + h) * group + r % group;
+      vec::store_scaled(heads[h].acc + r * d, 1.f / heads[h].l[r],
+                        out + ((it.row_begin + i) * num_heads + head) * d, d);
+    }
   }
 }
 
@@ -171,11 +191,14 @@ std::vector<Item> make_items(const int64_t* query_start_loc, const int64_t* seq_
   std::vector<Item> items;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t begin = query_start_loc[b], end = query_start_loc[b + 1];
-    const int64_t tile = end - begin == 1 ? 1 : kPrefillTile;
+    if (end - begin == 1) {  // a decode: one item for all its heads
+      items.push_back({b, 0, num_kv_heads, begin, end, seq_lens[b] * num_kv_heads});
+      continue;
+    }
     for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t r = begin; r < end; r += tile) {
-        const int64_t r_end = std::min(end, r + tile);
-        items.push_back({b, h, r, r_end, (seq_lens[b] - (end - r_end)) * (r_end - r)});
+      for (int64_t r = begin; r < end; r += kPrefillTile) {
+        const int64_t r_end = std::min(end, r + kPrefillTile);
+        items.push_back({b, h, h + 1, r, r_end, (seq_lens[b] - (end - r_end)) * (r_end - r)});
       }
   }
   std::stable_sort(items.begin(), items.end(),
@@ -188,8 +211,10 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
          const at::Tensor& block_tables, const at::Tensor& query_start_loc,
          const at::Tensor& seq_lens, double scale) {
   const int64_t num_heads = q.size(1);
-  Layout<T> lay{kv_cache[0].data_ptr<T>(), kv_cache[1].data_ptr<T>(), kv_cache.size(2),
-                kv_cache.size(3), kv_cache.size(4)};
+  const int64_t block_size = kv_cache.size(2);
+  Layout<T> lay{kv_cache[0].data_ptr<T>(), kv_cache[1].data_ptr<T>(), block_size,
+                int64_t(__builtin_ctzll(uint64_t(block_size))), kv_cache.size(3),
+                kv_cache.size(4)};
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -223,6 +248,9 @@ void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(kv_cache.size(4) == q.size(2) && q.size(2) % 16 == 0 && q.size(2) <= 512,
               "head_dim must match and be a multiple of 16, at most 512");
   TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "heads must be a multiple of kv heads");
+  const int64_t block_size = kv_cache.size(2);
+  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0,
+              "block_size must be a power of two");
   TORCH_CHECK(block_tables.dtype() == at::kInt && block_tables.is_contiguous(),
               "block_tables must be contiguous int32");
   TORCH_CHECK(query_start_loc.dtype() == at::kLong && seq_lens.dtype() == at::kLong,

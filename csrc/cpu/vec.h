@@ -88,12 +88,21 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Scores of one query row (fp32, [d]) against `visible` key rows (fp32, [16, d]); lanes at or
-// past `visible` are -inf.
+// [sum(a0), sum(a1), sum(a2), sum(a3)]: four horizontal sums sharing one shuffle tree.
+inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  // each 128-bit lane: [a0, a1, a2, a3] partial sums
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, 0x44), _mm512_shuffle_ps(t0, t1, 0xEE));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// Scores of one query row (fp32, [d]) against 16 key rows (fp32, [16, d], all finite); lanes
+// at or past `visible` are -inf.
 inline __m512 dots16(const float* q, const float* k, int visible, int64_t d) {
-  alignas(64) float s[16];
-  int j = 0;
-  for (; j + 4 <= visible; j += 4) {  // four keys per pass share each load of q
+  __m512 s = _mm512_setzero_ps();
+  for (int j = 0; j < 16; j += 4) {  // four keys per pass share each load of q
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t c = 0; c < d; c += 16) {
       const __m512 qc = _mm512_loadu_ps(q + c);
@@ -102,19 +111,16 @@ inline __m512 dots16(const float* q, const float* k, int visible, int64_t d) {
       a2 = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k + (j + 2) * d + c), a2);
       a3 = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k + (j + 3) * d + c), a3);
     }
-    s[j] = _mm512_reduce_add_ps(a0);
-    s[j + 1] = _mm512_reduce_add_ps(a1);
-    s[j + 2] = _mm512_reduce_add_ps(a2);
-    s[j + 3] = _mm512_reduce_add_ps(a3);
-  }
-  for (; j < visible; ++j) {
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t c = 0; c < d; c += 16)
-      a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + j * d + c), a);
-    s[j] = _mm512_reduce_add_ps(a);
+    const __m128 sums = sum4(a0, a1, a2, a3);
+    switch (j) {  // the lane index of an insert must be a constant
+      case 0: s = _mm512_insertf32x4(s, sums, 0); break;
+      case 4: s = _mm512_insertf32x4(s, sums, 1); break;
+      case 8: s = _mm512_insertf32x4(s, sums, 2); break;
+      default: s = _mm512_insertf32x4(s, sums, 3); break;
+    }
   }
   const __mmask16 live = __mmask16((1u << visible) - 1u);
-  return _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, s);
+  return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, s);
 }
 
 // Scores of RB query rows (fp32, [RB, d]) against 16 keys stored transposed (kT: [d, 16]):

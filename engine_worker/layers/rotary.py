@@ -101,10 +101,12 @@ ROPE_SCALINGS: dict[str, Callable[[RopeConfig], tuple[torch.Tensor, float]]] = {
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to query and key heads in place of a copy."""
+    """Holds the cos/sin tables; ``kernel`` applies them (see ``layers.kernels``)."""
 
-    def __init__(self, cfg: RopeConfig, max_position: int, device: torch.device) -> None:
+    def __init__(self, cfg: RopeConfig, max_position: int, device: torch.device,
+                 kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         super().__init__()
+        self.kernel = kernel or apply_rope
         if cfg.rope_type not in ROPE_SCALINGS:
             raise ValueError(f"rope_scaling: type {cfg.rope_type!r} is not supported "
                              f"(supported: {sorted(ROPE_SCALINGS)})")
@@ -121,9 +123,15 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [num_tokens]; q: [num_tokens, num_heads, head_dim]; k: [.., num_kv_heads, ..]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return self.kernel(positions, q, k, self.cos, self.sin)
+
+
+def apply_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: new tensors; cos and sin are the fp32 tables, looked up by position."""
+    cos = cos[positions].unsqueeze(1).to(q.dtype)
+    sin = sin[positions].unsqueeze(1).to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from engine_worker.attention.metadata import AttentionMetadata
-from engine_worker.layers.activation import silu_and_mul
-from engine_worker.layers.linear import Linear, LinearFn
+from engine_worker.layers.kernels import LAYER_KERNELS, LayerKernels
+from engine_worker.layers.linear import Linear
 from engine_worker.layers.norm import RMSNorm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding
 
@@ -45,11 +45,12 @@ class LlamaConfig:
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend,
-                 linear: LinearFn) -> None:
+                 kernels: LayerKernels) -> None:
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias, linear)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, linear)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias,
+                               kernels.linear)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, kernels.linear)
         self.rotary = rotary
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
@@ -67,24 +68,27 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, linear: LinearFn) -> None:
+    def __init__(self, cfg: LlamaConfig, kernels: LayerKernels) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
-                                   linear)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, linear)
+                                   kernels.linear)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias,
+                                kernels.linear)
+        self.silu_and_mul = kernels.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend,
-                 linear: LinearFn) -> None:
+                 kernels: LayerKernels) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary, backend, linear)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, linear)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rms_norm)
+        self.self_attn = LlamaAttention(cfg, rotary, backend, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                kernels.rms_norm)
+        self.mlp = LlamaMLP(cfg, kernels)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -96,19 +100,19 @@ class LlamaForCausalLM(nn.Module):
     """``forward`` returns final hidden states; ``compute_logits`` projects the rows to sample."""
 
     def __init__(self, cfg: LlamaConfig, backend, max_position: int, device: torch.device,
-                 linear: LinearFn = torch.nn.functional.linear) -> None:
+                 kernels: LayerKernels = LAYER_KERNELS["torch"]) -> None:
         super().__init__()
         self.cfg = cfg
-        self.linear = linear
+        self.linear = kernels.linear
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.rope, max_position, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend, linear)
+        rotary = RotaryEmbedding(cfg.rope, max_position, device, kernels.rope)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend, kernels)
                                     for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rms_norm)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, linear)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, kernels.linear)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:

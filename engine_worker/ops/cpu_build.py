@@ -21,7 +21,7 @@ from engine_worker.config import quire_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
-SOURCES = ("paged_attention.cpp", "linear.cpp")
+SOURCES = ("paged_attention.cpp", "linear.cpp", "elementwise.cpp")
 HEADERS = ("vec.h",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
 

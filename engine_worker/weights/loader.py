@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine_worker.layers.linear import LinearFn
+from engine_worker.layers.kernels import LayerKernels
 from engine_worker.models.registry import lookup_architecture
 
 logger = logging.getLogger(__name__)
@@ -57,13 +57,13 @@ def derive_max_model_len(hf_config: dict[str, Any], requested: int | None) -> in
 
 
 def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, backend,
-               linear: LinearFn, max_model_len: int | None) -> LoadedModel:
+               kernels: LayerKernels, max_model_len: int | None) -> LoadedModel:
     hf_config = read_hf_config(model_dir)
     arch_name, arch = lookup_architecture(hf_config)
     cfg = arch.parse_config(hf_config)
     max_len = derive_max_model_len(hf_config, max_model_len)
     with torch.device("meta"):
-        model = arch.model_cls(cfg, backend, max_len, device, linear)
+        model = arch.model_cls(cfg, backend, max_len, device, kernels)
     state = _read_state_dict(model_dir, dtype=dtype, device=device)
     expected = set(model.state_dict())
     missing = expected - state.keys()

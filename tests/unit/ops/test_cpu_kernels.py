@@ -12,6 +12,10 @@ import pytest
 import torch
 
 from engine_worker.attention import CpuPagedAttentionBackend, TorchAttentionBackend
+from engine_worker.layers.activation import silu_and_mul
+from engine_worker.layers.kernels import cpu_rms_norm, cpu_rope, cpu_silu_and_mul
+from engine_worker.layers.norm import rms_norm
+from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding, apply_rope
 from engine_worker.model_runner.inputs import build_step_inputs
 from engine_worker.model_runner.runner import RunnerRequestState
 from engine_worker.ops import cpu_ops_unavailable_reason
@@ -125,3 +129,51 @@ def test_skinny_linear_rejects_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.quire.skinny_linear(torch.zeros(1, 48).bfloat16(), torch.zeros(8, 48).bfloat16(),
                                       None)
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _close(got, want, dtype):
+    # one bf16 / fp16 rounding step apart at most (the kernels round intermediates where the
+    # references do, but sum in another order)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_matches_reference(dtype, rows):
+    torch.manual_seed(rows)
+    x = (torch.randn(rows, 576) * 3).to(dtype)
+    weight = (1 + torch.randn(576) / 4).to(dtype)
+    _close(cpu_rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_silu_and_mul_matches_reference(dtype, rows):
+    torch.manual_seed(rows)
+    x = (torch.randn(rows, 2 * 1536) * 4).to(dtype)
+    _close(cpu_silu_and_mul(x), silu_and_mul(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding_matches_reference_in_place(dtype):
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(RopeConfig(head_dim=64, theta=10000.0, max_position_embeddings=2048),
+                           2048, torch.device("cpu"))
+    positions = torch.tensor([0, 1, 5, 77, 1023, 2047, 3])
+    # q and k as the model has them: views into one fused QKV row per token
+    qkv = torch.randn(len(positions), (9 + 3 + 3) * 64).to(dtype)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k = q.view(-1, 9, 64), k.view(-1, 3, 64)
+    want_q, want_k = apply_rope(positions, q, k, rope.cos, rope.sin)
+    untouched_v = qkv[:, 12 * 64:].clone()
+    got_q, got_k = cpu_rope(positions, q, k, rope.cos, rope.sin)
+    assert got_q.data_ptr() == q.data_ptr()  # rotated where they lie
+    _close(got_q, want_q, dtype)
+    _close(got_k, want_k, dtype)
+    assert torch.equal(qkv[:, 12 * 64:], untouched_v)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        cpu_rope(torch.tensor([2048] * len(positions)), q, k, rope.cos, rope.sin)

@@ -1,0 +1,63 @@
+"""The per-layer math a model calls, picked once per engine (``--kernels``).
+
+``torch`` is the pure-PyTorch reference of every op. ``cpu`` calls the fused kernels of
+``csrc/cpu`` (``torch.ops.quire``) where their shape and dtype rules hold and the reference
+elsewhere; tests compare each kernel with its reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine_worker.layers.activation import silu_and_mul
+from engine_worker.layers.linear import LinearFn
+from engine_worker.layers.norm import rms_norm
+from engine_worker.layers.rotary import apply_rope
+
+SKINNY_MAX_ROWS = 8  # up to here a linear layer is a weight stream: the bf16 kernel wins
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKernels:
+    linear: LinearFn  # (x, weight, bias) -> x @ weight.T + bias
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weight, eps)
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]  # [n, 2 * w] -> [n, w]
+    rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (positions, q, k, cos, sin)
+
+
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # x: [num_tokens, in_features]; more rows go to oneDNN, which reuses each weight load
+    if x.shape[0] <= SKINNY_MAX_ROWS and x.dtype == torch.bfloat16 and x.shape[1] % 32 == 0:
+        return torch.ops.quire.skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.shape[-1] % 16 == 0 and x.dim() == 2 and x.stride(1) == 1:
+        return torch.ops.quire.rms_norm(x, weight, eps)
+    return rms_norm(x, weight, eps)
+
+
+def cpu_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[-1] % 32 == 0 and x.dim() == 2 and x.is_contiguous():
+        return torch.ops.quire.silu_and_mul(x)
+    return silu_and_mul(x)
+
+
+def cpu_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place on q and k (views into the step's fused QKV output)."""
+    if q.shape[-1] % 32 == 0:
+        torch.ops.quire.rotary_embedding(q, k, positions, cos, sin)
+        return q, k
+    return apply_rope(positions, q, k, cos, sin)
+
+
+LAYER_KERNELS: dict[str, LayerKernels] = {
+    "torch": LayerKernels(F.linear, rms_norm, silu_and_mul, apply_rope),
+    "cpu": LayerKernels(cpu_linear, cpu_rms_norm, cpu_silu_and_mul, cpu_rope),
+}
