@@ -22,6 +22,7 @@
 #include <limits>
 #include <vector>
 
+#include "decode_bf16.h"
 #include "vec.h"
 
 namespace quire {
@@ -132,6 +133,23 @@ void attend_item(const Item& it, const T* q, T* out, const Layout<T>& lay, const
   const int64_t num_kv = it.kv_end - it.kv_begin;
   const int64_t last_pos = first_pos + num_pos - 1;  // the furthest key any row may see
   const bool prefill = num_pos > 1;
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (!prefill && d % 32 == 0 && d <= 256 && group <= decode_bf16::kMaxGroup) {
+      // each key's slot, once for all kv heads
+      thread_local std::vector<int64_t> offsets;
+      offsets.resize(last_pos + 1);
+      for (int64_t p = 0; p <= last_pos; ++p) offsets[p] = slot_offset(lay, table, 0, p);
+      for (int64_t kv_head = it.kv_begin; kv_head < it.kv_end; ++kv_head) {
+        const int64_t row = (it.row_begin * num_heads + kv_head * group) * d;
+        decode_bf16::dispatch(q + row, out + row, int(group), d, last_pos + 1, scale,
+                              lay.key_cache + kv_head * d, lay.value_cache + kv_head * d,
+                              offsets.data());
+      }
+      return;
+    }
+  }
+#endif
 
   // per-thread scratch, kept between items; the key chunk starts zeroed so that rows past
   // `count` are finite (dots16 reads all 16)

@@ -49,8 +49,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias,
-                               kernels.linear)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, kernels.linear)
+                               kernels.linear, kernels.pack_weight)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, kernels.linear,
+                             kernels.pack_weight)
         self.rotary = rotary
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
@@ -71,9 +72,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaConfig, kernels: LayerKernels) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
-                                   kernels.linear)
+                                   kernels.linear, kernels.pack_weight)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias,
-                                kernels.linear)
+                                kernels.linear, kernels.pack_weight)
         self.silu_and_mul = kernels.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +104,8 @@ class LlamaForCausalLM(nn.Module):
                  kernels: LayerKernels = LAYER_KERNELS["torch"]) -> None:
         super().__init__()
         self.cfg = cfg
-        self.linear = kernels.linear
+        self.kernels = kernels
+        self.logits_packed = None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.rope, max_position, device, kernels.rope)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend, kernels)
@@ -112,7 +114,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, kernels.linear)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, kernels.linear,
+                                  kernels.pack_weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -122,7 +125,17 @@ class LlamaForCausalLM(nn.Module):
             x = layer(positions, x, kv_cache, meta)
         return self.norm(x)
 
+    def pack_weights(self) -> None:
+        """Once the checkpoint is loaded: every linear weight into its kernel's layout."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        self.logits_packed = self.kernels.pack_weight(self._logits_weight())
+
+    def _logits_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden_size] -> fp32 logits [num_rows, vocab_size]
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.linear(hidden, weight, None).float()
+        return self.kernels.linear(hidden, self._logits_weight(), None,
+                                   self.logits_packed).float()

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
 SOURCES = ("paged_attention.cpp", "linear.cpp", "elementwise.cpp")
-HEADERS = ("vec.h",)
+HEADERS = ("vec.h", "decode_bf16.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
 
 

@@ -76,6 +76,7 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, bac
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     model.eval()
+    model.pack_weights()
     return LoadedModel(model=model, architecture=arch_name, hf_config=hf_config,
                        max_model_len=max_len)
 

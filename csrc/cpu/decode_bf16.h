@@ -1,0 +1,146 @@
+// Decode attention on bf16 K/V with AVX-512 BF16 dot products, no widening of the cache.
+//
+// A decode is memory- and instruction-bound: every cached key and value is read once for a few
+// query rows (the heads of one GQA group). Widening each K/V row to fp32 costs more
+// instructions than the dot products themselves, so here the rows stay bf16:
+//   scores: vdpbf16ps of the bf16 query with each key row (fp32 sums), four keys per shuffle
+//           tree;
+//   P @ V:  probabilities rounded to bf16 (as eager attention rounds them before P @ V) and
+//           paired over consecutive keys; V rows of keys j and j+1 interleaved by 16-bit
+//           unpacks, so one vdpbf16ps adds p_j v_j + p_j+1 v_j+1 for 16 dimensions. The unpacks
+//           permute dimensions within 128-bit lanes; the permutation is undone on the way out.
+#pragma once
+
+#ifdef __AVX512BF16__
+
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "vec.h"
+
+namespace quire::decode_bf16 {
+
+constexpr int kMaxGroup = 16;   // query heads per kv head
+constexpr int kMaxZ = 8;        // head_dim / 32, head_dim up to 256
+
+// Dimension held by lane i of the lo (hi = false) or hi accumulator of 32-dim slice z.
+inline int64_t lane_dim(int z, bool hi, int i) {
+  return 32 * z + (i / 4) * 8 + (hi ? 4 : 0) + i % 4;
+}
+
+// One (sequence, kv head): `group` query rows against `seq_len` keys; key p's row is
+// keys + offsets[p] (bf16 [d]), its value row values + offsets[p]. q and out: [group, d] bf16.
+// G and NZ (head_dim / 32) are compile-time where the caller knows them (registers, not stack).
+template <int G, int NZ>
+void attend(const at::BFloat16* q, at::BFloat16* out, int group_rt, int nz_rt, int64_t seq_len,
+            float scale, const at::BFloat16* keys, const at::BFloat16* values,
+            const int64_t* offsets) {
+  alignas(64) static const at::BFloat16 zeros[256] = {};
+  const int group = G > 0 ? G : group_rt;
+  const int nz = NZ > 0 ? NZ : nz_rt;
+  const int64_t d = 32 * nz, q_stride = d, out_stride = d;
+  __m512bh qv[kMaxGroup][kMaxZ];
+  for (int g = 0; g < group; ++g)
+    for (int z = 0; z < nz; ++z)
+      qv[g][z] = (__m512bh)_mm512_loadu_si512(q + g * q_stride + 32 * z);
+  __m512 lo[kMaxGroup][kMaxZ], hi[kMaxGroup][kMaxZ];
+  float m[kMaxGroup], l[kMaxGroup];
+  for (int g = 0; g < group; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+    for (int z = 0; z < nz; ++z) lo[g][z] = hi[g][z] = _mm512_setzero_ps();
+  }
+  for (int64_t pos = 0; pos < seq_len; pos += 16) {
+    const int count = int(std::min<int64_t>(16, seq_len - pos));
+    const at::BFloat16* krow[16];
+    const at::BFloat16* vrow[16];
+    for (int j = 0; j < 16; ++j) {
+      krow[j] = j < count ? keys + offsets[pos + j] : zeros;
+      vrow[j] = j < count ? values + offsets[pos + j] : zeros;
+    }
+    const __mmask16 live = __mmask16((1u << count) - 1u);
+    // scores [group][16]
+    __m512 s[kMaxGroup];
+    for (int g = 0; g < group; ++g) s[g] = _mm512_setzero_ps();
+    for (int j = 0; j < count; j += 4) {
+      for (int g = 0; g < group; ++g) {
+        __m512 a[4];
+        for (int t = 0; t < 4; ++t) {
+          a[t] = _mm512_setzero_ps();
+          for (int z = 0; z < nz; ++z)
+            a[t] = _mm512_dpbf16_ps(
+                a[t], qv[g][z], (__m512bh)_mm512_loadu_si512(krow[j + t] + 32 * z));
+        }
+        const __m128 sums = vec::sum4(a[0], a[1], a[2], a[3]);
+        switch (j) {
+          case 0: s[g] = _mm512_insertf32x4(s[g], sums, 0); break;
+          case 4: s[g] = _mm512_insertf32x4(s[g], sums, 1); break;
+          case 8: s[g] = _mm512_insertf32x4(s[g], sums, 2); break;
+          default: s[g] = _mm512_insertf32x4(s[g], sums, 3); break;
+        }
+      }
+    }
+    // probabilities, as bf16 pairs (keys 2i, 2i + 1) per row
+    alignas(64) uint32_t pairs[kMaxGroup][8];
+    for (int g = 0; g < group; ++g) {
+      float alpha;
+      const __m512 p = vec::softmax_weights(_mm512_mul_ps(s[g], _mm512_set1_ps(scale)), live,
+                                            m[g], l[g], alpha);
+      const __m256bh pb = _mm512_cvtneps_pbh(p);
+      std::memcpy(pairs[g], &pb, 32);
+      const __m512 a = _mm512_set1_ps(alpha);
+      for (int z = 0; z < nz; ++z) {
+        lo[g][z] = _mm512_mul_ps(lo[g][z], a);
+        hi[g][z] = _mm512_mul_ps(hi[g][z], a);
+      }
+    }
+    for (int j = 0; j < count; j += 2) {
+      for (int z = 0; z < nz; ++z) {
+        const __m512i v0 = _mm512_loadu_si512(vrow[j] + 32 * z);
+        const __m512i v1 = _mm512_loadu_si512(vrow[j + 1] + 32 * z);
+        const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
+        const __m512bh vhi = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+        for (int g = 0; g < group; ++g) {
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(int(pairs[g][j / 2]));
+          lo[g][z] = _mm512_dpbf16_ps(lo[g][z], vlo, pp);
+          hi[g][z] = _mm512_dpbf16_ps(hi[g][z], vhi, pp);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[g]);
+    for (int z = 0; z < nz; ++z) {
+      alignas(64) float a[16], b[16];
+      _mm512_store_ps(a, _mm512_mul_ps(lo[g][z], inv));
+      _mm512_store_ps(b, _mm512_mul_ps(hi[g][z], inv));
+      for (int i = 0; i < 16; ++i) {
+        out[g * out_stride + lane_dim(z, false, i)] = at::BFloat16(a[i]);
+        out[g * out_stride + lane_dim(z, true, i)] = at::BFloat16(b[i]);
+      }
+    }
+  }
+}
+
+}  // namespace quire::decode_bf16
+
+namespace quire::decode_bf16 {
+
+// attend<G, NZ> for the common shapes, the runtime-sized loop otherwise.
+inline void dispatch(const at::BFloat16* q, at::BFloat16* out, int group, int64_t d,
+                     int64_t seq_len, float scale, const at::BFloat16* keys,
+                     const at::BFloat16* values, const int64_t* offsets) {
+  const int nz = int(d / 32);
+#define QUIRE_CASE(g, z)                                                                 \
+  if (group == g && nz == z)                                                             \
+    return attend<g, z>(q, out, group, nz, seq_len, scale, keys, values, offsets);
+  QUIRE_CASE(1, 2) QUIRE_CASE(2, 2) QUIRE_CASE(3, 2) QUIRE_CASE(4, 2)
+  QUIRE_CASE(1, 4) QUIRE_CASE(2, 4) QUIRE_CASE(4, 4) QUIRE_CASE(8, 4)
+#undef QUIRE_CASE
+  attend<0, 0>(q, out, group, nz, seq_len, scale, keys, values, offsets);
+}
+
+}  // namespace quire::decode_bf16
+
+#endif  // __AVX512BF16__
