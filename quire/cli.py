@@ -132,6 +132,12 @@ def cmd_bench_throughput(ns: argparse.Namespace) -> int:
     return run_from_args(ns)
 
 
+def cmd_bench_latency(ns: argparse.Namespace) -> int:
+    from engine_worker.benchmarks.latency import run_from_args
+
+    return run_from_args(ns)
+
+
 def cmd_bench_prefix_cache(ns: argparse.Namespace) -> int:
     from engine_worker.benchmarks.prefix_cache import run_from_args
 
@@ -202,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_throughput_args(tp)
     tp.set_defaults(func=cmd_bench_throughput)
+    lt = bench_sub.add_parser("latency", help="one request: decode speed and TTFT vs "
+                              "transformers")
+    from engine_worker.benchmarks.latency import add_latency_args
+
+    add_latency_args(lt)
+    lt.set_defaults(func=cmd_bench_latency)
     pc = bench_sub.add_parser("prefix-cache",
                               help="shared-prefix workload, prefix caching on vs off")
     from engine_worker.benchmarks.prefix_cache import add_prefix_cache_args

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "decode_bf16.h"
+#include "prefill_bf16.h"
 #include "vec.h"
 
 namespace quire {
@@ -135,16 +136,26 @@ void attend_item(const Item& it, const T* q, T* out, const Layout<T>& lay, const
   const bool prefill = num_pos > 1;
 #ifdef __AVX512BF16__
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (!prefill && d % 32 == 0 && d <= 256 && group <= decode_bf16::kMaxGroup) {
+    if (d % 32 == 0 && d <= 256 && group <= decode_bf16::kMaxGroup) {
       // each key's slot, once for all kv heads
       thread_local std::vector<int64_t> offsets;
       offsets.resize(last_pos + 1);
       for (int64_t p = 0; p <= last_pos; ++p) offsets[p] = slot_offset(lay, table, 0, p);
       for (int64_t kv_head = it.kv_begin; kv_head < it.kv_end; ++kv_head) {
+        const T* keys = lay.key_cache + kv_head * d;
+        const T* values = lay.value_cache + kv_head * d;
         const int64_t row = (it.row_begin * num_heads + kv_head * group) * d;
-        decode_bf16::dispatch(q + row, out + row, int(group), d, last_pos + 1, scale,
-                              lay.key_cache + kv_head * d, lay.value_cache + kv_head * d,
-                              offsets.data());
+        if (!prefill) {
+          decode_bf16::dispatch(q + row, out + row, int(group), d, last_pos + 1, scale, keys,
+                                values, offsets.data());
+          continue;
+        }
+        // row (i, g): query position i of the tile, head g of the group
+        auto at = [&](auto* base) {
+          return [=](int64_t i, int64_t g) { return base + row + (i * num_heads + g) * d; };
+        };
+        prefill_bf16::attend_tile(at(q), at(out), num_pos, group, d, first_pos, scale, keys,
+                                  values, offsets.data());
       }
       return;
     }

@@ -9,9 +9,13 @@ reference ops.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
+import os
+import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -22,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
 SOURCES = ("paged_attention.cpp", "linear.cpp", "elementwise.cpp")
-HEADERS = ("vec.h", "decode_bf16.h")
+HEADERS = ("vec.h", "decode_bf16.h", "prefill_bf16.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
 
 
@@ -31,6 +35,22 @@ def _build_dir() -> Path:
     for name in SOURCES + HEADERS:
         digest.update((CSRC_DIR / name).read_bytes())
     return quire_cache_dir() / "kernels" / f"cpu-{digest.hexdigest()[:12]}"
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """torch's builder runs ``ninja`` from PATH; the ``ninja`` wheel puts it beside this
+    interpreter, which a venv's python run without activation does not have on PATH."""
+    here = str(Path(sys.executable).parent)
+    if shutil.which("ninja") or not shutil.which("ninja", path=here):
+        yield
+        return
+    saved = os.environ.get("PATH", "")
+    os.environ["PATH"] = here + os.pathsep + saved
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
 
 
 @functools.cache
@@ -43,9 +63,10 @@ def cpu_ops_unavailable_reason() -> str | None:
 
         build_dir = _build_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
-        load(name="quire_cpu_ops", sources=[str(CSRC_DIR / s) for s in SOURCES],
-             extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
-             build_directory=str(build_dir), is_python_module=False, verbose=False)
+        with _ninja_on_path():
+            load(name="quire_cpu_ops", sources=[str(CSRC_DIR / s) for s in SOURCES],
+                 extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+                 build_directory=str(build_dir), is_python_module=False, verbose=False)
     except Exception as exc:  # a compiler error, no ninja, no AVX-512: fall back, say why
         return f"building csrc/cpu failed: {str(exc).strip().splitlines()[-1][:300]}"
     return None

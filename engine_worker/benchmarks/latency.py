@@ -1,0 +1,155 @@
+"""``quire bench latency``: one request on an idle engine, against transformers in the same run.
+
+Two numbers, each the median of ``--repeats`` runs:
+
+- decode speed: tokens per second of one greedy request after its first token (a short prompt,
+  ``--output-len`` tokens, EOS ignored), i.e. (output_len - 1) / (end - first token);
+- time to first token of a ``--prompt-len``-token prompt (prefill of the whole prompt plus the
+  first sample), with nothing cached (every prompt is new).
+
+The baseline is transformers' ``generate`` on the same checkpoint and dtype: decode speed from
+two runs of different lengths (their difference cancels the prefill), TTFT as one forward over
+the prompt plus the first greedy token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine_worker.arg_utils import add_engine_args, engine_args_from_namespace
+
+FIRST_PLAIN_TOKEN_ID = 100
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyConfig:
+    prompt_len: int = 1000
+    decode_prompt_len: int = 32
+    output_len: int = 256
+    repeats: int = 3
+    skip_hf: bool = False
+    output_json: str = "bench_results/latency.json"
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_len", "decode_prompt_len", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        if self.output_len < 8:
+            raise ValueError(f"output_len: must be at least 8, got {self.output_len}")
+
+
+def add_latency_args(parser: argparse.ArgumentParser) -> None:
+    d = LatencyConfig()
+    for name in ("prompt_len", "decode_prompt_len", "output_len", "repeats"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    parser.add_argument("--skip-hf", action="store_true", help="do not run the baseline")
+    parser.add_argument("--output-json", default=d.output_json)
+    add_engine_args(parser)
+    if parser.get_default("dtype") == "auto":
+        parser.set_defaults(dtype="bfloat16")
+
+
+def _prompt(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(FIRST_PLAIN_TOKEN_ID, vocab_size) for _ in range(n)]
+
+
+def quire_latency(engine, cfg: LatencyConfig, rng: random.Random, vocab_size: int) -> dict:
+    from engine_worker import SamplingParams
+
+    def one(prompt, max_tokens):
+        """-> (TTFT s, decode tokens/s after the first token)."""
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        engine.add_request(f"lat-{rng.random()}", {"prompt_token_ids": prompt}, params)
+        first = None
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            if first is None and outputs:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        rate = (max_tokens - 1) / (end - first) if max_tokens > 1 else None
+        return first - start, rate
+
+    one(_prompt(rng, cfg.prompt_len, vocab_size), 4)  # warm-up of both shapes
+    ttft = [one(_prompt(rng, cfg.prompt_len, vocab_size), 1)[0] for _ in range(cfg.repeats)]
+    rates = [one(_prompt(rng, cfg.decode_prompt_len, vocab_size), cfg.output_len)[1]
+             for _ in range(cfg.repeats)]
+    return {"ttft_s": statistics.median(ttft), "ttft_runs_s": ttft,
+            "decode_tokens_per_s": statistics.median(rates), "decode_runs": rates}
+
+
+def hf_latency(model_dir, dtype, cfg: LatencyConfig, rng: random.Random, vocab_size: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+    def generate(prompt, n) -> float:
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                       max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        generate(_prompt(rng, cfg.prompt_len, vocab_size), 2)
+        ttft = [generate(_prompt(rng, cfg.prompt_len, vocab_size), 1)
+                for _ in range(cfg.repeats)]
+        short = cfg.decode_prompt_len
+        rates = []
+        for _ in range(cfg.repeats):
+            t_full = generate(_prompt(rng, short, vocab_size), cfg.output_len)
+            t_few = generate(_prompt(rng, short, vocab_size), 1)
+            rates.append((cfg.output_len - 1) / (t_full - t_few))
+    return {"ttft_s": statistics.median(ttft), "ttft_runs_s": ttft,
+            "decode_tokens_per_s": statistics.median(rates), "decode_runs": rates}
+
+
+def run_from_args(ns: argparse.Namespace) -> int:
+    from engine_worker import LLM
+
+    cfg = LatencyConfig(**{f.name: getattr(ns, f.name)
+                           for f in dataclasses.fields(LatencyConfig)})
+    engine_args = engine_args_from_namespace(ns)
+    llm = LLM(**dataclasses.asdict(engine_args))
+    engine = llm.engine
+    vocab_size = engine.tokenizer.vocab_size
+    rng = random.Random(0)
+    print("quire: one request at a time", file=sys.stderr)
+    report = {"config": dataclasses.asdict(cfg), "engine": dataclasses.asdict(engine_args),
+              "environment": {"kernels": engine.kernels, "dtype": str(engine.dtype),
+                              "cpu_count": os.cpu_count(),
+                              "loadavg_1m_at_start": os.getloadavg()[0]},
+              "quire": quire_latency(engine, cfg, rng, vocab_size)}
+    model_dir, dtype = engine.model_dir, engine.dtype
+    del llm, engine
+    gc.collect()
+    if not cfg.skip_hf:
+        print("transformers: one request at a time", file=sys.stderr)
+        report["hf"] = hf_latency(model_dir, dtype, cfg, rng, vocab_size)
+        report["ratio_decode"] = (report["quire"]["decode_tokens_per_s"]
+                                  / report["hf"]["decode_tokens_per_s"])
+        report["ratio_ttft"] = report["hf"]["ttft_s"] / report["quire"]["ttft_s"]
+    report["environment"]["loadavg_1m_at_end"] = os.getloadavg()[0]
+    print(f"{'system':<14}{'decode tok/s':>14}{'TTFT s (' + str(cfg.prompt_len) + ' tokens)':>24}")
+    for system in ("quire", "hf"):
+        if system in report:
+            r = report[system]
+            print(f"{system:<14}{r['decode_tokens_per_s']:>14.1f}{r['ttft_s']:>24.3f}")
+    if "hf" in report:
+        print(f"ratio: decode {report['ratio_decode']:.2f}x, TTFT {report['ratio_ttft']:.2f}x")
+    path = Path(cfg.output_json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
