@@ -51,6 +51,81 @@ void band(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias
   if (n < n1) band<M, 1>(x, w, bias, out, K, N, n, n1);
 }
 
+// The weight laid out for streaming: row groups of kGroup, and within a group, for each
+// 32-wide slice of K, the group's rows side by side: [N / kGroup][K / 32][kGroup][32].
+// A thread then reads one sequential stream instead of kGroup interleaved ones.
+constexpr int64_t kGroup = 4;
+
+at::Tensor pack_skinny(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) % 32 == 0 &&
+                  w.size(0) % kGroup == 0,
+              "pack_skinny: bf16 [N, K], N a multiple of 4, K of 32");
+  const int64_t N = w.size(0), K = w.size(1);
+  return w.contiguous().view({N / kGroup, kGroup, K / 32, 32}).permute({0, 2, 1, 3}).contiguous();
+}
+
+template <int M>
+void packed_band(const at::BFloat16* x, const at::BFloat16* wp, const at::BFloat16* bias,
+                 at::BFloat16* out, int64_t K, int64_t N, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const at::BFloat16* w = wp + g * kGroup * K;
+    __m512 acc[M][kGroup];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < kGroup; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32, w += kGroup * 32) {
+      __m512bh wv[kGroup];
+      for (int r = 0; r < kGroup; ++r) wv[r] = load_bh(w + r * 32);
+      for (int m = 0; m < M; ++m) {
+        const __m512bh xv = load_bh(x + m * K + k);
+        for (int r = 0; r < kGroup; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m128 sums = vec::sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+      alignas(16) float v[4];
+      _mm_store_ps(v, sums);
+      for (int r = 0; r < kGroup; ++r) {
+        const int64_t n = g * kGroup + r;
+        out[m * N + n] = at::BFloat16(bias ? v[r] + float(bias[n]) : v[r]);
+      }
+    }
+  }
+}
+
+at::Tensor skinny_linear_packed(const at::Tensor& x, const at::Tensor& wp,
+                                const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(wp.dim() == 4 && wp.size(2) == kGroup && wp.size(3) == 32 && wp.is_contiguous(),
+              "skinny_linear_packed: a weight from pack_skinny");
+  const int64_t M = x.size(0), K = wp.size(1) * 32, N = wp.size(0) * kGroup;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16 && M >= 1 &&
+                  M <= kMaxRows, "skinny_linear_packed: x [1..8, K] bf16");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor bc;
+  const at::BFloat16* b = nullptr;
+  if (bias.has_value()) {
+    bc = bias->contiguous();
+    b = bc.data_ptr<at::BFloat16>();
+  }
+  auto* xp = xc.data_ptr<at::BFloat16>();
+  auto* wptr = wp.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  const int64_t groups = N / kGroup;
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    switch (M) {
+      case 1: packed_band<1>(xp, wptr, b, op, K, N, g0, g1); break;
+      case 2: packed_band<2>(xp, wptr, b, op, K, N, g0, g1); break;
+      case 3: packed_band<3>(xp, wptr, b, op, K, N, g0, g1); break;
+      case 4: packed_band<4>(xp, wptr, b, op, K, N, g0, g1); break;
+      case 5: packed_band<5>(xp, wptr, b, op, K, N, g0, g1); break;
+      case 6: packed_band<6>(xp, wptr, b, op, K, N, g0, g1); break;
+      case 7: packed_band<7>(xp, wptr, b, op, K, N, g0, g1); break;
+      default: packed_band<8>(xp, wptr, b, op, K, N, g0, g1); break;
+    }
+  });
+  return out;
+}
+
 template <int M>
 void run_rows(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias,
               at::BFloat16* out, int64_t K, int64_t N) {
@@ -100,6 +175,13 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w,
 at::Tensor skinny_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&) {
   TORCH_CHECK(false, "skinny_linear: built without AVX-512 BF16");
 }
+at::Tensor pack_skinny(const at::Tensor&) {
+  TORCH_CHECK(false, "pack_skinny: built without AVX-512 BF16");
+}
+at::Tensor skinny_linear_packed(const at::Tensor&, const at::Tensor&,
+                                const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "skinny_linear_packed: built without AVX-512 BF16");
+}
 
 #endif
 
@@ -107,10 +189,14 @@ at::Tensor skinny_linear(const at::Tensor&, const at::Tensor&, const std::option
 
 TORCH_LIBRARY_FRAGMENT(quire, m) {
   m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("pack_skinny(Tensor w) -> Tensor");
+  m.def("skinny_linear_packed(Tensor x, Tensor wp, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quire, CPU, m) {
   m.impl("skinny_linear", &skinny_linear);
+  m.impl("pack_skinny", &pack_skinny);
+  m.impl("skinny_linear_packed", &skinny_linear_packed);
 }
 
 }  // namespace quire

@@ -13,7 +13,8 @@ import torch
 
 from engine_worker.attention import CpuPagedAttentionBackend, TorchAttentionBackend
 from engine_worker.layers.activation import silu_and_mul
-from engine_worker.layers.kernels import cpu_rms_norm, cpu_rope, cpu_silu_and_mul
+from engine_worker.layers.kernels import (cpu_linear, cpu_pack_weight, cpu_rms_norm, cpu_rope,
+                                          cpu_silu_and_mul)
 from engine_worker.layers.norm import rms_norm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding, apply_rope
 from engine_worker.model_runner.inputs import build_step_inputs
@@ -120,6 +121,16 @@ def test_skinny_linear_matches_torch(rows, shape, bias):
     want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     # both accumulate in fp32 and round once; only the summation order differs
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+    # what the engine calls: the packed weight through the layer's kernel
+    packed = cpu_pack_weight(w)
+    assert (packed.skinny is not None) == (out_features % 4 == 0)
+    torch.testing.assert_close(cpu_linear(x, w, b, packed).float(), want, atol=2e-2, rtol=1e-2)
+    # and more rows than the skinny kernel takes go through oneDNN's packed layout
+    many = torch.randn(3 * rows + 9, in_features).bfloat16()
+    torch.testing.assert_close(
+        cpu_linear(many, w, b, packed).float(),
+        torch.nn.functional.linear(many.float(), w.float(), None if b is None else b.float()),
+        atol=2e-2, rtol=1e-2)
 
 
 def test_skinny_linear_rejects_what_it_cannot_run():
