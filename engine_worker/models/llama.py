@@ -130,7 +130,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        self.logits_packed = self.kernels.pack_weight(self._logits_weight())
+        self.logits_packed = (self.kernels.pack_weight(self.embed_tokens.weight)
+                              if self.lm_head is None else self.lm_head.packed)
 
     def _logits_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

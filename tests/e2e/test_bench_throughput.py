@@ -1,5 +1,6 @@
-"""`quire bench throughput` end to end on a tiny random model: the JSON it writes is complete
-and its token counts are consistent. No timing is asserted (benchmarks are not tests)."""
+"""`quire bench throughput` and `quire bench latency` end to end on a tiny random model: the
+JSON they write is complete and its counts are consistent. No timing is asserted (benchmarks
+are not tests)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,21 @@ def test_bench_throughput_counts_and_split(tiny_model_dir, tmp_path, ignore_eos)
         assert set(point["decode_step_ms"]) == set(PARTS)
         assert all(v >= 0 for v in point["decode_step_ms"].values())
         assert point["decode_step_ms"]["model"] > 0 and point["decode_step_ms"]["attention"] > 0
+
+
+def test_bench_latency_reports_both_systems(tiny_model_dir, tmp_path):
+    out = tmp_path / "latency.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "quire.cli", "bench", "latency", "--model", str(tiny_model_dir),
+         "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(1 << 24), "--prompt-len", "40",
+         "--output-len", "12", "--repeats", "2", "--output-json", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for system in ("quire", "hf"):
+        r = report[system]
+        assert len(r["ttft_runs_s"]) == len(r["decode_runs"]) == 2
+        assert r["ttft_s"] > 0 and r["decode_tokens_per_s"] > 0
+    assert report["ratio_decode"] == pytest.approx(
+        report["quire"]["decode_tokens_per_s"] / report["hf"]["decode_tokens_per_s"])
+    assert report["ratio_ttft"] == pytest.approx(report["hf"]["ttft_s"] / report["quire"]["ttft_s"])
