@@ -29,6 +29,30 @@ inline int64_t lane_dim(int z, bool hi, int i) {
   return 32 * z + (i / 4) * 8 + (hi ? 4 : 0) + i % 4;
 }
 
+// Scores [group][16] of the rows against the chunk's key rows (lanes past count are 0).
+inline void scores(const __m512bh (&qv)[kMaxGroup][kMaxZ], const at::BFloat16* const* krow,
+                   int count, int group, int nz, __m512 (&s)[kMaxGroup]) {
+  for (int g = 0; g < group; ++g) s[g] = _mm512_setzero_ps();
+  for (int j = 0; j < count; j += 4) {
+    for (int g = 0; g < group; ++g) {
+      __m512 a[4];
+      for (int t = 0; t < 4; ++t) {
+        a[t] = _mm512_setzero_ps();
+        for (int z = 0; z < nz; ++z)
+          a[t] = _mm512_dpbf16_ps(a[t], qv[g][z],
+                                  (__m512bh)_mm512_loadu_si512(krow[j + t] + 32 * z));
+      }
+      const __m128 sums = vec::sum4(a[0], a[1], a[2], a[3]);
+      switch (j) {  // the lane index of an insert must be a constant
+        case 0: s[g] = _mm512_insertf32x4(s[g], sums, 0); break;
+        case 4: s[g] = _mm512_insertf32x4(s[g], sums, 1); break;
+        case 8: s[g] = _mm512_insertf32x4(s[g], sums, 2); break;
+        default: s[g] = _mm512_insertf32x4(s[g], sums, 3); break;
+      }
+    }
+  }
+}
+
 // One (sequence, kv head): `group` query rows against `seq_len` keys; key p's row is
 // keys + offsets[p] (bf16 [d]), its value row values + offsets[p]. q and out: [group, d] bf16.
 // G and NZ (head_dim / 32) are compile-time where the caller knows them (registers, not stack).
@@ -60,27 +84,8 @@ void attend(const at::BFloat16* q, at::BFloat16* out, int group_rt, int nz_rt, i
       vrow[j] = j < count ? values + offsets[pos + j] : zeros;
     }
     const __mmask16 live = __mmask16((1u << count) - 1u);
-    // scores [group][16]
     __m512 s[kMaxGroup];
-    for (int g = 0; g < group; ++g) s[g] = _mm512_setzero_ps();
-    for (int j = 0; j < count; j += 4) {
-      for (int g = 0; g < group; ++g) {
-        __m512 a[4];
-        for (int t = 0; t < 4; ++t) {
-          a[t] = _mm512_setzero_ps();
-          for (int z = 0; z < nz; ++z)
-            a[t] = _mm512_dpbf16_ps(
-                a[t], qv[g][z], (__m512bh)_mm512_loadu_si512(krow[j + t] + 32 * z));
-        }
-        const __m128 sums = vec::sum4(a[0], a[1], a[2], a[3]);
-        switch (j) {
-          case 0: s[g] = _mm512_insertf32x4(s[g], sums, 0); break;
-          case 4: s[g] = _mm512_insertf32x4(s[g], sums, 1); break;
-          case 8: s[g] = _mm512_insertf32x4(s[g], sums, 2); break;
-          default: s[g] = _mm512_insertf32x4(s[g], sums, 3); break;
-        }
-      }
-    }
+    scores(qv, krow, count, group, nz, s);
     // probabilities, as bf16 pairs (keys 2i, 2i + 1) per row
     alignas(64) uint32_t pairs[kMaxGroup][8];
     for (int g = 0; g < group; ++g) {

@@ -121,6 +121,43 @@ void prefill_rows(const Chunked& w, int64_t r0, int count, int64_t pos, int64_t 
   vec::accumulate_pv<RB>(p, alpha, w.vf, count, d, w.acc + r0 * d);
 }
 
+// The bf16 fast paths (decode_bf16.h, prefill_bf16.h); false where they do not apply (another
+// dtype, a head size they do not take, no AVX-512 BF16), leaving the item to the fp32 path.
+template <typename T>
+bool attend_item_bf16(const Item& it, const T* q, T* out, const Layout<T>& lay,
+                      const int32_t* table, int64_t num_heads, int64_t first_pos, float scale) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const int64_t d = lay.head_dim, group = num_heads / lay.num_kv_heads;
+    if (d % 32 != 0 || d > 256 || group > decode_bf16::kMaxGroup) return false;
+    const int64_t num_pos = it.row_end - it.row_begin;
+    const int64_t last_pos = first_pos + num_pos - 1;
+    // each key's slot, once for all kv heads
+    thread_local std::vector<int64_t> offsets;
+    offsets.resize(last_pos + 1);
+    for (int64_t p = 0; p <= last_pos; ++p) offsets[p] = slot_offset(lay, table, 0, p);
+    for (int64_t kv_head = it.kv_begin; kv_head < it.kv_end; ++kv_head) {
+      const T* keys = lay.key_cache + kv_head * d;
+      const T* values = lay.value_cache + kv_head * d;
+      const int64_t row = (it.row_begin * num_heads + kv_head * group) * d;
+      if (num_pos == 1) {
+        decode_bf16::dispatch(q + row, out + row, int(group), d, last_pos + 1, scale, keys,
+                              values, offsets.data());
+        continue;
+      }
+      // row (i, g): query position i of the tile, head g of the group
+      auto at = [&](auto* base) {
+        return [=](int64_t i, int64_t g) { return base + row + (i * num_heads + g) * d; };
+      };
+      prefill_bf16::attend_tile(at(q), at(out), num_pos, group, d, first_pos, scale, keys,
+                                values, offsets.data());
+    }
+    return true;
+  }
+#endif
+  return false;
+}
+
 // One work item: for each kv head in [kv_begin, kv_end), rows = (query position, head of its
 // group), positions ascending. Decodes take every kv head of a sequence in one item, so the
 // heads' K/V rows, which sit side by side in each slot, are read in one sweep.
@@ -134,33 +171,7 @@ void attend_item(const Item& it, const T* q, T* out, const Layout<T>& lay, const
   const int64_t num_kv = it.kv_end - it.kv_begin;
   const int64_t last_pos = first_pos + num_pos - 1;  // the furthest key any row may see
   const bool prefill = num_pos > 1;
-#ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (d % 32 == 0 && d <= 256 && group <= decode_bf16::kMaxGroup) {
-      // each key's slot, once for all kv heads
-      thread_local std::vector<int64_t> offsets;
-      offsets.resize(last_pos + 1);
-      for (int64_t p = 0; p <= last_pos; ++p) offsets[p] = slot_offset(lay, table, 0, p);
-      for (int64_t kv_head = it.kv_begin; kv_head < it.kv_end; ++kv_head) {
-        const T* keys = lay.key_cache + kv_head * d;
-        const T* values = lay.value_cache + kv_head * d;
-        const int64_t row = (it.row_begin * num_heads + kv_head * group) * d;
-        if (!prefill) {
-          decode_bf16::dispatch(q + row, out + row, int(group), d, last_pos + 1, scale, keys,
-                                values, offsets.data());
-          continue;
-        }
-        // row (i, g): query position i of the tile, head g of the group
-        auto at = [&](auto* base) {
-          return [=](int64_t i, int64_t g) { return base + row + (i * num_heads + g) * d; };
-        };
-        prefill_bf16::attend_tile(at(q), at(out), num_pos, group, d, first_pos, scale, keys,
-                                  values, offsets.data());
-      }
-      return;
-    }
-  }
-#endif
+  if (attend_item_bf16(it, q, out, lay, table, num_heads, first_pos, scale)) return;
 
   // per-thread scratch, kept between items; the key chunk starts zeroed so that rows past
   // `count` are finite (dots16 reads all 16)
