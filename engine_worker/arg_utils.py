@@ -36,5 +36,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(parser, EngineArgs, "engine", _HELP)
 
 
+def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags of a benchmark: bf16 by default, the dtype the targets are set in
+    (QUIRE_DTYPE, when set, still wins)."""
+    add_engine_args(parser)
+    if parser.get_default("dtype") == "auto":
+        parser.set_defaults(dtype="bfloat16")
+
+
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
     return dataclass_from_namespace(EngineArgs, ns)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
@@ -126,34 +127,33 @@ def cmd_up(ns: argparse.Namespace) -> int:
         stop_engines(engines)
 
 
-def cmd_bench_throughput(ns: argparse.Namespace) -> int:
-    from engine_worker.benchmarks.throughput import run_from_args
-
-    return run_from_args(ns)
-
-
-def cmd_bench_latency(ns: argparse.Namespace) -> int:
-    from engine_worker.benchmarks.latency import run_from_args
-
-    return run_from_args(ns)
-
-
-def cmd_bench_prefix_cache(ns: argparse.Namespace) -> int:
-    from engine_worker.benchmarks.prefix_cache import run_from_args
-
-    return run_from_args(ns)
-
-
-def cmd_bench_serve(ns: argparse.Namespace) -> int:
-    from router.benchmarks.serve import run_from_args
-
-    return run_from_args(ns)
+# ``quire bench NAME``: help, the function adding its flags, the function running it (as
+# "module:function", imported only when used, so ``quire --help`` stays cheap and torch-free).
+BENCHMARKS = {
+    "throughput": ("offline throughput vs transformers generate",
+                   "engine_worker.benchmarks.throughput:add_throughput_args",
+                   "engine_worker.benchmarks.throughput:run_from_args"),
+    "latency": ("one request: decode speed and TTFT vs transformers",
+                "engine_worker.benchmarks.latency:add_latency_args",
+                "engine_worker.benchmarks.latency:run_from_args"),
+    "prefix-cache": ("shared-prefix workload, prefix caching on vs off",
+                     "engine_worker.benchmarks.prefix_cache:add_prefix_cache_args",
+                     "engine_worker.benchmarks.prefix_cache:run_from_args"),
+    "serve": ("routing policies compared on engine processes under Poisson arrivals",
+              "router.benchmarks.config:add_serve_args", "router.benchmarks.serve:run_from_args"),
+    "router-overhead": ("latency the router adds: direct vs routed requests",
+                        "router.benchmarks.config:add_overhead_args",
+                        "router.benchmarks.overhead:run_from_args"),
+}
 
 
-def cmd_bench_router_overhead(ns: argparse.Namespace) -> int:
-    from router.benchmarks.overhead import run_from_args
+def _import(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
 
-    return run_from_args(ns)
+
+def cmd_bench(ns: argparse.Namespace) -> int:
+    return _import(ns.bench_run)(ns)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,35 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    tp = bench_sub.add_parser("throughput", help="offline throughput vs transformers generate")
-    from engine_worker.benchmarks.throughput import add_throughput_args
-
-    add_throughput_args(tp)
-    tp.set_defaults(func=cmd_bench_throughput)
-    lt = bench_sub.add_parser("latency", help="one request: decode speed and TTFT vs "
-                              "transformers")
-    from engine_worker.benchmarks.latency import add_latency_args
-
-    add_latency_args(lt)
-    lt.set_defaults(func=cmd_bench_latency)
-    pc = bench_sub.add_parser("prefix-cache",
-                              help="shared-prefix workload, prefix caching on vs off")
-    from engine_worker.benchmarks.prefix_cache import add_prefix_cache_args
-
-    add_prefix_cache_args(pc)
-    pc.set_defaults(func=cmd_bench_prefix_cache)
-    sv = bench_sub.add_parser("serve", help="routing policies compared on engine processes "
-                              "under Poisson arrivals")
-    from router.benchmarks.config import add_serve_args
-
-    add_serve_args(sv)
-    sv.set_defaults(func=cmd_bench_serve)
-    ro = bench_sub.add_parser("router-overhead",
-                              help="latency the router adds: direct vs routed requests")
-    from router.benchmarks.config import add_overhead_args
-
-    add_overhead_args(ro)
-    ro.set_defaults(func=cmd_bench_router_overhead)
+    for name, (help_text, add_args, run) in BENCHMARKS.items():
+        sub_parser = bench_sub.add_parser(name, help=help_text)
+        _import(add_args)(sub_parser)
+        sub_parser.set_defaults(func=cmd_bench, bench_run=run)
     return parser
 
 

@@ -47,3 +47,12 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str,
 
 def dataclass_from_namespace(cls, ns: argparse.Namespace):
     return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def require_at_least(cfg, names: tuple[str, ...], minimum: int = 1) -> None:
+    """For a config's ``__post_init__``: each named field must be >= ``minimum``, or a
+    ValueError naming the first that is not."""
+    for name in names:
+        value = getattr(cfg, name)
+        if value < minimum:
+            raise ValueError(f"{name}: must be at least {minimum}, got {value}")

@@ -20,6 +20,31 @@ namespace {
 
 constexpr int64_t kMaxRows = 8;
 
+// f(std::integral_constant<int, M>{}) for the row count M (1 to 8): the kernels unroll over M.
+template <typename F>
+void with_rows(int64_t M, F f) {
+  switch (M) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+// The bias as a pointer (null without one); `keep` holds the contiguous copy alive.
+const at::BFloat16* bias_data(const std::optional<at::Tensor>& bias, int64_t N,
+                              at::Tensor& keep) {
+  if (!bias.has_value()) return nullptr;
+  keep = bias->contiguous();
+  TORCH_CHECK(keep.scalar_type() == at::kBFloat16 && keep.numel() == N,
+              "skinny_linear: bias [N] in bf16");
+  return keep.data_ptr<at::BFloat16>();
+}
+
 inline __m512bh load_bh(const at::BFloat16* p) {
   return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
 }
@@ -101,27 +126,16 @@ at::Tensor skinny_linear_packed(const at::Tensor& x, const at::Tensor& wp,
                   M <= kMaxRows, "skinny_linear_packed: x [1..8, K] bf16");
   const at::Tensor xc = x.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
-  at::Tensor bc;
-  const at::BFloat16* b = nullptr;
-  if (bias.has_value()) {
-    bc = bias->contiguous();
-    b = bc.data_ptr<at::BFloat16>();
-  }
+  at::Tensor bias_keep;
+  const at::BFloat16* b = bias_data(bias, N, bias_keep);
   auto* xp = xc.data_ptr<at::BFloat16>();
   auto* wptr = wp.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
   const int64_t groups = N / kGroup;
   at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
-    switch (M) {
-      case 1: packed_band<1>(xp, wptr, b, op, K, N, g0, g1); break;
-      case 2: packed_band<2>(xp, wptr, b, op, K, N, g0, g1); break;
-      case 3: packed_band<3>(xp, wptr, b, op, K, N, g0, g1); break;
-      case 4: packed_band<4>(xp, wptr, b, op, K, N, g0, g1); break;
-      case 5: packed_band<5>(xp, wptr, b, op, K, N, g0, g1); break;
-      case 6: packed_band<6>(xp, wptr, b, op, K, N, g0, g1); break;
-      case 7: packed_band<7>(xp, wptr, b, op, K, N, g0, g1); break;
-      default: packed_band<8>(xp, wptr, b, op, K, N, g0, g1); break;
-    }
+    with_rows(M, [&](auto m) {
+      packed_band<decltype(m)::value>(xp, wptr, b, op, K, N, g0, g1);
+    });
   });
   return out;
 }
@@ -147,26 +161,12 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w,
   const at::Tensor xc = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
-  const at::BFloat16* b = nullptr;
-  at::Tensor bc;
-  if (bias.has_value()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == at::kBFloat16 && bc.numel() == N, "skinny_linear: bias [N]");
-    b = bc.data_ptr<at::BFloat16>();
-  }
+  at::Tensor bias_keep;
+  const at::BFloat16* b = bias_data(bias, N, bias_keep);
   auto* xp = xc.data_ptr<at::BFloat16>();
   auto* wp = w.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
-  switch (M) {
-    case 1: run_rows<1>(xp, wp, b, op, K, N); break;
-    case 2: run_rows<2>(xp, wp, b, op, K, N); break;
-    case 3: run_rows<3>(xp, wp, b, op, K, N); break;
-    case 4: run_rows<4>(xp, wp, b, op, K, N); break;
-    case 5: run_rows<5>(xp, wp, b, op, K, N); break;
-    case 6: run_rows<6>(xp, wp, b, op, K, N); break;
-    case 7: run_rows<7>(xp, wp, b, op, K, N); break;
-    default: run_rows<8>(xp, wp, b, op, K, N); break;
-  }
+  with_rows(M, [&](auto m) { run_rows<decltype(m)::value>(xp, wp, b, op, K, N); });
   return out;
 }
 

@@ -95,8 +95,12 @@ void load_chunk(const Layout<T>& lay, const int32_t* table, int64_t kv_head, int
 // Decode: the group's few rows see every cached key; one dot product per (row, key).
 void decode_rows(const Chunked& w, int count, int64_t num_rows, int64_t d) {
   for (int64_t r = 0; r < num_rows; ++r) {
-    __m512 s = vec::dots16(w.qf + r * d, w.kf, count, d);
-    vec::online_softmax_step(s, count, w.m[r], w.l[r], w.acc + r * d, w.vf, d);
+    const __mmask16 live = __mmask16((1u << count) - 1u);
+    __m512 p[1];
+    float alpha[1];
+    p[0] = vec::softmax_weights(vec::dots16(w.qf + r * d, w.kf, count, d), live, w.m[r],
+                                w.l[r], alpha[0]);
+    vec::accumulate_pv<1>(p, alpha, w.vf, count, d, w.acc + r * d);
   }
 }
 

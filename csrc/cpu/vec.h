@@ -169,25 +169,4 @@ inline void accumulate_pv(const __m512 (&p)[RB], const float (&alpha)[RB], const
   }
 }
 
-// Fold one chunk of scores into a row's running softmax: rescale what was accumulated by
-// exp(m_old - m_new), then add exp(s - m_new) @ V.
-inline void online_softmax_step(__m512 s, int visible, float& m, float& l, float* acc,
-                                const float* v, int64_t d) {
-  const float m_new = std::max(m, _mm512_reduce_max_ps(s));
-  const float alpha = std::exp(m - m_new);  // 0 on the first chunk (m = -inf)
-  const __mmask16 live = __mmask16((1u << visible) - 1u);
-  const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-  l = l * alpha + _mm512_reduce_add_ps(p);
-  m = m_new;
-  alignas(64) float pj[16];
-  _mm512_store_ps(pj, p);
-  const __m512 a = _mm512_set1_ps(alpha);
-  for (int64_t c = 0; c < d; c += 16) {
-    __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + c), a);
-    for (int j = 0; j < visible; ++j)
-      o = _mm512_fmadd_ps(_mm512_set1_ps(pj[j]), _mm512_loadu_ps(v + j * d + c), o);
-    _mm512_storeu_ps(acc + c, o);
-  }
-}
-
 }  // namespace quire::vec

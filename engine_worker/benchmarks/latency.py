@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_worker.arg_utils import add_engine_args, engine_args_from_namespace
-
-FIRST_PLAIN_TOKEN_ID = 100
+from engine_worker.arg_utils import add_bench_engine_args, engine_args_from_namespace
+from engine_worker.benchmarks.prompts import random_prompt
+from quire.config_args import require_at_least
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +41,8 @@ class LatencyConfig:
     output_json: str = "bench_results/latency.json"
 
     def __post_init__(self) -> None:
-        for name in ("prompt_len", "decode_prompt_len", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
-        if self.output_len < 8:
-            raise ValueError(f"output_len: must be at least 8, got {self.output_len}")
+        require_at_least(self, ("prompt_len", "decode_prompt_len", "repeats"))
+        require_at_least(self, ("output_len",), minimum=8)
 
 
 def add_latency_args(parser: argparse.ArgumentParser) -> None:
@@ -54,13 +51,7 @@ def add_latency_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     parser.add_argument("--skip-hf", action="store_true", help="do not run the baseline")
     parser.add_argument("--output-json", default=d.output_json)
-    add_engine_args(parser)
-    if parser.get_default("dtype") == "auto":
-        parser.set_defaults(dtype="bfloat16")
-
-
-def _prompt(rng: random.Random, n: int, vocab_size: int) -> list[int]:
-    return [rng.randrange(FIRST_PLAIN_TOKEN_ID, vocab_size) for _ in range(n)]
+    add_bench_engine_args(parser)
 
 
 def quire_latency(engine, cfg: LatencyConfig, rng: random.Random, vocab_size: int) -> dict:
@@ -80,9 +71,9 @@ def quire_latency(engine, cfg: LatencyConfig, rng: random.Random, vocab_size: in
         rate = (max_tokens - 1) / (end - first) if max_tokens > 1 else None
         return first - start, rate
 
-    one(_prompt(rng, cfg.prompt_len, vocab_size), 4)  # warm-up of both shapes
-    ttft = [one(_prompt(rng, cfg.prompt_len, vocab_size), 1)[0] for _ in range(cfg.repeats)]
-    rates = [one(_prompt(rng, cfg.decode_prompt_len, vocab_size), cfg.output_len)[1]
+    one(random_prompt(rng, cfg.prompt_len, vocab_size), 4)  # warm-up of both shapes
+    ttft = [one(random_prompt(rng, cfg.prompt_len, vocab_size), 1)[0] for _ in range(cfg.repeats)]
+    rates = [one(random_prompt(rng, cfg.decode_prompt_len, vocab_size), cfg.output_len)[1]
              for _ in range(cfg.repeats)]
     return {"ttft_s": statistics.median(ttft), "ttft_runs_s": ttft,
             "decode_tokens_per_s": statistics.median(rates), "decode_runs": rates}
@@ -102,14 +93,14 @@ def hf_latency(model_dir, dtype, cfg: LatencyConfig, rng: random.Random, vocab_s
         return time.perf_counter() - start
 
     with torch.inference_mode():
-        generate(_prompt(rng, cfg.prompt_len, vocab_size), 2)
-        ttft = [generate(_prompt(rng, cfg.prompt_len, vocab_size), 1)
+        generate(random_prompt(rng, cfg.prompt_len, vocab_size), 2)
+        ttft = [generate(random_prompt(rng, cfg.prompt_len, vocab_size), 1)
                 for _ in range(cfg.repeats)]
         short = cfg.decode_prompt_len
         rates = []
         for _ in range(cfg.repeats):
-            t_full = generate(_prompt(rng, short, vocab_size), cfg.output_len)
-            t_few = generate(_prompt(rng, short, vocab_size), 1)
+            t_full = generate(random_prompt(rng, short, vocab_size), cfg.output_len)
+            t_few = generate(random_prompt(rng, short, vocab_size), 1)
             rates.append((cfg.output_len - 1) / (t_full - t_few))
     return {"ttft_s": statistics.median(ttft), "ttft_runs_s": ttft,
             "decode_tokens_per_s": statistics.median(rates), "decode_runs": rates}

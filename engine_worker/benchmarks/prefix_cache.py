@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_worker.arg_utils import add_engine_args, engine_args_from_namespace
-from engine_worker.benchmarks.throughput import FIRST_PLAIN_TOKEN_ID
+from engine_worker.benchmarks.prompts import FIRST_PLAIN_TOKEN_ID, random_prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,9 +33,8 @@ def make_prefix_workload(*, num_groups: int, prompts_per_group: int, system_prom
                          question_len: int, output_len: int, seed: int,
                          vocab_size: int = 49152) -> PrefixWorkload:
     rng = random.Random(seed)
-    draw = lambda n: [rng.randrange(FIRST_PLAIN_TOKEN_ID, vocab_size) for _ in range(n)]
-    systems = [draw(system_prompt_len) for _ in range(num_groups)]
-    prompts = [tuple(systems[g] + draw(question_len))
+    systems = [random_prompt(rng, system_prompt_len, vocab_size) for _ in range(num_groups)]
+    prompts = [tuple(systems[g] + random_prompt(rng, question_len, vocab_size))
                for _ in range(prompts_per_group) for g in range(num_groups)]
     return PrefixWorkload(tuple(prompts), output_len)
 

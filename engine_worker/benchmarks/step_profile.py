@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import random
 import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+
+from engine_worker.benchmarks.prompts import random_prompt
 
 PARTS = ("model", "attention", "sampling", "inputs", "scheduling")
 
@@ -94,10 +97,8 @@ class SweepPoint:
 
 
 def _prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int):
-    import random
-
     rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(100, vocab_size) for _ in range(prompt_len)]}
+    return [{"prompt_token_ids": random_prompt(rng, prompt_len, vocab_size)}
             for _ in range(batch_size)]
 
 

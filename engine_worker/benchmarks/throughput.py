@@ -23,11 +23,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_worker.arg_utils import add_engine_args, engine_args_from_namespace
+from engine_worker.arg_utils import add_bench_engine_args, engine_args_from_namespace
+from engine_worker.benchmarks.prompts import random_prompt
 from engine_worker.benchmarks.step_profile import PARTS, sweep_batch_sizes
 from engine_worker.config import EngineArgs
+from quire.config_args import require_at_least
 
-FIRST_PLAIN_TOKEN_ID = 100  # SmolLM2's special and control tokens all sit below this id
 LONG_TAIL_FRACTION = 0.25
 
 
@@ -64,8 +65,7 @@ def make_workload(*, num_prompts: int, input_lens: tuple[int, int], output_lens:
     rng = random.Random(seed)
     lens = [(_draw_len(rng, *input_lens), _draw_len(rng, *output_lens))
             for _ in range(num_prompts)]
-    prompts = tuple(tuple(rng.randrange(FIRST_PLAIN_TOKEN_ID, vocab_size) for _ in range(n_in))
-                    for n_in, _ in lens)
+    prompts = tuple(tuple(random_prompt(rng, n_in, vocab_size)) for n_in, _ in lens)
     return Workload(prompts, tuple(n_out for _, n_out in lens))
 
 
@@ -95,9 +95,8 @@ class BenchConfig:
     output_plot: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_prompts", "min_input_len", "min_output_len", "hf_batch_size",
-                     "sweep_prompt_len", "sweep_output_len"):
-            _check(getattr(self, name) >= 1, name, f"must be at least 1, got {getattr(self, name)}")
+        require_at_least(self, ("num_prompts", "min_input_len", "min_output_len",
+                                "hf_batch_size", "sweep_prompt_len", "sweep_output_len"))
         for kind in ("input", "output"):
             lo, hi = getattr(self, f"min_{kind}_len"), getattr(self, f"max_{kind}_len")
             _check(hi >= lo, f"max_{kind}_len", f"must be >= min_{kind}_len ({lo}), got {hi}")
@@ -167,9 +166,7 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--sweep-output-len", type=int, default=d.sweep_output_len)
     o.add_argument("--output-json", default=d.output_json)
     o.add_argument("--output-plot", default=None, help="PNG (default: beside the JSON)")
-    add_engine_args(parser)
-    if parser.get_default("dtype") == "auto":  # QUIRE_DTYPE, when set, still wins
-        parser.set_defaults(dtype="bfloat16")
+    add_bench_engine_args(parser)
 
 
 def _requests(workload: Workload, ignore_eos: bool):

@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from quire.config_args import require_at_least
 from router.balancer import POLICIES
 
 WORKLOAD_NAMES = ("shared_prefix", "no_sharing")  # router.benchmarks.serve.WORKLOADS
@@ -35,10 +36,8 @@ class ServeBenchConfig:
         if not 2 <= self.num_engines <= 16:
             raise ValueError(f"num_engines: must be in [2, 16] (placement needs a choice), "
                              f"got {self.num_engines}")
-        for name in ("num_groups", "prompts_per_group", "system_prompt_len", "question_len",
-                     "output_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        require_at_least(self, ("num_groups", "prompts_per_group", "system_prompt_len",
+                                "question_len", "output_len"))
         if not self.request_rate > 0:
             raise ValueError(f"request_rate: must be > 0 (inf: all at once), "
                              f"got {self.request_rate}")
@@ -102,9 +101,7 @@ class OverheadBenchConfig:
     output_png: str = "bench-router-overhead.png"
 
     def __post_init__(self) -> None:
-        for name in ("num_requests", "prompt_len", "output_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be at least 1, got {getattr(self, name)}")
+        require_at_least(self, ("num_requests", "prompt_len", "output_len"))
         if self.policy not in POLICIES:
             raise ValueError(f"policy: choose from {sorted(POLICIES)}, got {self.policy!r}")
 
