@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace quire {
@@ -106,6 +107,8 @@ void rope_typed(at::Tensor& q, at::Tensor& k, const int64_t* positions, const fl
   });
 }
 
+}  // namespace
+
 #define QUIRE_DISPATCH(dtype, name, ...)                                         \
   switch (dtype) {                                                               \
     case at::kFloat: { using T = float; __VA_ARGS__; break; }                    \
@@ -155,8 +158,6 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
   QUIRE_DISPATCH(q.scalar_type(), "rotary_embedding",
                  rope_typed<T>(q, k, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), d));
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(quire, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

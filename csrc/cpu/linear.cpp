@@ -11,6 +11,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace quire {
@@ -117,6 +118,8 @@ void packed_band(const at::BFloat16* x, const at::BFloat16* wp, const at::BFloat
   }
 }
 
+}  // namespace
+
 at::Tensor skinny_linear_packed(const at::Tensor& x, const at::Tensor& wp,
                                 const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(wp.dim() == 4 && wp.size(2) == kGroup && wp.size(3) == 32 && wp.is_contiguous(),
@@ -139,6 +142,8 @@ at::Tensor skinny_linear_packed(const at::Tensor& x, const at::Tensor& wp,
   });
   return out;
 }
+
+namespace {
 
 template <int M>
 void run_rows(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias,
@@ -170,6 +175,8 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w,
   return out;
 }
 
+}  // namespace
+
 #else
 
 at::Tensor skinny_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&) {
@@ -178,14 +185,15 @@ at::Tensor skinny_linear(const at::Tensor&, const at::Tensor&, const std::option
 at::Tensor pack_skinny(const at::Tensor&) {
   TORCH_CHECK(false, "pack_skinny: built without AVX-512 BF16");
 }
+
+}  // namespace
+
 at::Tensor skinny_linear_packed(const at::Tensor&, const at::Tensor&,
                                 const std::optional<at::Tensor>&) {
   TORCH_CHECK(false, "skinny_linear_packed: built without AVX-512 BF16");
 }
 
 #endif
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(quire, m) {
   m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");

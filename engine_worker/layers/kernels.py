@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine_worker.layers import blocks
 from engine_worker.layers.activation import silu_and_mul
 from engine_worker.layers.linear import LinearFn, PackFn, no_packing, torch_linear
 from engine_worker.layers.norm import rms_norm
@@ -28,6 +29,10 @@ class LayerKernels:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x, weight, eps)
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]  # [n, 2 * w] -> [n, w]
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (positions, q, k, cos, sin)
+    # the decoder layer's halves around attention: see layers.blocks for their arguments
+    norm_qkv_rope: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = \
+        blocks.norm_qkv_rope
+    residual_mlp: Callable[..., torch.Tensor] = blocks.residual_mlp
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +91,35 @@ def cpu_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: tor
     return apply_rope(positions, q, k, cos, sin)
 
 
+def _fusable(x: torch.Tensor, *linears) -> bool:
+    """The fused halves take bf16 rows and weights packed in both CPU layouts."""
+    return x.dtype == torch.bfloat16 and all(
+        lin.packed is not None and lin.packed.skinny is not None
+        and lin.packed.onednn is not None for lin in linears)
+
+
+def cpu_norm_qkv_rope(x, positions, norm, qkv_proj, rotary, num_heads: int, num_kv_heads: int,
+                      head_dim: int):
+    if _fusable(x, qkv_proj) and head_dim % 32 == 0 and x.is_contiguous():
+        return torch.ops.quire.norm_qkv_rope(
+            x, norm.weight, norm.eps, qkv_proj.packed.skinny, qkv_proj.packed.onednn,
+            qkv_proj.bias, positions, rotary.cos, rotary.sin, num_heads, num_kv_heads)
+    return blocks.norm_qkv_rope(x, positions, norm, qkv_proj, rotary, num_heads, num_kv_heads,
+                                head_dim)
+
+
+def cpu_residual_mlp(x, attn, o_proj, norm, gate_up_proj, down_proj, silu_and_mul):
+    if (_fusable(x, o_proj, gate_up_proj, down_proj) and o_proj.bias is None
+            and x.is_contiguous()):
+        return torch.ops.quire.residual_mlp(
+            x, attn, o_proj.packed.skinny, o_proj.packed.onednn, norm.weight, norm.eps,
+            gate_up_proj.packed.skinny, gate_up_proj.packed.onednn, gate_up_proj.bias,
+            down_proj.packed.skinny, down_proj.packed.onednn, down_proj.bias)
+    return blocks.residual_mlp(x, attn, o_proj, norm, gate_up_proj, down_proj, silu_and_mul)
+
+
 LAYER_KERNELS: dict[str, LayerKernels] = {
     "torch": LayerKernels(torch_linear, no_packing, rms_norm, silu_and_mul, apply_rope),
-    "cpu": LayerKernels(cpu_linear, cpu_pack_weight, cpu_rms_norm, cpu_silu_and_mul, cpu_rope),
+    "cpu": LayerKernels(cpu_linear, cpu_pack_weight, cpu_rms_norm, cpu_silu_and_mul, cpu_rope,
+                        cpu_norm_qkv_rope, cpu_residual_mlp),
 }

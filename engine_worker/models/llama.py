@@ -44,6 +44,9 @@ class LlamaConfig:
 
 
 class LlamaAttention(nn.Module):
+    """RMSNorm, the fused QKV projection and RoPE (one kernel call), then paged attention.
+    ``o_proj`` is applied by the layer's second half, together with the residual."""
+
     def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend,
                  kernels: LayerKernels) -> None:
         super().__init__()
@@ -55,20 +58,21 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
+        self.norm_qkv_rope = kernels.norm_qkv_rope
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, norm: RMSNorm,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # x: [num_tokens, hidden_size] -> attention output [num_tokens, num_heads * head_dim]
         cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k, v = self.norm_qkv_rope(x, positions, norm, self.qkv_proj, self.rotary,
+                                     cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, cfg.q_size))
+        return out.reshape(-1, cfg.q_size)
 
 
 class LlamaMLP(nn.Module):
+    """SwiGLU over a fused gate/up projection; run by the layer's ``residual_mlp`` kernel."""
+
     def __init__(self, cfg: LlamaConfig, kernels: LayerKernels) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
@@ -76,9 +80,6 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias,
                                 kernels.linear, kernels.pack_weight)
         self.silu_and_mul = kernels.silu_and_mul
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -90,11 +91,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
                                                 kernels.rms_norm)
         self.mlp = LlamaMLP(cfg, kernels)
+        self.residual_mlp = kernels.residual_mlp
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # h = x + o_proj(attention(norm(x)));  h + mlp(norm(h))
+        attn = self.self_attn(positions, x, self.input_layernorm, kv_cache, meta)
+        mlp = self.mlp
+        return self.residual_mlp(x, attn, self.self_attn.o_proj, self.post_attention_layernorm,
+                                 mlp.gate_up_proj, mlp.down_proj, mlp.silu_and_mul)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -25,8 +25,8 @@ from engine_worker.config import quire_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
-SOURCES = ("paged_attention.cpp", "linear.cpp", "elementwise.cpp")
-HEADERS = ("vec.h", "decode_bf16.h", "prefill_bf16.h")
+SOURCES = ("paged_attention.cpp", "linear.cpp", "elementwise.cpp", "llama_block.cpp")
+HEADERS = ("vec.h", "ops.h", "decode_bf16.h", "prefill_bf16.h")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
 
 

@@ -1,0 +1,21 @@
+// The CPU kernels other kernels call directly (no dispatcher, no Python between them).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace quire {
+
+// x [M <= 8, K] bf16 @ a weight from pack_skinny (+ bias) -> [M, N]
+at::Tensor skinny_linear_packed(const at::Tensor& x, const at::Tensor& wp,
+                                const std::optional<at::Tensor>& bias);
+// weight * round(x / rms(x)) per row of x [rows, hidden]
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// [rows, 2 * width] -> silu(gate) * up [rows, width]
+at::Tensor silu_and_mul(const at::Tensor& x);
+// NeoX rotary embedding in place on q, k [tokens, heads, head_dim]
+void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
+                      const at::Tensor& cos, const at::Tensor& sin);
+
+}  // namespace quire
