@@ -1,12 +1,15 @@
 // Prefill attention on bf16 Q/K/V with AVX-512 BF16 dot products: a tile of query positions
-// of one kv head (its GQA group's rows) against the keys, 16 at a time, online softmax.
+// of one kv head (its GQA group's rows) against the keys they see, online softmax.
 //
-// Prefill is compute-bound, so each chunk of 16 keys is re-laid out once for every row of the
-// tile to reuse:
-//   keys as bf16 pairs over dimensions, key-major within a pair: kp[c][j] = (k_j[2c], k_j[2c+1]),
+// Prefill is compute-bound. The keys and values the tile sees are laid out once per tile, in
+// chunks of 32 keys, for every row to stream:
+//   keys as bf16 pairs over dimensions, key-major within a pair: k[c][i][j] = (k_j[2i], k_j[2i+1]),
 //     so one vdpbf16ps with a broadcast query pair adds two dimensions to 16 scores at once;
 //   values as pairs over keys: the 16-bit interleave of rows j and j+1 (as in decode_bf16.h),
 //     so one vdpbf16ps with a broadcast probability pair adds two keys to 16 dimensions.
+// Rows then go a few at a time (4 at head_dim 64) through every chunk with their output
+// accumulators in registers, never stored between chunks; 32 keys a chunk halve the softmax
+// bookkeeping (max, sum, rescale) per key against 16.
 // The interleave permutes dimensions within 128-bit lanes; lane_dim() undoes it on the way out.
 #pragma once
 
@@ -14,6 +17,8 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -24,81 +29,149 @@ namespace quire::prefill_bf16 {
 
 using decode_bf16::lane_dim;
 
-struct Chunk {
-  alignas(64) uint32_t kp[128][16];    // [d / 2][16 keys]
-  alignas(64) __m512i vlo[8][8];       // [key pair][d / 32]
-  alignas(64) __m512i vhi[8][8];
+constexpr int kKeys = 32;  // keys per chunk: two zmm of scores per query row
+
+// The keys and values a tile sees, laid out once per tile for every row of it to stream:
+//   k: [chunk][d / 2][32 keys] dimension pairs (uint32), missing keys 0;
+//   v: [chunk][16 key pairs][d / 32][lo, hi] interleaved rows of keys 2j and 2j + 1.
+struct Packed {
+  std::vector<uint32_t> k;
+  std::vector<__m512i> v;
 };
 
-// Lay out keys and values at `rows` (count of them, the rest zero) for the tile.
-inline void pack_chunk(const at::BFloat16* const* krow, const at::BFloat16* const* vrow,
-                       int count, int64_t d, Chunk& c) {
-  const int64_t pairs = d / 2;
-  for (int j = 0; j < 16; ++j) {
-    const uint32_t* k = reinterpret_cast<const uint32_t*>(krow[j]);
-    for (int64_t i = 0; i < pairs; ++i) c.kp[i][j] = j < count ? k[i] : 0u;
-  }
-  for (int jp = 0; jp < 8; ++jp)
-    for (int64_t z = 0; z < d / 32; ++z) {
-      const __m512i v0 = _mm512_loadu_si512(vrow[2 * jp] + 32 * z);
-      const __m512i v1 = _mm512_loadu_si512(vrow[2 * jp + 1] + 32 * z);
-      c.vlo[jp][z] = _mm512_unpacklo_epi16(v0, v1);
-      c.vhi[jp][z] = _mm512_unpackhi_epi16(v0, v1);
+inline void pack(const at::BFloat16* keys, const at::BFloat16* values, const int64_t* offsets,
+                 int64_t num_keys, int64_t d, Packed& pk) {
+  alignas(64) static const at::BFloat16 zeros[256] = {};
+  const int64_t chunks = (num_keys + kKeys - 1) / kKeys, pairs = d / 2, nz = d / 32;
+  pk.k.resize(chunks * pairs * kKeys);
+  pk.v.resize(chunks * (kKeys / 2) * nz * 2);
+  for (int64_t c = 0; c < chunks; ++c) {
+    uint32_t* kc = pk.k.data() + c * pairs * kKeys;
+    __m512i* vc = pk.v.data() + c * (kKeys / 2) * nz * 2;
+    const at::BFloat16* vrow[kKeys];
+    for (int j = 0; j < kKeys; ++j) {
+      const int64_t p = c * kKeys + j;
+      const uint32_t* k = reinterpret_cast<const uint32_t*>(p < num_keys ? keys + offsets[p]
+                                                                         : zeros);
+      for (int64_t i = 0; i < pairs; ++i) kc[i * kKeys + j] = k[i];
+      vrow[j] = p < num_keys ? values + offsets[p] : zeros;
     }
+    for (int jp = 0; jp < kKeys / 2; ++jp)
+      for (int64_t z = 0; z < nz; ++z) {
+        const __m512i v0 = _mm512_loadu_si512(vrow[2 * jp] + 32 * z);
+        const __m512i v1 = _mm512_loadu_si512(vrow[2 * jp + 1] + 32 * z);
+        vc[(jp * nz + z) * 2] = _mm512_unpacklo_epi16(v0, v1);
+        vc[(jp * nz + z) * 2 + 1] = _mm512_unpackhi_epi16(v0, v1);
+      }
+  }
 }
 
-// RB query rows (bf16, [RB][d] at stride q_stride) against one packed chunk.
-template <int RB>
-inline void rows_step(const at::BFloat16* const* q, const Chunk& c, int count, int64_t d,
-                      float scale, const int64_t* visible, float* m, float* l, float* acc_lo,
-                      float* acc_hi) {
-  __m512 even[RB], odd[RB];
-  for (int r = 0; r < RB; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d / 2; i += 2) {
-    const __m512bh k0 = (__m512bh)_mm512_load_si512(c.kp[i]);
-    const __m512bh k1 = (__m512bh)_mm512_load_si512(c.kp[i + 1]);
-    for (int r = 0; r < RB; ++r) {
-      const uint32_t* qp = reinterpret_cast<const uint32_t*>(q[r]);
-      even[r] = _mm512_dpbf16_ps(even[r], (__m512bh)_mm512_set1_epi32(int(qp[i])), k0);
-      odd[r] = _mm512_dpbf16_ps(odd[r], (__m512bh)_mm512_set1_epi32(int(qp[i + 1])), k1);
-    }
-  }
-  alignas(64) uint32_t pairs[RB][8];
-  float alpha[RB];
+inline __mmask16 live16(int64_t visible) {  // the first `visible` (clamped to 0..16) lanes
+  return visible >= 16 ? __mmask16(0xFFFF) : visible <= 0 ? 0 : __mmask16((1u << visible) - 1u);
+}
+
+// RB query rows against every key they see, their accumulators held in registers from the
+// first chunk to the last: per chunk, scores (Q K^T), an online-softmax step, P @ V.
+// q[r] / out[r]: the rows (bf16 [D]); pos[r]: the last key row r sees.
+template <int D, int RB>
+void rows_block(const at::BFloat16* const* q, at::BFloat16* const* out, const int64_t* pos,
+                float scale, const Packed& pk) {
+  constexpr int NZ = D / 32, PAIRS = D / 2;
+  __m512 lo[RB][NZ], hi[RB][NZ];
+  float m[RB], l[RB];
+  int64_t last = 0;
   for (int r = 0; r < RB; ++r) {
-    const __mmask16 live = __mmask16((1u << visible[r]) - 1u);
-    if (!live) {
-      alpha[r] = 1.f;
-      std::memset(pairs[r], 0, sizeof(pairs[r]));
-      continue;
-    }
-    const __m512 s = _mm512_mul_ps(_mm512_add_ps(even[r], odd[r]), _mm512_set1_ps(scale));
-    const __m512 p = vec::softmax_weights(s, live, m[r], l[r], alpha[r]);
-    const __m256bh pb = _mm512_cvtneps_pbh(p);
-    std::memcpy(pairs[r], &pb, 32);
+    for (int z = 0; z < NZ; ++z) lo[r][z] = hi[r][z] = _mm512_setzero_ps();
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+    last = std::max(last, pos[r]);
   }
-  const int num_pairs = (count + 1) / 2;
-  const int64_t half = d / 2;  // floats per row in each of acc_lo and acc_hi
-  for (int64_t z = 0; z < d / 32; ++z) {
-    __m512 lo[RB], hi[RB];
-    for (int r = 0; r < RB; ++r) {
-      const __m512 a = _mm512_set1_ps(alpha[r]);
-      lo[r] = _mm512_mul_ps(_mm512_loadu_ps(acc_lo + r * half + 16 * z), a);
-      hi[r] = _mm512_mul_ps(_mm512_loadu_ps(acc_hi + r * half + 16 * z), a);
-    }
-    for (int jp = 0; jp < num_pairs; ++jp) {
-      const __m512bh vl = (__m512bh)c.vlo[jp][z], vh = (__m512bh)c.vhi[jp][z];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t c = 0; c * kKeys <= last; ++c) {
+    const uint32_t* kc = pk.k.data() + c * PAIRS * kKeys;
+    // two chains per score vector (even and odd dimension pairs) hide the dot product latency
+    __m512 s0[RB], s1[RB], t0[RB], t1[RB];
+    for (int r = 0; r < RB; ++r) s0[r] = s1[r] = t0[r] = t1[r] = _mm512_setzero_ps();
+    for (int i = 0; i < PAIRS; i += 2) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kc + i * kKeys);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kc + i * kKeys + 16);
+      const __m512bh k2 = (__m512bh)_mm512_loadu_si512(kc + (i + 1) * kKeys);
+      const __m512bh k3 = (__m512bh)_mm512_loadu_si512(kc + (i + 1) * kKeys + 16);
       for (int r = 0; r < RB; ++r) {
-        const __m512bh pp = (__m512bh)_mm512_set1_epi32(int(pairs[r][jp]));
-        lo[r] = _mm512_dpbf16_ps(lo[r], vl, pp);
-        hi[r] = _mm512_dpbf16_ps(hi[r], vh, pp);
+        const uint32_t* qp = reinterpret_cast<const uint32_t*>(q[r]);
+        const __m512bh qa = (__m512bh)_mm512_set1_epi32(int(qp[i]));
+        const __m512bh qb = (__m512bh)_mm512_set1_epi32(int(qp[i + 1]));
+        s0[r] = _mm512_dpbf16_ps(s0[r], qa, k0);
+        s1[r] = _mm512_dpbf16_ps(s1[r], qa, k1);
+        t0[r] = _mm512_dpbf16_ps(t0[r], qb, k2);
+        t1[r] = _mm512_dpbf16_ps(t1[r], qb, k3);
       }
     }
     for (int r = 0; r < RB; ++r) {
-      _mm512_storeu_ps(acc_lo + r * half + 16 * z, lo[r]);
-      _mm512_storeu_ps(acc_hi + r * half + 16 * z, hi[r]);
+      s0[r] = _mm512_add_ps(s0[r], t0[r]);
+      s1[r] = _mm512_add_ps(s1[r], t1[r]);
+    }
+    alignas(64) uint32_t pairs[RB][16];
+    for (int r = 0; r < RB; ++r) {
+      const int64_t visible = pos[r] + 1 - c * kKeys;
+      const __mmask16 live0 = live16(visible), live1 = live16(visible - 16);
+      const __m512 ninf = _mm512_set1_ps(-INFINITY);
+      const __m512 a = _mm512_mask_mul_ps(ninf, live0, s0[r], vscale);
+      const __m512 b = _mm512_mask_mul_ps(ninf, live1, s1[r], vscale);
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(a, b)));
+      if (m_new > m[r]) {  // a new maximum: rescale what was summed (skipped once it settles)
+        const float alpha = std::exp(m[r] - m_new);  // 0 on the first chunk
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int z = 0; z < NZ; ++z) {
+          lo[r][z] = _mm512_mul_ps(lo[r][z], av);
+          hi[r][z] = _mm512_mul_ps(hi[r][z], av);
+        }
+        l[r] *= alpha;
+        m[r] = m_new;
+      }
+      const __m512 mv = _mm512_set1_ps(m_new);
+      const __m512 p0 = _mm512_maskz_mov_ps(live0, vec::exp512(_mm512_sub_ps(a, mv)));
+      const __m512 p1 = _mm512_maskz_mov_ps(live1, vec::exp512(_mm512_sub_ps(b, mv)));
+      l[r] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      const __m512bh pb = _mm512_cvtne2ps_pbh(p1, p0);  // keys 0..15 low, 16..31 high
+      _mm512_store_si512(pairs[r], (__m512i)pb);
+    }
+    const __m512i* vc = pk.v.data() + c * (kKeys / 2) * NZ * 2;
+    for (int jp = 0; jp < kKeys / 2; ++jp) {
+      __m512bh pp[RB];
+      for (int r = 0; r < RB; ++r) pp[r] = (__m512bh)_mm512_set1_epi32(int(pairs[r][jp]));
+      for (int z = 0; z < NZ; ++z) {
+        const __m512bh vl = (__m512bh)vc[(jp * NZ + z) * 2];
+        const __m512bh vh = (__m512bh)vc[(jp * NZ + z) * 2 + 1];
+        for (int r = 0; r < RB; ++r) {
+          lo[r][z] = _mm512_dpbf16_ps(lo[r][z], vl, pp[r]);
+          hi[r][z] = _mm512_dpbf16_ps(hi[r][z], vh, pp[r]);
+        }
+      }
     }
   }
+  for (int r = 0; r < RB; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    alignas(64) float a[16], b[16];
+    for (int z = 0; z < NZ; ++z) {
+      _mm512_store_ps(a, _mm512_mul_ps(lo[r][z], inv));
+      _mm512_store_ps(b, _mm512_mul_ps(hi[r][z], inv));
+      for (int i = 0; i < 16; ++i) {
+        out[r][lane_dim(z, false, i)] = at::BFloat16(a[i]);
+        out[r][lane_dim(z, true, i)] = at::BFloat16(b[i]);
+      }
+    }
+  }
+}
+
+// Rows as many at a time as the accumulators fit in registers: 4 up to head_dim 64.
+template <int D>
+void rows_all(int64_t num_rows, const at::BFloat16* const* q, at::BFloat16* const* out,
+              const int64_t* pos, float scale, const Packed& pk) {
+  constexpr int RB = D <= 64 ? 4 : D <= 128 ? 2 : 1;
+  int64_t r = 0;
+  for (; r + RB <= num_rows; r += RB) rows_block<D, RB>(q + r, out + r, pos + r, scale, pk);
+  for (; r < num_rows; ++r) rows_block<D, 1>(q + r, out + r, pos + r, scale, pk);
 }
 
 // One tile: positions first_pos .. first_pos + num_pos - 1 of one kv head, `group` heads each;
@@ -107,51 +180,29 @@ template <typename QAt, typename OutAt>
 void attend_tile(QAt q_row, OutAt out_row, int64_t num_pos, int64_t group, int64_t d,
                  int64_t first_pos, float scale, const at::BFloat16* keys,
                  const at::BFloat16* values, const int64_t* offsets) {
-  alignas(64) static const at::BFloat16 zeros[256] = {};
+  thread_local Packed pk;
+  pack(keys, values, offsets, first_pos + num_pos, d, pk);
   const int64_t num_rows = num_pos * group;
-  thread_local std::vector<float> state;
-  state.assign(num_rows * (d + 2), 0.f);
-  float* acc_lo = state.data();                // [num_rows][d / 32][16], permuted lanes
-  float* acc_hi = acc_lo + num_rows * d / 2;   // the same for the hi halves
-  float* m = acc_lo + num_rows * d;
-  float* l = m + num_rows;
-  for (int64_t r = 0; r < num_rows; ++r) m[r] = -INFINITY;
-  thread_local Chunk chunk;
-  const at::BFloat16* qrows[4];
-  const int64_t last_pos = first_pos + num_pos - 1;
-  for (int64_t pos = 0; pos <= last_pos; pos += 16) {
-    const int count = int(std::min<int64_t>(16, last_pos + 1 - pos));
-    const at::BFloat16* krow[16];
-    const at::BFloat16* vrow[16];
-    for (int j = 0; j < 16; ++j) {
-      krow[j] = j < count ? keys + offsets[pos + j] : zeros;
-      vrow[j] = j < count ? values + offsets[pos + j] : zeros;
-    }
-    pack_chunk(krow, vrow, count, d, chunk);
-    const int64_t first_row = std::max<int64_t>(0, (pos - first_pos) * group);
-    int64_t r = first_row;
-    auto step = [&](auto rb) {
-      constexpr int RB = decltype(rb)::value;
-      int64_t visible[RB];
-      for (int t = 0; t < RB; ++t) {
-        const int64_t row_pos = first_pos + (r + t) / group;
-        visible[t] = std::clamp<int64_t>(row_pos + 1 - pos, 0, count);
-        qrows[t] = q_row((r + t) / group, (r + t) % group);
-      }
-      rows_step<RB>(qrows, chunk, count, d, scale, visible, m + r, l + r,
-                    acc_lo + r * (d / 2), acc_hi + r * (d / 2));
-    };
-    for (; r + 4 <= num_rows; r += 4) step(std::integral_constant<int, 4>{});
-    for (; r < num_rows; ++r) step(std::integral_constant<int, 1>{});
+  thread_local std::vector<const at::BFloat16*> q;
+  thread_local std::vector<at::BFloat16*> out;
+  thread_local std::vector<int64_t> pos;
+  q.resize(num_rows);
+  out.resize(num_rows);
+  pos.resize(num_rows);
+  for (int64_t r = 0; r < num_rows; ++r) {  // rows by position, then head: causal limits rise
+    q[r] = q_row(r / group, r % group);
+    out[r] = out_row(r / group, r % group);
+    pos[r] = first_pos + r / group;
   }
-  for (int64_t r = 0; r < num_rows; ++r) {
-    at::BFloat16* out = out_row(r / group, r % group);
-    const float inv = 1.f / l[r];
-    for (int64_t z = 0; z < d / 32; ++z)
-      for (int i = 0; i < 16; ++i) {
-        out[lane_dim(int(z), false, i)] = at::BFloat16(acc_lo[r * (d / 2) + 16 * z + i] * inv);
-        out[lane_dim(int(z), true, i)] = at::BFloat16(acc_hi[r * (d / 2) + 16 * z + i] * inv);
-      }
+  switch (d) {
+    case 32: rows_all<32>(num_rows, q.data(), out.data(), pos.data(), scale, pk); break;
+    case 64: rows_all<64>(num_rows, q.data(), out.data(), pos.data(), scale, pk); break;
+    case 96: rows_all<96>(num_rows, q.data(), out.data(), pos.data(), scale, pk); break;
+    case 128: rows_all<128>(num_rows, q.data(), out.data(), pos.data(), scale, pk); break;
+    case 160: rows_all<160>(num_rows, q.data(), out.data(), pos.data(), scale, pk); break;
+    case 192: rows_all<192>(num_rows, q.data(), out.data(), pos.data(), scale, pk); break;
+    case 224: rows_all<224>(num_rows, q.data(), out.data(), pos.data(), scale, pk); break;
+    default: rows_all<256>(num_rows, q.data(), out.data(), pos.data(), scale, pk); break;
   }
 }
 
