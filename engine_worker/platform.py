@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -52,14 +53,37 @@ def available_memory_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
+HUGE_PAGE_BYTES = 2 << 20
+
+
 def allocate_zeroed(shape: tuple[int, ...], dtype: torch.dtype,
                     device: torch.device) -> torch.Tensor:
-    """A zero tensor. On the CPU it comes from calloc (numpy), so pages are mapped lazily and
-    a multi-GiB KV cache costs nothing until used; ``torch.zeros`` would write every byte."""
+    """A zero tensor. On the CPU it is an anonymous mapping, so pages are mapped (and zeroed)
+    lazily and a multi-GiB KV cache costs nothing until used (``torch.zeros`` would write
+    every byte), and it starts on a 2 MiB boundary and asks Linux for transparent huge pages.
+
+    Huge pages matter on CPUs: the decode kernels stream the weights and the KV cache through
+    the TLB, and with 4 KiB pages every 4 KiB costs a page walk (a nested one in a VM). On the
+    2-core EPYC VM here a 256 MiB sequential read ran at ~20 GB/s on 4 KiB pages and ~50 GB/s
+    on huge pages. Where the kernel gives none (THP ``never``) this is plain memory."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = int(np.prod(shape)) * (torch.finfo(dtype).bits // 8)
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    # room to start the tensor on a huge-page boundary wherever the mapping lands
+    # private: a shared anonymous mapping is shmem, which THP's "madvise" mode leaves alone
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux only
+        region.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive
+    skip = -raw.data_ptr() % HUGE_PAGE_BYTES
+    return raw[skip:skip + nbytes].view(dtype).view(shape)
+
+
+def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t`` on transparent huge pages (see ``allocate_zeroed``)."""
+    out = allocate_zeroed(tuple(t.shape), t.dtype, torch.device("cpu"))
+    out.copy_(t)
+    return out
 
 
 def select_kernels(name: str, device: torch.device) -> str:

@@ -30,8 +30,10 @@ inline int64_t lane_dim(int z, bool hi, int i) {
 }
 
 // Scores [group][16] of the rows against the chunk's key rows (lanes past count are 0).
-inline void scores(const __m512bh (&qv)[kMaxGroup][kMaxZ], const at::BFloat16* const* krow,
-                   int count, int group, int nz, __m512 (&s)[kMaxGroup]) {
+// GA, ZA: the arrays' sizes, exact where the caller knows the shape at compile time.
+template <int GA, int ZA>
+inline void scores(const __m512bh (&qv)[GA][ZA], const at::BFloat16* const* krow,
+                   int count, int group, int nz, __m512 (&s)[GA]) {
   for (int g = 0; g < group; ++g) s[g] = _mm512_setzero_ps();
   for (int j = 0; j < count; j += 4) {
     for (int g = 0; g < group; ++g) {
@@ -64,12 +66,14 @@ void attend(const at::BFloat16* q, at::BFloat16* out, int group_rt, int nz_rt, i
   const int group = G > 0 ? G : group_rt;
   const int nz = NZ > 0 ? NZ : nz_rt;
   const int64_t d = 32 * nz, q_stride = d, out_stride = d;
-  __m512bh qv[kMaxGroup][kMaxZ];
+  // arrays sized exactly for a known shape, so that they live in registers, not on the stack
+  constexpr int GA = G > 0 ? G : kMaxGroup, ZA = NZ > 0 ? NZ : kMaxZ;
+  __m512bh qv[GA][ZA];
   for (int g = 0; g < group; ++g)
     for (int z = 0; z < nz; ++z)
       qv[g][z] = (__m512bh)_mm512_loadu_si512(q + g * q_stride + 32 * z);
-  __m512 lo[kMaxGroup][kMaxZ], hi[kMaxGroup][kMaxZ];
-  float m[kMaxGroup], l[kMaxGroup];
+  __m512 lo[GA][ZA], hi[GA][ZA];
+  float m[GA], l[GA];
   for (int g = 0; g < group; ++g) {
     m[g] = -INFINITY;
     l[g] = 0.f;
@@ -84,10 +88,10 @@ void attend(const at::BFloat16* q, at::BFloat16* out, int group_rt, int nz_rt, i
       vrow[j] = j < count ? values + offsets[pos + j] : zeros;
     }
     const __mmask16 live = __mmask16((1u << count) - 1u);
-    __m512 s[kMaxGroup];
-    scores(qv, krow, count, group, nz, s);
+    __m512 s[GA];
+    scores<GA, ZA>(qv, krow, count, group, nz, s);
     // probabilities, as bf16 pairs (keys 2i, 2i + 1) per row
-    alignas(64) uint32_t pairs[kMaxGroup][8];
+    alignas(64) uint32_t pairs[GA][8];
     for (int g = 0; g < group; ++g) {
       float alpha;
       const __m512 p = vec::softmax_weights(_mm512_mul_ps(s[g], _mm512_set1_ps(scale)), live,

@@ -18,6 +18,7 @@ from engine_worker.layers.activation import silu_and_mul
 from engine_worker.layers.linear import LinearFn, PackFn, no_packing, torch_linear
 from engine_worker.layers.norm import rms_norm
 from engine_worker.layers.rotary import apply_rope
+from engine_worker.platform import to_huge_pages
 
 SKINNY_MAX_ROWS = 8  # up to here a linear layer is a weight stream: the bf16 kernel wins
 
@@ -65,7 +66,8 @@ def cpu_pack_weight(weight: torch.Tensor) -> CpuPackedWeight | None:
     onednn = (torch.ops.mkldnn._reorder_linear_weight(weight, None)
               if torch.backends.mkldnn.is_available() else None)
     out_features, in_features = weight.shape
-    skinny = (torch.ops.quire.pack_skinny(weight)
+    # the skinny layout is what decode streams every step: on huge pages (platform.py)
+    skinny = (to_huge_pages(torch.ops.quire.pack_skinny(weight))
               if out_features % 4 == 0 and in_features % 32 == 0 else None)
     return CpuPackedWeight(onednn, skinny)
 
