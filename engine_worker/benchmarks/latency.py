@@ -17,17 +17,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import random
 import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from engine_worker.arg_utils import add_bench_engine_args, engine_args_from_namespace
 from engine_worker.benchmarks.prompts import random_prompt
+from quire.bench_report import write_json
 from quire.config_args import require_at_least
 
 
@@ -139,8 +138,5 @@ def run_from_args(ns: argparse.Namespace) -> int:
             print(f"{system:<14}{r['decode_tokens_per_s']:>14.1f}{r['ttft_s']:>24.3f}")
     if "hf" in report:
         print(f"ratio: decode {report['ratio_decode']:.2f}x, TTFT {report['ratio_ttft']:.2f}x")
-    path = Path(cfg.output_json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {write_json(report, cfg.output_json)}")
     return 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import random
 import statistics
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from engine_worker.arg_utils import add_engine_args, engine_args_from_namespace
 from engine_worker.benchmarks.prompts import FIRST_PLAIN_TOKEN_ID, random_prompt
+from quire.bench_report import write_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,8 +178,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
     print(f"n={sharing['n']} samples of a {sharing['prompt_len']}-token prompt "
           f"({sharing['prompt_blocks']} blocks): peak {sharing['peak_blocks_shared']} blocks "
           f"shared vs {sharing['peak_blocks_separate']} as separate requests")
-    ns.output_json.parent.mkdir(parents=True, exist_ok=True)
-    ns.output_json.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(report, ns.output_json)
     _write_plot(ns.output_json.with_suffix(".png"), results)
     print(f"wrote {ns.output_json} and {ns.output_json.with_suffix('.png')}")
     return 0

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import math
 import os
 import random
@@ -27,6 +26,7 @@ from engine_worker.arg_utils import add_bench_engine_args, engine_args_from_name
 from engine_worker.benchmarks.prompts import random_prompt
 from engine_worker.benchmarks.step_profile import PARTS, sweep_batch_sizes
 from engine_worker.config import EngineArgs
+from quire.bench_report import write_json
 from quire.config_args import require_at_least
 
 LONG_TAIL_FRACTION = 0.25
@@ -312,9 +312,7 @@ def _write_json(path: Path, cfg: BenchConfig, engine_args: EngineArgs, env: dict
               "workload": workload.summary(), "quire": by_system["quire"],
               "hf": by_system.get("transformers"), "ratio_output_tokens_per_s": ratio,
               "batch_size_sweep": [dataclasses.asdict(p) for p in sweep]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+    print(f"wrote {write_json(report, path)}")
 
 
 def _print_sweep(sweep) -> None:

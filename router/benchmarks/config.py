@@ -115,7 +115,7 @@ OVERHEAD_HELP = {
 }
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
+def _add_args(parser: argparse.ArgumentParser, config_cls, help_texts: dict[str, str]) -> None:
     """Benchmark flags, then every engine flag (passed on to the engines when changed;
     ``--seed`` also seeds the workload)."""
     # The engine's flags live with the engine (torch-free to import); only the benchmarks,
@@ -123,14 +123,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     from engine_worker.arg_utils import add_engine_args
     from quire.config_args import add_dataclass_args
 
-    add_dataclass_args(parser, ServeBenchConfig, "benchmark", SERVE_HELP)
+    add_dataclass_args(parser, config_cls, "benchmark", help_texts)
     add_engine_args(parser)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    _add_args(parser, ServeBenchConfig, SERVE_HELP)
 
 
 def add_overhead_args(parser: argparse.ArgumentParser) -> None:
-    """Benchmark flags, then every engine flag (as for ``add_serve_args``)."""
-    from engine_worker.arg_utils import add_engine_args
-    from quire.config_args import add_dataclass_args
-
-    add_dataclass_args(parser, OverheadBenchConfig, "benchmark", OVERHEAD_HELP)
-    add_engine_args(parser)
+    _add_args(parser, OverheadBenchConfig, OVERHEAD_HELP)

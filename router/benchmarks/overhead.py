@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import random
 import statistics
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import grpc
 
+from quire.bench_report import write_json
 from quire.v1 import engine_pb2_grpc
 from router.benchmarks.config import OverheadBenchConfig
 from router.benchmarks.harness import (FIRST_SAFE_TOKEN_ID, RequestResult, describe_ms,
@@ -161,9 +161,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
     report = {"config": dataclasses.asdict(cfg), "seed": ns.seed, "engine_flags": flags,
               "machine": machine, **results}
     print_summary(report)
-    json_path, png_path = Path(cfg.output_json), Path(cfg.output_png)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    json_path, png_path = write_json(report, cfg.output_json), Path(cfg.output_png)
     wrote = [str(json_path)] + ([str(png_path)] if write_plot(png_path, report) else [])
     print(f"wrote {' and '.join(wrote)}")
     return 0

@@ -22,10 +22,11 @@ prefix_aware / baseline. JSON cannot hold infinity, so an infinite rate is writt
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from pathlib import Path
+
+from quire.bench_report import write_json
 
 REFERENCE_POLICY = "prefix_aware"
 
@@ -93,9 +94,7 @@ def print_summary(report: dict) -> None:
 
 
 def write_outputs(report: dict, json_path: str, png_path: str) -> None:
-    json_path, png_path = Path(json_path), Path(png_path)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    json_path, png_path = write_json(report, json_path), Path(png_path)
     wrote = [str(json_path)]
     if write_plot(png_path, report["runs"]):
         wrote.append(str(png_path))
