@@ -15,6 +15,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <string_view>
 #include <tuple>
 
@@ -90,9 +91,60 @@ at::Tensor residual_mlp(const at::Tensor& x, const at::Tensor& attn, const at::T
   return out.add_(h);
 }
 
+// Every decoder layer in one call: per layer norm_qkv_rope, the cache write, paged attention
+// and residual_mlp, exactly as the per-layer path runs them (so bit-identical to it), with no
+// Python between layers. `weights` holds kWeightsPerLayer tensors a layer, in this order:
+// input norm, QKV (skinny, oneDNN), o_proj (skinny, oneDNN), post-attention norm, gate/up
+// (skinny, oneDNN), down (skinny, oneDNN); `biases` three a layer: QKV, gate/up, down.
+// Given `attention_ns` (int64 [1]), the time spent in the cache writes and attention is
+// added to it, for the step profiler; serving passes none and times nothing.
+constexpr int64_t kWeightsPerLayer = 10, kBiasesPerLayer = 3;
+
+at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& cos,
+                        const at::Tensor& sin, at::TensorList weights,
+                        const c10::List<std::optional<at::Tensor>>& biases,
+                        at::TensorList kv_caches, const at::Tensor& slot_mapping,
+                        const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                        const at::Tensor& seq_lens, double eps, double scale, int64_t num_heads,
+                        int64_t num_kv_heads, const std::optional<at::Tensor>& attention_ns) {
+  const int64_t num_layers = int64_t(kv_caches.size());
+  TORCH_CHECK(int64_t(weights.size()) == num_layers * kWeightsPerLayer &&
+                  int64_t(biases.size()) == num_layers * kBiasesPerLayer,
+              "llama_layers: 10 weights and 3 biases per layer, one KV cache per layer");
+  int64_t* timer = nullptr;
+  if (attention_ns.has_value()) {
+    TORCH_CHECK(attention_ns->scalar_type() == at::kLong && attention_ns->numel() == 1,
+                "llama_layers: attention_ns must be one int64");
+    timer = attention_ns->data_ptr<int64_t>();
+  }
+  at::Tensor x = x_in;
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const at::Tensor* w = weights.data() + i * kWeightsPerLayer;
+    const auto bias = [&](int64_t j) { return biases.get(i * kBiasesPerLayer + j); };
+    auto [q, k, v] = norm_qkv_rope(x, w[0], eps, w[1], w[2], bias(0), positions, cos, sin,
+                                   num_heads, num_kv_heads);
+    const auto start = std::chrono::steady_clock::now();
+    at::Tensor kv_cache = kv_caches[i];
+    write_kv(kv_cache, k, v, slot_mapping);
+    at::Tensor attn = at::empty({x.size(0), num_heads, q.size(2)}, x.options());
+    paged_attention(attn, q.contiguous(), kv_cache, block_tables, query_start_loc, seq_lens,
+                    scale);
+    if (timer)
+      *timer += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::steady_clock::now() - start).count();
+    x = residual_mlp(x, attn.view({x.size(0), -1}), w[3], w[4], w[5], eps, w[6], w[7], bias(1),
+                     w[8], w[9], bias(2));
+  }
+  return x;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(quire, m) {
+  m.def("llama_layers(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, "
+        "Tensor?[] biases, Tensor[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor seq_lens, float eps, float scale, int num_heads, "
+        "int num_kv_heads, Tensor(a!)? attention_ns=None) -> Tensor");
   m.def("norm_qkv_rope(Tensor x, Tensor norm_weight, float eps, Tensor qkv_skinny, "
         "Tensor qkv_onednn, Tensor? qkv_bias, Tensor positions, Tensor cos, Tensor sin, "
         "int num_heads, int num_kv_heads) -> (Tensor, Tensor, Tensor)");
@@ -105,12 +157,14 @@ TORCH_LIBRARY_FRAGMENT(quire, m) {
 TORCH_LIBRARY_IMPL(quire, CPU, m) {
   m.impl("norm_qkv_rope", &norm_qkv_rope);
   m.impl("residual_mlp", &residual_mlp);
+  m.impl("llama_layers", &llama_layers);
 }
 
 // oneDNN's packed weights are MkldnnCPU tensors, which the dispatcher ranks above CPU.
 TORCH_LIBRARY_IMPL(quire, MkldnnCPU, m) {
   m.impl("norm_qkv_rope", &norm_qkv_rope);
   m.impl("residual_mlp", &residual_mlp);
+  m.impl("llama_layers", &llama_layers);
 }
 
 }  // namespace quire

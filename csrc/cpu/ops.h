@@ -17,5 +17,12 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 // NeoX rotary embedding in place on q, k [tokens, heads, head_dim]
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
                       const at::Tensor& cos, const at::Tensor& sin);
+// varlen paged attention over block tables into out [tokens, heads, head_dim]
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                     const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                     const at::Tensor& seq_lens, double scale);
+// each token's k, v [tokens, kv_heads, head_dim] into its cache slot
+void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping);
 
 }  // namespace quire

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "decode_bf16.h"
+#include "ops.h"
 #include "prefill_bf16.h"
 #include "vec.h"
 
@@ -304,6 +305,8 @@ void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
               "one block table and seq_len per sequence, num_seqs + 1 query starts");
 }
 
+}  // namespace
+
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                      const at::Tensor& seq_lens, double scale) {
@@ -315,6 +318,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
     default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", q.scalar_type());
   }
 }
+
+namespace {
 
 // Store each token's new K and V at its slot: the cache write of every layer.
 template <typename T>
@@ -336,6 +341,8 @@ void write_kv_typed(const at::Tensor& kv_cache, const at::Tensor& k, const at::T
   });
 }
 
+}  // namespace
+
 void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(kv_cache.is_contiguous() && k.dim() == 3 && v.sizes() == k.sizes(),
@@ -354,8 +361,6 @@ void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
     default: TORCH_CHECK(false, "write_kv: unsupported dtype ", k.scalar_type());
   }
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(quire, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "

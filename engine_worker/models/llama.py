@@ -111,6 +111,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.kernels = kernels
         self.logits_packed = None
+        self.layer_stack = None  # every layer in one kernel call, where the kernels allow
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.rope, max_position, device, kernels.rope)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend, kernels)
@@ -126,8 +127,11 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]
         x = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
+        if self.layer_stack is not None:
+            x = self.layer_stack(x, positions, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x = layer(positions, x, kv_cache, meta)
         return self.norm(x)
 
     def pack_weights(self) -> None:
@@ -137,6 +141,7 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         self.logits_packed = (self.kernels.pack_weight(self.embed_tokens.weight)
                               if self.lm_head is None else self.lm_head.packed)
+        self.layer_stack = self.kernels.layer_stack(self)
 
     def _logits_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -1,0 +1,61 @@
+"""Every decoder layer in one call (``quire.llama_layers``) against the per-layer path.
+
+The op runs the fused halves, the cache write and the paged-attention kernel of each layer in
+the order the per-layer path calls them, so a whole generation must be bit-identical with and
+without it: the same tokens and the same logprobs, over steps that mix decodes with chunked
+prefills. The per-layer path is itself checked against the references in test_llama_blocks.py
+and test_cpu_kernels.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_worker import LLM, SamplingParams
+from engine_worker.ops import cpu_ops_unavailable_reason
+from tests.conftest import build_tiny_model
+
+pytestmark = pytest.mark.skipif(cpu_ops_unavailable_reason() is not None,
+                                reason=f"CPU kernels: {cpu_ops_unavailable_reason()}")
+
+
+@pytest.fixture(scope="module")
+def stack_model_dir(tmp_path_factory, embedded_model_dir):
+    # head_dim 64 and hidden 128: shapes the one-call path takes (multiples of 32)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-stack"), embedded_model_dir,
+                            hidden_size=128, num_heads=2, num_kv_heads=1, num_layers=3)
+
+
+def _generate(llm: LLM):
+    prompts = [{"prompt_token_ids": list(range(100 + i, 100 + i + n))}
+               for i, n in enumerate((3, 40, 17, 90, 9))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+
+
+def test_one_call_layers_are_the_per_layer_path_bit_for_bit(stack_model_dir):
+    # 32 tokens a step: the long prompts prefill in chunks next to the others' decodes
+    llm = LLM(str(stack_model_dir), dtype="bfloat16", kernels="cpu", max_num_batched_tokens=32,
+              kv_cache_memory_bytes=1 << 24)
+    model = llm.engine.runner.model
+    assert model.layer_stack is not None
+    with_stack = _generate(llm)
+    assert llm.engine.reset_prefix_cache()  # the second run computes every prompt again
+    model.layer_stack = None
+    per_layer = _generate(llm)
+    assert with_stack == per_layer
+    assert all(len(tokens) == 12 for tokens, _ in with_stack)
+
+
+@pytest.mark.parametrize("dtype, kernels", [("float32", "cpu"), ("bfloat16", "torch")])
+def test_layers_run_one_by_one_where_the_op_does_not_apply(stack_model_dir, dtype, kernels):
+    llm = LLM(str(stack_model_dir), dtype=dtype, kernels=kernels, kv_cache_memory_bytes=1 << 24)
+    assert llm.engine.runner.model.layer_stack is None
+    tokens, _ = _generate(llm)[0]
+    assert len(tokens) == 12
+
+
+def test_head_size_the_op_does_not_take_runs_one_by_one(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="bfloat16", kernels="cpu", kv_cache_memory_bytes=1 << 24)
+    assert llm.engine.runner.model.cfg.head_dim % 32 != 0
+    assert llm.engine.runner.model.layer_stack is None
