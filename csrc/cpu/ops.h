@@ -7,7 +7,7 @@
 
 namespace quire {
 
-// x [M <= 8, K] bf16 @ a weight from pack_skinny (+ bias) -> [M, N]
+// x [M <= 8, K] bf16 @ a weight from pack_skinny or pack_coded (+ bias) -> [M, N]
 at::Tensor skinny_linear_packed(const at::Tensor& x, const at::Tensor& wp,
                                 const std::optional<at::Tensor>& bias);
 // weight * round(x / rms(x)) per row of x [rows, hidden]

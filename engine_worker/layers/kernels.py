@@ -42,8 +42,11 @@ class LayerKernels:
 @dataclass(frozen=True, slots=True)
 class CpuPackedWeight:
     """A bf16 weight in the two layouts the CPU path streams: oneDNN's blocked one for many
-    rows, and row groups interleaved per 32-wide slice for the skinny kernel (one sequential
-    stream per thread: ~28 GB/s here against ~18 for the plain layout)."""
+    rows, and for the skinny kernel (up to 8 rows) row groups interleaved per 32-wide slice,
+    one sequential stream per thread (~28 GB/s here against ~18 for the plain layout). The
+    skinny layout is exponent-coded where every row uses at most 16 exponents (12 bits a
+    weight, decoded losslessly in the kernel: a quarter fewer bytes a decode step; see
+    csrc/cpu/linear.cpp), else plain bf16."""
 
     onednn: torch.Tensor | None
     skinny: torch.Tensor | None
@@ -69,9 +72,13 @@ def cpu_pack_weight(weight: torch.Tensor) -> CpuPackedWeight | None:
     onednn = (torch.ops.mkldnn._reorder_linear_weight(weight, None)
               if torch.backends.mkldnn.is_available() else None)
     out_features, in_features = weight.shape
-    # the skinny layout is what decode streams every step: on huge pages (platform.py)
-    skinny = (to_huge_pages(torch.ops.quire.pack_skinny(weight))
-              if out_features % 4 == 0 and in_features % 32 == 0 else None)
+    skinny = None
+    if out_features % 4 == 0 and in_features % 32 == 0:
+        skinny = torch.ops.quire.pack_coded(weight)
+        if skinny.numel() == 0:  # a row with more than 16 exponents
+            skinny = torch.ops.quire.pack_skinny(weight)
+        # what decode streams every step: on huge pages (platform.py)
+        skinny = to_huge_pages(skinny)
     return CpuPackedWeight(onednn, skinny)
 
 

@@ -133,6 +133,56 @@ def test_skinny_linear_matches_torch(rows, shape, bias):
         atol=2e-2, rtol=1e-2)
 
 
+def _special_weights(out_features, in_features, seed):
+    """Trained-like weights with the values a bit layout could get wrong: zeros of both signs,
+    subnormals, the largest finite, infinities and a NaN, within 16 exponents a row."""
+    torch.manual_seed(seed)
+    w = torch.randn(out_features, in_features) / in_features ** 0.5
+    w = torch.where(w.abs() < 2.0 ** -10, 0.0, w).bfloat16()  # Gaussian tails, cut off
+    w[0, :4] = torch.tensor([0.0, -0.0, 1e-40, -3e-39]).bfloat16()  # zeros and subnormals
+    w[1, 5] = float("inf")
+    w[2, 7] = float("-inf")
+    w[3, 9] = torch.finfo(torch.bfloat16).max
+    w[3, 10] = float("nan")
+    return w
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 36)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_coded_layout_is_the_plain_layout_bit_for_bit(rows, shape, bias):
+    """The exponent-coded weight decodes to the same bits in the same order: the products are
+    the plain packed kernel's exactly, NaN and infinities included."""
+    in_features, out_features = shape
+    w = _special_weights(out_features, in_features, rows + out_features)
+    x = torch.randn(rows, in_features).bfloat16()
+    b = torch.randn(out_features).bfloat16() if bias else None
+    coded = torch.ops.quire.pack_coded(w)
+    assert coded.dtype == torch.uint8 and coded.numel() > 0
+    # 12 bits a weight plus a 16-word table a row (three quarters of the bf16 bytes, plus 32
+    # bytes a row)
+    assert coded.numel() == out_features * (in_features * 12 // 8 + 32)
+    plain = torch.ops.quire.skinny_linear_packed(x, torch.ops.quire.pack_skinny(w), b)
+    got = torch.ops.quire.skinny_linear_packed(x, coded, b)
+    assert torch.equal(got.view(torch.int16), plain.view(torch.int16))  # NaN's bits too
+    # the engine packs this weight coded, and its linear layer gives the same bits
+    packed = cpu_pack_weight(w)
+    assert packed.skinny.dtype == torch.uint8
+    assert torch.equal(cpu_linear(x, w, b, packed).view(torch.int16), plain.view(torch.int16))
+
+
+def test_rows_with_more_than_16_exponents_stay_plain():
+    w = (torch.randn(8, 64) / 8).bfloat16()
+    w[5, :20] = torch.tensor([2.0 ** -e for e in range(20)]).bfloat16()  # 20 exponents in a row
+    assert torch.ops.quire.pack_coded(w).numel() == 0
+    packed = cpu_pack_weight(w)
+    assert packed.skinny.dtype == torch.bfloat16  # the plain streamed layout
+    x = torch.randn(2, 64).bfloat16()
+    assert torch.equal(cpu_linear(x, w, None, packed),
+                       torch.ops.quire.skinny_linear_packed(x, torch.ops.quire.pack_skinny(w),
+                                                            None))
+
+
 def test_skinny_linear_rejects_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
         torch.ops.quire.skinny_linear(torch.zeros(9, 64).bfloat16(), torch.zeros(8, 64).bfloat16(),
