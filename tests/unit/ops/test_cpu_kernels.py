@@ -49,6 +49,7 @@ def _step(rng, shapes, block_size):
 
 STEPS = {
     "decodes": [(0, 1), (5, 1), (16, 1), (47, 1), (130, 1)],
+    "one_long_decode": [(300, 1)],  # alone and long: its kv heads split across threads
     "prefill_from_empty": [(0, 37)],
     "chunked_prefill_with_context": [(48, 33), (17, 16)],
     "mixed": [(3, 1), (200, 1), (0, 70), (31, 9), (64, 1 + 64)],
