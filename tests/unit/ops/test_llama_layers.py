@@ -59,3 +59,22 @@ def test_head_size_the_op_does_not_take_runs_one_by_one(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), dtype="bfloat16", kernels="cpu", kv_cache_memory_bytes=1 << 24)
     assert llm.engine.runner.model.cfg.head_dim % 32 != 0
     assert llm.engine.runner.model.layer_stack is None
+
+
+def test_step_profiler_reads_attention_time_from_the_one_call_layers(stack_model_dir):
+    from engine_worker.benchmarks.step_profile import PARTS, StepProfiler
+
+    llm = LLM(str(stack_model_dir), dtype="bfloat16", kernels="cpu", kv_cache_memory_bytes=1 << 24)
+    engine = llm.engine
+    profiler = StepProfiler(engine)
+    engine.add_request("a", {"prompt_token_ids": list(range(100, 140))},
+                       SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    split = profiler.split_ms()
+    assert set(split) == set(PARTS) and profiler.num_steps == 6
+    # attention ran inside the one kernel call, and the op's own counter reported it
+    assert profiler.stack_attention_ns.item() > 0
+    assert split["attention"] > 0 and split["model"] > 0
+    profiler.reset()
+    assert profiler.stack_attention_ns.item() == 0 and profiler.num_steps == 0
