@@ -7,8 +7,8 @@
 //
 // Reference: torch.nn.functional.linear; tests compare the two.
 //
-// Two streamed layouts (pack_skinny): plain bf16, and the same bits exponent-coded, a
-// lossless 12-bit form that decode reads a quarter fewer bytes of (see pack_coded below).
+// Two streamed layouts: plain bf16 (pack_skinny), and the same bits exponent-coded, a
+// lossless 12-bit form that decode reads a quarter fewer bytes of (pack_coded, below).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>

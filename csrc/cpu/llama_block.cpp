@@ -94,15 +94,6 @@ at::Tensor residual_mlp(const at::Tensor& x, const at::Tensor& attn, const at::T
   return out.add_(h);
 }
 
-// Every decoder layer in one call: per layer norm_qkv_rope, the cache write, paged attention
-// and residual_mlp, exactly as the per-layer path runs them (so bit-identical to it), with no
-// Python between layers. `weights` holds kWeightsPerLayer tensors a layer, in this order:
-// input norm, QKV (skinny, oneDNN), o_proj (skinny, oneDNN), post-attention norm, gate/up
-// (skinny, oneDNN), down (skinny, oneDNN); `biases` three a layer: QKV, gate/up, down.
-// Given `attention_ns` (int64 [1]), the time spent in the cache writes and attention is
-// added to it, for the step profiler; serving passes none and times nothing.
-constexpr int64_t kWeightsPerLayer = 10, kBiasesPerLayer = 3;
-
 // A few requests' K/V of the next layer, asked for before this layer's MLP: by the time the
 // next attention runs they are in cache instead of being fetched one dependent miss at a time
 // (the weight stream in between has evicted them). Single request, ~350 keys: attention 1.24
@@ -132,6 +123,15 @@ void prefetch_kv(const at::Tensor& kv_cache, const at::Tensor& block_tables,
       }
     }
 }
+
+// Every decoder layer in one call: per layer norm_qkv_rope, the cache write, paged attention
+// and residual_mlp, exactly as the per-layer path runs them (so bit-identical to it), with no
+// Python between layers. `weights` holds kWeightsPerLayer tensors a layer, in this order:
+// input norm, QKV (skinny, oneDNN), o_proj (skinny, oneDNN), post-attention norm, gate/up
+// (skinny, oneDNN), down (skinny, oneDNN); `biases` three a layer: QKV, gate/up, down.
+// Given `attention_ns` (int64 [1]), the time spent in the cache writes and attention is
+// added to it, for the step profiler; serving passes none and times nothing.
+constexpr int64_t kWeightsPerLayer = 10, kBiasesPerLayer = 3;
 
 at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& cos,
                         const at::Tensor& sin, at::TensorList weights,
@@ -176,7 +176,7 @@ at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, con
 
 TORCH_LIBRARY_FRAGMENT(quire, m) {
   m.def("llama_layers(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, "
-        "Tensor?[] biases, Tensor[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor?[] biases, Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, float eps, float scale, int num_heads, "
         "int num_kv_heads, Tensor(a!)? attention_ns=None) -> Tensor");
   m.def("norm_qkv_rope(Tensor x, Tensor norm_weight, float eps, Tensor qkv_skinny, "
