@@ -178,7 +178,7 @@ TORCH_LIBRARY_FRAGMENT(quire, m) {
   m.def("llama_layers(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, "
         "Tensor?[] biases, Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, float eps, float scale, int num_heads, "
-        "int num_kv_heads, Tensor(a!)? attention_ns=None) -> Tensor");
+        "int num_kv_heads, Tensor(b!)? attention_ns=None) -> Tensor");
   m.def("norm_qkv_rope(Tensor x, Tensor norm_weight, float eps, Tensor qkv_skinny, "
         "Tensor qkv_onednn, Tensor? qkv_bias, Tensor positions, Tensor cos, Tensor sin, "
         "int num_heads, int num_kv_heads) -> (Tensor, Tensor, Tensor)");

@@ -246,7 +246,7 @@ std::vector<Item> make_items(const int64_t* query_start_loc, const int64_t* seq_
   int64_t num_decodes = 0;
   for (int64_t b = 0; b < num_seqs; ++b)
     num_decodes += query_start_loc[b + 1] - query_start_loc[b] == 1;
-  const bool few_decodes = num_decodes < 2 * num_threads;
+  const bool few_decodes = num_threads > 1 && num_decodes < 2 * num_threads;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t begin = query_start_loc[b], end = query_start_loc[b + 1];
     if (end - begin == 1) {

@@ -172,6 +172,33 @@ def test_coded_layout_is_the_plain_layout_bit_for_bit(rows, shape, bias):
     assert torch.equal(cpu_linear(x, w, b, packed).view(torch.int16), plain.view(torch.int16))
 
 
+def _decode_coded(coded: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The coded layout read back in Python, as csrc/cpu/linear.cpp documents it -> int16 bits."""
+    groups, slices = out_features // 4, in_features // 32
+    tables = coded[:, :128].contiguous().view(torch.int16).view(groups, 4, 16).long() & 0xFFFF
+    body = coded[:, 128:].reshape(groups, slices, 192)
+    i = torch.arange(32)
+    rows = []
+    for q in range(4):
+        sm = body[:, :, (q // 2) * 64 + 16 * (i // 8) + 8 * (q % 2) + i % 8].long()
+        codes = body[:, :, 128:].contiguous().view(torch.int16).long() & 0xFFFF
+        code = (codes >> (4 * q)) & 0xF  # [groups, slices, 32]
+        exp7 = torch.gather(tables[:, q], 1, code.reshape(groups, -1)).reshape(code.shape)
+        rows.append(((sm & 0x80) << 8) | (sm & 0x7F) | exp7)
+    bits = torch.stack(rows, 1).reshape(groups, 4, in_features).reshape(out_features, -1)
+    return torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16)
+
+
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 36)])
+def test_coded_layout_holds_every_weight_bit(shape):
+    """Read back, the coded bytes are the weight's bits exactly: the products cannot show a
+    lost subnormal (the dot product flushes them) or the sign of a zero."""
+    in_features, out_features = shape
+    w = _special_weights(out_features, in_features, out_features)
+    decoded = _decode_coded(torch.ops.quire.pack_coded(w), out_features, in_features)
+    assert torch.equal(decoded, w.view(torch.int16))
+
+
 def test_rows_with_more_than_16_exponents_stay_plain():
     w = (torch.randn(8, 64) / 8).bfloat16()
     w[5, :20] = torch.tensor([2.0 ** -e for e in range(20)]).bfloat16()  # 20 exponents in a row
