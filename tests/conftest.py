@@ -26,7 +26,7 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: Path, *, arch: str = "llama",
                      tie_word_embeddings: bool = True, rope: dict | None = None,
                      num_layers: int = 3, num_heads: int = 4, num_kv_heads: int = 2,
                      hidden_size: int = 64, max_position_embeddings: int = 1024,
-                     seed: int = 0) -> Path:
+                     attention_bias: bool = False, seed: int = 0) -> Path:
     """Save a random transformers model (vocab of the embedded tokenizer) into ``out_dir``."""
     import torch
     import transformers
@@ -45,8 +45,14 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: Path, *, arch: str = "llama",
                   initializer_range=0.08, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     if rope is not None:
         kwargs["rope_parameters"] = rope
+    if attention_bias:
+        kwargs["attention_bias"] = True
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kwargs)).eval()
+    with torch.no_grad():  # transformers zeroes biases at init: make them count
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
     model.save_pretrained(out_dir)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():

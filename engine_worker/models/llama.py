@@ -32,6 +32,7 @@ class LlamaConfig:
     rope: RopeConfig
     tie_word_embeddings: bool
     qkv_bias: bool = False
+    o_bias: bool = False
     mlp_bias: bool = False
 
     @property
@@ -53,7 +54,7 @@ class LlamaAttention(nn.Module):
         self.cfg = cfg
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias,
                                kernels.linear, kernels.pack_weight)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, False, kernels.linear,
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, kernels.linear,
                              kernels.pack_weight)
         self.rotary = rotary
         self.backend = backend

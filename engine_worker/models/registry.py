@@ -35,6 +35,8 @@ def _rope_from_hf(hf: dict[str, Any], head_dim: int) -> RopeConfig:
 
 
 def _llama_config(hf: dict[str, Any], *, qkv_bias: bool | None = None) -> LlamaConfig:
+    """``qkv_bias`` fixed by the architecture (Qwen2: on q, k, v only); otherwise HF's
+    ``attention_bias``, which in Llama and Mistral puts a bias on o_proj as well."""
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"model: hidden_act {hf.get('hidden_act')!r} is not supported (silu only)")
     num_heads = int(hf["num_attention_heads"])
@@ -51,6 +53,7 @@ def _llama_config(hf: dict[str, Any], *, qkv_bias: bool | None = None) -> LlamaC
         rope=_rope_from_hf(hf, head_dim),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=bool(hf.get("attention_bias", False)) if qkv_bias is None else qkv_bias,
+        o_bias=bool(hf.get("attention_bias", False)) if qkv_bias is None else False,
         mlp_bias=bool(hf.get("mlp_bias", False)),
     )
 

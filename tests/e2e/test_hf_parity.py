@@ -26,6 +26,7 @@ VARIANTS = {
                                                 "original_max_position_embeddings": 256}),
     "llama-mha": dict(arch="llama", num_kv_heads=4),
     "qwen2-qkv-bias": dict(arch="qwen2", tie_word_embeddings=False),
+    "llama-attention-bias": dict(arch="llama", attention_bias=True),  # q, k, v and o_proj
     "mistral": dict(arch="mistral", num_kv_heads=1),
 }
 
