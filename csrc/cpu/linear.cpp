@@ -259,18 +259,14 @@ at::Tensor skinny_linear_packed(const at::Tensor& x, const at::Tensor& wp,
   const at::BFloat16* b = bias_data(bias, N, bias_keep);
   auto* xp = xc.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
-  const int64_t groups = N / kGroup;
-  if (coded) {
-    const uint8_t* cptr = wp.data_ptr<uint8_t>();
-    at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
-      with_rows(M, [&](auto m) { coded_band<decltype(m)::value>(xp, cptr, b, op, K, N, g0, g1); });
-    });
-    return out;
-  }
-  auto* wptr = wp.data_ptr<at::BFloat16>();
-  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+  const void* w = wp.data_ptr();
+  at::parallel_for(0, N / kGroup, 16, [&](int64_t g0, int64_t g1) {
     with_rows(M, [&](auto m) {
-      packed_band<decltype(m)::value>(xp, wptr, b, op, K, N, g0, g1);
+      constexpr int kM = decltype(m)::value;
+      if (coded)
+        coded_band<kM>(xp, static_cast<const uint8_t*>(w), b, op, K, N, g0, g1);
+      else
+        packed_band<kM>(xp, static_cast<const at::BFloat16*>(w), b, op, K, N, g0, g1);
     });
   });
   return out;

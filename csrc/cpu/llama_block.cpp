@@ -76,7 +76,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_rope(
 }
 
 at::Tensor residual_mlp(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& o_skinny,
-                        const at::Tensor& o_onednn, const at::Tensor& norm_weight, double eps,
+                        const at::Tensor& o_onednn, const std::optional<at::Tensor>& o_bias,
+                        const at::Tensor& norm_weight, double eps,
                         const at::Tensor& gate_up_skinny, const at::Tensor& gate_up_onednn,
                         const std::optional<at::Tensor>& gate_up_bias,
                         const at::Tensor& down_skinny, const at::Tensor& down_onednn,
@@ -84,7 +85,7 @@ at::Tensor residual_mlp(const at::Tensor& x, const at::Tensor& attn, const at::T
   check_x(x, "residual_mlp");
   TORCH_CHECK(attn.dim() == 2 && attn.size(0) == x.size(0) && attn.dtype() == x.dtype(),
               "residual_mlp: attn must be [tokens, heads * head_dim] in x's dtype");
-  at::Tensor h = linear(attn.contiguous(), o_skinny, o_onednn, std::nullopt);
+  at::Tensor h = linear(attn.contiguous(), o_skinny, o_onednn, o_bias);
   TORCH_CHECK(h.sizes() == x.sizes(), "residual_mlp: o_proj must map back to hidden");
   h.add_(x);  // x + o_proj(attn), rounded once as torch's bf16 add rounds
   const at::Tensor act = silu_and_mul(
@@ -128,10 +129,11 @@ void prefetch_kv(const at::Tensor& kv_cache, const at::Tensor& block_tables,
 // and residual_mlp, exactly as the per-layer path runs them (so bit-identical to it), with no
 // Python between layers. `weights` holds kWeightsPerLayer tensors a layer, in this order:
 // input norm, QKV (skinny, oneDNN), o_proj (skinny, oneDNN), post-attention norm, gate/up
-// (skinny, oneDNN), down (skinny, oneDNN); `biases` three a layer: QKV, gate/up, down.
+// (skinny, oneDNN), down (skinny, oneDNN); `biases` four a layer: QKV, o_proj, gate/up,
+// down.
 // Given `attention_ns` (int64 [1]), the time spent in the cache writes and attention is
 // added to it, for the step profiler; serving passes none and times nothing.
-constexpr int64_t kWeightsPerLayer = 10, kBiasesPerLayer = 3;
+constexpr int64_t kWeightsPerLayer = 10, kBiasesPerLayer = 4;
 
 at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& cos,
                         const at::Tensor& sin, at::TensorList weights,
@@ -143,7 +145,7 @@ at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, con
   const int64_t num_layers = int64_t(kv_caches.size());
   TORCH_CHECK(int64_t(weights.size()) == num_layers * kWeightsPerLayer &&
                   int64_t(biases.size()) == num_layers * kBiasesPerLayer,
-              "llama_layers: 10 weights and 3 biases per layer, one KV cache per layer");
+              "llama_layers: 10 weights and 4 biases per layer, one KV cache per layer");
   int64_t* timer = nullptr;
   if (attention_ns.has_value()) {
     TORCH_CHECK(attention_ns->scalar_type() == at::kLong && attention_ns->numel() == 1,
@@ -166,8 +168,8 @@ at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, con
       *timer += std::chrono::duration_cast<std::chrono::nanoseconds>(
                     std::chrono::steady_clock::now() - start).count();
     if (i + 1 < num_layers) prefetch_kv(kv_caches[i + 1], block_tables, seq_lens);
-    x = residual_mlp(x, attn.view({x.size(0), -1}), w[3], w[4], w[5], eps, w[6], w[7], bias(1),
-                     w[8], w[9], bias(2));
+    x = residual_mlp(x, attn.view({x.size(0), -1}), w[3], w[4], bias(1), w[5], eps, w[6], w[7],
+                     bias(2), w[8], w[9], bias(3));
   }
   return x;
 }
@@ -182,7 +184,7 @@ TORCH_LIBRARY_FRAGMENT(quire, m) {
   m.def("norm_qkv_rope(Tensor x, Tensor norm_weight, float eps, Tensor qkv_skinny, "
         "Tensor qkv_onednn, Tensor? qkv_bias, Tensor positions, Tensor cos, Tensor sin, "
         "int num_heads, int num_kv_heads) -> (Tensor, Tensor, Tensor)");
-  m.def("residual_mlp(Tensor x, Tensor attn, Tensor o_skinny, Tensor o_onednn, "
+  m.def("residual_mlp(Tensor x, Tensor attn, Tensor o_skinny, Tensor o_onednn, Tensor? o_bias, "
         "Tensor norm_weight, float eps, Tensor gate_up_skinny, Tensor gate_up_onednn, "
         "Tensor? gate_up_bias, Tensor down_skinny, Tensor down_onednn, Tensor? down_bias) "
         "-> Tensor");

@@ -95,8 +95,8 @@ void load_chunk(const Layout<T>& lay, const int32_t* table, int64_t kv_head, int
 
 // Decode: the group's few rows see every cached key; one dot product per (row, key).
 void decode_rows(const Chunked& w, int count, int64_t num_rows, int64_t d) {
+  const __mmask16 live = __mmask16((1u << count) - 1u);
   for (int64_t r = 0; r < num_rows; ++r) {
-    const __mmask16 live = __mmask16((1u << count) - 1u);
     __m512 p[1];
     float alpha[1];
     p[0] = vec::softmax_weights(vec::dots16(w.qf + r * d, w.kf, count, d), live, w.m[r],

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from engine_worker.arg_utils import add_bench_engine_args, engine_args_from_namespace
 from engine_worker.benchmarks.prompts import random_prompt
 from quire.bench_report import write_json
-from quire.config_args import require_at_least
+from quire.config_args import dataclass_from_namespace, require_at_least
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +108,7 @@ def hf_latency(model_dir, dtype, cfg: LatencyConfig, rng: random.Random, vocab_s
 def run_from_args(ns: argparse.Namespace) -> int:
     from engine_worker import LLM
 
-    cfg = LatencyConfig(**{f.name: getattr(ns, f.name)
-                           for f in dataclasses.fields(LatencyConfig)})
+    cfg = dataclass_from_namespace(LatencyConfig, ns)
     engine_args = engine_args_from_namespace(ns)
     llm = LLM(**dataclasses.asdict(engine_args))
     engine = llm.engine

@@ -27,7 +27,7 @@ from engine_worker.benchmarks.prompts import random_prompt
 from engine_worker.benchmarks.step_profile import PARTS, sweep_batch_sizes
 from engine_worker.config import EngineArgs
 from quire.bench_report import write_json
-from quire.config_args import require_at_least
+from quire.config_args import dataclass_from_namespace, require_at_least
 
 LONG_TAIL_FRACTION = 0.25
 
@@ -325,7 +325,7 @@ def _print_sweep(sweep) -> None:
 def run_from_args(ns: argparse.Namespace) -> int:
     from engine_worker import LLM
 
-    cfg = BenchConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(BenchConfig)})
+    cfg = dataclass_from_namespace(BenchConfig, ns)
     engine_args = engine_args_from_namespace(ns)
     llm = LLM(**dataclasses.asdict(engine_args))
     engine = llm.engine

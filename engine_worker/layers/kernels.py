@@ -124,11 +124,10 @@ def cpu_norm_qkv_rope(x, positions, norm, qkv_proj, rotary, num_heads: int, num_
 
 
 def cpu_residual_mlp(x, attn, o_proj, norm, gate_up_proj, down_proj, silu_and_mul):
-    if (_fusable(x, o_proj, gate_up_proj, down_proj) and o_proj.bias is None
-            and x.is_contiguous()):
+    if _fusable(x, o_proj, gate_up_proj, down_proj) and x.is_contiguous():
         return torch.ops.quire.residual_mlp(
-            x, attn, o_proj.packed.skinny, o_proj.packed.onednn, norm.weight, norm.eps,
-            gate_up_proj.packed.skinny, gate_up_proj.packed.onednn, gate_up_proj.bias,
+            x, attn, o_proj.packed.skinny, o_proj.packed.onednn, o_proj.bias, norm.weight,
+            norm.eps, gate_up_proj.packed.skinny, gate_up_proj.packed.onednn, gate_up_proj.bias,
             down_proj.packed.skinny, down_proj.packed.onednn, down_proj.bias)
     return blocks.residual_mlp(x, attn, o_proj, norm, gate_up_proj, down_proj, silu_and_mul)
 
@@ -137,8 +136,8 @@ def cpu_llama_layers(model: torch.nn.Module) -> Callable | None:
     """A Llama's decoder layers as one ``quire.llama_layers`` call a step: the fused halves and
     the paged-attention kernel for every layer, with no Python between layers (about 2 ms of
     a 13 ms single-request decode step here). None where any layer needs the per-layer path:
-    the reference attention, a head size the kernels do not take, an o_proj bias, a weight not
-    packed for both CPU layouts (not bf16). The weight lists are built once, here."""
+    the reference attention, a head size the kernels do not take, a weight not packed for both
+    CPU layouts (not bf16). The weight lists are built once, here."""
     from engine_worker.attention.cpu_backend import kernel_supports
 
     cfg = model.cfg
@@ -151,7 +150,7 @@ def cpu_llama_layers(model: torch.nn.Module) -> Callable | None:
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not _packed_both(*linears) or attn.o_proj.bias is not None:
+        if not _packed_both(*linears):
             return None
         weights.append(layer.input_layernorm.weight)
         weights += [attn.qkv_proj.packed.skinny, attn.qkv_proj.packed.onednn,
@@ -159,7 +158,7 @@ def cpu_llama_layers(model: torch.nn.Module) -> Callable | None:
         weights.append(layer.post_attention_layernorm.weight)
         weights += [mlp.gate_up_proj.packed.skinny, mlp.gate_up_proj.packed.onednn,
                     mlp.down_proj.packed.skinny, mlp.down_proj.packed.onednn]
-        biases += [attn.qkv_proj.bias, mlp.gate_up_proj.bias, mlp.down_proj.bias]
+        biases += [lin.bias for lin in linears]
     rotary, eps, scale = first.rotary, cfg.rms_norm_eps, first.scale
 
     def run(x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta,

@@ -48,7 +48,7 @@ def _layer(bias: bool, dtype=torch.bfloat16):
     return {
         "norm1": _norm(dtype), "norm2": _norm(dtype),
         "qkv": _linear(HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM, bias, dtype),
-        "o": _linear(HEADS * HEAD_DIM, HIDDEN, False, dtype),
+        "o": _linear(HEADS * HEAD_DIM, HIDDEN, bias, dtype),
         "gate_up": _linear(HIDDEN, 2 * INTERMEDIATE, bias, dtype),
         "down": _linear(INTERMEDIATE, HIDDEN, bias, dtype),
         "rotary": RotaryEmbedding(rope, 4096, torch.device("cpu"), CPU.rope),
@@ -86,7 +86,8 @@ def test_residual_mlp_is_the_composition_bit_for_bit(rows, bias):
     args = (x, attn, m["o"], m["norm2"], m["gate_up"], m["down"], CPU.silu_and_mul)
     want = blocks.residual_mlp(*args)
     got = torch.ops.quire.residual_mlp(
-        x, attn, m["o"].packed.skinny, m["o"].packed.onednn, m["norm2"].weight, m["norm2"].eps,
+        x, attn, m["o"].packed.skinny, m["o"].packed.onednn, m["o"].bias, m["norm2"].weight,
+        m["norm2"].eps,
         m["gate_up"].packed.skinny, m["gate_up"].packed.onednn, m["gate_up"].bias,
         m["down"].packed.skinny, m["down"].packed.onednn, m["down"].bias)
     assert torch.equal(got, want)

@@ -20,11 +20,11 @@ pytestmark = pytest.mark.skipif(cpu_ops_unavailable_reason() is not None,
                                 reason=f"CPU kernels: {cpu_ops_unavailable_reason()}")
 
 
-def _stack_model(tmp_path_factory, embedded_model_dir, arch):
+def _stack_model(tmp_path_factory, embedded_model_dir, arch, attention_bias=False):
     # head_dim 64 and hidden 128: shapes the one-call path takes (multiples of 32)
     return build_tiny_model(tmp_path_factory.mktemp(f"tiny-stack-{arch}"), embedded_model_dir,
                             arch=arch, hidden_size=128, num_heads=2, num_kv_heads=1,
-                            num_layers=3)
+                            num_layers=3, attention_bias=attention_bias)
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +39,21 @@ def _generate(llm: LLM):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the QKV projection has a bias
+# qwen2: a bias on q, k and v; llama with attention_bias: on q, k, v and o_proj
+@pytest.mark.parametrize("arch, attention_bias", [("llama", False), ("qwen2", False),
+                                                  ("llama", True)])
 def test_one_call_layers_are_the_per_layer_path_bit_for_bit(tmp_path_factory,
-                                                            embedded_model_dir, arch):
-    model_dir = _stack_model(tmp_path_factory, embedded_model_dir, arch)
+                                                            embedded_model_dir, arch,
+                                                            attention_bias):
+    model_dir = _stack_model(tmp_path_factory, embedded_model_dir, arch, attention_bias)
     # 32 tokens a step: the long prompts prefill in chunks next to the others' decodes
     llm = LLM(str(model_dir), dtype="bfloat16", kernels="cpu", max_num_batched_tokens=32,
               kv_cache_memory_bytes=1 << 24)
     model = llm.engine.runner.model
     assert model.layer_stack is not None
     qkv = model.layers[0].self_attn.qkv_proj
-    assert (qkv.bias is not None) == (arch == "qwen2")
+    assert (qkv.bias is not None) == (arch == "qwen2" or attention_bias)
+    assert (model.layers[0].self_attn.o_proj.bias is not None) == attention_bias
     assert qkv.packed.skinny.dtype == torch.uint8  # the decodes stream the coded layout
     with_stack = _generate(llm)
     assert llm.engine.reset_prefix_cache()  # the second run computes every prompt again
