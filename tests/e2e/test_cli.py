@@ -10,7 +10,7 @@ from engine_worker import LLM, SamplingParams
 
 
 def _quire(*args: str, stdin: str | None = None, env: dict | None = None):
-    return subprocess.run([sys.executable, "-m", "quire.cli", *args], input=stdin,
+    return subprocess.run([sys.executable, "-m", "quire_cli", *args], input=stdin,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, **(env or {})})
 
