@@ -16,6 +16,7 @@ RUN python -m venv /opt/quire \
  && /opt/quire/bin/pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
 COPY quire ./quire
+COPY quire_cli ./quire_cli
 COPY router ./router
 COPY engine_worker ./engine_worker
 COPY csrc ./csrc

@@ -18,6 +18,7 @@ RUN python3 -m venv /opt/quire \
  && /opt/quire/bin/pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 COPY pyproject.toml README.md ./
 COPY quire ./quire
+COPY quire_cli ./quire_cli
 COPY router ./router
 COPY engine_worker ./engine_worker
 RUN /opt/quire/bin/pip install ".[engine]" \

@@ -9,11 +9,13 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY quire ./quire
+COPY quire_cli ./quire_cli
 COPY router ./router
 COPY engine_worker ./engine_worker
 RUN python -m venv /opt/quire \
  && /opt/quire/bin/pip install ".[router]" \
  && /opt/quire/bin/python -c "import router.server" \
+ && /opt/quire/bin/quire router --help >/dev/null \
  && ! /opt/quire/bin/python -c "import torch" 2>/dev/null
 
 FROM ${PYTHON_IMAGE}

@@ -22,7 +22,7 @@ def collect(up_flags: list[str]) -> list[ReceivedSpan]:
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint}
-        subprocess.run([sys.executable, "-m", "quire.cli", "up", "--once", "true",
+        subprocess.run([sys.executable, "-m", "quire_cli", "up", "--once", "true",
                         "--router-port", "0", "--http-port", "0", *up_flags],
                        check=True, env=env)
         return receiver.spans()

@@ -14,7 +14,7 @@ ENGINE_FLAGS = ("--dtype", "float32", "--kv-cache-memory-bytes", str(1 << 24))
 def _bench(model_dir, tmp_path, name: str, *args) -> dict:
     out = tmp_path / f"{name}.json"
     result = subprocess.run(
-        [sys.executable, "-m", "quire.cli", "bench", name, "--model", str(model_dir),
+        [sys.executable, "-m", "quire_cli", "bench", name, "--model", str(model_dir),
          *ENGINE_FLAGS, "--output-json", str(out), "--output-png",
          str(tmp_path / f"{name}.png"), *args],
         capture_output=True, text=True, timeout=300)

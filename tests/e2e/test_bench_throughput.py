@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from engine_worker.benchmarks.step_profile import PARTS
+from quire_cli.bench.step_profile import PARTS
 
 
 def _bench(model_dir, tmp_path, *args) -> dict:
     out = tmp_path / "throughput.json"
     result = subprocess.run(
-        [sys.executable, "-m", "quire.cli", "bench", "throughput", "--model", str(model_dir),
+        [sys.executable, "-m", "quire_cli", "bench", "throughput", "--model", str(model_dir),
          "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(1 << 24), "--num-prompts", "6",
          "--max-input-len", "40", "--min-output-len", "4", "--max-output-len", "12",
          "--hf-batch-size", "3",
@@ -56,7 +56,7 @@ def test_bench_throughput_counts_and_split(tiny_model_dir, tmp_path, ignore_eos)
 def test_bench_latency_reports_both_systems(tiny_model_dir, tmp_path):
     out = tmp_path / "latency.json"
     result = subprocess.run(
-        [sys.executable, "-m", "quire.cli", "bench", "latency", "--model", str(tiny_model_dir),
+        [sys.executable, "-m", "quire_cli", "bench", "latency", "--model", str(tiny_model_dir),
          "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(1 << 24), "--prompt-len", "40",
          "--output-len", "12", "--repeats", "2", "--output-json", str(out)],
         capture_output=True, text=True, timeout=600)

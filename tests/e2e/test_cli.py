@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from engine_worker import LLM, SamplingParams
 
 
 def _quire(*args: str, stdin: str | None = None, env: dict | None = None):
-    return subprocess.run([sys.executable, "-m", "quire.cli", *args], input=stdin,
+    return subprocess.run([sys.executable, "-m", "quire_cli", *args], input=stdin,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, **(env or {})})
 
@@ -54,3 +55,19 @@ def test_gguf_path_and_hub_id_load_the_embedded_model(embedded_model_dir):
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=3),
                        use_tqdm=False)[0]
     assert out.outputs[0].text.strip().startswith("Paris")
+
+
+def test_help_imports_only_the_chosen_subcommand():
+    """`quire --help` loads no application; `quire router --help` only the router (the router
+    image has no torch, and nothing of the engine is needed to route)."""
+    for argv, allowed in ((["--help"], set()), (["router", "--help"], {"router"}),
+                          (["bench", "--help"], set())):
+        code = ("import sys\nfrom quire_cli.main import main\n"
+                f"try:\n    main({argv!r})\nexcept SystemExit as e:\n    assert e.code == 0\n"
+                "import json\nprint(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 0, result.stderr
+        loaded = set(json.loads(result.stdout.strip().splitlines()[-1]))
+        heavy = {"torch", "transformers", "engine_worker", "router"} - allowed
+        assert "quire_cli" in loaded and not loaded & heavy, (argv, loaded & heavy)

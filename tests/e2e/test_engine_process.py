@@ -21,7 +21,7 @@ from engine_worker.server.config import ServerConfig
 
 def _start_engine(model_dir, *extra):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "quire.cli", "engine", "--model", str(model_dir), "--dtype",
+        [sys.executable, "-m", "quire_cli", "engine", "--model", str(model_dir), "--dtype",
          "float32", "--kv-cache-memory-bytes", str(1 << 24), "--host", "127.0.0.1", "--port",
          "0", "--metrics-port", "0", "--drain-timeout-s", "30", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

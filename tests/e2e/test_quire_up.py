@@ -10,7 +10,7 @@ import time
 
 
 def _up(model_dir, *extra):
-    return [sys.executable, "-m", "quire.cli", "up", "--model", str(model_dir), "--dtype",
+    return [sys.executable, "-m", "quire_cli", "up", "--model", str(model_dir), "--dtype",
             "float32", "--kv-cache-memory-bytes", str(1 << 24), "--router-port", "0", "--http-port", "0",
             *extra]
 

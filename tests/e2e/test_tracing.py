@@ -218,7 +218,7 @@ def test_quire_up_exports_one_trace_from_the_otel_variables(tiny_model_dir, rece
             "OTEL_BSP_SCHEDULE_DELAY": "200"}
     receiver.clear()
     result = subprocess.run(
-        [sys.executable, "-m", "quire.cli", "up", "--model", str(tiny_model_dir), "--dtype",
+        [sys.executable, "-m", "quire_cli", "up", "--model", str(tiny_model_dir), "--dtype",
          "float32", "--kv-cache-memory-bytes", str(1 << 24), "--router-port", "0",
          "--http-port", "0", "--num-engines", "1", "--once", "true"],
         capture_output=True, text=True, timeout=300, env=env)

@@ -332,8 +332,8 @@ def test_rendered_objects_are_valid_kubernetes_models(values_file, render):
 def test_rendered_environment_parses_with_the_real_cli(values_file, render, monkeypatch):
     """The QUIRE_* variables the chart sets are accepted by `quire router` / `quire engine`."""
     from engine_worker.server.config import ServerConfig
-    from quire.cli import build_parser
     from quire.config_args import dataclass_from_namespace
+    from quire_cli.main import build_parser
     from router.config import (DiscoveryConfig, EngineTLSConfig, PlacementConfig,
                                RouterServerConfig)
 
@@ -346,6 +346,6 @@ def test_rendered_environment_parses_with_the_real_cli(values_file, render, monk
             for name, value in env_of(pod_spec(workload)["containers"][0]).items():
                 if name.startswith("QUIRE_") and isinstance(value, str):
                     patch.setenv(name, value)
-            namespace = build_parser().parse_args([command])  # flags read QUIRE_* here
+            namespace = build_parser([command]).parse_args([command])  # flags read QUIRE_* here
             for cls in classes:
                 dataclass_from_namespace(cls, namespace)  # raises ValueError naming a field

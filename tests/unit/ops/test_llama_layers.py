@@ -78,7 +78,7 @@ def test_head_size_the_op_does_not_take_runs_one_by_one(tiny_model_dir):
 
 
 def test_step_profiler_reads_attention_time_from_the_one_call_layers(stack_model_dir):
-    from engine_worker.benchmarks.step_profile import PARTS, StepProfiler
+    from quire_cli.bench.step_profile import PARTS, StepProfiler
 
     llm = LLM(str(stack_model_dir), dtype="bfloat16", kernels="cpu", kv_cache_memory_bytes=1 << 24)
     engine = llm.engine

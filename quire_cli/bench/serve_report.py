@@ -26,7 +26,7 @@ import math
 import sys
 from pathlib import Path
 
-from quire.bench_report import write_json
+from quire_cli.bench.report import write_json
 
 REFERENCE_POLICY = "prefix_aware"
 

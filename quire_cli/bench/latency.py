@@ -25,9 +25,9 @@ import time
 from dataclasses import dataclass
 
 from engine_worker.arg_utils import add_bench_engine_args, engine_args_from_namespace
-from engine_worker.benchmarks.prompts import random_prompt
-from quire.bench_report import write_json
 from quire.config_args import dataclass_from_namespace, require_at_least
+from quire_cli.bench.prompts import random_prompt
+from quire_cli.bench.report import write_json
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_worker.arg_utils import add_bench_engine_args, engine_args_from_namespace
-from engine_worker.benchmarks.prompts import random_prompt
-from engine_worker.benchmarks.step_profile import PARTS, sweep_batch_sizes
 from engine_worker.config import EngineArgs
-from quire.bench_report import write_json
 from quire.config_args import dataclass_from_namespace, require_at_least
+from quire_cli.bench.prompts import random_prompt
+from quire_cli.bench.report import write_json
+from quire_cli.bench.step_profile import PARTS, sweep_batch_sizes
 
 LONG_TAIL_FRACTION = 0.25
 

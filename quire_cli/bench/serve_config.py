@@ -1,5 +1,5 @@
-"""Settings of the online benchmarks, and their flags. Light on purpose: ``quire --help``
-builds every parser, so nothing here imports grpc or protobuf."""
+"""Settings of the online benchmarks (``quire bench serve``, ``quire bench router-overhead``)
+and their flags."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from quire.config_args import require_at_least
+from engine_worker.arg_utils import add_engine_args
+from quire.config_args import add_dataclass_args, require_at_least
 from router.balancer import POLICIES
 
-WORKLOAD_NAMES = ("shared_prefix", "no_sharing")  # router.benchmarks.serve.WORKLOADS
+WORKLOAD_NAMES = ("shared_prefix", "no_sharing")  # quire_cli.bench.serve.WORKLOADS
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,11 +119,6 @@ OVERHEAD_HELP = {
 def _add_args(parser: argparse.ArgumentParser, config_cls, help_texts: dict[str, str]) -> None:
     """Benchmark flags, then every engine flag (passed on to the engines when changed;
     ``--seed`` also seeds the workload)."""
-    # The engine's flags live with the engine (torch-free to import); only the benchmarks,
-    # which start engines anyway, pull them into the router package.
-    from engine_worker.arg_utils import add_engine_args
-    from quire.config_args import add_dataclass_args
-
     add_dataclass_args(parser, config_cls, "benchmark", help_texts)
     add_engine_args(parser)
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_worker.arg_utils import add_engine_args, engine_args_from_namespace
-from engine_worker.benchmarks.prompts import FIRST_PLAIN_TOKEN_ID, random_prompt
-from quire.bench_report import write_json
+from quire_cli.bench.prompts import FIRST_PLAIN_TOKEN_ID, random_prompt
+from quire_cli.bench.report import write_json
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ stack serves until Ctrl-C / SIGTERM, then stops the engines (they drain) and exi
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -41,7 +42,7 @@ def _free_port() -> int:
 
 
 def _engine_argv(port: int, engine_flags: list[str], num_threads: int) -> list[str]:
-    argv = [sys.executable, "-m", "quire.cli", "engine", "--host", "127.0.0.1", "--port",
+    argv = [sys.executable, "-m", "quire_cli", "engine", "--host", "127.0.0.1", "--port",
             str(port)]
     if "--num-threads" not in engine_flags:
         argv += ["--num-threads", str(num_threads)]
@@ -152,3 +153,25 @@ async def run_stack(cfg: StackConfig, engines) -> int:
         if tracing is not None:
             tracing.shutdown()  # flushes the spans still batched
     return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine_worker.arg_utils import add_engine_args
+    from quire.config_args import add_dataclass_args
+
+    add_dataclass_args(parser, StackConfig, "stack")
+    add_engine_args(parser)
+
+
+def main(ns: argparse.Namespace) -> int:
+    import asyncio
+
+    from quire.config_args import dataclass_from_namespace
+
+    cfg = dataclass_from_namespace(StackConfig, ns)
+    resolve_model_once(ns.model)
+    engines = start_engines(cfg, changed_engine_flags(ns))
+    try:
+        return asyncio.run(run_stack(cfg, engines))
+    finally:
+        stop_engines(engines)

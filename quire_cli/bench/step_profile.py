@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_worker.benchmarks.prompts import random_prompt
+from quire_cli.bench.prompts import random_prompt
 
 PARTS = ("model", "attention", "sampling", "inputs", "scheduling")
 

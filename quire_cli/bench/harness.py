@@ -142,7 +142,7 @@ def machine_info() -> dict:
 def running_engines(num_engines: int, flags: list[str], startup_timeout_s: float):
     """``num_engines`` fresh ``quire engine`` processes (cold caches); yields their addresses.
     Each gets cpu_count // num_engines torch threads unless ``flags`` set ``--num-threads``."""
-    from quire.up import StackConfig, start_engines, stop_engines
+    from quire_cli.stack import StackConfig, start_engines, stop_engines
 
     engines = start_engines(StackConfig(num_engines=num_engines,
                                         startup_timeout_s=startup_timeout_s), flags)

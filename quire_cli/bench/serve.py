@@ -15,7 +15,7 @@ same times:
 Reported per run: TTFT, time per output token and inter-token latency (p50/p90/p99), request
 and output-token throughput, the cache hit rate the engines reported, requests and prompt
 tokens per engine, errors and the router's placement time; then prefix_aware against each
-other policy. Report and plots: ``router.benchmarks.serve_report``.
+other policy. Report and plots: ``quire_cli.bench.serve_report``.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import grpc
 
 from quire.v1 import engine_pb2_grpc
-from router.benchmarks.config import WORKLOAD_NAMES, ServeBenchConfig
-from router.benchmarks.harness import (FIRST_SAFE_TOKEN_ID, RequestResult, describe_ms,
-                                       generate_request, machine_info, model_info, percentile,
-                                       running_engines, running_router, stream_request,
-                                       warm_up)
+from quire_cli.bench.harness import (FIRST_SAFE_TOKEN_ID, RequestResult, describe_ms,
+                                     generate_request, machine_info, model_info, percentile,
+                                     running_engines, running_router, stream_request,
+                                     warm_up)
+from quire_cli.bench.serve_config import WORKLOAD_NAMES, ServeBenchConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,9 +202,9 @@ async def run_all(cfg: ServeBenchConfig, flags: list[str], seed: int) -> list[di
 
 
 def run_from_args(ns: argparse.Namespace) -> int:
-    from quire.up import changed_engine_flags, resolve_model_once
     from quire.config_args import dataclass_from_namespace
-    from router.benchmarks.serve_report import build_report, print_summary, write_outputs
+    from quire_cli.bench.serve_report import build_report, print_summary, write_outputs
+    from quire_cli.stack import changed_engine_flags, resolve_model_once
 
     cfg = dataclass_from_namespace(ServeBenchConfig, ns)
     flags = changed_engine_flags(ns)

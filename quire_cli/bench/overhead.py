@@ -21,13 +21,13 @@ from pathlib import Path
 
 import grpc
 
-from quire.bench_report import write_json
 from quire.v1 import engine_pb2_grpc
-from router.benchmarks.config import OverheadBenchConfig
-from router.benchmarks.harness import (FIRST_SAFE_TOKEN_ID, RequestResult, describe_ms,
-                                       generate_request, machine_info, model_info, percentile,
-                                       running_engines, running_router, stream_request,
-                                       warm_up)
+from quire_cli.bench.harness import (FIRST_SAFE_TOKEN_ID, RequestResult, describe_ms,
+                                     generate_request, machine_info, model_info, percentile,
+                                     running_engines, running_router, stream_request,
+                                     warm_up)
+from quire_cli.bench.report import write_json
+from quire_cli.bench.serve_config import OverheadBenchConfig
 
 PATHS = ("direct", "routed")
 
@@ -144,8 +144,8 @@ def write_plot(path: Path, report: dict) -> bool:
 
 
 def run_from_args(ns: argparse.Namespace) -> int:
-    from quire.up import changed_engine_flags, resolve_model_once
     from quire.config_args import dataclass_from_namespace
+    from quire_cli.stack import changed_engine_flags, resolve_model_once
 
     cfg = dataclass_from_namespace(OverheadBenchConfig, ns)
     flags = changed_engine_flags(ns)

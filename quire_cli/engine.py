@@ -1,0 +1,28 @@
+"""``quire engine``: serve one engine over gRPC (quire.v1.EngineService)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine_worker.arg_utils import add_engine_args
+    from engine_worker.server.config import ServerConfig
+    from quire.config_args import add_dataclass_args
+
+    add_dataclass_args(parser, ServerConfig, "server")
+    add_engine_args(parser)
+
+
+def main(ns: argparse.Namespace) -> int:
+    import asyncio
+
+    from engine_worker.server.app import serve
+    from engine_worker.server.config import ServerConfig
+    from quire.config_args import dataclass_from_namespace
+    from quire_cli.offline import build_engine
+
+    cfg = dataclass_from_namespace(ServerConfig, ns)
+    engine = build_engine(ns)
+    asyncio.run(serve(engine, cfg))
+    return 0

@@ -1,0 +1,110 @@
+"""The ``quire`` command line: the composition root above the router and the engine.
+
+Every subcommand is named below by "module:function" strings, and its module is imported only
+when that subcommand is chosen: ``quire --help`` imports none of them, and ``quire router ...``
+imports the router and the shared contract alone, so a router-only install (no torch) runs it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    help: str
+    add_arguments: str  # "module:function(parser)": adds the subcommand's flags
+    run: str  # "module:function(namespace) -> exit code"
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    help: str
+    commands: dict[str, Command | Group]
+
+
+def _module_command(module: str, help_text: str) -> Command:
+    return Command(help_text, f"{module}:add_arguments", f"{module}:main")
+
+
+BENCHMARKS = Group("benchmarks", {
+    "throughput": Command("offline throughput vs transformers generate",
+                          "quire_cli.bench.throughput:add_throughput_args",
+                          "quire_cli.bench.throughput:run_from_args"),
+    "latency": Command("one request: decode speed and TTFT vs transformers",
+                       "quire_cli.bench.latency:add_latency_args",
+                       "quire_cli.bench.latency:run_from_args"),
+    "prefix-cache": Command("shared-prefix workload, prefix caching on vs off",
+                            "quire_cli.bench.prefix_cache:add_prefix_cache_args",
+                            "quire_cli.bench.prefix_cache:run_from_args"),
+    "serve": Command("routing policies compared on engine processes under Poisson arrivals",
+                     "quire_cli.bench.serve_config:add_serve_args",
+                     "quire_cli.bench.serve:run_from_args"),
+    "router-overhead": Command("latency the router adds: direct vs routed requests",
+                               "quire_cli.bench.serve_config:add_overhead_args",
+                               "quire_cli.bench.overhead:run_from_args"),
+})
+
+COMMANDS = Group("Quire: a prefix-aware router in front of paged-attention LLM engines", {
+    "generate": _module_command("quire_cli.generate", "generate a completion offline"),
+    "chat": _module_command("quire_cli.chat", "interactive chat in the terminal"),
+    "engine": _module_command("quire_cli.engine",
+                              "serve one engine over gRPC (quire.v1.EngineService)"),
+    "router": _module_command("quire_cli.router",
+                              "serve the router (gRPC + OpenAI HTTP) in front of engines"),
+    "up": _module_command("quire_cli.stack",
+                          "local stack: a router and N engine processes on loopback"),
+    "bench": BENCHMARKS,
+})
+
+
+def _load(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _add_commands(parser: argparse.ArgumentParser, group: Group, argv: Sequence[str],
+                  dest: str) -> None:
+    """One sub-parser per command of ``group``; only the command named in ``argv`` gets its
+    flags (its module imported), the others just their line in the help."""
+    sub = parser.add_subparsers(dest=dest, required=True)
+    chosen = next((i for i, arg in enumerate(argv) if arg in group.commands), None)
+    for name, entry in group.commands.items():
+        child = sub.add_parser(name, help=entry.help, description=entry.help)
+        if chosen is None or argv[chosen] != name:
+            continue
+        if isinstance(entry, Group):
+            _add_commands(child, entry, argv[chosen + 1:], f"{name}_command")
+        else:
+            _load(entry.add_arguments)(child)
+            child.set_defaults(_run=entry.run)
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser for ``argv``: every command listed, the chosen one with all its flags."""
+    parser = argparse.ArgumentParser(prog="quire", description=COMMANDS.help)
+    parser.add_argument("--log-level", default="WARNING")
+    _add_commands(parser, COMMANDS, list(argv), "command")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ns = build_parser(argv).parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _load(ns._run)(ns)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""``quire router``: serve the router (gRPC + OpenAI HTTP) in front of engines.
+
+Only the router and the shared contract are imported: a router-only install (no torch, the
+router image) runs this command."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _config_groups() -> tuple[tuple[type, str], ...]:
+    """The router's config classes, with their titles on ``quire router --help``."""
+    from router.config import DiscoveryConfig, EngineTLSConfig, PlacementConfig, RouterServerConfig
+
+    return ((RouterServerConfig, "router"), (DiscoveryConfig, "discovery"),
+            (PlacementConfig, "placement"), (EngineTLSConfig, "engine TLS"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from quire.config_args import add_dataclass_args
+    from router.config import HELP
+
+    for cls, title in _config_groups():
+        add_dataclass_args(parser, cls, title, HELP)
+
+
+def main(ns: argparse.Namespace) -> int:
+    import asyncio
+
+    from quire.config_args import dataclass_from_namespace
+    from router.app import serve
+
+    asyncio.run(serve(*(dataclass_from_namespace(cls, ns) for cls, _ in _config_groups())))
+    return 0
