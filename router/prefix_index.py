@@ -146,13 +146,6 @@ class ApproximateIndex:
     def remove_engine(self, engine_id: str) -> None:
         _unlink(self._engines_by_hash, engine_id, self._engines.pop(engine_id, ()))
 
-    def num_blocks(self, engine_id: str) -> int:
-        return len(self._engines.get(engine_id, ()))
-
-    def block_hashes(self, engine_id: str) -> tuple[int, ...]:
-        """The engine's recorded blocks, least recently used first."""
-        return tuple(self._engines.get(engine_id, ()))
-
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Number of leading ``block_hashes`` recorded for each engine (absent: none)."""
         return _match(self._engines_by_hash, block_hashes)
