@@ -57,9 +57,22 @@ class KVCacheSnapshot:
     block_hashes: frozenset[int]
 
 
+@dataclass(frozen=True, slots=True)
+class KVCacheDiff:
+    """What one batch changed in a mirror's block set, net: a block stored and removed again
+    within the batch is in neither."""
+
+    added: frozenset[int]
+    removed: frozenset[int]
+
+
+_NO_CHANGE = KVCacheDiff(frozenset(), frozenset())
+
+
 @dataclass(slots=True)
 class KVCacheMirror:
-    """A subscriber's copy of one engine's cached block set."""
+    """A subscriber's copy of one engine's cached block set: the one place KV events are
+    applied (the router's prefix index keeps one per engine)."""
 
     seq: int = 0
     block_hashes: set[int] = field(default_factory=set)
@@ -71,19 +84,45 @@ class KVCacheMirror:
     def apply(self, batch: KVEventBatch) -> bool:
         """Apply the next batch. Older batches are ignored; returns False on a gap (the mirror
         is then stale and needs a fresh snapshot)."""
+        return self.apply_diff(batch) is not None
+
+    def apply_diff(self, batch: KVEventBatch) -> KVCacheDiff | None:
+        """``apply``, returning what changed: None on a gap (nothing applied), no change for
+        a batch already applied."""
         if batch.seq <= self.seq:
-            return True
+            return _NO_CHANGE
         if batch.seq != self.seq + 1:
-            return False
+            return None
+        added: set[int] = set()
+        removed: set[int] = set()
         for event in batch.events:
-            if isinstance(event, BlockStored):
-                self.block_hashes.update(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                self.block_hashes.difference_update(event.block_hashes)
-            else:
-                self.block_hashes.clear()
+            match event:
+                case BlockStored(block_hashes=hashes):
+                    for block_hash in hashes:
+                        if block_hash not in self.block_hashes:
+                            self.block_hashes.add(block_hash)
+                            _move(block_hash, removed, added)
+                case BlockRemoved(block_hashes=hashes):
+                    for block_hash in hashes:
+                        if block_hash in self.block_hashes:
+                            self.block_hashes.remove(block_hash)
+                            _move(block_hash, added, removed)
+                case AllBlocksCleared():
+                    for block_hash in self.block_hashes:
+                        _move(block_hash, added, removed)
+                    self.block_hashes.clear()
+                case _:
+                    raise TypeError(f"unknown KV event {type(event).__name__}")
         self.seq = batch.seq
-        return True
+        return KVCacheDiff(frozenset(added), frozenset(removed))
+
+
+def _move(block_hash: int, undo: set[int], into: set[int]) -> None:
+    """Net bookkeeping: a change that undoes an earlier one in the batch cancels it."""
+    if block_hash in undo:
+        undo.remove(block_hash)
+    else:
+        into.add(block_hash)
 
 
 # ------------------------------------------------------------------- wire (quire.v1) forms

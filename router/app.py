@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections import Counter
 from collections.abc import Sequence
 
 import grpc
@@ -88,9 +87,11 @@ class RouterServer:
         return self.cfg.model_name or (identity.model_name if identity else None)
 
     def engine_states(self) -> dict[str, int]:
-        states = Counter(c.state.value for c in self.pool.clients.values())
-        return {s: states.get(s, 0) for s in ("serving", "not_serving", "unreachable",
-                                              "refused")}
+        return self.pool.engine_states()
+
+    def _tokenizer(self) -> RouterTokenizer | None:
+        identity = self.pool.identity
+        return identity.tokenizer if identity is not None else None
 
     async def start(self) -> int:
         options = [("grpc.max_receive_message_length", self.cfg.max_message_bytes),
@@ -109,9 +110,15 @@ class RouterServer:
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._readiness = asyncio.create_task(self._follow_readiness())
         if self.cfg.http_port >= 0:
-            from router.openai_api import OpenAIFront
+            from router.openai_api import FrontSeam, OpenAIFront
 
-            self.front = OpenAIFront(self, host=self.cfg.host, port=self.cfg.http_port)
+            seam = FrontSeam(grpc_port=self.port, keys=self.keys,
+                             session_header=self.placement.session_header,
+                             model_name=lambda: self.model_name, tokenizer=self._tokenizer,
+                             engine_states=self.pool.engine_states,
+                             draining=lambda: self.servicer.draining)
+            self.front = OpenAIFront(seam, self.cfg, self.metrics, host=self.cfg.host,
+                                     port=self.cfg.http_port)
             self.http_port = await self.front.start()
         logger.info("router serving gRPC on %s:%d%s, policy %s", self.cfg.host, self.port,
                     f" and HTTP on :{self.http_port}" if self.front else "",

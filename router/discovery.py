@@ -30,10 +30,13 @@ import asyncio
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from router.config import DiscoveryConfig
+from router.endpoint import Discovery, Endpoint, join_host_port
+
+__all__ = ["DISCOVERIES", "Discovery", "DnsDiscovery", "Endpoint", "StaticDiscovery",
+           "join_host_port", "make_discovery"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,26 +45,6 @@ Resolver = Callable[[str, int], Awaitable[list[str]]]
 # getaddrinfo's "this name does not exist" / "this name has no address": real answers.
 _EMPTY_ANSWER_ERRNOS = frozenset(
     e for e in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None)) if e is not None)
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class Endpoint:
-    engine_id: str  # stable id: with Kubernetes the targetRef (pod) name, else the address
-    address: str  # "host:port" ("[v6addr]:port" for IPv6)
-
-
-class Discovery(Protocol):
-    name: str
-
-    def updates(self) -> AsyncIterator[frozenset[Endpoint]]:
-        """The full set of usable endpoints, first at once, then each time it changes (never
-        the same set twice in a row). Runs until the consumer stops iterating (close it with
-        ``contextlib.aclosing``) or the task is cancelled."""
-        ...
-
-
-def join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class StaticDiscovery:

@@ -3,7 +3,7 @@
 410 Gone. An endpoint is usable when ``conditions.ready`` is not False and
 ``conditions.terminating`` is not True (the API: nil ready means ready, nil terminating means
 not terminating). ``serving`` is ignored on purpose: it stays true while a pod drains, and a
-draining engine must get no new requests. See ``router.discovery`` for the contract.
+draining engine must get no new requests. See ``router.endpoint`` for the contract.
 
 The ``kubernetes`` package is imported lazily: it is slow to import, and static or DNS routers
 do not need it.
@@ -19,8 +19,9 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from router.backoff import Backoff
 from router.config import DiscoveryConfig
-from router.discovery import Endpoint, join_host_port
+from router.endpoint import Endpoint, join_host_port
 
 logger = logging.getLogger(__name__)
 
@@ -180,12 +181,12 @@ class _SliceWatcher:
     def run(self) -> None:
         from kubernetes.client.exceptions import ApiException
 
-        backoff_s = self._p.backoff_initial_s
+        backoff = Backoff(self._p.backoff_initial_s, self._p.backoff_max_s)
         gone_in_a_row = 0
         while not self._stopped.is_set():
             try:
                 resource_version = self._list()
-                backoff_s = self._p.backoff_initial_s
+                backoff.reset()
                 self._watch_until_expiry(resource_version)
                 gone_in_a_row = 0
             except ApiException as e:
@@ -193,25 +194,25 @@ class _SliceWatcher:
                 if gone_in_a_row == 1:  # our resourceVersion is too old: a fresh LIST, now
                     logger.info("kubernetes discovery: watch expired (410), re-listing")
                     continue
-                backoff_s = self._fail(e, backoff_s)  # also a 410 right after a fresh LIST
+                self._fail(e, backoff)  # also a 410 right after a fresh LIST
             # Anything may go wrong against a remote API (bad JSON, a half-written object); this
             # thread must never die silently, or the pool would freeze on a stale set.
             except Exception as e:  # noqa: BLE001 - see the comment above
-                backoff_s = self._fail(e, backoff_s)
+                self._fail(e, backoff)
 
-    def _fail(self, error: Exception, backoff_s: float) -> float:
+    def _fail(self, error: Exception, backoff: Backoff) -> None:
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
 
         if self._stopped.is_set():
-            return backoff_s
+            return
+        backoff_s = backoff.next_s()
         # The API unreachable or unhappy needs no traceback; anything else is a bug to read.
         expected = isinstance(error, (ApiException, HTTPError, OSError))
         logger.warning("kubernetes discovery (%s, %s): %s; keeping the last set, retrying in "
                        "%.1fs", self._p.namespace, self._p.label_selector, error, backoff_s,
                        exc_info=not expected)
-        self._stopped.wait(backoff_s)
-        return min(2 * backoff_s, self._p.backoff_max_s)
+        self._stopped.wait(backoff_s)  # a stop() ends the wait at once
 
     def _list(self) -> str:
         result = self._api.list_namespaced_endpoint_slice(

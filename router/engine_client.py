@@ -8,17 +8,15 @@ A client supervises its engine for as long as discovery lists it:
          |                 +--refused--> REFUSED (re-checked every refused_recheck_s)
          +------------- health stream broke (engine gone, restarting) ----+
 
-- Admission (``admit``, supplied by the pool) refuses an engine that would make the router's
+- Admission (``EngineReports.admit``, the pool's) refuses an engine that would make the router's
   block hashes wrong (another block size, hash algorithm, seed or tokenizer): routing on hashes
   the engine does not share would send every request to the wrong place while looking healthy.
   It runs again after every reconnect, since a restarted pod may serve something else.
 - ``grpc.health.v1`` Watch is the engine's own readiness: a draining or dead engine says
   NOT_SERVING, a vanished one breaks the stream. Either takes it out of placement at once.
-- The KV feed mirrors the engine's cache into the shared ``PrefixIndex`` (snapshot, then
-  batches; a gap or broken stream drops the entry and re-subscribes). While it is down the
-  router places this engine by its approximate index (``kv_feed_alive`` is False).
-- The load feed keeps the latest ``LoadReport``; while it is down the load counts as unknown
-  (zero), and the router's own in-flight count still applies.
+- The KV feed (snapshot, then batches) and the load feed are *reported* to the pool, which
+  alone writes the routing state (``router.pool``). A gap or a broken stream is reported as a
+  lost feed, and the client re-subscribes with backoff.
 """
 
 from __future__ import annotations
@@ -26,17 +24,17 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from quire.kv_events import batch_from_proto, snapshot_from_proto
+from quire.kv_events import KVCacheSnapshot, KVEventBatch, batch_from_proto, snapshot_from_proto
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
-from router.balancer import EndpointSnapshot
-from router.prefix_index import PrefixIndex
+from router.backoff import Backoff
 
 logger = logging.getLogger(__name__)
 
@@ -97,33 +95,46 @@ class ClientOptions:
     server_name: str | None = None  # TLS: name to check in the engine's certificate
 
 
-# Called on every (re)connect; raises EngineMismatchError to refuse the engine.
-Admit = Callable[["EngineClient", pb.ModelInfo], Awaitable[None]]
+class EngineReports(Protocol):
+    """What a client tells its pool; the pool applies it to the routing state it owns. Every
+    call names the reporting client, so a pool can ignore one it has already replaced."""
+
+    async def admit(self, client: EngineClient, info: pb.ModelInfo) -> None:
+        """Called on every (re)connect; raises ``EngineMismatchError`` to refuse the engine."""
+        ...
+
+    def state_changed(self, client: EngineClient) -> None: ...
+
+    def kv_snapshot(self, client: EngineClient, snapshot: KVCacheSnapshot) -> None: ...
+
+    def kv_batch(self, client: EngineClient, batch: KVEventBatch) -> bool:
+        """Apply the next batch; False on a gap (the client then re-subscribes)."""
+        ...
+
+    def kv_feed_lost(self, client: EngineClient) -> None: ...
+
+    def load_report(self, client: EngineClient, report: pb.LoadReport | None) -> None:
+        """The engine's latest load; None while the load feed is down."""
+        ...
 
 
 class EngineClient:
     """The router's connection to one engine pod. ``start()`` it, ``await close()`` it."""
 
-    def __init__(self, engine_id: str, address: str, *, index: PrefixIndex, admit: Admit,
-                 options: ClientOptions = ClientOptions(),
-                 on_change: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, engine_id: str, address: str, *, reports: EngineReports,
+                 options: ClientOptions = ClientOptions()) -> None:
         self.engine_id = engine_id
         self.address = address
-        self.index = index
-        self.admit = admit
+        self.reports = reports
         self.options = options
         self.state = EngineState.UNREACHABLE
         self.info: pb.ModelInfo | None = None
         self.refusal: EngineMismatchError | None = None
-        self.load: pb.LoadReport | None = None
-        self.inflight_tokens = 0  # prompt tokens sent whose prefill has not answered yet
-        self.kv_feed_alive = False
         self.channel = self._open_channel()
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self._supervisor: asyncio.Task | None = None
         self._feeds: list[asyncio.Task] = []
         self._closed = False
-        self.on_change = on_change  # called on every state change (the pool's readiness)
 
     def _open_channel(self) -> grpc.aio.Channel:
         options = [("grpc.max_receive_message_length", self.options.max_message_bytes)]
@@ -133,19 +144,21 @@ class EngineClient:
             return grpc.aio.secure_channel(self.address, self.options.credentials, options)
         return grpc.aio.insecure_channel(self.address, options)
 
+    def _backoff(self) -> Backoff:
+        return Backoff(self.options.min_backoff_s, self.options.max_backoff_s)
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._supervisor = asyncio.create_task(self._supervise(), name=f"engine {self.engine_id}")
 
     async def close(self) -> None:
+        """Stop supervising and close the channel (the pool forgets the engine's state)."""
         self._closed = True
         tasks = [t for t in (self._supervisor, *self._feeds) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._feeds = []
-        self.index.remove_engine(self.engine_id)
-        self.kv_feed_alive = False
         self.state = EngineState.UNREACHABLE  # closed by the router: nothing to warn about
         await self.channel.close()
 
@@ -159,16 +172,16 @@ class EngineClient:
                        "engine %s at %s: %s -> %s", self.engine_id, self.address,
                        self.state.value, state.value)
             self.state = state
-            self.on_change()
+            self.reports.state_changed(self)
 
     async def _supervise(self) -> None:
-        backoff_s = self.options.min_backoff_s
+        backoff = self._backoff()
         health = health_pb2_grpc.HealthStub(self.channel)
         while not self._closed:
             try:
                 info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(),
                                                     timeout=self.options.connect_timeout_s)
-                await self.admit(self, info)
+                await self.reports.admit(self, info)
             except EngineMismatchError as e:
                 if self.state is not EngineState.REFUSED:
                     logger.error("refusing %s", e)
@@ -180,8 +193,7 @@ class EngineClient:
             except grpc.aio.AioRpcError as e:
                 logger.debug("engine %s unreachable: %s", self.engine_id, e.code().name)
                 self._set_state(EngineState.UNREACHABLE)
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, self.options.max_backoff_s)
+                await backoff.sleep()
                 continue
             self.info, self.refusal = info, None
             self._start_feeds()
@@ -190,45 +202,23 @@ class EngineClient:
                         service=ENGINE_SERVICE)):
                     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
                     self._set_state(EngineState.SERVING if serving else EngineState.NOT_SERVING)
-                    backoff_s = self.options.min_backoff_s
+                    backoff.reset()
             except grpc.aio.AioRpcError as e:
                 logger.debug("engine %s health watch ended: %s", self.engine_id, e.code().name)
             self._set_state(EngineState.UNREACHABLE)
-            await asyncio.sleep(backoff_s)
-
-    # ---------------------------------------------------------------------- state
-    def snapshot(self, cached_blocks: int = 0) -> EndpointSnapshot:
-        """The engine at decision time; ``cached_blocks`` comes from the prefix index match."""
-        load = self.load if self.load is not None else pb.LoadReport()
-        return EndpointSnapshot(
-            engine_id=self.engine_id, healthy=self.healthy, cached_blocks=cached_blocks,
-            block_size=self.info.block_size if self.info else 1, num_running=load.num_running,
-            num_waiting=load.num_waiting, num_queued_tokens=load.num_queued_tokens,
-            kv_cache_usage=min(max(load.kv_cache_usage, 0.0), 1.0),
-            inflight_tokens=self.inflight_tokens,
-            prefill_tokens_per_s=self.options.prefill_tokens_per_s)
+            await backoff.sleep()
 
     # ------------------------------------------------------------------- requests
-    async def generate(self, request: pb.GenerateRequest, *, num_uncached_tokens: int,
-                       timeout_s: float | None = None,
+    async def generate(self, request: pb.GenerateRequest, *, timeout_s: float | None = None,
                        metadata: tuple[tuple[str, str], ...] = ()
                        ) -> AsyncIterator[pb.GenerateResponse]:
         """Relay the engine's stream. Closing the iterator (or cancelling the task reading it)
-        cancels the upstream call, which aborts the request on the engine.
-
-        ``num_uncached_tokens`` (the prefill the router expects this request to cost) counts
-        as in-flight work until the first message: the engine's load reports lag behind."""
-        num_tokens = num_uncached_tokens
-        self.inflight_tokens += num_tokens
+        cancels the upstream call, which aborts the request on the engine."""
         call = self.stub.Generate(request, timeout=timeout_s, metadata=metadata or None)
         try:
             async for message in call:
-                if num_tokens:
-                    self.inflight_tokens -= num_tokens  # prefill done: the load report has it
-                    num_tokens = 0
                 yield message
         finally:
-            self.inflight_tokens -= num_tokens
             if not call.done():
                 call.cancel()
 
@@ -242,47 +232,47 @@ class EngineClient:
         for task in self._feeds:
             task.cancel()
         self._feeds = []
-        self.index.remove_engine(self.engine_id)
-        self.kv_feed_alive = False
-        self.load = None
+        self.reports.kv_feed_lost(self)
+        self.reports.load_report(self, None)
 
-    async def _follow_kv_events(self) -> None:
-        backoff_s = self.options.min_backoff_s
+    async def _follow(self, open_call: Callable[[], grpc.aio.UnaryStreamCall],
+                      on_message: Callable[[object], bool], on_end: Callable[[], None],
+                      what: str, log_level: int = logging.WARNING) -> None:
+        """Subscribe, hand every message to ``on_message`` (False: re-subscribe), and after
+        the stream ends or breaks call ``on_end`` and re-subscribe with backoff. The backoff
+        resets whenever ``on_message`` reports progress."""
+        backoff = self._backoff()
         while not self._closed:
-            call = self.stub.StreamKVEvents(pb.StreamKVEventsRequest())
+            call = open_call()
             try:
                 async for message in call:
-                    if message.HasField("snapshot"):
-                        self.index.reset_from_snapshot(self.engine_id,
-                                                       snapshot_from_proto(message.snapshot))
-                        self.kv_feed_alive = True
-                        backoff_s = self.options.min_backoff_s
-                    elif not self.index.apply(self.engine_id, batch_from_proto(message.batch)):
-                        logger.warning("engine %s: KV event gap, re-subscribing", self.engine_id)
+                    if not on_message(message):
+                        logger.warning("engine %s: %s gap, re-subscribing", self.engine_id, what)
                         break
+                    backoff.reset()
             except grpc.aio.AioRpcError as e:
-                logger.warning("engine %s: KV event feed broke (%s), re-subscribing",
-                               self.engine_id, e.code().name)
+                logger.log(log_level, "engine %s: %s broke (%s), re-subscribing",
+                           self.engine_id, what, e.code().name)
             finally:
                 call.cancel()
-                self.kv_feed_alive = False
-                self.index.remove_engine(self.engine_id)
-            await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, self.options.max_backoff_s)
+                on_end()
+            await backoff.sleep()
+
+    async def _follow_kv_events(self) -> None:
+        def on_message(message: pb.KVEventsMessage) -> bool:
+            if message.HasField("snapshot"):
+                self.reports.kv_snapshot(self, snapshot_from_proto(message.snapshot))
+                return True
+            return self.reports.kv_batch(self, batch_from_proto(message.batch))
+
+        await self._follow(lambda: self.stub.StreamKVEvents(pb.StreamKVEventsRequest()),
+                           on_message, lambda: self.reports.kv_feed_lost(self), "KV event feed")
 
     async def _follow_load(self) -> None:
-        backoff_s = self.options.min_backoff_s
-        while not self._closed:
-            call = self.stub.StreamLoad(
-                pb.StreamLoadRequest(interval_ms=self.options.load_interval_ms))
-            try:
-                async for report in call:
-                    self.load = report
-                    backoff_s = self.options.min_backoff_s
-            except grpc.aio.AioRpcError as e:
-                logger.debug("engine %s: load feed broke (%s)", self.engine_id, e.code().name)
-            finally:
-                call.cancel()
-                self.load = None
-            await asyncio.sleep(backoff_s)
-            backoff_s = min(backoff_s * 2, self.options.max_backoff_s)
+        def on_message(report: pb.LoadReport) -> bool:
+            self.reports.load_report(self, report)
+            return True
+
+        await self._follow(lambda: self.stub.StreamLoad(
+            pb.StreamLoadRequest(interval_ms=self.options.load_interval_ms)),
+            on_message, lambda: self.reports.load_report(self, None), "load feed", logging.DEBUG)

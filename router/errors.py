@@ -1,14 +1,16 @@
-"""The one place that maps the router's errors to gRPC status codes."""
+"""Which of the router's errors is which kind; ``quire.errors`` maps kinds to statuses."""
 
 from __future__ import annotations
 
 import grpc
 
+from quire import errors
+from quire.errors import ErrorKind
 from router.balancer import NoEndpointError
 
-_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-    (NoEndpointError, grpc.StatusCode.UNAVAILABLE),
+KINDS: errors.ErrorKinds = (
+    (ValueError, ErrorKind.INVALID_ARGUMENT),
+    (NoEndpointError, ErrorKind.UNAVAILABLE),
 )
 
 # Upstream failures that say nothing about the request itself: another engine may serve it.
@@ -16,16 +18,6 @@ RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOUR
                              grpc.StatusCode.UNKNOWN})
 
 
-def status_for(error: BaseException) -> tuple[grpc.StatusCode, str]:
-    """(code, message). An engine's own status is relayed as it came."""
-    if isinstance(error, grpc.aio.AioRpcError):
-        return error.code(), error.details() or ""
-    for kind, code in _CODES:
-        if isinstance(error, kind):
-            return code, str(error)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}"
-
-
 async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) -> None:
-    code, message = status_for(error)
-    await context.abort(code, message)
+    """End the call with the error's status; an engine's own status is relayed as it came."""
+    await errors.abort_with(context, error, KINDS)

@@ -14,6 +14,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from aiohttp import web
@@ -21,43 +24,64 @@ from aiohttp import web
 from quire.tracing import TRACE_HEADERS
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
-from router.auth import OPEN_HTTP_PATHS
+from router.auth import OPEN_HTTP_PATHS, ApiKeys
+from router.config import RouterServerConfig
+from router.metrics import RouterMetrics
 from router.openai_protocol import (FINISH, RequestError, chat_messages, error_response,
                                     sampling_options, sse, token_list, usage_json, Choice,
                                     OpenAIRequest)
 
+if TYPE_CHECKING:
+    from router.tokenizer import RouterTokenizer
+
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FrontSeam:
+    """What the HTTP front needs from the router, and nothing more (``router.app`` builds it).
+
+    The callables are read on every request: they answer for the router's state *now*."""
+
+    grpc_port: int  # the router's own gRPC port, on loopback: every generation goes through it
+    keys: ApiKeys
+    session_header: str  # the HTTP header forwarded as the gRPC session metadata
+    model_name: Callable[[], str | None]  # None: no engine has fixed the model yet
+    tokenizer: Callable[[], RouterTokenizer | None]  # None: no engine admitted yet
+    engine_states: Callable[[], dict[str, int]]  # engines per state, "serving" among them
+    draining: Callable[[], bool]
 
 
 class OpenAIFront:
     """Start with ``await start()`` (returns the port) on the router's loop; ``await stop()``."""
 
-    def __init__(self, router, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.router = router  # router.app.RouterServer
-        self.cfg = router.cfg
+    def __init__(self, seam: FrontSeam, cfg: RouterServerConfig, metrics: RouterMetrics, *,
+                 host: str = "127.0.0.1", port: int = 0) -> None:
+        self.seam = seam
+        self.cfg = cfg
         self.host, self.port = host, port
-        self.metrics = router.metrics
+        self.metrics = metrics
         self._runner: web.AppRunner | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub: engine_pb2_grpc.EngineServiceStub | None = None
 
     @property
     def model_name(self) -> str:
-        return self.router.model_name or "quire"
+        return self.seam.model_name() or "quire"
 
     @property
-    def tokenizer(self):
-        identity = self.router.pool.identity
-        if identity is None:
+    def tokenizer(self) -> RouterTokenizer:
+        tokenizer = self.seam.tokenizer()
+        if tokenizer is None:
             raise RequestError("no engine is available yet", None, 503)
-        return identity.tokenizer
+        return tokenizer
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.backend.decode([token_id], skip_special_tokens=False)
 
     async def start(self) -> int:
         self._channel = grpc.aio.insecure_channel(
-            f"127.0.0.1:{self.router.port}",
+            f"127.0.0.1:{self.seam.grpc_port}",
             options=[("grpc.max_send_message_length", self.cfg.max_message_bytes)])
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         app = web.Application(middlewares=[self._guard],
@@ -84,8 +108,9 @@ class OpenAIFront:
     @web.middleware
     async def _guard(self, request: web.Request, handler):
         """API keys (health and metrics exempt), JSON errors for every failure, counting."""
-        if self.router.keys.enabled and request.path not in OPEN_HTTP_PATHS and \
-                not self.router.keys.check(request.headers.get("Authorization")):
+        keys = self.seam.keys
+        if keys.enabled and request.path not in OPEN_HTTP_PATHS and \
+                not keys.check(request.headers.get("Authorization")):
             response = error_response(RequestError(
                 "authorization: missing or invalid API key (send 'Authorization: Bearer "
                 "<key>')", "authorization", 401))
@@ -105,10 +130,10 @@ class OpenAIFront:
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "quire"}]})
 
     async def _health(self, request: web.Request) -> web.Response:
-        serving = len(self.router.pool.serving())
-        ready = serving > 0 and not self.router.servicer.draining
-        return web.json_response({"serving_engines": serving,
-                                  "engines": self.router.engine_states()},
+        states = self.seam.engine_states()
+        serving = states.get("serving", 0)
+        ready = serving > 0 and not self.seam.draining()
+        return web.json_response({"serving_engines": serving, "engines": states},
                                  status=200 if ready else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -166,7 +191,7 @@ class OpenAIFront:
         forwarded = []
         if (authorization := request.headers.get("Authorization")) is not None:
             forwarded.append(("authorization", authorization))
-        session = self.router.placement.session_header
+        session = self.seam.session_header
         if (value := request.headers.get(session)) is not None:
             forwarded.append((session.lower(), value))
         for key in TRACE_HEADERS:

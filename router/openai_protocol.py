@@ -15,15 +15,11 @@ from dataclasses import dataclass, field
 import grpc
 from aiohttp import web
 
+from quire.errors import http_status
 from quire.v1 import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-_HTTP_FOR_GRPC = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
                 503: "service_unavailable", 504: "timeout_error"}
@@ -48,7 +44,7 @@ def error_response(error: BaseException) -> web.Response:
     if isinstance(error, RequestError):
         status, message, param = error.status, str(error), error.param
     elif isinstance(error, grpc.aio.AioRpcError):
-        status, message = _HTTP_FOR_GRPC.get(error.code(), 500), error.details() or ""
+        status, message = http_status(error.code()), error.details() or ""
         message = message or error.code().name
         if status == 400 and ":" in message:  # router/engine messages start with "field: ..."
             param = message.split(":", 1)[0].strip().removeprefix("sampling.") or None

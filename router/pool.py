@@ -1,10 +1,13 @@
-"""The engines the router may place on: follows discovery, admits engines, answers "who holds
-how much of this prompt".
+"""The engines the router may place on, and the one owner of the routing state: follows
+discovery, admits engines, keeps the exact (KV-event) and approximate (routing history) prefix
+indexes, the engines' load and the router's in-flight work, and answers the balancer with
+``candidates``: one ``EndpointSnapshot`` per engine.
 
 Discovery yields the full set of endpoints whenever it changes; the pool starts an
-``EngineClient`` for each new one and closes those that left (their index entries go with
-them). Membership and health are separate: a listed engine takes requests only while its own
-health says SERVING (see ``engine_client``).
+``EngineClient`` for each new one and closes those that left (their routing state goes with
+them). Clients only *report* (``EngineReports``: KV events, load, state); the pool applies the
+reports, so nothing else writes the indexes. Membership and health are separate: a listed engine
+takes requests only while its own health says SERVING (see ``engine_client``).
 
 The first engine admitted fixes the router's *model identity*: its block size, and (unless the
 router was given a tokenizer) its tokenizer, fetched with ``GetTokenizer``. Every later engine
@@ -16,14 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
+from quire.kv_events import KVCacheSnapshot, KVEventBatch
 from quire.tokenizer_digest import tokenizer_digest
 from quire.v1 import engine_pb2 as pb
-from router.discovery import Discovery, Endpoint
-from router.engine_client import (ClientOptions, EngineClient, EngineMismatchError,
+from router.balancer import EndpointSnapshot
+from router.endpoint import Discovery, Endpoint
+from router.engine_client import (ClientOptions, EngineClient, EngineMismatchError, EngineState,
                                   ModelExpectation, compare_model_info)
 from router.prefix_index import ApproximateIndex, PrefixIndex
 from router.tokenizer import RouterTokenizer
@@ -44,6 +50,16 @@ class ModelIdentity:
         return self.expected.block_size
 
 
+@dataclass(slots=True)
+class _Member:
+    """One engine's routing state; only the pool writes it."""
+
+    client: EngineClient
+    load: pb.LoadReport | None = None  # None: the load feed is down (load unknown)
+    kv_feed_alive: bool = False  # False: place it by the approximate index
+    inflight_tokens: int = 0  # prompt tokens sent whose prefill has not answered yet
+
+
 class EnginePool:
     """Start with ``await start()``; ``await stop()``. Lives on the router's event loop."""
 
@@ -53,11 +69,10 @@ class EnginePool:
         self.discovery = discovery
         self.given_tokenizer = tokenizer
         self.options = options
-        self.index = PrefixIndex()
-        self.approx = ApproximateIndex(approx_index_blocks)
-        self.clients: dict[str, EngineClient] = {}
+        self._exact = PrefixIndex()
+        self._approx = ApproximateIndex(approx_index_blocks)
+        self._members: dict[str, _Member] = {}
         self.identity: ModelIdentity | None = None
-        self.identity_ready = asyncio.Event()
         self._identity_lock = asyncio.Lock()
         self._follower: asyncio.Task | None = None
         self.changed = asyncio.Event()  # set whenever membership or an engine's state changes
@@ -70,9 +85,11 @@ class EnginePool:
         if self._follower is not None:
             self._follower.cancel()
             await asyncio.gather(self._follower, return_exceptions=True)
-        await asyncio.gather(*(c.close() for c in self.clients.values()),
+        members, self._members = self._members, {}
+        for engine_id in members:
+            self._forget(engine_id)
+        await asyncio.gather(*(m.client.close() for m in members.values()),
                              return_exceptions=True)
-        self.clients = {}
 
     async def _follow_discovery(self) -> None:
         try:
@@ -87,29 +104,63 @@ class EnginePool:
     async def reconcile(self, endpoints: frozenset[Endpoint]) -> None:
         """Make the pool's members exactly ``endpoints``."""
         wanted = {e.engine_id: e for e in endpoints}
-        gone = [c for eid, c in self.clients.items()
-                if eid not in wanted or wanted[eid].address != c.address]
+        gone = [m.client for eid, m in self._members.items()
+                if eid not in wanted or wanted[eid].address != m.client.address]
         for client in gone:
             logger.info("engine %s at %s left the pool", client.engine_id, client.address)
-            del self.clients[client.engine_id]
-            self.approx.remove_engine(client.engine_id)
+            del self._members[client.engine_id]
+            self._forget(client.engine_id)
             await client.close()
         for engine_id, endpoint in sorted(wanted.items()):
-            if engine_id not in self.clients:
+            if engine_id not in self._members:
                 logger.info("engine %s at %s joined the pool", engine_id, endpoint.address)
-                client = EngineClient(engine_id, endpoint.address, index=self.index,
-                                      admit=self._admit, options=self.options,
-                                      on_change=self._notify)
-                self.clients[engine_id] = client
+                client = EngineClient(engine_id, endpoint.address, reports=self,
+                                      options=self.options)
+                self._members[engine_id] = _Member(client)
                 client.start()
         self._notify()
+
+    def _forget(self, engine_id: str) -> None:
+        self._exact.remove_engine(engine_id)
+        self._approx.remove_engine(engine_id)
 
     def _notify(self) -> None:
         self.changed.set()
         self.changed = asyncio.Event()
 
+    # ------------------------------------------------------- reports (EngineReports)
+    def _member(self, client: EngineClient) -> _Member | None:
+        """The client's member entry; None for a client the pool has already replaced."""
+        member = self._members.get(client.engine_id)
+        return member if member is not None and member.client is client else None
+
+    def state_changed(self, client: EngineClient) -> None:
+        if self._member(client) is not None:
+            self._notify()
+
+    def kv_snapshot(self, client: EngineClient, snapshot: KVCacheSnapshot) -> None:
+        if (member := self._member(client)) is not None:
+            self._exact.reset_from_snapshot(client.engine_id, snapshot)
+            member.kv_feed_alive = True
+
+    def kv_batch(self, client: EngineClient, batch: KVEventBatch) -> bool:
+        if self._member(client) is None:
+            return False
+        return self._exact.apply(client.engine_id, batch)
+
+    def kv_feed_lost(self, client: EngineClient) -> None:
+        if (member := self._member(client)) is not None:
+            member.kv_feed_alive = False
+            self._exact.remove_engine(client.engine_id)
+
+    def load_report(self, client: EngineClient, report: pb.LoadReport | None) -> None:
+        if (member := self._member(client)) is not None:
+            member.load = report
+
     # ------------------------------------------------------------------ admission
-    async def _admit(self, client: EngineClient, info: pb.ModelInfo) -> None:
+    async def admit(self, client: EngineClient, info: pb.ModelInfo) -> None:
+        """Refuse (``EngineMismatchError``) an engine that hashes or tokenizes differently;
+        the first engine admitted fixes the model identity."""
         router_hash = {"block_hash_algorithm": (BLOCK_HASH_ALGORITHM, info.block_hash_algorithm),
                        "block_hash_seed": (ROOT_HASH, info.block_hash_seed)}
         differences = {k: v for k, v in router_hash.items() if v[0] != v[1]}
@@ -118,7 +169,6 @@ class EnginePool:
         async with self._identity_lock:
             if self.identity is None:
                 self.identity = await self._establish(client, info)
-                self.identity_ready.set()
         compare_model_info(client.engine_id, self.identity.expected, info)
         self._notify()
 
@@ -143,27 +193,96 @@ class EnginePool:
         return ModelIdentity(tokenizer=tokenizer, expected=expected, model_name=info.model_name)
 
     # -------------------------------------------------------------------- queries
+    @property
+    def clients(self) -> Mapping[str, EngineClient]:
+        """The members' connections, by engine id (read only)."""
+        return {engine_id: m.client for engine_id, m in self._members.items()}
+
     def serving(self) -> list[EngineClient]:
-        return [c for c in self.clients.values() if c.healthy]
+        return [m.client for m in self._members.values() if m.client.healthy]
+
+    def serving_loads(self) -> list[pb.LoadReport]:
+        """The latest load report of every serving engine whose load feed is up."""
+        return [m.load for m in self._members.values()
+                if m.client.healthy and m.load is not None]
 
     def refused(self) -> dict[str, EngineMismatchError]:
-        return {eid: c.refusal for eid, c in self.clients.items() if c.refusal is not None}
+        return {eid: m.client.refusal for eid, m in self._members.items()
+                if m.client.refusal is not None}
 
-    def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        """Leading blocks of the prompt cached on each engine: from the engine's KV feed where
-        it is alive, else from the router's own routing history (approximate)."""
-        precise = self.index.match(block_hashes)
-        blind = [c.engine_id for c in self.clients.values() if not c.kv_feed_alive]
+    def engine_states(self) -> dict[str, int]:
+        """How many members are in each ``EngineState`` (every state named, zeros included)."""
+        states = Counter(m.client.state for m in self._members.values())
+        return {s.value: states.get(s, 0) for s in (EngineState.SERVING, EngineState.NOT_SERVING,
+                                                    EngineState.UNREACHABLE, EngineState.REFUSED)}
+
+    def cached_blocks(self) -> dict[str, frozenset[int]]:
+        """Each engine's cached block hashes as its KV feed reports them (engines whose feed is
+        down or stale are absent)."""
+        return {engine_id: self._exact.block_hashes(engine_id)
+                for engine_id in self._exact.engine_ids()}
+
+    def candidates(self, block_hashes: Sequence[int],
+                   exclude: Collection[str] = ()) -> list[EndpointSnapshot]:
+        """Every member not in ``exclude`` as the balancer sees it now, with the leading blocks
+        of ``block_hashes`` it holds: from the engine's KV feed where it is alive, else from the
+        router's own routing history (approximate)."""
+        matches = self._match(block_hashes)
+        return [self._snapshot(member, matches.get(engine_id, 0))
+                for engine_id, member in self._members.items() if engine_id not in exclude]
+
+    def _match(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        precise = self._exact.match(block_hashes)
+        blind = [eid for eid, m in self._members.items() if not m.kv_feed_alive]
         if blind:
-            approx = self.approx.match(block_hashes)
+            approx = self._approx.match(block_hashes)
             for engine_id in blind:
                 if engine_id in approx:
                     precise[engine_id] = approx[engine_id]
         return precise
 
+    def _snapshot(self, member: _Member, cached_blocks: int) -> EndpointSnapshot:
+        client = member.client
+        load = member.load if member.load is not None else pb.LoadReport()
+        return EndpointSnapshot(
+            engine_id=client.engine_id, healthy=client.healthy, cached_blocks=cached_blocks,
+            block_size=client.info.block_size if client.info else 1,
+            num_running=load.num_running, num_waiting=load.num_waiting,
+            num_queued_tokens=load.num_queued_tokens,
+            kv_cache_usage=min(max(load.kv_cache_usage, 0.0), 1.0),
+            inflight_tokens=member.inflight_tokens,
+            prefill_tokens_per_s=self.options.prefill_tokens_per_s)
+
+    # ------------------------------------------------------------------- placement
     def record(self, engine_id: str, block_hashes: Sequence[int]) -> None:
         """Remember a placement, for the approximate index."""
-        self.approx.record(engine_id, block_hashes)
+        self._approx.record(engine_id, block_hashes)
+
+    async def generate(self, engine_id: str, request: pb.GenerateRequest, *,
+                       block_hashes: Sequence[int], num_uncached_tokens: int,
+                       timeout_s: float | None = None,
+                       metadata: tuple[tuple[str, str], ...] = ()
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        """Send ``request`` to the member ``engine_id`` (which ``candidates`` just offered) and
+        relay its stream; closing the iterator cancels the engine's request.
+
+        The placement is recorded (approximate index), and ``num_uncached_tokens`` (the prefill
+        the router expects it to cost) counts as the engine's in-flight work until the first
+        message: the engine's load reports lag behind."""
+        member = self._members[engine_id]
+        self.record(engine_id, block_hashes)
+        num_tokens = num_uncached_tokens
+        member.inflight_tokens += num_tokens
+        stream = member.client.generate(request, timeout_s=timeout_s, metadata=metadata)
+        try:
+            async for message in stream:
+                if num_tokens:
+                    member.inflight_tokens -= num_tokens  # prefill done: the load report has it
+                    num_tokens = 0
+                yield message
+        finally:
+            member.inflight_tokens -= num_tokens
+            await stream.aclose()
 
     async def wait_serving(self, count: int = 1, timeout_s: float | None = None) -> bool:
         """Wait until at least ``count`` engines serve (False on timeout)."""

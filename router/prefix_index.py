@@ -19,10 +19,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
-from quire.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheSnapshot,
-                             KVEventBatch)
+from quire.kv_events import KVCacheMirror, KVCacheSnapshot, KVEventBatch
 
 
 def _match(engines_by_hash: Mapping[int, set[str]], block_hashes: Sequence[int]) -> dict[str, int]:
@@ -41,27 +39,40 @@ def _match(engines_by_hash: Mapping[int, set[str]], block_hashes: Sequence[int])
     return counts
 
 
-@dataclass(slots=True)
-class _EngineEntry:
-    seq: int = 0  # last batch applied
-    block_hashes: set[int] = field(default_factory=set)
-    stale: bool = False
+def _link(engines_by_hash: dict[int, set[str]], engine_id: str,
+          block_hashes: Iterable[int]) -> None:
+    for block_hash in block_hashes:
+        engines_by_hash.setdefault(block_hash, set()).add(engine_id)
+
+
+def _unlink(engines_by_hash: dict[int, set[str]], engine_id: str,
+            block_hashes: Iterable[int]) -> None:
+    for block_hash in block_hashes:
+        holders = engines_by_hash[block_hash]
+        holders.discard(engine_id)
+        if not holders:
+            del engines_by_hash[block_hash]
 
 
 class PrefixIndex:
-    """Precise per-engine sets of cached block hashes, kept fresh from KV events."""
+    """Precise per-engine sets of cached block hashes, kept fresh from KV events.
+
+    Each engine's entry is a ``quire.kv_events.KVCacheMirror`` (the one place events are
+    applied); the index adds the reverse map and the stale marks.
+    """
 
     def __init__(self) -> None:
-        self._engines: dict[str, _EngineEntry] = {}
+        self._engines: dict[str, KVCacheMirror] = {}
+        self._stale: set[str] = set()
         self._engines_by_hash: dict[int, set[str]] = {}
 
     # -------------------------------------------------------------------- feed
     def reset_from_snapshot(self, engine_id: str, snapshot: KVCacheSnapshot) -> None:
         """Replace the engine's entry by ``snapshot`` (also clears a stale mark)."""
-        self._clear(engine_id)
-        entry = _EngineEntry(seq=snapshot.seq)
-        self._engines[engine_id] = entry
-        self._add(engine_id, entry, snapshot.block_hashes)
+        self.remove_engine(engine_id)
+        mirror = KVCacheMirror.from_snapshot(snapshot)
+        self._engines[engine_id] = mirror
+        _link(self._engines_by_hash, engine_id, mirror.block_hashes)
 
     def apply(self, engine_id: str, batch: KVEventBatch) -> bool:
         """Apply the engine's next batch; returns False on a gap (or while stale).
@@ -71,73 +82,36 @@ class PrefixIndex:
         engine's blocks are dropped and it is stale until ``reset_from_snapshot``: a partial view
         would claim blocks that may since have been evicted.
         """
-        entry = self._engines.setdefault(engine_id, _EngineEntry())
-        if entry.stale:
+        if engine_id in self._stale:
             return False
-        if batch.seq <= entry.seq:
-            return True
-        if batch.seq != entry.seq + 1:
-            self._clear(engine_id)
-            self._engines[engine_id] = _EngineEntry(seq=entry.seq, stale=True)
+        mirror = self._engines.setdefault(engine_id, KVCacheMirror())
+        diff = mirror.apply_diff(batch)
+        if diff is None:
+            self.remove_engine(engine_id)
+            self._stale.add(engine_id)
             return False
-        for event in batch.events:
-            if isinstance(event, BlockStored):
-                self._add(engine_id, entry, event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                self._discard(engine_id, entry, event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                self._discard(engine_id, entry, tuple(entry.block_hashes))
-            else:
-                raise TypeError(f"unknown KV event {type(event).__name__}")
-        entry.seq = batch.seq
+        _unlink(self._engines_by_hash, engine_id, diff.removed)
+        _link(self._engines_by_hash, engine_id, diff.added)
         return True
 
     def remove_engine(self, engine_id: str) -> None:
-        self._clear(engine_id)
+        """Forget the engine (and its stale mark)."""
+        self._stale.discard(engine_id)
+        mirror = self._engines.pop(engine_id, None)
+        if mirror is not None:
+            _unlink(self._engines_by_hash, engine_id, mirror.block_hashes)
 
     # ------------------------------------------------------------------ queries
-    def is_stale(self, engine_id: str) -> bool:
-        entry = self._engines.get(engine_id)
-        return entry is not None and entry.stale
-
     def engine_ids(self) -> frozenset[str]:
         return frozenset(self._engines)
 
-    def seq(self, engine_id: str) -> int:
-        return self._engines[engine_id].seq
-
     def block_hashes(self, engine_id: str) -> frozenset[int]:
-        entry = self._engines.get(engine_id)
-        return frozenset(entry.block_hashes) if entry is not None else frozenset()
+        mirror = self._engines.get(engine_id)
+        return frozenset(mirror.block_hashes) if mirror is not None else frozenset()
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Number of leading ``block_hashes`` cached on each engine (absent: none, or stale)."""
         return _match(self._engines_by_hash, block_hashes)
-
-    # ---------------------------------------------------------------- internals
-    def _add(self, engine_id: str, entry: _EngineEntry, block_hashes: Iterable[int]) -> None:
-        for block_hash in block_hashes:
-            if block_hash not in entry.block_hashes:
-                entry.block_hashes.add(block_hash)
-                self._engines_by_hash.setdefault(block_hash, set()).add(engine_id)
-
-    def _discard(self, engine_id: str, entry: _EngineEntry, block_hashes: Iterable[int]) -> None:
-        for block_hash in block_hashes:
-            if block_hash in entry.block_hashes:
-                entry.block_hashes.remove(block_hash)
-                self._unlink(engine_id, block_hash)
-
-    def _unlink(self, engine_id: str, block_hash: int) -> None:
-        holders = self._engines_by_hash[block_hash]
-        holders.discard(engine_id)
-        if not holders:
-            del self._engines_by_hash[block_hash]
-
-    def _clear(self, engine_id: str) -> None:
-        entry = self._engines.pop(engine_id, None)
-        if entry is not None:
-            for block_hash in entry.block_hashes:
-                self._unlink(engine_id, block_hash)
 
 
 class ApproximateIndex:
@@ -164,28 +138,14 @@ class ApproximateIndex:
                 lru.move_to_end(block_hash)
             else:
                 lru[block_hash] = None
-                self._engines_by_hash.setdefault(block_hash, set()).add(engine_id)
+                _link(self._engines_by_hash, engine_id, (block_hash,))
         while len(lru) > self.max_blocks_per_engine:
             evicted, _ = lru.popitem(last=False)
-            self._unlink(engine_id, evicted)
+            _unlink(self._engines_by_hash, engine_id, (evicted,))
 
     def remove_engine(self, engine_id: str) -> None:
-        for block_hash in self._engines.pop(engine_id, ()):
-            self._unlink(engine_id, block_hash)
-
-    def num_blocks(self, engine_id: str) -> int:
-        return len(self._engines.get(engine_id, ()))
-
-    def block_hashes(self, engine_id: str) -> tuple[int, ...]:
-        """The engine's recorded blocks, least recently used first."""
-        return tuple(self._engines.get(engine_id, ()))
+        _unlink(self._engines_by_hash, engine_id, self._engines.pop(engine_id, ()))
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Number of leading ``block_hashes`` recorded for each engine (absent: none)."""
         return _match(self._engines_by_hash, block_hashes)
-
-    def _unlink(self, engine_id: str, block_hash: int) -> None:
-        holders = self._engines_by_hash[block_hash]
-        holders.discard(engine_id)
-        if not holders:
-            del self._engines_by_hash[block_hash]

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from quire.load_stream import load_reports
 from quire.tracing import traced_generate
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 from router.balancer import Decision, NoEndpointError, Policy, RoutingRequest, choose
-from router.engine_client import EngineClient
 from router.errors import RETRYABLE_CODES, abort_with
 from router.metrics import DecisionRecord, RouterMetrics
 from router.pool import EnginePool, ModelIdentity
@@ -116,17 +116,12 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         return RoutedPrompt(token_ids=token_ids, block_hashes=tuple(hashes))
 
     def place(self, prompt: RoutedPrompt, exclude: set[str],
-              session_key: str | None = None) -> tuple[EngineClient, Decision]:
+              session_key: str | None = None) -> Decision:
         """The engine for ``prompt`` among those not in ``exclude`` (NoEndpointError if none)."""
-        matches = self.pool.match(prompt.block_hashes)
-        snapshots = [client.snapshot(matches.get(engine_id, 0))
-                     for engine_id, client in self.pool.clients.items()
-                     if engine_id not in exclude]
-        decision = choose(RoutingRequest(block_hashes=prompt.block_hashes,
-                                         num_prompt_tokens=len(prompt.token_ids),
-                                         session_key=session_key),
-                          snapshots, self.policy)
-        return self.pool.clients[decision.engine_id], decision
+        return choose(RoutingRequest(block_hashes=prompt.block_hashes,
+                                     num_prompt_tokens=len(prompt.token_ids),
+                                     session_key=session_key),
+                      self.pool.candidates(prompt.block_hashes, exclude), self.policy)
 
     def _session_key(self, context) -> str | None:
         for key, value in context.invocation_metadata() or ():
@@ -157,48 +152,48 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         for attempt in range(1, self.max_attempts + 1):
             placed = time.perf_counter()
             try:
-                client, decision = self.place(prompt, tried, session_key)
+                decision = self.place(prompt, tried, session_key)
             except NoEndpointError as e:
                 await abort_with(context, last_error or e)
                 return
             record = self._record(forward.request_id, decision, attempt, len(prompt.token_ids),
                                   time.perf_counter() - placed, span)
-            tried.add(client.engine_id)
-            self.pool.record(client.engine_id, prompt.block_hashes)
-            remaining_s = context.time_remaining()
-            stream = client.generate(
-                forward, timeout_s=remaining_s, metadata=span.metadata if span else (),
-                num_uncached_tokens=len(prompt.token_ids) - decision.predicted_cached_tokens)
+            engine_id = decision.engine_id
+            tried.add(engine_id)
+            stream = self.pool.generate(
+                engine_id, forward, block_hashes=prompt.block_hashes,
+                num_uncached_tokens=len(prompt.token_ids) - decision.predicted_cached_tokens,
+                timeout_s=context.time_remaining(), metadata=span.metadata if span else ())
             relayed = False
             try:
                 async for message in stream:
                     if not relayed:
                         relayed = True
                         await context.send_initial_metadata(
-                            ((ENGINE_ID_METADATA, client.engine_id),))
+                            ((ENGINE_ID_METADATA, engine_id),))
                         self.metrics.ttft_s.observe(time.perf_counter() - received)
                         if span is not None:
-                            span.first_message(client.engine_id)
+                            span.first_message(engine_id)
                     if message.HasField("usage"):
                         self.metrics.observe_usage(record, message.usage.cached_tokens)
                         if span is not None:
                             span.usage(message.usage)
                     yield message
                 record.outcome = "OK"
-                self.metrics.requests.labels(client.engine_id, "OK").inc()
+                self.metrics.requests.labels(engine_id, "OK").inc()
                 return
             except grpc.aio.AioRpcError as e:
                 record.outcome = e.code().name
-                self.metrics.requests.labels(client.engine_id, e.code().name).inc()
+                self.metrics.requests.labels(engine_id, e.code().name).inc()
                 if relayed or e.code() not in RETRYABLE_CODES:
                     await abort_with(context, e)
                     return
                 logger.warning("request %r: engine %s failed before its first message (%s); "
-                               "trying another", forward.request_id, client.engine_id,
+                               "trying another", forward.request_id, engine_id,
                                e.code().name)
-                self.metrics.retries.labels(client.engine_id).inc()
+                self.metrics.retries.labels(engine_id).inc()
                 if span is not None:
-                    span.retried(client.engine_id, e.code().name)
+                    span.retried(engine_id, e.code().name)
                 last_error = e
             finally:
                 await stream.aclose()
@@ -243,16 +238,16 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
 
     async def StreamLoad(self, request: pb.StreamLoadRequest, context):
         """The pool's load: sums over serving engines, KV usage averaged."""
-        interval_s = max(10, request.interval_ms or 1000) / 1000
-        while True:
-            loads = [c.load for c in self.pool.serving() if c.load is not None]
-            yield pb.LoadReport(
-                num_running=sum(x.num_running for x in loads),
-                num_waiting=sum(x.num_waiting for x in loads),
-                num_queued_tokens=sum(x.num_queued_tokens for x in loads),
-                kv_cache_usage=sum(x.kv_cache_usage for x in loads) / max(len(loads), 1),
-                timestamp_s=time.time())
-            await asyncio.sleep(interval_s)
+        async for report in load_reports(request, self._pool_load):
+            yield report
+
+    def _pool_load(self) -> pb.LoadReport:
+        loads = self.pool.serving_loads()
+        return pb.LoadReport(
+            num_running=sum(x.num_running for x in loads),
+            num_waiting=sum(x.num_waiting for x in loads),
+            num_queued_tokens=sum(x.num_queued_tokens for x in loads),
+            kv_cache_usage=sum(x.kv_cache_usage for x in loads) / max(len(loads), 1))
 
     async def StreamKVEvents(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,

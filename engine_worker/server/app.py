@@ -58,8 +58,7 @@ class EngineServer:
         self.servicer = EngineServicer(self.async_engine, model_name=model_name,
                                        limits=limits, tokenizer_dir=engine.model_dir,
                                        spans=_span_factory(tracing, model_name))
-        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else \
-            health.HealthServicer()
+        self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
         self._watchdog: asyncio.Task | None = None

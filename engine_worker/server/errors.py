@@ -1,4 +1,4 @@
-"""The one place that maps domain errors to gRPC status codes."""
+"""Which of the engine's errors is which kind; ``quire.errors`` maps kinds to statuses."""
 
 from __future__ import annotations
 
@@ -6,25 +6,17 @@ import grpc
 
 from engine_worker.engine import EngineDeadError
 from engine_worker.server.async_engine import EngineUnavailableError, QueueFullError
+from quire import errors
+from quire.errors import ErrorKind
 
-_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-    (QueueFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (EngineUnavailableError, grpc.StatusCode.UNAVAILABLE),
-    (EngineDeadError, grpc.StatusCode.UNAVAILABLE),
+KINDS: errors.ErrorKinds = (
+    (ValueError, ErrorKind.INVALID_ARGUMENT),
+    (QueueFullError, ErrorKind.RESOURCE_EXHAUSTED),
+    (EngineUnavailableError, ErrorKind.UNAVAILABLE),
+    (EngineDeadError, ErrorKind.UNAVAILABLE),
 )
-
-
-def status_for(error: BaseException) -> grpc.StatusCode:
-    for kind, code in _CODES:
-        if isinstance(error, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
 
 
 async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) -> None:
     """End the call with the error's status; the message names the bad field where known."""
-    code = status_for(error)
-    message = str(error) if code != grpc.StatusCode.INTERNAL else \
-        f"internal error: {type(error).__name__}"
-    await context.abort(code, message)
+    await errors.abort_with(context, error, KINDS)

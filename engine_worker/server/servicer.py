@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +20,7 @@ from engine_worker.server.errors import abort_with
 from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
 from quire.tokenizer_digest import TOKENIZER_FILES, tokenizer_dir_digest
 from quire.kv_events import batch_to_proto, snapshot_to_proto
+from quire.load_stream import load_reports
 from quire.tracing import traced_generate
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
@@ -99,13 +99,14 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         return pb.TokenizerFiles(files=files, digest=self._tokenizer_digest)
 
     async def StreamLoad(self, request: pb.StreamLoadRequest, context):
-        interval_s = max(10, request.interval_ms or 1000) / 1000
-        while True:
-            load = self.engine.load
-            yield pb.LoadReport(num_running=load.num_running, num_waiting=load.num_waiting,
-                                num_queued_tokens=load.num_queued_tokens,
-                                kv_cache_usage=load.kv_cache_usage, timestamp_s=time.time())
-            await asyncio.sleep(interval_s)
+        async for report in load_reports(request, self._load_report):
+            yield report
+
+    def _load_report(self) -> pb.LoadReport:
+        load = self.engine.load
+        return pb.LoadReport(num_running=load.num_running, num_waiting=load.num_waiting,
+                             num_queued_tokens=load.num_queued_tokens,
+                             kv_cache_usage=load.kv_cache_usage)
 
     async def StreamKVEvents(self, request, context):
         try:

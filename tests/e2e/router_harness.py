@@ -47,8 +47,16 @@ class RunningRouter(LoopThread):
         return self.call(run())
 
     def matches(self, token_ids) -> dict[str, int]:
+        """Leading blocks of the prompt each engine holds, as its KV feed reports them."""
         hashes = hash_block_tokens(token_ids, 16)
-        return self.read(lambda: self.server.pool.index.match(hashes))
+        matches = {}
+        for engine_id, cached in self.read(self.server.pool.cached_blocks).items():
+            num_blocks = 0
+            while num_blocks < len(hashes) and hashes[num_blocks] in cached:
+                num_blocks += 1
+            if num_blocks:
+                matches[engine_id] = num_blocks
+        return matches
 
     def healthy(self) -> dict[str, bool]:
         return self.read(lambda: {eid: c.healthy for eid, c in self.server.pool.clients.items()})

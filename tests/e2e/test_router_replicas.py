@@ -9,10 +9,7 @@ from tests.e2e.router_harness import RunningRouter, start_engine as _start_engin
 
 
 def _index(router: RunningRouter) -> dict[str, frozenset[int]]:
-    async def read():
-        index = router.server.pool.index
-        return {engine_id: index.block_hashes(engine_id) for engine_id in index.engine_ids()}
-    return router.call(read())
+    return router.read(router.server.pool.cached_blocks)
 
 
 def _truth(engines) -> dict[str, frozenset[int]]:

@@ -10,6 +10,8 @@ import asyncio
 import contextlib
 import dataclasses
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -430,3 +432,13 @@ def test_k8s_without_any_cluster_config_is_a_config_error(tmp_path, monkeypatch)
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
     with raises_for("discovery"):
         make_discovery(k8s_config())
+
+
+def test_discovery_modules_do_not_import_each_other():
+    """Both import router.endpoint; the registry imports the Kubernetes one only when asked."""
+    code = ("import sys, router.discovery_k8s; assert 'router.discovery' not in sys.modules; "
+            "import router.discovery; assert router.discovery.Endpoint is "
+            "router.discovery_k8s.Endpoint")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    code = "import sys, router.discovery; assert 'router.discovery_k8s' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

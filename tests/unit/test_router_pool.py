@@ -14,6 +14,12 @@ def _pool() -> EnginePool:
     return EnginePool(StaticDiscovery([]), approx_index_blocks=64)
 
 
+def _cached(pool: EnginePool, block_hashes) -> dict[str, int]:
+    """What the balancer would see: leading blocks held, per engine holding any."""
+    return {s.engine_id: s.cached_blocks for s in pool.candidates(block_hashes)
+            if s.cached_blocks}
+
+
 def test_reconcile_adds_removes_and_replaces_moved_engines():
     async def scenario():
         pool = _pool()
@@ -25,7 +31,8 @@ def test_reconcile_adds_removes_and_replaces_moved_engines():
         await pool.reconcile(frozenset({Endpoint("a", "10.0.0.9:1")}))
         assert sorted(pool.clients) == ["a"] and pool.clients["a"] is not first_a
         assert pool.clients["a"].address == "10.0.0.9:1"
-        assert pool.approx.num_blocks("b") == 0
+        await pool.reconcile(frozenset({Endpoint("a", "10.0.0.9:1"), Endpoint("b", "10.0.0.2:1")}))
+        assert _cached(pool, [1, 2, 3]) == {}  # b came back with no history
         await pool.stop()
     asyncio.run(scenario())
 
@@ -34,14 +41,14 @@ def test_match_uses_the_kv_feed_where_alive_and_routing_history_elsewhere():
     async def scenario():
         pool = _pool()
         await pool.reconcile(frozenset({Endpoint("live", "h:1"), Endpoint("blind", "h:2")}))
-        pool.index.reset_from_snapshot("live", KVCacheSnapshot(seq=1, block_hashes=frozenset({11, 12})))
-        pool.clients["live"].kv_feed_alive = True
+        live = pool.clients["live"]
+        pool.kv_snapshot(live, KVCacheSnapshot(seq=1, block_hashes=frozenset({11, 12})))
         pool.record("live", [11, 12, 13])  # history never overrides a live feed
         pool.record("blind", [11, 12, 13])
-        assert pool.match([11, 12, 13, 14]) == {"live": 2, "blind": 3}
-        pool.clients["live"].kv_feed_alive = False  # its feed broke: history takes over
-        pool.index.remove_engine("live")
-        assert pool.match([11, 12, 13, 14]) == {"live": 3, "blind": 3}
+        assert _cached(pool, [11, 12, 13, 14]) == {"live": 2, "blind": 3}
+        pool.kv_feed_lost(live)  # its feed broke: history takes over
+        assert _cached(pool, [11, 12, 13, 14]) == {"live": 3, "blind": 3}
+        assert [s.engine_id for s in pool.candidates([11], exclude={"live"})] == ["blind"]
         await pool.stop()
     asyncio.run(scenario())
 

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from quire.block_hash import hash_block_tokens
-from quire.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheMirror,
-                             KVCacheSnapshot, KVEventBatch)
+from quire.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheDiff,
+                             KVCacheMirror, KVCacheSnapshot, KVEventBatch)
 from router.prefix_index import ApproximateIndex, PrefixIndex
 
 BLOCK_SIZE = 4
@@ -85,8 +85,7 @@ def test_snapshot_plus_events_equals_mirror(seed):
         assert reference.apply(b)
         assert index.apply("e1", b)
         assert index.block_hashes("e1") == reference.block_hashes
-    assert index.seq("e1") == reference.seq == 60
-    assert not index.is_stale("e1")
+    assert reference.seq == 60
     # replaying an already applied batch is ignored, as by the mirror
     assert index.apply("e1", batches[-3])
     assert index.block_hashes("e1") == reference.block_hashes
@@ -97,6 +96,7 @@ def test_snapshot_plus_events_equals_mirror(seed):
         while expected < len(query) and query[expected] in reference.block_hashes:
             expected += 1
         assert index.match(query).get("e1", 0) == expected
+    assert index.apply("e1", batch(61))  # the index is at batch 60, as the mirror is
 
 
 def test_events_in_one_batch_apply_in_order():
@@ -113,16 +113,14 @@ def test_gap_marks_stale_until_snapshot():
     index = PrefixIndex()
     assert index.apply("a", batch(1, stored(PROMPT[:3])))
     assert index.apply("b", batch(1, stored(PROMPT[:2])))
-    assert not index.is_stale("a")
     assert index.apply("a", batch(3, stored(PROMPT[3:4]))) is False  # batch 2 was lost
-    assert index.is_stale("a")
+    assert index.apply("a", batch(2)) is False  # stale: not even the lost batch applies now
     assert index.match(PROMPT) == {"b": 2}  # a stale engine is not guessed at
     assert index.block_hashes("a") == frozenset()
     assert index.apply("a", batch(4, stored(PROMPT[:8]))) is False  # still stale
     assert index.match(PROMPT) == {"b": 2}
 
     index.reset_from_snapshot("a", KVCacheSnapshot(seq=4, block_hashes=frozenset(PROMPT[:6])))
-    assert not index.is_stale("a")
     assert index.match(PROMPT) == {"a": 6, "b": 2}
     assert index.apply("a", batch(5, BlockRemoved(block_hashes=(PROMPT[5],))))
     assert index.match(PROMPT) == {"a": 5, "b": 2}
@@ -133,7 +131,10 @@ def test_snapshot_replaces_previous_entry():
     index.apply("a", batch(1, stored(PROMPT[:8])))
     index.reset_from_snapshot("a", KVCacheSnapshot(seq=7, block_hashes=frozenset(PROMPT[:1])))
     assert index.match(PROMPT) == {"a": 1}
-    assert index.seq("a") == 7
+    assert index.apply("a", batch(7, stored(PROMPT)))  # at or below the snapshot: ignored
+    assert index.match(PROMPT) == {"a": 1}
+    assert index.apply("a", batch(8, stored(PROMPT[1:2])))  # the next one applies
+    assert index.match(PROMPT) == {"a": 2}
 
 
 def test_remove_engine():
@@ -165,19 +166,15 @@ def test_approximate_match_and_lru_bound():
     second = hashes(list(range(100, 116)))  # 4 blocks
     index.record("a", first)
     assert index.match(first) == {"a": 4}
-    assert index.num_blocks("a") == 4
 
     index.record("a", second)
     # bounded at 6: the two least recently used go, and those are the *tail* of ``first``
-    assert index.num_blocks("a") == 6
-    assert index.block_hashes("a") == (first[1], first[0], *reversed(second))
     assert index.match(first) == {"a": 2}
     assert index.match(second) == {"a": 4}
 
     index.record("a", first[:1])  # touching first[0] makes it the most recently used
-    third = hashes(list(range(200, 212)))  # 3 new blocks evict the 3 oldest
+    third = hashes(list(range(200, 212)))  # evicts first[1], second[3], second[2]
     index.record("a", third)
-    assert index.block_hashes("a") == (second[1], second[0], first[0], *reversed(third))
     assert index.match(first) == {"a": 1}
     assert index.match(second) == {"a": 2}
     assert index.match(third) == {"a": 3}
@@ -197,3 +194,18 @@ def test_approximate_engines_are_independent_and_removable():
 def test_approximate_bound_validated():
     with pytest.raises(ValueError, match="max_blocks_per_engine"):
         ApproximateIndex(max_blocks_per_engine=0)
+
+
+def test_mirror_diff_is_net_within_a_batch():
+    mirror = KVCacheMirror.from_snapshot(KVCacheSnapshot(seq=0, block_hashes=frozenset({1, 2})))
+    diff = mirror.apply_diff(batch(1, stored([3, 4]), BlockRemoved(block_hashes=(4, 1)),
+                                   stored([1, 5])))
+    assert (diff.added, diff.removed) == ({3, 5}, set())  # 4 came and went; 1 went and came
+    assert mirror.block_hashes == {1, 2, 3, 5}
+    diff = mirror.apply_diff(batch(2, AllBlocksCleared(), stored([2])))
+    assert (diff.added, diff.removed) == (set(), {1, 3, 5})
+    assert mirror.apply_diff(batch(2, stored([9]))) == KVCacheDiff(frozenset(), frozenset())
+    assert mirror.apply_diff(batch(4)) is None  # batch 3 is missing
+    assert (mirror.seq, mirror.block_hashes) == (2, {2})
+    with pytest.raises(TypeError, match="unknown KV event"):
+        mirror.apply_diff(batch(3, "not an event"))

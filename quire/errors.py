@@ -1,0 +1,64 @@
+"""The one mapping of error kinds to gRPC and HTTP statuses, shared by the engine and the router.
+
+Each application lists which of its exceptions is which kind (``engine_worker.server.errors``,
+``router.errors``) and aborts calls with ``abort_with``; the router's HTTP front turns a gRPC
+status into an HTTP one with ``http_status``. A message names the offending field where known;
+an internal error's message names only the exception type (never internals).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import grpc
+
+
+class ErrorKind(enum.Enum):
+    """(gRPC status, HTTP status) of each kind of failure."""
+
+    INVALID_ARGUMENT = (grpc.StatusCode.INVALID_ARGUMENT, 400)
+    OUT_OF_RANGE = (grpc.StatusCode.OUT_OF_RANGE, 400)
+    UNAUTHENTICATED = (grpc.StatusCode.UNAUTHENTICATED, 401)
+    NOT_FOUND = (grpc.StatusCode.NOT_FOUND, 404)
+    RESOURCE_EXHAUSTED = (grpc.StatusCode.RESOURCE_EXHAUSTED, 429)
+    UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, 503)
+    DEADLINE_EXCEEDED = (grpc.StatusCode.DEADLINE_EXCEEDED, 504)
+    INTERNAL = (grpc.StatusCode.INTERNAL, 500)
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return self.value[0]
+
+    @property
+    def http_status(self) -> int:
+        return self.value[1]
+
+
+_HTTP_FOR_GRPC = {kind.grpc_code: kind.http_status for kind in ErrorKind}
+
+# (exception type, kind), first match wins: an application's table of its own errors.
+ErrorKinds = Sequence[tuple[type[BaseException], ErrorKind]]
+
+
+def http_status(code: grpc.StatusCode) -> int:
+    """The HTTP status for a gRPC status (500 for one no kind names)."""
+    return _HTTP_FOR_GRPC.get(code, 500)
+
+
+def status_for(error: BaseException, kinds: ErrorKinds) -> tuple[grpc.StatusCode, str]:
+    """(code, message) for ``error``. A status from upstream (an engine's, seen by the router)
+    is relayed as it came."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.code(), error.details() or ""
+    for exception_type, kind in kinds:
+        if isinstance(error, exception_type):
+            return kind.grpc_code, str(error)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}"
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: BaseException,
+                     kinds: ErrorKinds) -> None:
+    """End the call with the error's status."""
+    code, message = status_for(error, kinds)
+    await context.abort(code, message)

@@ -1,0 +1,50 @@
+"""The OpenAI front needs only its FrontSeam: health, models and keys follow the router state the
+seam reports, with no RouterServer, engine or gRPC front behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+from router.auth import ApiKeys
+from router.config import RouterServerConfig
+from router.metrics import RouterMetrics
+from router.openai_api import FrontSeam, OpenAIFront
+
+
+def _get(port: int, path: str, key: str | None = None) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_health_models_and_keys_follow_the_seam():
+    states = {"serving": 0, "not_serving": 0, "unreachable": 1, "refused": 0}
+    draining = [False]
+    seam = FrontSeam(grpc_port=1, keys=ApiKeys(["k1"]), session_header="x-session-id",
+                     model_name=lambda: "m", tokenizer=lambda: None,
+                     engine_states=lambda: dict(states), draining=lambda: draining[0])
+
+    async def scenario():
+        front = OpenAIFront(seam, RouterServerConfig(), RouterMetrics(lambda: dict(states)))
+        port = await front.start()
+        try:
+            health = await asyncio.to_thread(_get, port, "/health")
+            assert health == (503, {"serving_engines": 0, "engines": states})
+            states.update(serving=1, unreachable=0)
+            assert (await asyncio.to_thread(_get, port, "/health"))[0] == 200
+            draining[0] = True
+            assert (await asyncio.to_thread(_get, port, "/health"))[0] == 503
+            status, body = await asyncio.to_thread(_get, port, "/v1/models")
+            assert status == 401 and body["error"]["param"] == "authorization"
+            status, body = await asyncio.to_thread(_get, port, "/v1/models", "k1")
+            assert status == 200 and [m["id"] for m in body["data"]] == ["m"]
+        finally:
+            await front.stop()
+    asyncio.run(scenario())
