@@ -55,7 +55,8 @@ class RouterServer:
             credentials=tls.credentials(), server_name=tls.engine_tls_server_name)
         self.pool = EnginePool(discovery_impl or make_discovery(discovery), tokenizer=tokenizer,
                                options=options,
-                               approx_index_blocks=placement.approx_index_blocks)
+                               approx_index_blocks=placement.approx_index_blocks,
+                               vllm_block_size=placement.vllm_block_size)
         self.metrics = RouterMetrics(self.engine_states)
         self.tracing = tracing
         self.servicer = RouterServicer(

@@ -75,6 +75,11 @@ class DiscoveryConfig:
     k8s_label_selector: str | None = None  # ... or of this label selector
     k8s_port_name: str = "grpc"  # EndpointSlice port name (falls back to engine_port)
     k8s_watch_timeout_s: int = 300  # a watch ends after this; the router re-lists
+    # dns / kubernetes: what the discovered engines are ("quire" gRPC, or "vllm" HTTP servers
+    # at engine_port); a static list names each engine's kind in its URL (vllm://host:port)
+    engine_kind: str = "quire"
+    vllm_kv_events_port: int | None = None  # vllm: every pod's KV-event PUB port (None: off)
+    vllm_kv_replay_port: int | None = None  # vllm: every pod's replay port (None: no replay)
 
     def __post_init__(self) -> None:
         _check(self.discovery in DISCOVERY_KINDS, "discovery",
@@ -84,13 +89,24 @@ class DiscoveryConfig:
         _check(self.dns_interval_s > 0, "dns_interval_s", f"must be > 0, got {self.dns_interval_s}")
         _check(self.k8s_watch_timeout_s >= 1, "k8s_watch_timeout_s",
                f"must be >= 1, got {self.k8s_watch_timeout_s}")
+        from router.endpoint import ENGINE_KINDS, parse_engine
+
+        _check(self.engine_kind in ENGINE_KINDS, "engine_kind",
+               f"must be one of {ENGINE_KINDS}, got {self.engine_kind!r}")
+        for name in ("vllm_kv_events_port", "vllm_kv_replay_port"):
+            value = getattr(self, name)
+            _check(value is None or 0 < value < 65536, name, f"must be in (0, 65536), got {value}")
         if self.discovery == "static":
             _check(bool(self.static_addresses()), "engines",
                    "static discovery needs at least one host:port")
-            for address in self.static_addresses():
+            for spec in self.static_addresses():
+                try:
+                    address = parse_engine(spec).address
+                except ValueError as e:
+                    raise ValueError(str(e)) from None
                 host, sep, port = address.rpartition(":")
                 _check(bool(sep and host and port.isdigit()), "engines",
-                       f"{address!r} is not host:port")
+                       f"{spec!r} is not host:port")
         elif self.discovery == "dns":
             _check(bool(self.dns_name), "dns_name", "dns discovery needs a name to resolve")
         else:
@@ -125,6 +141,7 @@ class PlacementConfig:
     max_attempts: int = 2  # engines tried before the first token (1: no retry)
     load_interval_ms: int = 100  # engines' load report period
     approx_index_blocks: int = 65536  # per engine, for engines whose KV-event feed is down
+    vllm_block_size: int = 16  # vLLM engines' KV block size (vLLM's default; its CPU build: 128)
     prefill_tokens_per_s: float = 2000.0  # prefix_aware's estimate of an engine's prefill rate
     connect_timeout_s: float = 10.0
     reconnect_max_backoff_s: float = 5.0
@@ -140,6 +157,8 @@ class PlacementConfig:
                f"must be >= 10, got {self.load_interval_ms}")
         _check(self.approx_index_blocks >= 1, "approx_index_blocks",
                f"must be >= 1, got {self.approx_index_blocks}")
+        _check(self.vllm_block_size >= 1, "vllm_block_size",
+               f"must be >= 1, got {self.vllm_block_size}")
         _check(self.prefill_tokens_per_s > 0, "prefill_tokens_per_s",
                f"must be > 0, got {self.prefill_tokens_per_s}")
         _check(self.connect_timeout_s > 0, "connect_timeout_s",
@@ -199,7 +218,15 @@ HELP = {
     "request_timeout_s": "deadline of HTTP requests",
     "drain_timeout_s": "on SIGTERM, how long in-flight requests may finish",
     "discovery": "static, dns or kubernetes",
-    "engines": "static discovery: comma-separated engine addresses host:port",
+    "engines": "static discovery: comma-separated engines: host:port (a Quire engine) or "
+               "vllm://host:port?kv_events=tcp://host:5557&kv_replay=tcp://host:5558 (a vLLM "
+               "server and its KV-event endpoints)",
+    "engine_kind": "dns / kubernetes discovery: quire, or vllm (vLLM's OpenAI server at "
+                   "engine_port)",
+    "vllm_kv_events_port": "dns / kubernetes with engine_kind vllm: every pod's KV-event port",
+    "vllm_kv_replay_port": "dns / kubernetes with engine_kind vllm: every pod's replay port",
+    "vllm_block_size": "vLLM engines' KV block size (vLLM does not report it; its CPU build "
+                       "uses 128, GPU builds 16); KV events override it",
     "dns_name": "dns discovery: name to resolve (e.g. the engines' headless Service)",
     "engine_port": "dns / kubernetes discovery: the engines' gRPC port",
     "k8s_namespace": "kubernetes discovery: namespace (default: this pod's)",

@@ -27,13 +27,14 @@ and static or DNS routers do not need it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 from router.config import DiscoveryConfig
-from router.endpoint import Discovery, Endpoint, join_host_port
+from router.endpoint import Discovery, Endpoint, join_host_port, parse_engine
 
 __all__ = ["DISCOVERIES", "Discovery", "DnsDiscovery", "Endpoint", "StaticDiscovery",
            "join_host_port", "make_discovery"]
@@ -51,7 +52,8 @@ class StaticDiscovery:
     name = "static"
 
     def __init__(self, addresses: Iterable[str]) -> None:
-        self._endpoints = frozenset(Endpoint(a, a) for a in addresses)
+        # "host:port" (a Quire engine) or "vllm://host:port?kv_events=...&kv_replay=..."
+        self._endpoints = frozenset(parse_engine(a) for a in addresses)
 
     @classmethod
     def from_config(cls, cfg: DiscoveryConfig, **_: Any) -> StaticDiscovery:
@@ -121,8 +123,37 @@ DISCOVERIES: dict[str, Callable[..., Discovery]] = {
 }
 
 
+class EngineKindDiscovery:
+    """Another discovery's endpoints as engines of one kind: DNS and Kubernetes find
+    addresses; this says they are vLLM servers and where each publishes its KV events (the
+    same ports on every pod)."""
+
+    def __init__(self, inner: Discovery, kind: str, kv_events_port: int | None = None,
+                 kv_replay_port: int | None = None) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.kind = kind
+        self.kv_events_port = kv_events_port
+        self.kv_replay_port = kv_replay_port
+
+    def _endpoint(self, endpoint: Endpoint) -> Endpoint:
+        host = endpoint.address.rpartition(":")[0]
+        tcp = lambda port: None if port is None else f"tcp://{host}:{port}"  # noqa: E731
+        return Endpoint(endpoint.engine_id, endpoint.address, self.kind,
+                        tcp(self.kv_events_port), tcp(self.kv_replay_port))
+
+    async def updates(self) -> AsyncIterator[frozenset[Endpoint]]:
+        async with contextlib.aclosing(self.inner.updates()) as updates:
+            async for endpoints in updates:
+                yield frozenset(self._endpoint(e) for e in endpoints)
+
+
 def make_discovery(cfg: DiscoveryConfig, *, resolver: Resolver | None = None,
                    api_client: Any = None) -> Discovery:
     """The discovery ``cfg.discovery`` names. ``resolver`` (DNS) and ``api_client`` (Kubernetes)
     replace the system resolver and the in-cluster / kubeconfig client, for tests."""
-    return DISCOVERIES[cfg.discovery](cfg, resolver=resolver, api_client=api_client)
+    discovery = DISCOVERIES[cfg.discovery](cfg, resolver=resolver, api_client=api_client)
+    if cfg.discovery != "static" and cfg.engine_kind != "quire":
+        discovery = EngineKindDiscovery(discovery, cfg.engine_kind, cfg.vllm_kv_events_port,
+                                        cfg.vllm_kv_replay_port)
+    return discovery

@@ -13,6 +13,34 @@ from typing import Protocol
 class Endpoint:
     engine_id: str  # stable id: with Kubernetes the targetRef (pod) name, else the address
     address: str  # "host:port" ("[v6addr]:port" for IPv6)
+    kind: str = "quire"  # "quire" (gRPC engine) or "vllm" (vLLM's OpenAI HTTP server)
+    kv_events: str | None = None  # vllm: its KV-event ZMQ PUB endpoint (None: events off)
+    kv_replay: str | None = None  # vllm: its replay (ROUTER) endpoint
+
+
+ENGINE_KINDS = ("quire", "vllm")
+
+
+def parse_engine(spec: str) -> Endpoint:
+    """One static engine: ``host:port`` (a Quire engine) or
+    ``vllm://host:port?kv_events=tcp://host:5557&kv_replay=tcp://host:5558``."""
+    from urllib.parse import parse_qs, urlsplit
+
+    spec = spec.strip()
+    if "://" not in spec:
+        return Endpoint(spec, spec)
+    url = urlsplit(spec)
+    if url.scheme not in ENGINE_KINDS:
+        raise ValueError(f"engines: {spec!r}: the kind must be one of {ENGINE_KINDS}")
+    query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+    unknown = set(query) - {"kv_events", "kv_replay"}
+    if unknown:
+        raise ValueError(f"engines: {spec!r}: unknown option(s) {sorted(unknown)} (known: "
+                         "kv_events, kv_replay)")
+    if not url.netloc:
+        raise ValueError(f"engines: {spec!r} names no host:port")
+    return Endpoint(url.netloc, url.netloc, url.scheme, query.get("kv_events"),
+                    query.get("kv_replay"))
 
 
 class Discovery(Protocol):

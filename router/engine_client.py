@@ -39,7 +39,8 @@ from router.backoff import Backoff
 logger = logging.getLogger(__name__)
 
 ENGINE_SERVICE = "quire.v1.EngineService"
-_CHECKED_FIELDS = ("block_size", "block_hash_algorithm", "block_hash_seed", "tokenizer_digest")
+# Not the block size: the router hashes each prompt at every block size its engines use.
+_CHECKED_FIELDS = ("block_hash_algorithm", "block_hash_seed", "tokenizer_digest")
 
 
 @dataclass(frozen=True, slots=True)

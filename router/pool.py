@@ -31,6 +31,7 @@ from router.balancer import EndpointSnapshot
 from router.endpoint import Discovery, Endpoint
 from router.engine_client import (ClientOptions, EngineClient, EngineMismatchError, EngineState,
                                   ModelExpectation, compare_model_info)
+from router.vllm_client import VllmEngineClient, VllmOptions
 from router.prefix_index import ApproximateIndex, PrefixIndex
 from router.tokenizer import RouterTokenizer
 
@@ -50,6 +51,18 @@ class ModelIdentity:
         return self.expected.block_size
 
 
+@dataclass(frozen=True, slots=True)
+class PromptHashes:
+    """A prompt's full-block hashes at every block size the pool's engines use: engines of
+    different kinds (a Quire engine's 16-token blocks, a vLLM CPU engine's 128) are matched
+    each at its own block size."""
+
+    by_block_size: Mapping[int, tuple[int, ...]]
+
+    def at(self, block_size: int) -> tuple[int, ...]:
+        return self.by_block_size.get(block_size, ())
+
+
 @dataclass(slots=True)
 class _Member:
     """One engine's routing state; only the pool writes it."""
@@ -65,8 +78,9 @@ class EnginePool:
 
     def __init__(self, discovery: Discovery, *, tokenizer: RouterTokenizer | None = None,
                  options: ClientOptions = ClientOptions(),
-                 approx_index_blocks: int = 65536) -> None:
+                 approx_index_blocks: int = 65536, vllm_block_size: int = 16) -> None:
         self.discovery = discovery
+        self.vllm_block_size = vllm_block_size  # vLLM does not report it (its CPU build: 128)
         self.given_tokenizer = tokenizer
         self.options = options
         self._exact = PrefixIndex()
@@ -114,11 +128,20 @@ class EnginePool:
         for engine_id, endpoint in sorted(wanted.items()):
             if engine_id not in self._members:
                 logger.info("engine %s at %s joined the pool", engine_id, endpoint.address)
-                client = EngineClient(engine_id, endpoint.address, reports=self,
-                                      options=self.options)
+                client = self._client(endpoint)
                 self._members[engine_id] = _Member(client)
                 client.start()
         self._notify()
+
+    def _client(self, endpoint: Endpoint) -> EngineClient | VllmEngineClient:
+        """A client of the endpoint's engine kind (``quire`` gRPC or ``vllm`` HTTP)."""
+        if endpoint.kind == "vllm":
+            return VllmEngineClient(
+                endpoint.engine_id, endpoint.address, reports=self, options=self.options,
+                vllm=VllmOptions(block_size=self.vllm_block_size, kv_events=endpoint.kv_events,
+                                 kv_replay=endpoint.kv_replay))
+        return EngineClient(endpoint.engine_id, endpoint.address, reports=self,
+                            options=self.options)
 
     def _forget(self, engine_id: str) -> None:
         self._exact.remove_engine(engine_id)
@@ -169,11 +192,19 @@ class EnginePool:
         async with self._identity_lock:
             if self.identity is None:
                 self.identity = await self._establish(client, info)
-        compare_model_info(client.engine_id, self.identity.expected, info)
+        if getattr(client, "kind", "quire") == "vllm":
+            if info.model_name != self.identity.model_name:
+                raise EngineMismatchError(client.engine_id, {"model_name": (
+                    self.identity.model_name, info.model_name)})
+        else:
+            compare_model_info(client.engine_id, self.identity.expected, info)
         self._notify()
 
     async def _establish(self, client: EngineClient, info: pb.ModelInfo) -> ModelIdentity:
         tokenizer = self.given_tokenizer
+        if tokenizer is None and getattr(client, "kind", "quire") == "vllm":
+            raise EngineMismatchError(client.engine_id, {"tokenizer": (
+                "the router's --tokenizer (a vLLM engine serves no tokenizer files)", None)})
         if tokenizer is None:
             answer = await client.stub.GetTokenizer(pb.GetTokenizerRequest(),
                                                     timeout=self.options.connect_timeout_s)
@@ -222,14 +253,37 @@ class EnginePool:
         return {engine_id: self._exact.block_hashes(engine_id)
                 for engine_id in self._exact.engine_ids()}
 
-    def candidates(self, block_hashes: Sequence[int],
+    def block_sizes(self) -> frozenset[int]:
+        """The block sizes of the admitted engines (the identity's first)."""
+        sizes = {m.client.info.block_size for m in self._members.values()
+                 if m.client.info is not None and m.client.info.block_size}
+        if self.identity is not None:
+            sizes.add(self.identity.block_size)
+        return frozenset(sizes)
+
+    def candidates(self, block_hashes: PromptHashes | Sequence[int],
                    exclude: Collection[str] = ()) -> list[EndpointSnapshot]:
         """Every member not in ``exclude`` as the balancer sees it now, with the leading blocks
-        of ``block_hashes`` it holds: from the engine's KV feed where it is alive, else from the
-        router's own routing history (approximate)."""
-        matches = self._match(block_hashes)
+        of the prompt it holds (at its own block size; a plain sequence of hashes is taken as
+        every engine's): from the engine's KV feed where it is alive, else from the router's
+        own routing history (approximate)."""
+        members = {eid: m for eid, m in self._members.items() if eid not in exclude}
+        by_size: dict[int, list[str]] = {}
+        for engine_id, member in members.items():
+            by_size.setdefault(self._block_size(member), []).append(engine_id)
+        matches: dict[str, int] = {}
+        for block_size, engine_ids in by_size.items():
+            hashes = (block_hashes.at(block_size) if isinstance(block_hashes, PromptHashes)
+                      else block_hashes)
+            found = self._match(hashes)
+            matches.update({eid: found[eid] for eid in engine_ids if eid in found})
         return [self._snapshot(member, matches.get(engine_id, 0))
-                for engine_id, member in self._members.items() if engine_id not in exclude]
+                for engine_id, member in members.items()]
+
+    def _block_size(self, member: _Member) -> int:
+        info = member.client.info
+        return info.block_size if info is not None and info.block_size else (
+            self.identity.block_size if self.identity is not None else 1)
 
     def _match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         precise = self._exact.match(block_hashes)
@@ -246,7 +300,7 @@ class EnginePool:
         load = member.load if member.load is not None else pb.LoadReport()
         return EndpointSnapshot(
             engine_id=client.engine_id, healthy=client.healthy, cached_blocks=cached_blocks,
-            block_size=client.info.block_size if client.info else 1,
+            block_size=self._block_size(member),
             num_running=load.num_running, num_waiting=load.num_waiting,
             num_queued_tokens=load.num_queued_tokens,
             kv_cache_usage=min(max(load.kv_cache_usage, 0.0), 1.0),
@@ -259,7 +313,7 @@ class EnginePool:
         self._approx.record(engine_id, block_hashes)
 
     async def generate(self, engine_id: str, request: pb.GenerateRequest, *,
-                       block_hashes: Sequence[int], num_uncached_tokens: int,
+                       block_hashes: PromptHashes | Sequence[int], num_uncached_tokens: int,
                        timeout_s: float | None = None,
                        metadata: tuple[tuple[str, str], ...] = ()
                        ) -> AsyncIterator[pb.GenerateResponse]:
@@ -270,7 +324,8 @@ class EnginePool:
         the router expects it to cost) counts as the engine's in-flight work until the first
         message: the engine's load reports lag behind."""
         member = self._members[engine_id]
-        self.record(engine_id, block_hashes)
+        self.record(engine_id, block_hashes.at(self._block_size(member))
+                    if isinstance(block_hashes, PromptHashes) else block_hashes)
         num_tokens = num_uncached_tokens
         member.inflight_tokens += num_tokens
         stream = member.client.generate(request, timeout_s=timeout_s, metadata=metadata)

@@ -30,7 +30,7 @@ from quire.v1 import engine_pb2_grpc
 from router.balancer import Decision, NoEndpointError, Policy, RoutingRequest, choose
 from router.errors import RETRYABLE_CODES, abort_with
 from router.metrics import DecisionRecord, RouterMetrics
-from router.pool import EnginePool, ModelIdentity
+from router.pool import EnginePool, ModelIdentity, PromptHashes
 
 if TYPE_CHECKING:
     from router.tracing import RouterSpan
@@ -44,7 +44,8 @@ _LONG_TEXT_CHARS = 512  # shorter prompts tokenize faster than a thread hop cost
 @dataclass(frozen=True, slots=True)
 class RoutedPrompt:
     token_ids: tuple[int, ...]
-    block_hashes: tuple[int, ...]
+    block_hashes: tuple[int, ...]  # at the router's first block size
+    hashes: PromptHashes  # at every block size the pool's engines use
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +112,11 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         else:
             raise ValueError("prompt: set either text or token_ids")
         token_ids = tuple(token_ids)
-        hashes = identity.tokenizer.block_hashes(token_ids, identity.block_size,
-                                                 cache_salt=request.cache_salt or None)
-        return RoutedPrompt(token_ids=token_ids, block_hashes=tuple(hashes))
+        salt = request.cache_salt or None
+        by_size = {size: tuple(identity.tokenizer.block_hashes(token_ids, size, cache_salt=salt))
+                   for size in self.pool.block_sizes() | {identity.block_size}}
+        return RoutedPrompt(token_ids=token_ids, block_hashes=by_size[identity.block_size],
+                            hashes=PromptHashes(by_size))
 
     def place(self, prompt: RoutedPrompt, exclude: set[str],
               session_key: str | None = None) -> Decision:
@@ -121,7 +124,7 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         return choose(RoutingRequest(block_hashes=prompt.block_hashes,
                                      num_prompt_tokens=len(prompt.token_ids),
                                      session_key=session_key),
-                      self.pool.candidates(prompt.block_hashes, exclude), self.policy)
+                      self.pool.candidates(prompt.hashes, exclude), self.policy)
 
     def _session_key(self, context) -> str | None:
         for key, value in context.invocation_metadata() or ():
@@ -161,7 +164,7 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
             engine_id = decision.engine_id
             tried.add(engine_id)
             stream = self.pool.generate(
-                engine_id, forward, block_hashes=prompt.block_hashes,
+                engine_id, forward, block_hashes=prompt.hashes,
                 num_uncached_tokens=len(prompt.token_ids) - decision.predicted_cached_tokens,
                 timeout_s=context.time_remaining(), metadata=span.metadata if span else ())
             relayed = False

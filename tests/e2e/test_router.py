@@ -92,27 +92,27 @@ def test_the_router_fetches_the_engines_tokenizer(router, tiny_model_dir):
     assert identity.tokenizer.encode(text) == local.encode(text)
 
 
-def test_an_engine_with_another_block_size_is_refused(engines, tiny_model_dir, caplog):
+def test_engines_with_different_block_sizes_share_a_pool(engines, tiny_model_dir):
+    """A 32-token-block engine beside 16-token ones is admitted (the router hashes each prompt
+    at every block size in the pool) and a prefix it cached pulls its requests to it."""
     odd = _start_engine(tiny_model_dir, block_size=32)
-    caplog.set_level(logging.ERROR, logger="router.engine_client")
     router = RunningRouter([address(engines[0])])
     try:
-        # the odd engine shows up after the first one fixed the router's model identity
         from router.discovery import Endpoint
 
         members = frozenset(Endpoint(address(e), address(e)) for e in (engines[0], odd))
         router.call(router.server.pool.reconcile(members))
-        assert _wait_for(lambda: address(odd) in router.read(router.server.pool.refused))
-        refusal = router.read(router.server.pool.refused)[address(odd)]
-        assert list(refusal.differences) == ["block_size"]
-        assert refusal.differences["block_size"] == (16, 32)
-        assert any("refusing" in r.getMessage() and "block_size" in r.getMessage()
-                   for r in caplog.records)
-        for i in range(3):  # never placed there
-            tokens, _ = _collect(router.stub.Generate(_request(list(range(50 + i, 90))),
-                                                      timeout=TIMEOUT_S))
-            assert len(tokens) == 8 and router.last_engine() == address(engines[0])
-        assert router.healthy() == {address(engines[0]): True, address(odd): False}
+        assert _wait_for(lambda: router.healthy() == {address(engines[0]): True,
+                                                      address(odd): True})
+        assert router.read(router.server.pool.refused) == {}
+        assert router.read(router.server.pool.block_sizes) == {16, 32}
+        prefix = list(range(5000, 5096))  # 3 blocks of 32, 6 of 16
+        _collect(odd.stub.Generate(_request(prefix + [1]), timeout=TIMEOUT_S))
+        hashes32 = hash_block_tokens(prefix, 32)
+        assert _wait_for(lambda: set(hashes32) <= router.read(
+            router.server.pool.cached_blocks).get(address(odd), frozenset()))
+        _, last = _collect(router.stub.Generate(_request(prefix + [2, 3]), timeout=TIMEOUT_S))
+        assert router.last_engine() == address(odd) and last.usage.cached_tokens >= 64
     finally:
         router.close()
         odd.close()

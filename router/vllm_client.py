@@ -1,0 +1,315 @@
+"""A vLLM engine (``vllm serve``'s OpenAI HTTP server) as the router reaches it: the same
+surface as ``router.engine_client.EngineClient``, so the pool, the balancer and both fronts
+treat it as any other engine.
+
+- Requests go to ``/v1/completions`` with the prompt as token ids (the router tokenized and
+  rendered the template once), streamed (``return_token_ids``, usage with cached tokens), and
+  come back as ``quire.v1`` ``GenerateResponse`` messages. Closing the stream closes the HTTP
+  response, which aborts the request in vLLM. The client's W3C ``traceparent`` is forwarded.
+- Health: ``/health`` polled; load: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``
+  and ``vllm:kv_cache_usage_perc`` from ``/metrics``.
+- KV events: vLLM's ZMQ publisher (``router.vllm_events``), re-hashed into the router's domain
+  at vLLM's block size; without an event endpoint the pool's approximate index stands in.
+- Admission: ``/v1/models`` must serve the model the pool serves; the block size comes from
+  the client's options (vLLM does not report it) and the hashing fields are the router's own.
+
+Upstream failures surface as ``grpc.aio.AioRpcError`` with the code a Quire engine would give,
+so retries and error mapping work unchanged: no connection -> UNAVAILABLE (retried on another
+engine before the first message), HTTP 400 -> INVALID_ARGUMENT, 429/503 -> RESOURCE_EXHAUSTED
+/ UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
+from quire.kv_events import BlockStored, KVCacheSnapshot, KVEventBatch
+from quire.v1 import engine_pb2 as pb
+from router.backoff import Backoff
+from router.engine_client import ClientOptions, EngineMismatchError, EngineReports, EngineState
+from router.vllm_events import VllmKVEventFeed
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+           "abort": pb.FINISH_REASON_ABORT}
+_HTTP_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.INVALID_ARGUMENT,
+               413: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+               503: grpc.StatusCode.UNAVAILABLE}
+_LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc")
+
+
+@dataclass(frozen=True, slots=True)
+class VllmOptions:
+    """What the router must be told about a vLLM engine (its API reports neither)."""
+
+    block_size: int = 128  # vLLM's KV block size (its CPU build's default: 128)
+    kv_events: str | None = None  # the engine's ZMQ PUB endpoint, e.g. tcp://10.0.0.5:5557
+    kv_replay: str | None = None  # its replay (ROUTER) endpoint
+    health_interval_s: float = 1.0
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def parse_load(metrics_text: str) -> pb.LoadReport:
+    """The three load gauges of vLLM's Prometheus text (summed over label sets)."""
+    values = dict.fromkeys(_LOAD_METRICS, 0.0)
+    for line in metrics_text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in values:
+            try:
+                values[name] += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return pb.LoadReport(num_running=int(values["vllm:num_requests_running"]),
+                         num_waiting=int(values["vllm:num_requests_waiting"]),
+                         kv_cache_usage=values["vllm:kv_cache_usage_perc"])
+
+
+def completion_body(model: str, request: pb.GenerateRequest) -> dict:
+    """vLLM's /v1/completions body for a router request (prompt as token ids)."""
+    s = request.sampling
+    body: dict = {"model": model, "prompt": list(request.token_ids.ids), "stream": True,
+                  "stream_options": {"include_usage": True}, "return_token_ids": True,
+                  "ignore_eos": s.ignore_eos,
+                  "include_stop_str_in_output": s.include_stop_str_in_output}
+    for name in ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens",
+                 "logprobs", "prompt_logprobs", "skip_special_tokens"):
+        if s.HasField(name):
+            body[name] = getattr(s, name)
+    if s.stop:
+        body["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        body["stop_token_ids"] = list(s.stop_token_ids)
+    if request.cache_salt:
+        body["cache_salt"] = request.cache_salt
+    if request.priority:
+        body["priority"] = request.priority
+    if request.request_id:
+        body["request_id"] = request.request_id
+    return body
+
+
+def response_from_chunk(request_id: str, chunk: dict, first: bool) -> pb.GenerateResponse:
+    """One streamed vLLM chunk as a ``GenerateResponse``."""
+    message = pb.GenerateResponse(request_id=request_id)
+    for choice in chunk.get("choices") or ():
+        delta = message.outputs.add(index=choice.get("index", 0),
+                                    token_ids=choice.get("token_ids") or (),
+                                    text=choice.get("text") or "")
+        if first and choice.get("prompt_token_ids"):
+            message.prompt_token_ids[:] = choice["prompt_token_ids"]
+        reason = choice.get("finish_reason")
+        if reason:
+            delta.finish_reason = _FINISH.get(reason, pb.FINISH_REASON_STOP)
+            if choice.get("stop_reason") is not None:
+                delta.stop_reason = str(choice["stop_reason"])
+    usage = chunk.get("usage")
+    if usage:
+        details = usage.get("prompt_tokens_details") or {}
+        message.usage.CopyFrom(pb.Usage(prompt_tokens=usage.get("prompt_tokens", 0),
+                                        completion_tokens=usage.get("completion_tokens", 0),
+                                        cached_tokens=details.get("cached_tokens") or 0))
+        message.finished = True
+    return message
+
+
+class VllmEngineClient:
+    """The router's connection to one vLLM server. ``start()`` it, ``await close()`` it."""
+
+    kind = "vllm"
+
+    def __init__(self, engine_id: str, address: str, *, reports: EngineReports,
+                 options: ClientOptions = ClientOptions(),
+                 vllm: VllmOptions = VllmOptions()) -> None:
+        self.engine_id = engine_id
+        self.address = address
+        self.reports = reports
+        self.options = options
+        self.vllm = vllm
+        self.base_url = f"http://{address}"
+        self.state = EngineState.UNREACHABLE
+        self.info: pb.ModelInfo | None = None
+        self.refusal: EngineMismatchError | None = None
+        self.model: str | None = None
+        self._session = None
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        import aiohttp
+
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.options.connect_timeout_s))
+        self._tasks = [asyncio.create_task(self._supervise(), name=f"vllm {self.engine_id}")]
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        self.state = EngineState.UNREACHABLE
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def healthy(self) -> bool:
+        return self.state is EngineState.SERVING and not self._closed
+
+    def _set_state(self, state: EngineState) -> None:
+        if state is not self.state:
+            logger.log(logging.INFO if state is EngineState.SERVING else logging.WARNING,
+                       "vLLM engine %s at %s: %s -> %s", self.engine_id, self.address,
+                       self.state.value, state.value)
+            self.state = state
+            self.reports.state_changed(self)
+
+    async def _model_info(self) -> pb.ModelInfo:
+        async with self._session.get(f"{self.base_url}/v1/models") as resp:
+            resp.raise_for_status()
+            models = (await resp.json())["data"]
+        model = models[0]
+        self.model = model["id"]
+        return pb.ModelInfo(model_name=model["id"], max_model_len=model.get("max_model_len") or 0,
+                            block_size=self.vllm.block_size,
+                            block_hash_algorithm=BLOCK_HASH_ALGORITHM, block_hash_seed=ROOT_HASH,
+                            enable_prefix_caching=True)
+
+    async def _supervise(self) -> None:
+        import aiohttp
+
+        backoff = Backoff(self.options.min_backoff_s, self.options.max_backoff_s)
+        while not self._closed:
+            try:
+                info = await self._model_info()
+                await self.reports.admit(self, info)
+            except EngineMismatchError as e:
+                self.refusal = e
+                self._set_state(EngineState.REFUSED)
+                await asyncio.sleep(self.options.refused_recheck_s)
+                continue
+            except (aiohttp.ClientError, OSError, KeyError, IndexError, ValueError) as e:
+                logger.debug("vLLM engine %s unreachable: %s", self.engine_id, e)
+                self._set_state(EngineState.UNREACHABLE)
+                await backoff.sleep()
+                continue
+            self.info, self.refusal = info, None
+            feeds = [asyncio.create_task(self._follow_load()),
+                     asyncio.create_task(self._follow_kv_events())]
+            try:
+                await self._watch_health(backoff)
+            finally:
+                for task in feeds:
+                    task.cancel()
+                await asyncio.gather(*feeds, return_exceptions=True)
+                self.reports.kv_feed_lost(self)
+                self.reports.load_report(self, None)
+            self._set_state(EngineState.UNREACHABLE)
+            await backoff.sleep()
+
+    async def _watch_health(self, backoff: Backoff) -> None:
+        """Poll /health until the server stops answering."""
+        import aiohttp
+
+        while not self._closed:
+            try:
+                async with self._session.get(f"{self.base_url}/health") as resp:
+                    ok = resp.status == 200
+            except (aiohttp.ClientError, OSError):
+                return
+            self._set_state(EngineState.SERVING if ok else EngineState.NOT_SERVING)
+            backoff.reset()
+            await asyncio.sleep(self.vllm.health_interval_s)
+
+    async def _follow_load(self) -> None:
+        import aiohttp
+
+        while True:
+            try:
+                async with self._session.get(f"{self.base_url}/metrics") as resp:
+                    self.reports.load_report(self, parse_load(await resp.text()))
+            except (aiohttp.ClientError, OSError):
+                self.reports.load_report(self, None)
+            await asyncio.sleep(self.options.load_interval_ms / 1000)
+
+    async def _follow_kv_events(self) -> None:
+        if not self.vllm.kv_events:
+            self.reports.kv_feed_lost(self)  # the approximate index stands in
+            return
+        feed = VllmKVEventFeed(
+            self.vllm.kv_events, self.vllm.kv_replay,
+            on_reset=lambda: self.reports.kv_snapshot(self, KVCacheSnapshot(0, frozenset())),
+            on_batch=self._kv_batch)
+        await feed.run()
+
+    def _kv_batch(self, batch: KVEventBatch) -> bool:
+        """Apply a batch; the block size the events carry is the engine's (vLLM's API does not
+        report it, so the configured one is only a first guess)."""
+        for event in batch.events:
+            if isinstance(event, BlockStored) and self.info is not None and \
+                    event.block_size != self.info.block_size:
+                logger.warning("vLLM engine %s uses %d-token KV blocks, not %d: matching its "
+                               "cache at %d", self.engine_id, event.block_size,
+                               self.info.block_size, event.block_size)
+                self.info.block_size = event.block_size
+        return self.reports.kv_batch(self, batch)
+
+    # ------------------------------------------------------------------- requests
+    async def generate(self, request: pb.GenerateRequest, *, timeout_s: float | None = None,
+                       metadata: tuple[tuple[str, str], ...] = ()
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        """Relay vLLM's stream; closing the iterator closes the HTTP response (vLLM aborts)."""
+        import aiohttp
+
+        if self._session is None or self.model is None:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"vLLM engine {self.engine_id} not ready")
+        headers = {k: v for k, v in metadata if k in ("traceparent", "tracestate")}
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        try:
+            resp = await self._session.post(f"{self.base_url}/v1/completions",
+                                            json=completion_body(self.model, request),
+                                            headers=headers, timeout=timeout)
+        except (aiohttp.ClientError, OSError) as e:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"vLLM engine {self.engine_id}: {e}")
+        except asyncio.TimeoutError:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        try:
+            if resp.status != 200:
+                text = (await resp.text())[:500]
+                code = _HTTP_CODES.get(resp.status, grpc.StatusCode.INTERNAL)
+                raise rpc_error(code, f"vLLM answered {resp.status}: {text}")
+            first = True
+            async for raw in resp.content:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise rpc_error(grpc.StatusCode.INTERNAL, str(chunk["error"])[:500])
+                yield response_from_chunk(request.request_id, chunk, first)
+                first = False
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, OSError) as e:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE,
+                            f"vLLM engine {self.engine_id} broke the stream: {e}")
+        except asyncio.TimeoutError:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        finally:
+            resp.close()
