@@ -13,11 +13,9 @@ import pytest
 import torch
 
 from engine_worker import LLM, SamplingParams
-from engine_worker.ops import cpu_ops_unavailable_reason
 from tests.conftest import build_tiny_model
 
-pytestmark = pytest.mark.skipif(cpu_ops_unavailable_reason() is not None,
-                                reason=f"CPU kernels: {cpu_ops_unavailable_reason()}")
+pytestmark = pytest.mark.usefixtures("cpu_isa")  # once per variant this CPU runs
 
 
 def _stack_model(tmp_path_factory, embedded_model_dir, arch, attention_bias=False):
