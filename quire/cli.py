@@ -136,6 +136,7 @@ BENCHMARKS = {
     "latency": ("one request: decode speed and TTFT vs transformers",
                 "engine_worker.benchmarks.latency:add_latency_args",
                 "engine_worker.benchmarks.latency:run_from_args"),
+    "compare": ("Quire vs vLLM's CPU build on the same requests", "engine_worker.benchmarks.compare:add_compare_args", "engine_worker.benchmarks.compare:run_from_args"),  # noqa: E501
     "prefix-cache": ("shared-prefix workload, prefix caching on vs off",
                      "engine_worker.benchmarks.prefix_cache:add_prefix_cache_args",
                      "engine_worker.benchmarks.prefix_cache:run_from_args"),

@@ -120,7 +120,8 @@ def _load(isa: str) -> tuple[object | None, str | None]:
         library = build_variant(isa)
         torch.ops.load_library(str(library))
     except BuildFailed as exc:
-        return None, f"{isa} kernels unavailable: {exc}"
+        reason = str(exc)
+        return None, reason if reason.startswith(isa) else f"building the {isa} kernels: {reason}"
     except OSError as exc:  # a library that does not load (a torch built differently)
         return None, f"{isa} kernels do not load: {exc}"
     return getattr(torch.ops, VARIANTS[isa].namespace), None
