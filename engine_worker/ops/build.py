@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -85,6 +86,7 @@ class CachePaths:
     tmp_prefix: str
 
 
+@functools.lru_cache(maxsize=8)
 def compiler_identity(compiler: str) -> str:
     """The compiler's resolved path and version line: a new compiler is a new digest."""
     path = shutil.which(compiler)

@@ -24,6 +24,9 @@ from engine_worker.ops.build import (BuildFailed, BuildOptions, BuildTimedOut, L
 from engine_worker.ops.cpu_build import CpuVariant, torch_library_spec
 
 SOURCE = Path(__file__).parent / "data" / "answer_op.cpp"
+REPO_ROOT = Path(__file__).resolve().parents[3]
+CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
 
 
 def _answer_spec(namespace: str, offset: int) -> LibrarySpec:
@@ -46,7 +49,7 @@ build_library(_answer_spec(sys.argv[1], 2), Path(sys.argv[2]))
 def test_a_killed_build_leaves_nothing_that_blocks_the_next(tmp_path):
     namespace = "quire_test_killed"
     child = subprocess.Popen([sys.executable, "-c", BUILD_IN_CHILD, namespace, str(tmp_path)],
-                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+                             env=CHILD_ENV)
     try:
         # the compiler is running in the child's private directory: kill the child there
         while not list(tmp_path.glob("*.tmp-*/*.out")):
@@ -111,7 +114,7 @@ def test_a_failed_build_is_remembered_and_retried_only_when_asked(tmp_path):
          "('-shared',))\n"
          f"try: build_library(spec, Path({str(root)!r}))\n"
          "except BuildFailed as exc: print(exc)"],
-        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        capture_output=True, text=True, env=CHILD_ENV)
     assert "an earlier build failed the same way" in done.stdout, done.stderr
     assert paths.failed.stat().st_mtime_ns == first and not list(root.glob("*.tmp-*"))
     # another CPU does not inherit it; a retry compiles again
