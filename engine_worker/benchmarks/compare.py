@@ -184,6 +184,13 @@ def run_vllm(cfg: CompareConfig, python: str, dtype: str, requests_path: Path) -
         return json.loads(out.read_text())
 
 
+def _with_load(run) -> dict:
+    """A run's result with the load average around it: a busy machine shows there."""
+    before = os.getloadavg()[0]
+    result = run()
+    return {**result, "loadavg_1m_before": before, "loadavg_1m_after": os.getloadavg()[0]}
+
+
 def _best(runs: list[dict]) -> dict:
     """Each figure at the dtype where this system does best."""
     tput = max(runs, key=lambda r: r["throughput"]["output_tokens_per_s"])
@@ -220,11 +227,13 @@ def _print_report(env: dict, runs: dict, best: dict, ratios: dict | None) -> Non
     quire0 = runs["quire"][0]
     print(f"Quire kernels: {quire0['kernels']} (variant {quire0['cpu_kernel_isa']}"
           + (f"; {quire0['cpu_kernel_reason']}" if quire0["cpu_kernel_reason"] else "") + ")")
-    print(f"{'system':<8}{'dtype':<10}{'out tok/s':>11}{'decode tok/s':>14}{'TTFT s':>9}")
+    print(f"{'system':<8}{'dtype':<10}{'out tok/s':>11}{'decode tok/s':>14}{'TTFT s':>9}"
+          f"{'load before/after':>19}")
     for system, system_runs in runs.items():
         for r in system_runs:
             print(f"{system:<8}{r['dtype']:<10}{r['throughput']['output_tokens_per_s']:>11.1f}"
-                  f"{r['decode_tokens_per_s']:>14.1f}{r['ttft_s']:>9.3f}")
+                  f"{r['decode_tokens_per_s']:>14.1f}{r['ttft_s']:>9.3f}"
+                  f"{r['loadavg_1m_before']:>11.1f} / {r['loadavg_1m_after']:.1f}")
     if ratios:
         print(f"Quire / vLLM at each one's best dtype: throughput "
               f"{ratios['output_tokens_per_s']:.2f}x, one-request decode "
@@ -288,7 +297,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
     runs: dict[str, list[dict]] = {"quire": []}
     for dtype in dtypes["quire"]:
         print(f"quire, {dtype}", file=sys.stderr)
-        runs["quire"].append(run_quire(engine_args, dtype, requests))
+        runs["quire"].append(_with_load(lambda: run_quire(engine_args, dtype, requests)))
     if python is not None:
         runs["vllm"] = []
         with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="quire-requests-") as f:
@@ -296,7 +305,8 @@ def run_from_args(ns: argparse.Namespace) -> int:
             f.flush()
             for dtype in dtypes["vllm"]:
                 print(f"vllm, {dtype} ({python})", file=sys.stderr)
-                runs["vllm"].append(run_vllm(cfg, python, dtype, Path(f.name)))
+                runs["vllm"].append(
+                    _with_load(lambda: run_vllm(cfg, python, dtype, Path(f.name))))
     env["loadavg_1m_at_end"] = os.getloadavg()[0]
     best = {system: _best(system_runs) for system, system_runs in runs.items()}
     ratios = _ratios(best)
