@@ -112,6 +112,7 @@ def test_write_kv_rejects_out_of_range_slot():
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 35)])
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.cpu_ops("skinny_linear")
 def test_skinny_linear_matches_torch(rows, shape, bias):
     in_features, out_features = shape
     torch.manual_seed(rows * 1000 + out_features)
@@ -151,6 +152,7 @@ def _special_weights(out_features, in_features, seed):
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 36)])
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.cpu_ops("pack_coded", "pack_skinny", "skinny_linear_packed")
 def test_coded_layout_is_the_plain_layout_bit_for_bit(rows, shape, bias):
     """The exponent-coded weight decodes to the same bits in the same order: the products are
     the plain packed kernel's exactly, NaN and infinities included."""
@@ -190,6 +192,7 @@ def _decode_coded(coded: torch.Tensor, out_features: int, in_features: int) -> t
 
 
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 36)])
+@pytest.mark.cpu_ops("pack_coded")
 def test_coded_layout_holds_every_weight_bit(shape):
     """Read back, the coded bytes are the weight's bits exactly: the products cannot show a
     lost subnormal (the dot product flushes them) or the sign of a zero."""
@@ -199,6 +202,7 @@ def test_coded_layout_holds_every_weight_bit(shape):
     assert torch.equal(decoded, w.view(torch.int16))
 
 
+@pytest.mark.cpu_ops("pack_coded", "pack_skinny", "skinny_linear_packed")
 def test_rows_with_more_than_16_exponents_stay_plain():
     w = (torch.randn(8, 64) / 8).bfloat16()
     w[5, :20] = torch.tensor([2.0 ** -e for e in range(20)]).bfloat16()  # 20 exponents in a row
@@ -207,17 +211,17 @@ def test_rows_with_more_than_16_exponents_stay_plain():
     assert packed.skinny.dtype == torch.bfloat16  # the plain streamed layout
     x = torch.randn(2, 64).bfloat16()
     assert torch.equal(cpu_linear(x, w, None, packed),
-                       cpu_ops().skinny_linear_packed(x, cpu_ops().pack_skinny(w),
-                                                            None))
+                       cpu_ops().skinny_linear_packed(x, cpu_ops().pack_skinny(w), None))
 
 
+@pytest.mark.cpu_ops("skinny_linear")
 def test_skinny_linear_rejects_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
         cpu_ops().skinny_linear(torch.zeros(9, 64).bfloat16(), torch.zeros(8, 64).bfloat16(),
-                                      None)
+                                None)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         cpu_ops().skinny_linear(torch.zeros(1, 48).bfloat16(), torch.zeros(8, 48).bfloat16(),
-                                      None)
+                                None)
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

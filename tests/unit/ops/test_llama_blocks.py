@@ -17,7 +17,10 @@ from engine_worker.layers.norm import RMSNorm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding
 from engine_worker.ops import cpu_ops
 
-pytestmark = pytest.mark.usefixtures("cpu_isa")  # once per variant this CPU runs
+# once per variant this CPU runs that has the AVX-512 packed-weight layouts kernels.py's cpu
+# path streams (the AVX2 kernels pack bf16 weights their own way)
+pytestmark = [pytest.mark.usefixtures("cpu_isa"),
+              pytest.mark.cpu_ops("pack_coded", "pack_skinny", "skinny_linear_packed")]
 
 CPU = LAYER_KERNELS["cpu"]
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 576, 9, 3, 64, 1536
