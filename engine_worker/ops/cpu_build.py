@@ -4,9 +4,9 @@ Each variant is compiled from its own sources with explicit instruction-set flag
 ``-march=native``), so a library built on one node runs on any CPU with those flags, and
 registers its ops in its own namespace (``torch.ops.quire_avx512``, ``torch.ops.quire_avx2``)
 so one process can hold both: the kernel tests run every variant the CPU runs. The engine uses
-the best variant the CPU runs (``cpu_isa``); ``cpu_ops()`` is the namespace the Python callers
-use. Building is atomic, locked and remembered on failure (``ops.build``); where no variant can
-run, the reason is kept and callers use the PyTorch reference ops.
+the best variant the CPU runs (``cpu_isa``) that builds; ``cpu_ops()`` is the namespace the
+Python callers use. Building is atomic, locked and remembered on failure (``ops.build``);
+where no variant can run, the reason is kept and callers use the PyTorch reference ops.
 
 ``python -m engine_worker.ops`` builds every variant the compiler can build (for an
 image that may run on other CPUs); ``--retry-failed`` retries remembered failures.
@@ -27,7 +27,7 @@ import torch
 
 from engine_worker.config import quire_cache_dir
 from engine_worker.ops.build import BuildFailed, BuildOptions, LibrarySpec, build_library
-from engine_worker.ops.cpu_isa import (ISA_REQUIRED_FLAGS, available_isas, cpu_flags, cpu_isa,
+from engine_worker.ops.cpu_isa import (ISA_REQUIRED_FLAGS, available_isas, cpu_flags,
                                        missing_flags, no_isa_reason)
 
 logger = logging.getLogger(__name__)
@@ -130,16 +130,29 @@ def _load(isa: str) -> tuple[object | None, str | None]:
 _active_isa: str | None = None  # the variant cpu_ops() returns; set once per process
 
 
+def _default_isa() -> str | None:
+    """The best variant this CPU runs that loads: an AVX-512 CPU whose compiler cannot build
+    the avx512 kernels still gets the avx2 ones."""
+    return next((isa for isa in available_isas() if _load(isa)[0] is not None), None)
+
+
 def _resolve(isa: str | None) -> str | None:
-    return isa or _active_isa or cpu_isa()
+    return isa or _active_isa or _default_isa()
+
+
+def _no_default_reason() -> str:
+    runnable = available_isas()
+    if not runnable:
+        return no_isa_reason()
+    return "; ".join(_load(isa)[1] for isa in runnable)
 
 
 def cpu_ops_unavailable_reason(isa: str | None = None) -> str | None:
     """None once the kernels of ``isa`` (default: the variant in use, else the best this CPU
-    runs) are loaded; otherwise why they are not."""
+    runs that builds) are loaded; otherwise why they are not."""
     resolved = _resolve(isa)
     if resolved is None:
-        return no_isa_reason()
+        return _no_default_reason()
     return _load(resolved)[1]
 
 
@@ -151,11 +164,12 @@ def _warn_once(reason: str) -> None:
 def load_cpu_ops(isa: str | None = None):
     """Build (first time) and load a variant's kernels; returns its op namespace
     (``torch.ops.quire_avx2`` ...), or None with a warning saying why, once. With no ``isa``:
-    the variant in use, else the best this CPU runs, which then becomes the one in use."""
+    the variant in use, else the best this CPU runs that builds, which becomes the one in
+    use."""
     global _active_isa
     resolved = _resolve(isa)
     if resolved is None:
-        _warn_once(no_isa_reason())
+        _warn_once(_no_default_reason())
         return None
     ops, reason = _load(resolved)
     if ops is None:
