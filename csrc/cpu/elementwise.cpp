@@ -159,14 +159,14 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
                  rope_typed<T>(q, k, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), d));
 }
 
-TORCH_LIBRARY_FRAGMENT(quire, m) {
+TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, "
         "Tensor sin) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(quire, CPU, m) {
+TORCH_LIBRARY_IMPL(QUIRE_NS, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);

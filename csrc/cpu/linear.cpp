@@ -327,14 +327,14 @@ at::Tensor skinny_linear_packed(const at::Tensor&, const at::Tensor&,
 
 #endif
 
-TORCH_LIBRARY_FRAGMENT(quire, m) {
+TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
   m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("pack_skinny(Tensor w) -> Tensor");
   m.def("pack_coded(Tensor w) -> Tensor");
   m.def("skinny_linear_packed(Tensor x, Tensor wp, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(quire, CPU, m) {
+TORCH_LIBRARY_IMPL(QUIRE_NS, CPU, m) {
   m.impl("skinny_linear", &skinny_linear);
   m.impl("pack_skinny", &pack_skinny);
   m.impl("pack_coded", &pack_coded);

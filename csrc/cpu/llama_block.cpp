@@ -176,7 +176,7 @@ at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, con
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(quire, m) {
+TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
   m.def("llama_layers(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, "
         "Tensor?[] biases, Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, float eps, float scale, int num_heads, "
@@ -190,14 +190,14 @@ TORCH_LIBRARY_FRAGMENT(quire, m) {
         "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(quire, CPU, m) {
+TORCH_LIBRARY_IMPL(QUIRE_NS, CPU, m) {
   m.impl("norm_qkv_rope", &norm_qkv_rope);
   m.impl("residual_mlp", &residual_mlp);
   m.impl("llama_layers", &llama_layers);
 }
 
 // oneDNN's packed weights are MkldnnCPU tensors, which the dispatcher ranks above CPU.
-TORCH_LIBRARY_IMPL(quire, MkldnnCPU, m) {
+TORCH_LIBRARY_IMPL(QUIRE_NS, MkldnnCPU, m) {
   m.impl("norm_qkv_rope", &norm_qkv_rope);
   m.impl("residual_mlp", &residual_mlp);
   m.impl("llama_layers", &llama_layers);

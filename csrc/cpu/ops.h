@@ -5,6 +5,12 @@
 
 #include <optional>
 
+// The torch op namespace the build gives each instruction-set variant (quire_avx512, ...), so
+// one process can load several: TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m).
+#ifndef QUIRE_NS
+#error "QUIRE_NS (the op namespace) is set by the build: see engine_worker/ops/cpu_build.py"
+#endif
+
 namespace quire {
 
 // x [M <= 8, K] bf16 @ a weight from pack_skinny or pack_coded (+ bias) -> [M, N]

@@ -379,13 +379,13 @@ void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
   }
 }
 
-TORCH_LIBRARY_FRAGMENT(quire, m) {
+TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, float scale) -> ()");
   m.def("write_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(quire, CPU, m) {
+TORCH_LIBRARY_IMPL(QUIRE_NS, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("write_kv", &write_kv);
 }

@@ -1,4 +1,4 @@
-"""Paged attention through the compiled CPU kernels (``csrc/cpu``, AVX-512 and OpenMP).
+"""Paged attention through the compiled CPU kernels (``csrc/cpu``, AVX-512 or AVX2; OpenMP).
 
 One varlen call per layer covers the step's decodes and prefill chunks together, reading K/V
 in place through the block tables: no gather of the context into a padded copy, no mask
@@ -11,6 +11,7 @@ import torch
 
 from engine_worker.attention.metadata import AttentionMetadata
 from engine_worker.attention.torch_backend import TorchAttentionBackend
+from engine_worker.ops import cpu_ops
 
 
 def kernel_supports(head_dim: int) -> bool:
@@ -31,9 +32,9 @@ class CpuPagedAttentionBackend:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         if not kernel_supports(q.shape[-1]):
             return self._reference.forward(q, k, v, kv_cache, meta, scale)
-        torch.ops.quire.write_kv(kv_cache, k, v, meta.slot_mapping)
+        cpu_ops().write_kv(kv_cache, k, v, meta.slot_mapping)
         q = q.contiguous()
         out = torch.empty_like(q)
-        torch.ops.quire.paged_attention(out, q, kv_cache, meta.block_tables, meta.query_start_loc,
-                                        meta.seq_lens, scale)
+        cpu_ops().paged_attention(out, q, kv_cache, meta.block_tables, meta.query_start_loc,
+                                  meta.seq_lens, scale)
         return out

@@ -1,8 +1,8 @@
 """The per-layer math a model calls, picked once per engine (``--kernels``).
 
 ``torch`` is the pure-PyTorch reference of every op. ``cpu`` calls the fused kernels of
-``csrc/cpu`` (``torch.ops.quire``) where their shape and dtype rules hold and the reference
-elsewhere; tests compare each kernel with its reference.
+``csrc/cpu`` (``ops.cpu_ops()``: the instruction-set variant in use) where their shape and
+dtype rules hold and the reference elsewhere; tests compare each kernel with its reference.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from engine_worker.layers.activation import silu_and_mul
 from engine_worker.layers.linear import LinearFn, PackFn, no_packing, torch_linear
 from engine_worker.layers.norm import rms_norm
 from engine_worker.layers.rotary import apply_rope
+from engine_worker.ops import cpu_ops
 from engine_worker.platform import to_huge_pages
 
 SKINNY_MAX_ROWS = 8  # up to here a linear layer is a weight stream: the bf16 kernel wins
@@ -57,8 +58,8 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     # x: [num_tokens, in_features]; more rows go to oneDNN, which reuses each weight load
     if x.shape[0] <= SKINNY_MAX_ROWS and x.dtype == torch.bfloat16 and x.shape[1] % 32 == 0:
         if packed is not None and packed.skinny is not None:
-            return torch.ops.quire.skinny_linear_packed(x, packed.skinny, bias)
-        return torch.ops.quire.skinny_linear(x, weight, bias)
+            return cpu_ops().skinny_linear_packed(x, packed.skinny, bias)
+        return cpu_ops().skinny_linear(x, weight, bias)
     if packed is not None and packed.onednn is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -74,9 +75,9 @@ def cpu_pack_weight(weight: torch.Tensor) -> CpuPackedWeight | None:
     out_features, in_features = weight.shape
     skinny = None
     if out_features % 4 == 0 and in_features % 32 == 0:
-        skinny = torch.ops.quire.pack_coded(weight)
+        skinny = cpu_ops().pack_coded(weight)
         if skinny.numel() == 0:  # a row with more than 16 exponents
-            skinny = torch.ops.quire.pack_skinny(weight)
+            skinny = cpu_ops().pack_skinny(weight)
         # what decode streams every step: on huge pages (platform.py)
         skinny = to_huge_pages(skinny)
     return CpuPackedWeight(onednn, skinny)
@@ -84,13 +85,13 @@ def cpu_pack_weight(weight: torch.Tensor) -> CpuPackedWeight | None:
 
 def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.shape[-1] % 16 == 0 and x.dim() == 2 and x.stride(1) == 1:
-        return torch.ops.quire.rms_norm(x, weight, eps)
+        return cpu_ops().rms_norm(x, weight, eps)
     return rms_norm(x, weight, eps)
 
 
 def cpu_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % 32 == 0 and x.dim() == 2 and x.is_contiguous():
-        return torch.ops.quire.silu_and_mul(x)
+        return cpu_ops().silu_and_mul(x)
     return silu_and_mul(x)
 
 
@@ -98,7 +99,7 @@ def cpu_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: tor
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on q and k (views into the step's fused QKV output)."""
     if q.shape[-1] % 32 == 0:
-        torch.ops.quire.rotary_embedding(q, k, positions, cos, sin)
+        cpu_ops().rotary_embedding(q, k, positions, cos, sin)
         return q, k
     return apply_rope(positions, q, k, cos, sin)
 
@@ -116,7 +117,7 @@ def _fusable(x: torch.Tensor, *linears) -> bool:
 def cpu_norm_qkv_rope(x, positions, norm, qkv_proj, rotary, num_heads: int, num_kv_heads: int,
                       head_dim: int):
     if _fusable(x, qkv_proj) and head_dim % 32 == 0 and x.is_contiguous():
-        return torch.ops.quire.norm_qkv_rope(
+        return cpu_ops().norm_qkv_rope(
             x, norm.weight, norm.eps, qkv_proj.packed.skinny, qkv_proj.packed.onednn,
             qkv_proj.bias, positions, rotary.cos, rotary.sin, num_heads, num_kv_heads)
     return blocks.norm_qkv_rope(x, positions, norm, qkv_proj, rotary, num_heads, num_kv_heads,
@@ -125,7 +126,7 @@ def cpu_norm_qkv_rope(x, positions, norm, qkv_proj, rotary, num_heads: int, num_
 
 def cpu_residual_mlp(x, attn, o_proj, norm, gate_up_proj, down_proj, silu_and_mul):
     if _fusable(x, o_proj, gate_up_proj, down_proj) and x.is_contiguous():
-        return torch.ops.quire.residual_mlp(
+        return cpu_ops().residual_mlp(
             x, attn, o_proj.packed.skinny, o_proj.packed.onednn, o_proj.bias, norm.weight,
             norm.eps, gate_up_proj.packed.skinny, gate_up_proj.packed.onednn, gate_up_proj.bias,
             down_proj.packed.skinny, down_proj.packed.onednn, down_proj.bias)
@@ -164,7 +165,7 @@ def cpu_llama_layers(model: torch.nn.Module) -> Callable | None:
     def run(x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta,
             attention_ns: torch.Tensor | None = None) -> torch.Tensor:
         # attention_ns (int64 [1]): the op adds its cache-write and attention time to it
-        return torch.ops.quire.llama_layers(
+        return cpu_ops().llama_layers(
             x, positions, rotary.cos, rotary.sin, weights, biases, kv_caches,
             meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens, eps,
             scale, cfg.num_heads, cfg.num_kv_heads, attention_ns)

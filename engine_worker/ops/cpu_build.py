@@ -1,10 +1,15 @@
-"""Builds ``csrc/cpu`` once per machine and loads it as torch ops (``torch.ops.quire.*``).
+"""The CPU kernels (``csrc/cpu``), one library per instruction-set variant, built on first use.
 
-The sources are compiled on first use with ``-march=native`` by torch's extension builder
-(ninja and a C++ compiler), into the Quire cache directory; later loads take milliseconds.
-Concurrent builds (several engines starting together) are serialised by torch's lock file.
-Where the build cannot run (no compiler, no AVX-512) the reason is kept and callers use the
-reference ops.
+Each variant is compiled from its own sources with explicit instruction-set flags (not
+``-march=native``), so a library built on one node runs on any CPU with those flags, and
+registers its ops in its own namespace (``torch.ops.quire_avx512``, ``torch.ops.quire_avx2``)
+so one process can hold both: the kernel tests run every variant the CPU runs. The engine uses
+the best variant the CPU runs (``cpu_isa``) that builds; ``cpu_ops()`` is the namespace the
+Python callers use. Building is atomic, locked and remembered on failure (``ops.build``);
+where no variant can run, the reason is kept and callers use the PyTorch reference ops.
+
+``python -m engine_worker.ops`` builds every variant the compiler can build (for an
+image that may run on other CPUs); ``--retry-failed`` retries remembered failures.
 """
 
 from __future__ import annotations
@@ -14,67 +19,205 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
-import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine_worker.config import quire_cache_dir
+from engine_worker.ops.build import BuildFailed, BuildOptions, LibrarySpec, build_library
+from engine_worker.ops.cpu_isa import (ISA_REQUIRED_FLAGS, available_isas, cpu_flags,
+                                       missing_flags, no_isa_reason)
 
 logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
-SOURCES = ("paged_attention.cpp", "linear.cpp", "elementwise.cpp", "llama_block.cpp")
-HEADERS = ("vec.h", "ops.h", "decode_bf16.h", "prefill_bf16.h")
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
+COMMON_CFLAGS = ("-O3", "-fopenmp", "-std=c++17", "-fPIC")
 
 
-def _build_dir() -> Path:
-    digest = hashlib.sha256(torch.__version__.encode())
-    for name in SOURCES + HEADERS:
-        digest.update((CSRC_DIR / name).read_bytes())
-    return quire_cache_dir() / "kernels" / f"cpu-{digest.hexdigest()[:12]}"
+@dataclass(frozen=True, slots=True)
+class CpuVariant:
+    """One instruction-set variant: its sources (``*.cpp`` in ``source_dir``) and the flags
+    they are compiled with."""
+
+    isa: str
+    source_dir: Path
+    isa_flags: tuple[str, ...]
+
+    @property
+    def namespace(self) -> str:
+        return f"quire_{self.isa}"
+
+    def sources(self) -> tuple[Path, ...]:
+        return tuple(sorted(self.source_dir.glob("*.cpp")))
 
 
-@contextlib.contextmanager
-def _ninja_on_path():
-    """torch's builder runs ``ninja`` from PATH; the ``ninja`` wheel puts it beside this
-    interpreter, which a venv's python run without activation does not have on PATH."""
-    here = str(Path(sys.executable).parent)
-    if shutil.which("ninja") or not shutil.which("ninja", path=here):
-        yield
-        return
-    saved = os.environ.get("PATH", "")
-    os.environ["PATH"] = here + os.pathsep + saved
-    try:
-        yield
-    finally:
-        os.environ["PATH"] = saved
+VARIANTS: dict[str, CpuVariant] = {
+    # _mm512_dpbf16_ps and the bf16 conversions need AVX512_BF16; the exponent decode needs BW
+    "avx512": CpuVariant("avx512", CSRC_DIR, ("-mavx512f", "-mavx512bw", "-mavx512vl",
+                                              "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma",
+                                              "-mf16c")),
+    "avx2": CpuVariant("avx2", CSRC_DIR / "avx2", ("-mavx2", "-mfma", "-mf16c")),
+}
+assert VARIANTS.keys() == ISA_REQUIRED_FLAGS.keys()
+
+
+def _compiler() -> str:
+    # the build tool's convention, as torch's own extension builder reads it
+    return os.environ.get("CXX", "c++")
+
+
+def torch_library_spec(name: str, sources: tuple[Path, ...], namespace: str,
+                       isa_flags: tuple[str, ...] = ()) -> LibrarySpec:
+    """A library of torch ops registered in ``namespace`` (``-DQUIRE_NS``), linked against
+    this torch; every header under csrc/cpu is part of its digest."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{CSRC_DIR}"] + [f for p in include_paths() for f in ("-isystem", p)]
+    cflags = (*COMMON_CFLAGS, *isa_flags, f"-DQUIRE_NS={namespace}",
+              f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes)
+    # -Bsymbolic-functions: each variant calls its own C++ kernels (the variants share C++
+    # names), whichever library the process loaded first
+    ldflags = ("-shared", "-fopenmp", "-Wl,-Bsymbolic-functions",
+               *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch")
+    headers = tuple(sorted(CSRC_DIR.rglob("*.h")))
+    return LibrarySpec(name, sources, headers, cflags, ldflags,
+                       key_extra=f"torch {torch.__version__}")
+
+
+def cpu_key() -> str:
+    return hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
+
+
+def build_variant(variant: str | CpuVariant, *, retry_failed: bool = False,
+                  cache_root: Path | None = None) -> Path:
+    """Build (or find in the cache) one variant's library, whether or not this CPU runs it;
+    raises ``BuildFailed`` with the reason."""
+    if isinstance(variant, str):
+        variant = VARIANTS[variant]
+    sources = variant.sources()
+    if not sources:
+        raise BuildFailed(f"{variant.isa} kernels not present (no *.cpp in "
+                          f"{variant.source_dir})")
+    opts = BuildOptions(compiler=_compiler(), retry_failed=retry_failed, cpu_key=cpu_key())
+    root = cache_root if cache_root is not None else quire_cache_dir() / "kernels"
+    spec = torch_library_spec(variant.namespace, sources, variant.namespace, variant.isa_flags)
+    return build_library(spec, root, opts)
 
 
 @functools.cache
-def cpu_ops_unavailable_reason() -> str | None:
-    """None once ``torch.ops.quire`` holds the CPU kernels; otherwise why it does not."""
-    if not all((CSRC_DIR / name).is_file() for name in SOURCES + HEADERS):
-        return f"kernel sources not found in {CSRC_DIR} (installed without csrc/)"
+def _load(isa: str) -> tuple[object | None, str | None]:
+    """(the op namespace, None) once loaded, else (None, why not). Once per process."""
+    if isa not in VARIANTS:
+        return None, f"unknown CPU kernel variant {isa!r} (known: {', '.join(VARIANTS)})"
+    flags = cpu_flags()
+    if not ISA_REQUIRED_FLAGS[isa] <= flags:
+        return None, (f"this CPU cannot run the {isa} kernels (missing "
+                      f"{', '.join(missing_flags(isa, flags))})")
     try:
-        from torch.utils.cpp_extension import load
-
-        build_dir = _build_dir()
-        build_dir.mkdir(parents=True, exist_ok=True)
-        with _ninja_on_path():
-            load(name="quire_cpu_ops", sources=[str(CSRC_DIR / s) for s in SOURCES],
-                 extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
-                 build_directory=str(build_dir), is_python_module=False, verbose=False)
-    except Exception as exc:  # a compiler error, no ninja, no AVX-512: fall back, say why
-        return f"building csrc/cpu failed: {str(exc).strip().splitlines()[-1][:300]}"
-    return None
+        library = build_variant(isa)
+        torch.ops.load_library(str(library))
+    except BuildFailed as exc:
+        reason = str(exc)
+        return None, reason if reason.startswith(isa) else f"building the {isa} kernels: {reason}"
+    except OSError as exc:  # a library that does not load (a torch built differently)
+        return None, f"{isa} kernels do not load: {exc}"
+    return getattr(torch.ops, VARIANTS[isa].namespace), None
 
 
-def load_cpu_ops() -> bool:
-    """Build (first time) and load the CPU kernels; False, with a warning, if they cannot be."""
-    reason = cpu_ops_unavailable_reason()
-    if reason is not None:
-        logger.warning("CPU kernels unavailable, using the PyTorch reference ops: %s", reason)
-    return reason is None
+_active_isa: str | None = None  # the variant cpu_ops() returns; set once per process
+
+
+def _default_isa() -> str | None:
+    """The best variant this CPU runs that loads: an AVX-512 CPU whose compiler cannot build
+    the avx512 kernels still gets the avx2 ones."""
+    return next((isa for isa in available_isas() if _load(isa)[0] is not None), None)
+
+
+def _resolve(isa: str | None) -> str | None:
+    return isa or _active_isa or _default_isa()
+
+
+def _no_default_reason() -> str:
+    runnable = available_isas()
+    if not runnable:
+        return no_isa_reason()
+    return "; ".join(_load(isa)[1] for isa in runnable)
+
+
+def cpu_ops_unavailable_reason(isa: str | None = None) -> str | None:
+    """None once the kernels of ``isa`` (default: the variant in use, else the best this CPU
+    runs that builds) are loaded; otherwise why they are not."""
+    resolved = _resolve(isa)
+    if resolved is None:
+        return _no_default_reason()
+    return _load(resolved)[1]
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    logger.warning("CPU kernels unavailable, using the PyTorch reference ops: %s", reason)
+
+
+def load_cpu_ops(isa: str | None = None):
+    """Build (first time) and load a variant's kernels; returns its op namespace
+    (``torch.ops.quire_avx2`` ...), or None with a warning saying why, once. With no ``isa``:
+    the variant in use, else the best this CPU runs that builds, which becomes the one in
+    use."""
+    global _active_isa
+    resolved = _resolve(isa)
+    if resolved is None:
+        _warn_once(_no_default_reason())
+        return None
+    ops, reason = _load(resolved)
+    if ops is None:
+        _warn_once(reason)
+        return None
+    if isa is None and _active_isa is None:
+        _active_isa = resolved
+        logger.info("CPU kernels: the %s variant (torch.ops.%s)", resolved,
+                    VARIANTS[resolved].namespace)
+    return ops
+
+
+@dataclass(frozen=True, slots=True)
+class CpuKernelChoice:
+    """What the engine reports at start: the variant in use, or why none is."""
+
+    isa: str | None
+    reason: str | None
+
+
+def cpu_kernel_choice() -> CpuKernelChoice:
+    """The variant this process uses (loading it first), or None and the reason."""
+    ops = load_cpu_ops()
+    return CpuKernelChoice(_active_isa, None) if ops is not None else \
+        CpuKernelChoice(None, cpu_ops_unavailable_reason())
+
+
+def cpu_ops():
+    """The op namespace of the variant in use: what the Python kernels call. Raises
+    RuntimeError where no variant loads (callers check ``load_cpu_ops()`` first)."""
+    if _active_isa is not None:
+        return _load(_active_isa)[0]
+    ops = load_cpu_ops()
+    if ops is None:
+        raise RuntimeError(f"CPU kernels unavailable: {cpu_ops_unavailable_reason()}")
+    return ops
+
+
+@contextlib.contextmanager
+def use_cpu_isa(isa: str) -> Iterator[object]:
+    """Within the block, ``cpu_ops()`` (and engines built there) use ``isa``: how the tests
+    run every variant the CPU runs. Raises RuntimeError where it does not load."""
+    global _active_isa
+    ops = load_cpu_ops(isa)
+    if ops is None:
+        raise RuntimeError(cpu_ops_unavailable_reason(isa))
+    saved, _active_isa = _active_isa, isa
+    try:
+        yield ops
+    finally:
+        _active_isa = saved

@@ -1,7 +1,8 @@
 """The compiled CPU kernels (csrc/cpu) against their PyTorch references.
 
-The kernels build on first use with -march=native; where they cannot (no compiler, no AVX-512)
-these tests are skipped with the builder's reason, and the engine uses the references.
+Each test runs once per instruction-set variant this CPU runs (``cpu_isa`` in conftest.py);
+where a variant cannot be built (no compiler, no sources) it is skipped with the builder's
+reason, and the engine uses the references.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from engine_worker.layers.norm import rms_norm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding, apply_rope
 from engine_worker.model_runner.inputs import build_step_inputs
 from engine_worker.model_runner.runner import RunnerRequestState
-from engine_worker.ops import cpu_ops_unavailable_reason
+from engine_worker.ops import cpu_ops
 
-pytestmark = pytest.mark.skipif(cpu_ops_unavailable_reason() is not None,
-                                reason=f"CPU kernels: {cpu_ops_unavailable_reason()}")
+pytestmark = pytest.mark.usefixtures("cpu_isa")  # once per variant this CPU runs
 
 NUM_BLOCKS = 96
 
@@ -106,19 +106,20 @@ def test_write_kv_rejects_out_of_range_slot():
     cache = torch.zeros(2, 4, 16, 3, 64)
     k = torch.randn(1, 3, 64)
     with pytest.raises(RuntimeError, match="slot out of range"):
-        torch.ops.quire.write_kv(cache, k, k, torch.tensor([4 * 16]))
+        cpu_ops().write_kv(cache, k, k, torch.tensor([4 * 16]))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 35)])
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.cpu_ops("skinny_linear")
 def test_skinny_linear_matches_torch(rows, shape, bias):
     in_features, out_features = shape
     torch.manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features).bfloat16()
     w = (torch.randn(out_features, in_features) / in_features ** 0.5).bfloat16()
     b = torch.randn(out_features).bfloat16() if bias else None
-    got = torch.ops.quire.skinny_linear(x, w, b)
+    got = cpu_ops().skinny_linear(x, w, b)
     want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     # both accumulate in fp32 and round once; only the summation order differs
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
@@ -151,6 +152,7 @@ def _special_weights(out_features, in_features, seed):
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 36)])
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.cpu_ops("pack_coded", "pack_skinny", "skinny_linear_packed")
 def test_coded_layout_is_the_plain_layout_bit_for_bit(rows, shape, bias):
     """The exponent-coded weight decodes to the same bits in the same order: the products are
     the plain packed kernel's exactly, NaN and infinities included."""
@@ -158,13 +160,13 @@ def test_coded_layout_is_the_plain_layout_bit_for_bit(rows, shape, bias):
     w = _special_weights(out_features, in_features, rows + out_features)
     x = torch.randn(rows, in_features).bfloat16()
     b = torch.randn(out_features).bfloat16() if bias else None
-    coded = torch.ops.quire.pack_coded(w)
+    coded = cpu_ops().pack_coded(w)
     assert coded.dtype == torch.uint8 and coded.numel() > 0
     # 12 bits a weight plus a 16-word table a row (three quarters of the bf16 bytes, plus 32
     # bytes a row)
     assert coded.numel() == out_features * (in_features * 12 // 8 + 32)
-    plain = torch.ops.quire.skinny_linear_packed(x, torch.ops.quire.pack_skinny(w), b)
-    got = torch.ops.quire.skinny_linear_packed(x, coded, b)
+    plain = cpu_ops().skinny_linear_packed(x, cpu_ops().pack_skinny(w), b)
+    got = cpu_ops().skinny_linear_packed(x, coded, b)
     assert torch.equal(got.view(torch.int16), plain.view(torch.int16))  # NaN's bits too
     # the engine packs this weight coded, and its linear layer gives the same bits
     packed = cpu_pack_weight(w)
@@ -190,34 +192,36 @@ def _decode_coded(coded: torch.Tensor, out_features: int, in_features: int) -> t
 
 
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 36)])
+@pytest.mark.cpu_ops("pack_coded")
 def test_coded_layout_holds_every_weight_bit(shape):
     """Read back, the coded bytes are the weight's bits exactly: the products cannot show a
     lost subnormal (the dot product flushes them) or the sign of a zero."""
     in_features, out_features = shape
     w = _special_weights(out_features, in_features, out_features)
-    decoded = _decode_coded(torch.ops.quire.pack_coded(w), out_features, in_features)
+    decoded = _decode_coded(cpu_ops().pack_coded(w), out_features, in_features)
     assert torch.equal(decoded, w.view(torch.int16))
 
 
+@pytest.mark.cpu_ops("pack_coded", "pack_skinny", "skinny_linear_packed")
 def test_rows_with_more_than_16_exponents_stay_plain():
     w = (torch.randn(8, 64) / 8).bfloat16()
     w[5, :20] = torch.tensor([2.0 ** -e for e in range(20)]).bfloat16()  # 20 exponents in a row
-    assert torch.ops.quire.pack_coded(w).numel() == 0
+    assert cpu_ops().pack_coded(w).numel() == 0
     packed = cpu_pack_weight(w)
     assert packed.skinny.dtype == torch.bfloat16  # the plain streamed layout
     x = torch.randn(2, 64).bfloat16()
     assert torch.equal(cpu_linear(x, w, None, packed),
-                       torch.ops.quire.skinny_linear_packed(x, torch.ops.quire.pack_skinny(w),
-                                                            None))
+                       cpu_ops().skinny_linear_packed(x, cpu_ops().pack_skinny(w), None))
 
 
+@pytest.mark.cpu_ops("skinny_linear")
 def test_skinny_linear_rejects_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        torch.ops.quire.skinny_linear(torch.zeros(9, 64).bfloat16(), torch.zeros(8, 64).bfloat16(),
-                                      None)
+        cpu_ops().skinny_linear(torch.zeros(9, 64).bfloat16(), torch.zeros(8, 64).bfloat16(),
+                                None)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        torch.ops.quire.skinny_linear(torch.zeros(1, 48).bfloat16(), torch.zeros(8, 48).bfloat16(),
-                                      None)
+        cpu_ops().skinny_linear(torch.zeros(1, 48).bfloat16(), torch.zeros(8, 48).bfloat16(),
+                                None)
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

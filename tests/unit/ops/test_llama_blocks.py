@@ -15,10 +15,12 @@ from engine_worker.layers.kernels import LAYER_KERNELS
 from engine_worker.layers.linear import Linear
 from engine_worker.layers.norm import RMSNorm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding
-from engine_worker.ops import cpu_ops_unavailable_reason
+from engine_worker.ops import cpu_ops
 
-pytestmark = pytest.mark.skipif(cpu_ops_unavailable_reason() is not None,
-                                reason=f"CPU kernels: {cpu_ops_unavailable_reason()}")
+# once per variant this CPU runs that has the AVX-512 packed-weight layouts kernels.py's cpu
+# path streams (the AVX2 kernels pack bf16 weights their own way)
+pytestmark = [pytest.mark.usefixtures("cpu_isa"),
+              pytest.mark.cpu_ops("pack_coded", "pack_skinny", "skinny_linear_packed")]
 
 CPU = LAYER_KERNELS["cpu"]
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 576, 9, 3, 64, 1536
@@ -66,7 +68,7 @@ def test_norm_qkv_rope_is_the_composition_bit_for_bit(rows, bias):
     positions = torch.randint(0, 4096, (rows,))
     args = (x, positions, m["norm1"], m["qkv"], m["rotary"], HEADS, KV_HEADS, HEAD_DIM)
     want = blocks.norm_qkv_rope(*args)
-    got = torch.ops.quire.norm_qkv_rope(
+    got = cpu_ops().norm_qkv_rope(
         x, m["norm1"].weight, m["norm1"].eps, m["qkv"].packed.skinny, m["qkv"].packed.onednn,
         m["qkv"].bias, positions, m["rotary"].cos, m["rotary"].sin, HEADS, KV_HEADS)
     for g, w, shape in zip(got, want, [(rows, HEADS, HEAD_DIM)] + [(rows, KV_HEADS, HEAD_DIM)] * 2):
@@ -85,7 +87,7 @@ def test_residual_mlp_is_the_composition_bit_for_bit(rows, bias):
     attn = torch.randn(rows, HEADS * HEAD_DIM).bfloat16()
     args = (x, attn, m["o"], m["norm2"], m["gate_up"], m["down"], CPU.silu_and_mul)
     want = blocks.residual_mlp(*args)
-    got = torch.ops.quire.residual_mlp(
+    got = cpu_ops().residual_mlp(
         x, attn, m["o"].packed.skinny, m["o"].packed.onednn, m["o"].bias, m["norm2"].weight,
         m["norm2"].eps,
         m["gate_up"].packed.skinny, m["gate_up"].packed.onednn, m["gate_up"].bias,
@@ -125,12 +127,12 @@ def test_fp32_layers_take_the_composition():
 def test_fused_ops_name_what_is_wrong():
     m = _layer(False)
     with pytest.raises(RuntimeError, match="x must be contiguous bf16"):
-        torch.ops.quire.norm_qkv_rope(
+        cpu_ops().norm_qkv_rope(
             torch.zeros(2, HIDDEN), m["norm1"].weight, 1e-5, m["qkv"].packed.skinny,
             m["qkv"].packed.onednn, None, torch.zeros(2, dtype=torch.long), m["rotary"].cos,
             m["rotary"].sin, HEADS, KV_HEADS)
     with pytest.raises(RuntimeError, match="heads \\+ 2 kv heads"):
-        torch.ops.quire.norm_qkv_rope(
+        cpu_ops().norm_qkv_rope(
             torch.zeros(2, HIDDEN).bfloat16(), m["norm1"].weight, 1e-5, m["qkv"].packed.skinny,
             m["qkv"].packed.onednn, None, torch.zeros(2, dtype=torch.long), m["rotary"].cos,
             m["rotary"].sin, HEADS, 1)

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from engine_worker import LLM, SamplingParams
-from engine_worker.ops import cpu_ops_unavailable_reason
 from tests.conftest import build_tiny_model
 
-pytestmark = pytest.mark.skipif(cpu_ops_unavailable_reason() is not None,
-                                reason=f"CPU kernels: {cpu_ops_unavailable_reason()}")
+pytestmark = pytest.mark.usefixtures("cpu_isa")  # once per variant this CPU runs
+# bf16 through kernels.py's cpu path: the AVX-512 packed-weight layouts (the AVX2 kernels pack
+# bf16 weights their own way)
+PACKED_BF16 = pytest.mark.cpu_ops("pack_coded", "pack_skinny", "skinny_linear_packed")
 
 
 def _stack_model(tmp_path_factory, embedded_model_dir, arch, attention_bias=False):
@@ -39,6 +40,7 @@ def _generate(llm: LLM):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
 
 
+@PACKED_BF16
 # qwen2: a bias on q, k and v; llama with attention_bias: on q, k, v and o_proj
 @pytest.mark.parametrize("arch, attention_bias", [("llama", False), ("qwen2", False),
                                                   ("llama", True)])
@@ -71,12 +73,14 @@ def test_layers_run_one_by_one_where_the_op_does_not_apply(stack_model_dir, dtyp
     assert len(tokens) == 12
 
 
+@PACKED_BF16
 def test_head_size_the_op_does_not_take_runs_one_by_one(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), dtype="bfloat16", kernels="cpu", kv_cache_memory_bytes=1 << 24)
     assert llm.engine.runner.model.cfg.head_dim % 32 != 0
     assert llm.engine.runner.model.layer_stack is None
 
 
+@PACKED_BF16
 def test_step_profiler_reads_attention_time_from_the_one_call_layers(stack_model_dir):
     from quire_cli.bench.step_profile import PARTS, StepProfiler
 

@@ -1,0 +1,31 @@
+"""``cpu_isa``: runs a kernel test once per instruction-set variant this CPU runs (on an
+AVX-512 machine, the AVX2 kernels too), with ``ops.cpu_ops()`` and engines built in the test
+using that variant. Skipped, with the builder's reason, where a variant cannot be built.
+
+``@pytest.mark.cpu_ops("name", ...)``: the ops a test calls; a variant without them (the AVX2
+set has no exponent-coded skinny matmul, for one) skips it, naming what it lacks."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_worker.ops import available_isas, cpu_ops_unavailable_reason, use_cpu_isa
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_ops(*names): CPU kernel ops the test calls; "
+                            "variants without them skip it")
+
+
+@pytest.fixture(params=available_isas() or [None], ids=lambda isa: isa or "no-isa")
+def cpu_isa(request):
+    isa = request.param
+    reason = cpu_ops_unavailable_reason(isa)
+    if reason is not None:
+        pytest.skip(f"CPU kernels: {reason}")
+    needed = [name for marker in request.node.iter_markers("cpu_ops") for name in marker.args]
+    with use_cpu_isa(isa) as ops:
+        missing = [name for name in needed if not hasattr(ops, name)]
+        if missing:
+            pytest.skip(f"the {isa} kernels have no {', '.join(missing)}")
+        yield isa

@@ -1,0 +1,43 @@
+"""Which kernel variant a CPU gets, as a pure function of the flags it reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_worker.ops import VARIANTS, available_isas, cpu_ops_unavailable_reason, load_cpu_ops
+from engine_worker.ops.cpu_isa import isa_for_flags, runnable_isas
+
+ZEN3 = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}  # AVX2 only (this project's Zen 3)
+ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16",
+               "avx512_vnni"}
+SKYLAKE_X = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}  # no BF16
+
+
+@pytest.mark.parametrize("flags, best, runnable", [
+    (ZEN4, "avx512", ("avx512", "avx2")),
+    (ZEN3, "avx2", ("avx2",)),
+    (SKYLAKE_X, "avx2", ("avx2",)),  # AVX-512 without BF16: the avx512 kernels need it
+    (ZEN4 - {"avx512bw"}, "avx2", ("avx2",)),
+    (ZEN3 - {"f16c"}, None, ()),  # Sandy Bridge-like: AVX2 kernels convert fp16 with F16C
+    (ZEN3 - {"fma"}, None, ()),
+    ({"fp", "asimd", "sve"}, None, ()),  # an Arm CPU
+    (set(), None, ()),
+])
+def test_the_best_variant_the_flags_allow(flags, best, runnable):
+    assert isa_for_flags(frozenset(flags)) == best
+    assert runnable_isas(frozenset(flags)) == runnable
+
+
+def test_a_variant_this_cpu_cannot_run_is_refused_with_the_missing_flags():
+    unrunnable = [isa for isa in VARIANTS if isa not in available_isas()]
+    if not unrunnable:
+        pytest.skip("this CPU runs every variant")
+    isa = unrunnable[0]
+    assert load_cpu_ops(isa) is None
+    reason = cpu_ops_unavailable_reason(isa)
+    assert reason.startswith(f"this CPU cannot run the {isa} kernels (missing ")
+
+
+def test_an_unknown_variant_is_refused():
+    assert load_cpu_ops("neon") is None
+    assert "unknown CPU kernel variant 'neon'" in cpu_ops_unavailable_reason("neon")
