@@ -8,17 +8,17 @@
 {{- if eq $d.mode "kubernetes" }}
 # EndpointSlices labelled kubernetes.io/service-name=<engine Service>, port "grpc".
 - name: QUIRE_K8S_NAMESPACE
-  value: {{ .Release.Namespace | quote }}
+  value: {{ include "quire.discoveryNamespace" . | quote }}
 - name: QUIRE_K8S_SERVICE
-  value: {{ include "quire.engineName" . | quote }}
+  value: {{ include "quire.discoveryService" . | quote }}
 - name: QUIRE_K8S_PORT_NAME
-  value: grpc
+  value: {{ $d.portName | quote }}
 - name: QUIRE_K8S_WATCH_TIMEOUT_S
   value: {{ $d.watchTimeoutS | quote }}
 {{- else if eq $d.mode "dns" }}
 # The headless Service resolves to the ready engine pods.
 - name: QUIRE_DNS_NAME
-  value: {{ printf "%s.%s.svc" (include "quire.engineName" .) .Release.Namespace | quote }}
+  value: {{ printf "%s.%s.svc" (include "quire.discoveryService" .) (include "quire.discoveryNamespace" .) | quote }}
 - name: QUIRE_DNS_INTERVAL_S
   value: {{ $d.dnsIntervalS | quote }}
 {{- else }}
