@@ -68,12 +68,19 @@ echo "buildah $(buildah version | sed -n 's/^Version: *//p'), storage driver $ST
 if ! bh images --quiet "$BASE" >/dev/null 2>&1; then
     mkdir -p "$CACHE"
     tarball=$CACHE/bookworm-minbase-python3.tar
-    if [ ! -s "$tarball" ]; then
+    if [ ! -f "$tarball" ]; then
         step "mmdebstrap bookworm minbase -> $tarball"
+        # No manuals, translations or docs (copyright files stay): as Debian's slim images do.
+        # The dpkg settings stay in the base, so packages the Dockerfiles add are trimmed too.
         mmdebstrap --quiet --variant=minbase \
             --include=python3,python3-venv,python-is-python3,ca-certificates \
-            bookworm "$tarball.part" ${DEBIAN_MIRROR:+"$DEBIAN_MIRROR"}
-        mv "$tarball.part" "$tarball"
+            --dpkgopt='path-exclude=/usr/share/man/*' \
+            --dpkgopt='path-exclude=/usr/share/locale/*' \
+            --dpkgopt='path-include=/usr/share/locale/locale.alias' \
+            --dpkgopt='path-exclude=/usr/share/doc/*' \
+            --dpkgopt='path-include=/usr/share/doc/*/copyright' \
+            bookworm "$CACHE/partial.tar" ${DEBIAN_MIRROR:+"$DEBIAN_MIRROR"}
+        mv "$CACHE/partial.tar" "$tarball"
         done_step
     fi
     step "import $tarball as $BASE"

@@ -40,8 +40,9 @@ def image_config(image: str) -> dict:
     return inspected["OCIv1"]["config"]
 
 
-def image_size_bytes(image: str) -> int:
-    return int(json.loads(buildah("images", "--json", image))[0]["size"])
+def image_size(image: str) -> str:
+    """As buildah reports it, e.g. "481 MB"."""
+    return json.loads(buildah("images", "--json", image))[0]["size"]
 
 
 def runtime_spec(rootfs: str, argv: list[str], env: list[str], cwd: str) -> dict:

@@ -71,9 +71,9 @@ def assert_runs_as_the_chart_expects(container) -> None:
 
 
 def print_size(image: str) -> None:
-    from tests.images.oci import image_size_bytes
+    from tests.images.oci import image_size
 
-    print(f"{image}: {image_size_bytes(image) / 1e6:.0f} MB")
+    print(f"{image}: {image_size(image)}")
 
 
 @pytest.fixture(scope="module")
