@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -116,6 +117,12 @@ class Container:
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
         return self
 
+    def pid(self) -> int:
+        """The container's process, as the host sees it."""
+        state = subprocess.run(["crun", "state", self._name], capture_output=True, text=True,
+                               check=True).stdout
+        return json.loads(state)["pid"]
+
     def alive(self) -> bool:
         return self._process.poll() is None
 
@@ -144,6 +151,7 @@ class Container:
         self._log.close()
         subprocess.run(["buildah", "umount", self._working], check=False, capture_output=True)
         subprocess.run(["buildah", "rm", self._working], check=False, capture_output=True)
+        shutil.rmtree(self._bundle, ignore_errors=True)  # failures quote the output already
 
     def __enter__(self) -> "Container":
         return self.start()

@@ -47,19 +47,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def container_pid(container) -> int:
-    import subprocess
-
-    state = subprocess.run(["crun", "state", container._name], capture_output=True, text=True,
-                           check=True).stdout
-    return json.loads(state)["pid"]
-
-
 def assert_runs_as_the_chart_expects(container) -> None:
     """uid/gid 10001 (podSecurityContext) and a read-only root filesystem."""
     from tests.images.oci import GID, UID
 
-    pid = container_pid(container)
+    pid = container.pid()
     status = Path(f"/proc/{pid}/status").read_text()
     uids = re.search(r"^Uid:\s+(.+)$", status, re.M).group(1).split()
     gids = re.search(r"^Gid:\s+(.+)$", status, re.M).group(1).split()
