@@ -36,7 +36,7 @@ RUN /opt/quire/bin/pip install -e ".[engine]" \
 
 FROM ${BASE_IMAGE}
 # g++ (and the Python headers, where the base lacks them) build csrc/cpu on the node.
-ENV DEBIAN_FRONTEND=noninteractive
+ARG DEBIAN_FRONTEND=noninteractive
 RUN headers="$(python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" \
  && extra="" && { [ -f "$headers" ] || extra=python3-dev; } \
  && apt-get update && apt-get install -y --no-install-recommends g++ $extra \

@@ -18,7 +18,8 @@ ARG PIP_INDEX_URL=https://pypi.org/simple
 ARG PIP_EXTRA_INDEX_URL
 ARG PIP_FIND_LINKS
 ARG PIP_CERT
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
+ARG DEBIAN_FRONTEND=noninteractive
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential \
  && rm -rf /var/lib/apt/lists/*
@@ -32,7 +33,7 @@ RUN /opt/quire/bin/pip install ".[engine]" \
  && /opt/quire/bin/hf --help >/dev/null
 
 FROM ${BASE_IMAGE}
-ENV DEBIAN_FRONTEND=noninteractive
+ARG DEBIAN_FRONTEND=noninteractive
 # build-essential and python3-dev: Triton compiles its kernel launchers at run time.
 # The uid/gid the chart's podSecurityContext runs as (helm/quire/values.yaml).
 RUN apt-get update \

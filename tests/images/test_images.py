@@ -152,3 +152,24 @@ def test_router_image_answers_an_openai_chat_request(engine):
 def test_engine_image_exits_zero_on_sigterm(engine):
     container, _, _ = engine
     assert container.stop() == 0, container.output()
+
+
+@pytest.mark.parametrize("image", [ROUTER_IMAGE, ENGINE_IMAGE])
+def test_build_time_sources_stay_out_of_the_images(image):
+    """The CA bundle and wheel directory mounted during the build, and pip's build arguments,
+    leave nothing behind; the images run as the chart's uid."""
+    from tests.images.oci import buildah, image_config
+
+    config = image_config(image)
+    assert config["User"] == "10001:10001"
+    names = {entry.split("=", 1)[0] for entry in config.get("Env", [])}
+    assert not names & {"PIP_CERT", "PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL",
+                        "DEBIAN_FRONTEND"}, names
+    working = buildah("from", "--pull-never", image)
+    try:
+        rootfs = Path(buildah("mount", working))
+        assert not (rootfs / "run" / "quire-build").exists()
+        assert (rootfs / "cache").stat().st_uid == 10001
+    finally:
+        buildah("umount", working)
+        buildah("rm", working)
