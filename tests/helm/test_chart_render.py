@@ -390,3 +390,5 @@ def test_router_only_in_front_of_an_existing_engine_service(render):
     assert env["QUIRE_ENGINE_PORT"] == "8001"
     assert env["QUIRE_ENGINE_TLS_SERVER_NAME"] == "llm-engines.models.svc"
     assert not find(dns, "Role")
+    with pytest.raises(Exception, match="router.discovery.service"):
+        render({"engine": {"enabled": False}})  # would discover a Service nobody deploys

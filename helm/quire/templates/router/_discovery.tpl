@@ -1,12 +1,15 @@
 {{/* QUIRE_* variables that tell the router where this release's engines are. */}}
 {{- define "quire.routerDiscoveryEnv" -}}
 {{- $d := .Values.router.discovery }}
+{{- if and (not .Values.engine.enabled) (ne $d.mode "static") (not $d.service) }}
+{{- fail "router.discovery.service: name the engines' Service when engine.enabled is false" }}
+{{- end }}
 - name: QUIRE_DISCOVERY
   value: {{ $d.mode | quote }}
 - name: QUIRE_ENGINE_PORT
   value: {{ .Values.engine.ports.grpc | quote }}
 {{- if eq $d.mode "kubernetes" }}
-# EndpointSlices labelled kubernetes.io/service-name=<engine Service>, port "grpc".
+# EndpointSlices labelled kubernetes.io/service-name=<engine Service>, port named portName.
 - name: QUIRE_K8S_NAMESPACE
   value: {{ include "quire.discoveryNamespace" . | quote }}
 - name: QUIRE_K8S_SERVICE
