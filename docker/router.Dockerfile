@@ -8,7 +8,7 @@
 # `python`. The package sources are build arguments too; pip reads them from the environment
 # of the RUN steps only, so none of them is left in the image:
 #   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_FIND_LINKS (local wheels), PIP_CERT (a CA bundle
-#   mounted at build time, e.g. `buildah bud -v /etc/ssl/certs/ca-certificates.crt:/run/ca.crt:ro`).
+#   mounted at build time, as scripts/build-images.sh does).
 ARG BASE_IMAGE=python:3.11.13-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build

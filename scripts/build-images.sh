@@ -94,16 +94,18 @@ if ! bh images --quiet "$BASE" >/dev/null 2>&1; then
 fi
 
 # -- the images ----------------------------------------------------------------------------
-# Build-time only: the CA bundle and the wheel directory are mounted for the RUN steps and
-# named to pip through build arguments; neither is copied into an image.
+# Build-time only: the CA bundle and the wheel directory are mounted read-only for the RUN
+# steps and named to pip through build arguments; neither is copied into an image. They are
+# mounted over paths every Debian-family base has (its own CA bundle, the empty /mnt), because
+# buildah leaves an empty stub in the image for a mount point it has to create.
 volumes=() cert="" wheels=""
 if [ -s "$CA_BUNDLE" ]; then
-    volumes+=(--volume "$CA_BUNDLE:/run/quire-build/ca.crt:ro")
-    cert=/run/quire-build/ca.crt
+    volumes+=(--volume "$CA_BUNDLE:/etc/ssl/certs/ca-certificates.crt:ro")
+    cert=/etc/ssl/certs/ca-certificates.crt
 fi
 if [ -n "$FIND_LINKS" ] && [ -d "$FIND_LINKS" ]; then
-    volumes+=(--volume "$FIND_LINKS:/run/quire-build/wheels:ro")
-    wheels=/run/quire-build/wheels
+    volumes+=(--volume "$FIND_LINKS:/mnt:ro")
+    wheels=/mnt
 fi
 build_args=(--build-arg "BASE_IMAGE=$BASE" --build-arg "PIP_INDEX_URL=$INDEX"
             --build-arg "PIP_EXTRA_INDEX_URL=${PIP_EXTRA_INDEX_URL:-}"

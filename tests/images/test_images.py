@@ -168,7 +168,10 @@ def test_build_time_sources_stay_out_of_the_images(image):
     working = buildah("from", "--pull-never", image)
     try:
         rootfs = Path(buildah("mount", working))
-        assert not (rootfs / "run" / "quire-build").exists()
+        host_ca = Path("/etc/ssl/certs/ca-certificates.crt")
+        image_ca = rootfs / "etc/ssl/certs/ca-certificates.crt"
+        assert image_ca.read_bytes() != host_ca.read_bytes(), "the host's CA bundle is baked in"
+        assert not list((rootfs / "mnt").iterdir()), "the wheel directory left files"
         assert (rootfs / "cache").stat().st_uid == 10001
     finally:
         buildah("umount", working)
