@@ -28,13 +28,29 @@ def chart():
 def render(chart):
     """values -> the rendered Kubernetes objects (NOTES.txt left out)."""
 
-    def _render(values: dict | None = None) -> list[dict]:
-        manifests = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE,
-                                 is_install=True)
+    def _render(values: dict | None = None, kube_version: str | None = None) -> list[dict]:
+        if kube_version is None:
+            manifests = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE,
+                                     is_install=True)
+        else:
+            manifests = render_for_kube_version(chart, values or {}, kube_version)
         return [doc for path, text in sorted(manifests.items()) if path.endswith(".yaml")
                 for doc in yaml.safe_load_all(text) if doc]
 
     return _render
+
+
+def render_for_kube_version(chart, values: dict, kube_version: str) -> dict[str, str]:
+    """Render as for a cluster of ``kube_version`` (``.Capabilities.KubeVersion``). The SDK's
+    Python ``Chart.render`` does not pass this option on; its Go wrapper reads it."""
+    import json
+
+    from helm_python import _native
+
+    opts = {"name": RELEASE, "namespace": NAMESPACE, "is_install": True,
+            "kube_version": f"v{kube_version}"}
+    return json.loads(_native.call_string("helm_render", chart._raw(), json.dumps(values),
+                                          json.dumps(opts)))
 
 
 def find(objects: list[dict], kind: str, component: str | None = None) -> list[dict]:

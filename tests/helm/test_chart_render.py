@@ -38,13 +38,20 @@ def rendered(request, render):
     return request.param, render(load_values(request.param))
 
 
+def engines_enabled(values_file: str) -> bool:
+    return load_values(values_file).get("engine", {}).get("enabled", True)
+
+
 def containers(obj: dict) -> list[dict]:
     spec = pod_spec(obj)
     return spec.get("initContainers", []) + spec["containers"]
 
 
 def test_objects_have_names_and_standard_labels(rendered):
-    _, objects = rendered
+    values_file, objects = rendered
+    # The router's Role lives beside the engine Service it watches.
+    discovery_ns = load_values(values_file).get("router", {}).get("discovery", {}).get(
+        "namespace") or NAMESPACE
     assert objects
     for obj in objects:
         assert obj["apiVersion"] and obj["kind"] and obj["metadata"]["name"], obj
@@ -52,7 +59,9 @@ def test_objects_have_names_and_standard_labels(rendered):
         for label in STANDARD_LABELS:
             assert labels.get(label), f"{obj['kind']}/{obj['metadata']['name']} lacks {label}"
         assert labels["app.kubernetes.io/instance"] == RELEASE
-        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+        if obj["kind"] in ("Role", "RoleBinding"):
+            assert obj["metadata"]["namespace"] == discovery_ns
+        elif obj["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
             assert obj["metadata"]["namespace"] == NAMESPACE
 
 
@@ -82,10 +91,12 @@ def test_restricted_security_context_everywhere(rendered):
 
 
 def test_writable_cache_volumes_back_the_read_only_root(rendered):
-    _, objects = rendered
-    for component in ("router", "engine"):
-        workload = find(objects, "Deployment", component) + find(objects, "StatefulSet", component)
-        spec = pod_spec(workload[0])
+    values_file, objects = rendered
+    workloads = [one(objects, "Deployment", "router")]
+    if engines_enabled(values_file):
+        workloads.append(one(objects, "StatefulSet", "engine"))
+    for workload in workloads:
+        spec = pod_spec(workload)
         empty_dirs = {v["name"] for v in spec["volumes"] if "emptyDir" in v}
         mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
         assert mounts["/tmp"] in empty_dirs and mounts["/cache"] in empty_dirs
@@ -96,12 +107,14 @@ def test_writable_cache_volumes_back_the_read_only_root(rendered):
 def test_grpc_health_probes(rendered):
     name, objects = rendered
     router = one(objects, "Deployment", "router")["spec"]["template"]["spec"]["containers"][0]
-    engine = one(objects, "StatefulSet", "engine")["spec"]["template"]["spec"]["containers"][0]
     for probe in ("startupProbe", "livenessProbe"):  # the process answers
         assert router[probe]["grpc"] == {"port": 50050, "service": ""}
     # ready only while an engine serves behind it
     assert router["readinessProbe"]["grpc"] == {"port": 50050,
                                                 "service": "quire.v1.EngineService"}
+    if not engines_enabled(name):
+        return
+    engine = one(objects, "StatefulSet", "engine")["spec"]["template"]["spec"]["containers"][0]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         if name.startswith("tls"):
             # The kubelet's gRPC probe speaks no TLS: a grpc.health.v1 client over TLS instead.
@@ -176,7 +189,10 @@ def test_only_the_router_pods_use_a_token(rendered):
 
 
 def test_network_policy_admits_only_the_router_to_engines(rendered):
-    _, objects = rendered
+    values_file, objects = rendered
+    if not engines_enabled(values_file):  # engines deployed elsewhere guard themselves
+        assert not find(objects, "NetworkPolicy")
+        return
     policy = one(objects, "NetworkPolicy")
     engine = one(objects, "StatefulSet", "engine")
     router = one(objects, "Deployment", "router")
@@ -338,10 +354,11 @@ def test_rendered_environment_parses_with_the_real_cli(values_file, render, monk
                                RouterServerConfig)
 
     objects = render(load_values(values_file))
-    for command, workload, classes in (
-            ("router", one(objects, "Deployment", "router"),
-             (RouterServerConfig, DiscoveryConfig, PlacementConfig, EngineTLSConfig)),
-            ("engine", one(objects, "StatefulSet", "engine"), (ServerConfig,))):
+    commands = [("router", one(objects, "Deployment", "router"),
+                 (RouterServerConfig, DiscoveryConfig, PlacementConfig, EngineTLSConfig))]
+    if engines_enabled(values_file):
+        commands.append(("engine", one(objects, "StatefulSet", "engine"), (ServerConfig,)))
+    for command, workload, classes in commands:
         with monkeypatch.context() as patch:
             for name, value in env_of(pod_spec(workload)["containers"][0]).items():
                 if name.startswith("QUIRE_") and isinstance(value, str):
@@ -349,3 +366,47 @@ def test_rendered_environment_parses_with_the_real_cli(values_file, render, monk
             namespace = build_parser([command]).parse_args([command])  # flags read QUIRE_* here
             for cls in classes:
                 dataclass_from_namespace(cls, namespace)  # raises ValueError naming a field
+
+
+def test_router_only_in_front_of_an_existing_engine_service(render):
+    """engine.enabled=false: no engine objects; the router watches the named Service's
+    EndpointSlices in its namespace, where its Role is; the binding names the router's account."""
+    objects = render(load_values("router-only-values.yaml"))
+    assert not [o for o in objects
+                if o["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"]
+    env = env_of(pod_spec(one(objects, "Deployment", "router"))["containers"][0])
+    assert (env["QUIRE_DISCOVERY"], env["QUIRE_K8S_SERVICE"], env["QUIRE_K8S_NAMESPACE"],
+            env["QUIRE_K8S_PORT_NAME"]) == ("kubernetes", "llm-engines", "models", "grpc")
+    role, binding = one(objects, "Role"), one(objects, "RoleBinding")
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "models"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": f"{RELEASE}-quire-router",
+                                    "namespace": NAMESPACE}]
+    dns = render({"engine": {"enabled": False, "ports": {"grpc": 8001}},
+                  "router": {"discovery": {"mode": "dns", "service": "llm-engines",
+                                           "namespace": "models"}},
+                  "tls": {"enabled": True, "routerSecretName": "router-tls"}})
+    env = env_of(pod_spec(one(dns, "Deployment", "router"))["containers"][0])
+    assert env["QUIRE_DNS_NAME"] == "llm-engines.models.svc"
+    assert env["QUIRE_ENGINE_PORT"] == "8001"
+    assert env["QUIRE_ENGINE_TLS_SERVER_NAME"] == "llm-engines.models.svc"
+    assert not find(dns, "Role")
+    with pytest.raises(Exception, match="router.discovery.service"):
+        render({"engine": {"enabled": False}})  # would discover a Service nobody deploys
+
+
+def test_router_only_in_front_of_an_existing_vllm_service(render):
+    """engineKind vllm: the router discovers the vLLM Service's pods as vLLM engines on their
+    HTTP port, with each pod's KV-event and replay ports, and a tokenizer of its own."""
+    objects = render(load_values("router-vllm-values.yaml"))
+    assert not [o for o in objects
+                if o["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"]
+    env = env_of(pod_spec(one(objects, "Deployment", "router"))["containers"][0])
+    assert (env["QUIRE_ENGINE_KIND"], env["QUIRE_ENGINE_PORT"], env["QUIRE_K8S_SERVICE"],
+            env["QUIRE_K8S_PORT_NAME"], env["QUIRE_VLLM_KV_EVENTS_PORT"],
+            env["QUIRE_VLLM_KV_REPLAY_PORT"], env["QUIRE_TOKENIZER"],
+            env["QUIRE_VLLM_BLOCK_SIZE"]) == (
+        "vllm", "8000", "vllm", "http", "5557", "5558", "/models/tokenizer", "16")
+    quire = env_of(pod_spec(one(render({}), "Deployment", "router"))["containers"][0])
+    assert "QUIRE_ENGINE_KIND" not in quire  # this chart's own engines: the default kind
+    with pytest.raises(Exception, match="engine.enabled=false"):
+        render({"router": {"discovery": {"engineKind": "vllm"}}})

@@ -22,7 +22,8 @@ ROUTER_MANAGED = {"host", "port", "http_port", "api_keys", "api_key_file", "disc
                   "engines", "dns_name", "engine_port", "dns_interval_s", "k8s_namespace",
                   "k8s_service", "k8s_label_selector", "k8s_port_name", "k8s_watch_timeout_s",
                   "engine_tls_ca_file", "engine_tls_cert_file", "engine_tls_key_file",
-                  "engine_tls_server_name"}
+                  "engine_tls_server_name", "engine_kind", "vllm_kv_events_port",
+                  "vllm_kv_replay_port"}
 
 
 def snake(name: str) -> str:

@@ -158,7 +158,16 @@ helm.sh/chart: {{ include "quire.chart" .root }}
 {{- end }}
 {{- end }}
 
+{{/* The engine Service the router discovers: this release's, or the one router.discovery names
+     (engines deployed elsewhere, engine.enabled=false). */}}
+{{- define "quire.discoveryService" -}}
+{{- default (include "quire.engineName" .) .Values.router.discovery.service }}
+{{- end }}
+{{- define "quire.discoveryNamespace" -}}
+{{- default .Release.Namespace .Values.router.discovery.namespace }}
+{{- end }}
+
 {{/* The name the router checks in engine certificates. */}}
 {{- define "quire.tlsServerName" -}}
-{{- default (printf "%s.%s.svc" (include "quire.engineName" .) .Release.Namespace) .Values.tls.serverName }}
+{{- default (printf "%s.%s.svc" (include "quire.discoveryService" .) (include "quire.discoveryNamespace" .)) .Values.tls.serverName }}
 {{- end }}

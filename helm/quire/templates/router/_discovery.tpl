@@ -1,24 +1,42 @@
 {{/* QUIRE_* variables that tell the router where this release's engines are. */}}
 {{- define "quire.routerDiscoveryEnv" -}}
 {{- $d := .Values.router.discovery }}
+{{- if and (not .Values.engine.enabled) (ne $d.mode "static") (not $d.service) }}
+{{- fail "router.discovery.service: name the engines' Service when engine.enabled is false" }}
+{{- end }}
 - name: QUIRE_DISCOVERY
   value: {{ $d.mode | quote }}
 - name: QUIRE_ENGINE_PORT
-  value: {{ .Values.engine.ports.grpc | quote }}
+  value: {{ $d.enginePort | default .Values.engine.ports.grpc | quote }}
+{{- if eq $d.engineKind "vllm" }}
+{{- if .Values.engine.enabled }}
+{{- fail "router.discovery.engineKind vllm fronts an existing vLLM Service: set engine.enabled=false" }}
+{{- end }}
+- name: QUIRE_ENGINE_KIND
+  value: "vllm"
+{{- with $d.vllmKvEventsPort }}
+- name: QUIRE_VLLM_KV_EVENTS_PORT
+  value: {{ . | quote }}
+{{- end }}
+{{- with $d.vllmKvReplayPort }}
+- name: QUIRE_VLLM_KV_REPLAY_PORT
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
 {{- if eq $d.mode "kubernetes" }}
-# EndpointSlices labelled kubernetes.io/service-name=<engine Service>, port "grpc".
+# EndpointSlices labelled kubernetes.io/service-name=<engine Service>, port named portName.
 - name: QUIRE_K8S_NAMESPACE
-  value: {{ .Release.Namespace | quote }}
+  value: {{ include "quire.discoveryNamespace" . | quote }}
 - name: QUIRE_K8S_SERVICE
-  value: {{ include "quire.engineName" . | quote }}
+  value: {{ include "quire.discoveryService" . | quote }}
 - name: QUIRE_K8S_PORT_NAME
-  value: grpc
+  value: {{ $d.portName | quote }}
 - name: QUIRE_K8S_WATCH_TIMEOUT_S
   value: {{ $d.watchTimeoutS | quote }}
 {{- else if eq $d.mode "dns" }}
 # The headless Service resolves to the ready engine pods.
 - name: QUIRE_DNS_NAME
-  value: {{ printf "%s.%s.svc" (include "quire.engineName" .) .Release.Namespace | quote }}
+  value: {{ printf "%s.%s.svc" (include "quire.discoveryService" .) (include "quire.discoveryNamespace" .) | quote }}
 - name: QUIRE_DNS_INTERVAL_S
   value: {{ $d.dnsIntervalS | quote }}
 {{- else }}
