@@ -86,17 +86,20 @@ def triton_write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class TritonAttentionBackend:
-    """Stateless; one instance serves every layer."""
+    """Stateless; one instance serves every layer. The kernels are called as torch custom ops
+    (``torch.ops.quire_triton.*``) whose fake implementations let ``FakeTensorMode`` and graph
+    capture see through them."""
 
     name = "triton"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        triton_write_kv(kv_cache, k, v, meta.slot_mapping)
+        torch.ops.quire_triton.write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
-        paged_attention(out, q, kv_cache, meta.block_tables, meta.query_start_loc,
-                        meta.seq_lens, scale, has_prefill=bool(meta.prefills))
+        torch.ops.quire_triton.paged_attention(out, q.contiguous(), kv_cache, meta.block_tables,
+                                               meta.query_start_loc, meta.seq_lens, scale,
+                                               bool(meta.prefills))
         return out
 
 
@@ -121,3 +124,29 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
         scale, num_seqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         **launch.constexprs())
+
+
+# The kernels as torch custom ops: the fake implementations (they only write into their
+# mutated arguments, so there is nothing to compute) are what FakeTensorMode runs.
+@torch.library.custom_op("quire_triton::write_kv", mutates_args=("kv_cache",))
+def _write_kv_op(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    triton_write_kv(kv_cache, k, v, slot_mapping)
+
+
+@_write_kv_op.register_fake
+def _(kv_cache, k, v, slot_mapping) -> None:
+    return None
+
+
+@torch.library.custom_op("quire_triton::paged_attention", mutates_args=("out",))
+def _paged_attention_op(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
+                        block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float, has_prefill: bool) -> None:
+    paged_attention(out, q, kv_cache, block_tables, query_start_loc, seq_lens, scale,
+                    has_prefill)
+
+
+@_paged_attention_op.register_fake
+def _(out, q, kv_cache, block_tables, query_start_loc, seq_lens, scale, has_prefill) -> None:
+    return None
