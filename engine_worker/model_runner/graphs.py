@@ -1,0 +1,172 @@
+"""Graph-ready decode steps: fixed-capacity inputs, batches padded to capture sizes, and CUDA
+graphs captured once per size.
+
+A CUDA graph replays the kernels it recorded on the *same* memory, so a decode step that can
+be captured must (1) read its inputs from buffers allocated once, (2) have a batch size from a
+fixed set, and (3) never read a device value on the host (no ``.item()``, ``.tolist()``,
+``int(t)``) between its kernels. ``DecodeBuffers`` gives (1) and (2): a decode-only step of
+``n`` requests is copied into the first ``n`` rows and padded to the next capture size with
+rows that write nothing (slot -1) and attend to one key of block 0. (3) holds for the model's
+forward with the Triton attention backend, whose launch shapes come from tensor shapes; the
+tests run a padded decode under ``FakeTensorMode``, which raises on any data-dependent host
+read. Prefill steps and steps over the largest capture size run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine_worker.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int, largest: int = 256) -> tuple[int, ...]:
+    """Batch sizes captured: 1, 2, 4, then every multiple of 8 up to ``max_num_seqs`` (at most
+    ``largest``), and ``max_num_seqs`` itself where it is below ``largest``. Padding a batch
+    wastes at most 7 rows."""
+    top = min(max_num_seqs, largest)
+    sizes = {s for s in (1, 2, 4) if s <= top} | set(range(8, top + 1, 8)) | {top}
+    return tuple(sorted(sizes))
+
+
+def padded_batch_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
+    """The smallest capture size holding ``num_seqs`` rows; None past the largest."""
+    i = bisect.bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStep:
+    """A decode-only step in the buffers: its padded size and the views the model reads."""
+
+    num_seqs: int
+    padded: int
+    input_ids: torch.Tensor  # [padded] int64
+    positions: torch.Tensor  # [padded] int64
+    meta: AttentionMetadata
+
+
+class DecodeBuffers:
+    """Inputs of a decode-only step at fixed addresses, sized once for the largest batch.
+
+    The varlen fields (``query_start_loc``, ``seq_lens``, ``block_tables``, ``slot_mapping``)
+    are what the Triton backend reads. The reference backend's decode fields are filled too, so
+    the same step also runs eagerly on it (its ``decode_max_seq_len`` is a host int, which a
+    captured graph would freeze: graphs are only captured with the Triton backend)."""
+
+    def __init__(self, max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.max_batch = max_batch
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.device = device
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int64, device=device)
+        # a decode row is one query token: query_start_loc is fixed at 0, 1, ..., max_batch
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32,
+                                        device=device)
+        self._pin = device.type == "cuda"
+
+    def fill(self, token_ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
+             block_size: int, padded: int) -> DecodeStep:
+        """Copy one decode step (``n`` requests: their next input token, its position and their
+        block tables, all host arrays) into the buffers, padded to ``padded`` rows."""
+        n = len(token_ids)
+        if not n <= padded <= self.max_batch:
+            raise ValueError(f"batch: {n} rows padded to {padded}, capacity {self.max_batch}")
+        if block_tables.shape[1] > self.max_blocks_per_seq:
+            raise ValueError(f"block_tables: {block_tables.shape[1]} blocks per sequence, "
+                             f"capacity {self.max_blocks_per_seq}")
+        positions = positions.astype(np.int64)
+        tables = np.zeros((padded, self.max_blocks_per_seq), dtype=np.int32)
+        tables[:n, :block_tables.shape[1]] = block_tables
+        slots = np.full(padded, -1, dtype=np.int64)  # padding rows write no K/V
+        slots[:n] = (tables[np.arange(n), positions // block_size].astype(np.int64) * block_size
+                     + positions % block_size)
+        ids = np.zeros(padded, dtype=np.int64)
+        ids[:n] = token_ids
+        pos = np.zeros(padded, dtype=np.int64)
+        pos[:n] = positions
+        lens = np.ones(padded, dtype=np.int64)  # padding rows attend to one key of block 0
+        lens[:n] = positions + 1
+        for dst, src in ((self.input_ids, ids), (self.positions, pos),
+                         (self.slot_mapping, slots), (self.seq_lens, lens),
+                         (self.block_tables, tables)):
+            host = torch.from_numpy(src)
+            dst[:padded].copy_(host.pin_memory() if self._pin else host, non_blocking=self._pin)
+        return self.step(n, padded, decode_max_seq_len=int(lens.max()))
+
+    def step(self, num_seqs: int, padded: int, decode_max_seq_len: int) -> DecodeStep:
+        """Views of the first ``padded`` rows (the same memory on every call)."""
+        tables = self.block_tables[:padded]
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:padded], num_decode_tokens=padded,
+            decode_block_tables=tables.long(), decode_seq_lens=self.seq_lens[:padded],
+            decode_max_seq_len=decode_max_seq_len, prefills=(),
+            query_start_loc=self.query_start_loc[:padded + 1], seq_lens=self.seq_lens[:padded],
+            block_tables=tables)
+        return DecodeStep(num_seqs, padded, self.input_ids[:padded], self.positions[:padded],
+                          meta)
+
+
+Forward = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata],
+                   torch.Tensor]
+
+
+class CudaGraphDecoder:
+    """Decode-only forward passes replayed from CUDA graphs, one per capture size.
+
+    ``capture`` records ``forward`` (the model's, returning hidden states) once per size,
+    largest first, sharing one memory pool; ``run`` replays the graph of a step's padded size
+    and returns its hidden rows. The graphs hold the KV cache tensors' addresses, so they are
+    captured after the cache is allocated; ``measure_bytes`` captures against a throwaway
+    cache first, so the engine can count their memory before it sizes the real cache."""
+
+    def __init__(self, forward: Forward, buffers: DecodeBuffers, sizes: Sequence[int]) -> None:
+        self.forward = forward
+        self.buffers = buffers
+        self.sizes = tuple(sorted(sizes))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def capture(self, kv_caches: list[torch.Tensor]) -> None:
+        pool = None
+        for size in reversed(self.sizes):
+            step = self.buffers.step(size, size, decode_max_seq_len=1)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up: autotuning and lazy init off the graph
+                self.forward(step.input_ids, step.positions, kv_caches, step.meta)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self.forward(step.input_ids, step.positions, kv_caches,
+                                                  step.meta)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def run(self, step: DecodeStep) -> torch.Tensor:
+        self.graphs[step.padded].replay()
+        return self.outputs[step.padded][:step.num_seqs]
+
+    @staticmethod
+    def measure_bytes(make: Callable[[list[torch.Tensor]], CudaGraphDecoder],
+                      scratch_caches: list[torch.Tensor]) -> int:
+        """Device memory the graphs of ``make(caches)`` hold, captured over scratch caches."""
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        decoder = make(scratch_caches)
+        decoder.capture(scratch_caches)
+        used = torch.cuda.memory_reserved() - before
+        del decoder
+        torch.cuda.empty_cache()
+        return max(0, used)

@@ -1,0 +1,108 @@
+"""The Triton kernels (engine_worker/attention/triton_kernels.py) against the reference.
+
+Without a GPU they run in Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+before any kernel module is imported), which checks their numerics but not their speed, races
+or out-of-bounds reads; test_triton_compile.py compiles them for real GPUs. Shapes stay tiny:
+the interpreter takes about 10 ms per tile iteration.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from engine_worker.attention import TorchAttentionBackend  # noqa: E402
+from engine_worker.attention.triton_backend import (TritonAttentionBackend,  # noqa: E402
+                                                    triton_write_kv)
+from engine_worker.model_runner.inputs import build_step_inputs  # noqa: E402
+from engine_worker.model_runner.runner import RunnerRequestState  # noqa: E402
+
+NUM_BLOCKS = 40
+
+
+def _step(rng: random.Random, shapes: list[tuple[int, int]], block_size: int):
+    """Requests as (context_len, query_len), decodes first, blocks shuffled in the pool."""
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    states = []
+    for context_len, query_len in shapes:
+        total = context_len + query_len
+        block_ids = [free.pop() for _ in range(-(-total // block_size))]
+        states.append(RunnerRequestState(
+            req_id=str(rng.random()), token_ids=[0] * total, num_prompt_tokens=total,
+            params=None, block_ids=block_ids, num_computed_tokens=context_len, generator=None))
+    _, _, meta, _ = build_step_inputs(states, [n for _, n in shapes], block_size,
+                                      torch.device("cpu"))
+    return meta
+
+
+# (context_len, query_len): decodes first, then prefill chunks, some over cached context
+STEPS = {
+    "decodes": [(0, 1), (20, 1), (47, 1)],
+    "mixed": [(9, 1), (40, 1), (0, 21), (33, 6)],
+}
+CASES = [
+    # (step, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    ("mixed", 8, 1, 64, 16, torch.float32),  # GQA 8:1
+    ("mixed", 2, 2, 64, 32, torch.float32),  # 1:1
+    ("mixed", 3, 1, 80, 16, torch.float16),  # head_dim not a power of two
+    ("decodes", 4, 2, 128, 32, torch.float16),
+    ("mixed", 4, 2, 64, 16, torch.bfloat16),  # up-cast to fp32 under the interpreter
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}:{c[2]}-d{c[3]}-b{c[4]}-"
+                         f"{str(c[5]).removeprefix('torch.')}")
+def test_triton_attention_matches_reference(case):
+    step, num_heads, num_kv_heads, head_dim, block_size, dtype = case
+    rng = random.Random(hash(case) & 0xFFFF)
+    torch.manual_seed(rng.randrange(1 << 30))
+    meta = _step(rng, STEPS[step], block_size)
+    num_tokens = int(meta.query_start_loc[-1])
+    q = torch.randn(num_tokens, num_heads, head_dim).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    cache = torch.randn(2, NUM_BLOCKS, block_size, num_kv_heads, head_dim).to(dtype)
+    ref_cache = cache.float()  # the reference runs in fp32 on the same (rounded) inputs
+    scale = head_dim ** -0.5
+
+    got = TritonAttentionBackend().forward(q, k, v, cache, meta, scale)
+    want = TorchAttentionBackend().forward(q.float(), k.float(), v.float(), ref_cache, meta,
+                                           scale)
+
+    assert torch.equal(cache.float(), ref_cache)  # the same K/V in the same slots
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_triton_attention_reads_only_its_own_blocks():
+    """NaN everywhere outside the requests' blocks, and past each request's length inside its
+    last block, must not reach the output (masked loads, not masked scores, keep it out)."""
+    rng = random.Random(3)
+    block_size = 16
+    meta = _step(rng, STEPS["mixed"], block_size)
+    num_tokens = int(meta.query_start_loc[-1])
+    cache = torch.full((2, NUM_BLOCKS, block_size, 1, 64), float("nan"))
+    for b in set(meta.block_tables.flatten().tolist()):
+        cache[:, b] = torch.randn(2, block_size, 1, 64)
+    for i, n in enumerate(meta.seq_lens.tolist()):
+        for pos in range(n, -(-n // block_size) * block_size):
+            cache[:, meta.block_tables[i, pos // block_size], pos % block_size] = float("nan")
+    q, k, v = torch.randn(num_tokens, 4, 64), torch.randn(num_tokens, 1, 64), torch.randn(
+        num_tokens, 1, 64)
+    out = TritonAttentionBackend().forward(q, k, v, cache, meta, 0.125)
+    assert not out.isnan().any()
+
+
+def test_triton_write_kv_skips_negative_slots():
+    cache = torch.zeros(2, 4, 16, 2, 64)
+    k, v = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    triton_write_kv(cache, k, v, torch.tensor([5, -1, 63]))
+    flat = cache.view(2, 64, 2, 64)
+    torch.testing.assert_close(flat[0, 5], k[0])
+    torch.testing.assert_close(flat[1, 63], v[2])
+    assert flat[:, [i for i in range(64) if i not in (5, 63)]].abs().sum() == 0

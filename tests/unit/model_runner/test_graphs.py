@@ -1,0 +1,122 @@
+"""Graph-ready decode steps on the CPU: capture sizes and padding, fixed buffers whose padded
+rows change nothing, and a padded decode through the model under FakeTensorMode, which raises
+on any data-dependent host read (what a CUDA graph capture cannot contain). Capturing and
+replaying real CUDA graphs needs a GPU: tests/gpu/test_cuda_graphs.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+pytest.importorskip("triton")
+
+from engine_worker.attention import TorchAttentionBackend  # noqa: E402
+from engine_worker.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from engine_worker.layers.kernels import LAYER_KERNELS  # noqa: E402
+from engine_worker.model_runner.graphs import (DecodeBuffers, capture_sizes,  # noqa: E402
+                                               padded_batch_size)
+from engine_worker.model_runner.inputs import build_step_inputs  # noqa: E402
+from engine_worker.model_runner.runner import RunnerRequestState  # noqa: E402
+from engine_worker.weights.loader import load_model  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def test_capture_sizes_and_padding():
+    assert capture_sizes(256) == (1, 2, 4, *range(8, 257, 8))
+    assert capture_sizes(5) == (1, 2, 4, 5)
+    assert capture_sizes(1000)[-1] == 256
+    sizes = capture_sizes(64)
+    assert [padded_batch_size(n, sizes) for n in (1, 2, 3, 5, 8, 9, 63, 64)] == \
+        [1, 2, 4, 8, 8, 16, 64, 64]
+    assert padded_batch_size(65, sizes) is None  # larger batches run eagerly
+
+
+def test_fill_pads_with_rows_that_write_nothing():
+    buffers = DecodeBuffers(max_batch=8, max_blocks_per_seq=4, device=torch.device("cpu"))
+    tables = np.array([[3, 1], [2, 0], [5, 6]], dtype=np.int32)
+    step = buffers.fill(np.array([7, 8, 9]), np.array([17, 0, 31]), tables, BLOCK_SIZE,
+                        padded=4)
+    assert (step.num_seqs, step.padded) == (3, 4)
+    assert step.input_ids.tolist() == [7, 8, 9, 0]
+    assert step.meta.slot_mapping.tolist() == [1 * 16 + 1, 2 * 16 + 0, 6 * 16 + 15, -1]
+    assert step.meta.seq_lens.tolist() == [18, 1, 32, 1]
+    assert step.meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert step.meta.decode_max_seq_len == 32
+    # the same memory every step: what a captured graph reads
+    again = buffers.fill(np.array([1]), np.array([0]), tables[:1], BLOCK_SIZE, padded=1)
+    assert again.input_ids.data_ptr() == step.input_ids.data_ptr()
+    with pytest.raises(ValueError, match="capacity"):
+        buffers.fill(np.zeros(9), np.zeros(9), np.zeros((9, 1), np.int32), BLOCK_SIZE, 9)
+
+
+@pytest.fixture(scope="module")
+def triton_model(tiny_model_dir):
+    return load_model(tiny_model_dir, dtype=torch.float32, device=torch.device("cpu"),
+                      backend=TritonAttentionBackend(), kernels=LAYER_KERNELS["torch"],
+                      max_model_len=256).model
+
+
+def _caches(model, num_blocks=8):
+    cfg = model.cfg
+    torch.manual_seed(0)
+    return [torch.randn(2, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+            for _ in range(cfg.num_layers)]
+
+
+def _state(token_ids, block_ids):
+    return RunnerRequestState(req_id=str(block_ids), token_ids=token_ids,
+                              num_prompt_tokens=len(token_ids), params=None,
+                              block_ids=block_ids, num_computed_tokens=len(token_ids) - 1,
+                              generator=None)
+
+
+def test_padded_decode_equals_unpadded_reference(triton_model):
+    """Three decodes padded to four rows through the Triton backend (interpreter) give the
+    reference backend's hidden states for the three, and the same cache contents."""
+    states = [_state(list(range(1, 20)), [3, 1]), _state([5], [2]),
+              _state(list(range(40, 72)), [5, 6])]
+    caches = _caches(triton_model)
+    ref_caches = [c.clone() for c in caches]
+    before = [c.clone() for c in caches]
+    buffers = DecodeBuffers(max_batch=8, max_blocks_per_seq=4, device=torch.device("cpu"))
+    step = buffers.fill(np.array([s.token_ids[-1] for s in states]),
+                        np.array([len(s.token_ids) - 1 for s in states]),
+                        np.array([[3, 1], [2, 0], [5, 6]], np.int32), BLOCK_SIZE, padded=4)
+    with torch.inference_mode():
+        got = triton_model(step.input_ids, step.positions, caches, step.meta)[:3]
+        ids, pos, meta, _ = build_step_inputs(states, [1, 1, 1], BLOCK_SIZE,
+                                              torch.device("cpu"))
+        for layer in triton_model.layers:
+            layer.self_attn.backend = TorchAttentionBackend()
+        try:
+            want = triton_model(ids, pos, ref_caches, meta)
+        finally:
+            for layer in triton_model.layers:
+                layer.self_attn.backend = TritonAttentionBackend()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    written = [1 * 16 + 2, 2 * 16 + 0, 6 * 16 + 15]  # each request's new slot
+    untouched = [i for i in range(8 * BLOCK_SIZE) if i not in written]
+    for c, r, b in zip(caches, ref_caches, before):
+        # the same K/V (rows of a 4-row matmul against a 3-row one: last-bit differences)
+        torch.testing.assert_close(c, r, atol=1e-5, rtol=1e-5)
+        # and nothing else: the padding row (slot -1) wrote no slot
+        flat, orig = c.view(2, -1, *c.shape[3:]), b.view(2, -1, *b.shape[3:])
+        assert torch.equal(flat[:, untouched], orig[:, untouched])
+
+
+def test_decode_step_has_no_data_dependent_host_reads(triton_model):
+    buffers = DecodeBuffers(max_batch=8, max_blocks_per_seq=4, device=torch.device("cpu"))
+    step = buffers.fill(np.array([7, 8, 9]), np.array([17, 0, 31]),
+                        np.array([[3, 1], [2, 0], [5, 6]], np.int32), BLOCK_SIZE, padded=4)
+    caches = _caches(triton_model)
+    with torch.inference_mode(), FakeTensorMode(allow_non_fake_inputs=True):
+        hidden = triton_model(step.input_ids, step.positions, caches, step.meta)
+        logits = triton_model.compute_logits(hidden)
+        tokens = logits.argmax(dim=-1)
+        assert tokens.shape == (4,)
+        # the check has teeth: a host read of a device value raises in this mode
+        with pytest.raises(DataDependentOutputException):
+            int(step.meta.seq_lens.max())
