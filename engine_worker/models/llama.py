@@ -64,14 +64,21 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         # x: [num_tokens, hidden_size] -> [num_tokens, hidden_size]
+        q, k, v = self.qkv_rope(positions, x)
+        out = self.attention.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.cfg.q_size))
+
+    def qkv_rope(self, positions: torch.Tensor,
+                 x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # x: [num_tokens, hidden_size] -> q [num_tokens, num_heads, head_dim],
+        # k, v [num_tokens, num_kv_heads, head_dim]
         cfg = self.cfg
         q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         q, k = self.rotary(positions, q, k)
-        out = self.attention.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, cfg.q_size))
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
