@@ -27,8 +27,8 @@ _HELP = {
     "seed": "seed of the engine's default random stream",
     "device": "auto, cpu or cuda[:N]",
     "num_threads": "torch CPU threads",
-    "kernels": "auto (compiled AVX-512 kernels on a CPU where they build, else torch), cpu, or "
-               "torch (the pure-PyTorch reference)",
+    "kernels": "kernel backend: auto (the compiled CPU kernels where they build, else torch; "
+               "said at start), cpu, or torch (the pure-PyTorch reference)",
 }
 
 

@@ -115,14 +115,15 @@ class SchedulerConfig:
                f"must be a non-negative integer, got {self.long_prefill_token_threshold!r}")
 
 
-KERNEL_CHOICES = ("auto", "torch", "cpu")
+KERNEL_CHOICES = ("auto", "torch", "cpu")  # "auto" and the keys of backends.BACKENDS
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceConfig:
     """Which torch device runs the model (``auto`` picks CUDA when torch sees one), and which
-    kernels: ``cpu`` is the compiled AVX-512 set in ``csrc/cpu``, ``torch`` the pure-PyTorch
-    reference, ``auto`` the compiled set on a CPU where it builds."""
+    kernel backend (``engine_worker.backends``): ``cpu`` is the compiled set in ``csrc/cpu``,
+    ``torch`` the pure-PyTorch reference, ``auto`` the fastest that runs on the device (the
+    engine says at start which one runs and why)."""
 
     device: str = "auto"
     num_threads: int | None = None

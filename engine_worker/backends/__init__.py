@@ -4,6 +4,10 @@
 compiled set of ``csrc/cpu``. ``auto`` takes the first backend of the device type's preference
 list that can run here, and says why when that is not the first: a fallback costs 5 to 10x
 and must be loud.
+
+A new backend (an instruction set, a GPU kernel library) is a ``Backend`` in its own module,
+one entry in ``BACKENDS`` and a place in ``PREFERENCE``; it is handed weights as data
+(``backends.base``) and tested against the reference.
 """
 
 from __future__ import annotations

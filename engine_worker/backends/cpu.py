@@ -30,6 +30,11 @@ logger = logging.getLogger(__name__)
 SKINNY_MAX_ROWS = 8  # up to here a linear layer is a weight stream: the bf16 kernel wins
 
 
+def _ops():
+    """The compiled ops' namespace: the one place this backend names it."""
+    return torch.ops.quire
+
+
 @dataclass(frozen=True, slots=True)
 class CpuPackedWeight:
     """A bf16 weight in the two layouts the CPU path streams: oneDNN's blocked one for many
@@ -48,8 +53,8 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     # x: [num_tokens, in_features]; more rows go to oneDNN, which reuses each weight load
     if x.shape[0] <= SKINNY_MAX_ROWS and x.dtype == torch.bfloat16 and x.shape[1] % 32 == 0:
         if packed is not None and packed.skinny is not None:
-            return torch.ops.quire.skinny_linear_packed(x, packed.skinny, bias)
-        return torch.ops.quire.skinny_linear(x, weight, bias)
+            return _ops().skinny_linear_packed(x, packed.skinny, bias)
+        return _ops().skinny_linear(x, weight, bias)
     if packed is not None and packed.onednn is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -65,9 +70,9 @@ def cpu_pack_weight(weight: torch.Tensor) -> CpuPackedWeight | None:
     out_features, in_features = weight.shape
     skinny = None
     if out_features % 4 == 0 and in_features % 32 == 0:
-        skinny = torch.ops.quire.pack_coded(weight)
+        skinny = _ops().pack_coded(weight)
         if skinny.numel() == 0:  # a row with more than 16 exponents
-            skinny = torch.ops.quire.pack_skinny(weight)
+            skinny = _ops().pack_skinny(weight)
         # what decode streams every step: on huge pages (platform.py)
         skinny = to_huge_pages(skinny)
     return CpuPackedWeight(onednn, skinny)
@@ -75,13 +80,13 @@ def cpu_pack_weight(weight: torch.Tensor) -> CpuPackedWeight | None:
 
 def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.shape[-1] % 16 == 0 and x.dim() == 2 and x.stride(1) == 1:
-        return torch.ops.quire.rms_norm(x, weight, eps)
+        return _ops().rms_norm(x, weight, eps)
     return rms_norm(x, weight, eps)
 
 
 def cpu_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % 32 == 0 and x.dim() == 2 and x.is_contiguous():
-        return torch.ops.quire.silu_and_mul(x)
+        return _ops().silu_and_mul(x)
     return silu_and_mul(x)
 
 
@@ -89,7 +94,7 @@ def cpu_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: tor
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """In place on q and k (views into the step's fused QKV output)."""
     if q.shape[-1] % 32 == 0:
-        torch.ops.quire.rotary_embedding(q, k, positions, cos, sin)
+        _ops().rotary_embedding(q, k, positions, cos, sin)
         return q, k
     return apply_rope(positions, q, k, cos, sin)
 
@@ -113,11 +118,11 @@ class CpuPagedAttentionBackend:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         if not kernel_supports(q.shape[-1]):
             return self._reference.forward(q, k, v, kv_cache, meta, scale)
-        torch.ops.quire.write_kv(kv_cache, k, v, meta.slot_mapping)
+        _ops().write_kv(kv_cache, k, v, meta.slot_mapping)
         q = q.contiguous()
         out = torch.empty_like(q)
-        torch.ops.quire.paged_attention(out, q, kv_cache, meta.block_tables, meta.query_start_loc,
-                                        meta.seq_lens, scale)
+        _ops().paged_attention(out, q, kv_cache, meta.block_tables, meta.query_start_loc,
+                               meta.seq_lens, scale)
         return out
 
 
@@ -149,15 +154,15 @@ def cpu_llama_layers(stack: LlamaStack) -> LayersFn | None:
                     layer.post_attention_norm, gate_up.packed.skinny, gate_up.packed.onednn,
                     down.packed.skinny, down.packed.onednn]
         biases += [lin.bias for lin in layer.linears]
-    s = stack
 
     def run(x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
             meta: AttentionMetadata, attention_ns: torch.Tensor | None = None) -> torch.Tensor:
         # attention_ns (int64 [1]): the op adds its cache-write and attention time to it
-        return torch.ops.quire.llama_layers(
-            x, positions, s.rope_cos, s.rope_sin, weights, biases, kv_caches,
+        return _ops().llama_layers(
+            x, positions, stack.rope_cos, stack.rope_sin, weights, biases, kv_caches,
             meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            s.rms_norm_eps, s.attention_scale, s.num_heads, s.num_kv_heads, attention_ns)
+            stack.rms_norm_eps, stack.attention_scale, stack.num_heads, stack.num_kv_heads,
+            attention_ns)
 
     return run
 
