@@ -27,8 +27,11 @@ _HELP = {
     "seed": "seed of the engine's default random stream",
     "device": "auto, cpu or cuda[:N]",
     "num_threads": "torch CPU threads",
-    "kernels": "auto (compiled AVX-512 kernels on a CPU where they build, else torch), cpu, or "
-               "torch (the pure-PyTorch reference)",
+    "kernels": "kernel backend: auto (on a CPU the compiled CPU kernels where they build, else "
+               "torch; on CUDA triton; said at start), cpu, triton (Triton paged attention), "
+               "or torch (the pure-PyTorch reference)",
+    "attention_backend": "auto (the kernel backend's own), torch (the reference) or triton "
+                         "(Triton paged attention; on a CPU only under TRITON_INTERPRET=1)",
 }
 
 

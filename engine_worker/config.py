@@ -115,22 +115,27 @@ class SchedulerConfig:
                f"must be a non-negative integer, got {self.long_prefill_token_threshold!r}")
 
 
-KERNEL_CHOICES = ("auto", "torch", "cpu")
+KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")  # "auto" and the keys of backends.BACKENDS
+ATTENTION_CHOICES = ("auto", "torch", "triton")  # "auto": the kernel backend's own
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceConfig:
     """Which torch device runs the model (``auto`` picks CUDA when torch sees one), and which
-    kernels: ``cpu`` is the compiled AVX-512 set in ``csrc/cpu``, ``torch`` the pure-PyTorch
-    reference, ``auto`` the compiled set on a CPU where it builds."""
+    kernel backend (``engine_worker.backends``): ``cpu`` is the compiled set in ``csrc/cpu``,
+    ``torch`` the pure-PyTorch reference, ``auto`` the fastest that runs on the device (the
+    engine says at start which one runs and why)."""
 
     device: str = "auto"
     num_threads: int | None = None
     kernels: str = "auto"
+    attention_backend: str = "auto"  # another attention than the kernel backend's own
 
     def __post_init__(self) -> None:
         _check(self.kernels in KERNEL_CHOICES, "kernels",
                f"must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
+        _check(self.attention_backend in ATTENTION_CHOICES, "attention_backend",
+               f"must be one of {ATTENTION_CHOICES}, got {self.attention_backend!r}")
         _check(isinstance(self.device, str)
                and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, "device", f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.num_threads is not None:
@@ -168,6 +173,7 @@ class EngineArgs:
     device: str = "auto"
     num_threads: int | None = None
     kernels: str = "auto"
+    attention_backend: str = "auto"
 
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -182,5 +188,6 @@ class EngineArgs:
                                       scheduling_policy=self.scheduling_policy,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads,
-                                kernels=self.kernels),
+                                kernels=self.kernels,
+                                attention_backend=self.attention_backend),
         )

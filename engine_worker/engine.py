@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine_worker.attention import ATTENTION_BACKENDS
+from engine_worker.backends import select_backend
 from engine_worker.config import EngineArgs, EngineConfig
 from engine_worker.input_processor import InputProcessor, PromptType
 from engine_worker.kv_cache.events import KVEventRecorder
@@ -21,9 +21,9 @@ from engine_worker.kv_cache.sizing import bytes_per_block, kv_budget_bytes, num_
 from engine_worker.model_runner.runner import ModelRunner
 from engine_worker.output_processor import OutputProcessor
 from engine_worker.outputs import RequestOutput
-from engine_worker.layers.kernels import LAYER_KERNELS
 from engine_worker.platform import (allocate_zeroed, available_memory_bytes, select_device,
-                                   select_dtype, select_kernels)
+                                   select_dtype)
+from engine_worker.progress import progress, start_summary
 from engine_worker.request import RequestStatus
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.scheduler.scheduler import Scheduler
@@ -43,6 +43,7 @@ class LLMEngine:
     """One model, one KV cache, one scheduler."""
 
     def __init__(self, config: EngineConfig) -> None:
+        start = time.monotonic()
         self.config = config
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
@@ -52,19 +53,17 @@ class LLMEngine:
         tokenizer_dir = resolve_model_dir(config.model.tokenizer) if config.model.tokenizer \
             else model_dir
         self.model_dir = model_dir
-        start = time.monotonic()
-        self.kernels = select_kernels(config.device.kernels, self.device)
+        self.backend = select_backend(config.device.kernels, self.device,
+                                      config.device.attention_backend)
+        self.kernels = self.backend.name
         loaded = load_model(model_dir, dtype=self.dtype, device=self.device,
-                            backend=ATTENTION_BACKENDS[self.kernels](),
-                            kernels=LAYER_KERNELS[self.kernels],
+                            backend=self.backend.backend,
                             max_model_len=config.model.max_model_len)
-        self.tokenizer = Tokenizer(tokenizer_dir)
+        with progress(logger, "Loading the tokenizer"):
+            self.tokenizer = Tokenizer(tokenizer_dir)
         self.architecture = loaded.architecture
         self.max_model_len = loaded.max_model_len
         model_cfg = loaded.model.cfg
-        logger.info("Loaded %s (%s) as %s on %s with %s kernels in %.1f s", model_dir.name,
-                    loaded.architecture, self.dtype, self.device, self.kernels,
-                    time.monotonic() - start)
 
         cache = config.cache
         block_bytes = bytes_per_block(num_layers=model_cfg.num_layers, block_size=cache.block_size,
@@ -77,17 +76,14 @@ class LLMEngine:
                                  on_gpu=self.device.type == "cuda")
         self.num_blocks = num_blocks_for_budget(budget_bytes=budget, block_bytes=block_bytes)
         capacity = self.num_blocks * cache.block_size
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens); max concurrency "
-                    "at max_model_len=%d: %.2fx", self.num_blocks, cache.block_size,
-                    self.num_blocks * block_bytes / 2**30, capacity, self.max_model_len,
-                    capacity / self.max_model_len)
         if capacity < self.max_model_len:
             logger.warning("KV cache holds %d tokens, less than max_model_len=%d: longer "
                            "requests will be rejected", capacity, self.max_model_len)
-        kv_caches = [allocate_zeroed((2, self.num_blocks, cache.block_size,
-                                      model_cfg.num_kv_heads, model_cfg.head_dim),
-                                     self.dtype, self.device)
-                     for _ in range(model_cfg.num_layers)]
+        with progress(logger, "Allocating the KV cache"):
+            kv_caches = [allocate_zeroed((2, self.num_blocks, cache.block_size,
+                                          model_cfg.num_kv_heads, model_cfg.head_dim),
+                                         self.dtype, self.device)
+                         for _ in range(model_cfg.num_layers)]
         self.kv_events = KVEventRecorder(medium=self.device.type)
         self.kv_cache_manager = KVCacheManager(self.num_blocks, cache.block_size,
                                                cache.enable_prefix_caching, self.kv_events)
@@ -106,6 +102,14 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending_outputs: list[RequestOutput] = []
         self.dead_reason: str | None = None  # set when a step failed; the engine is unusable
+        # the one place that says what runs: loud (WARNING) when the backend is a fallback
+        logger.log(logging.WARNING if self.backend.fallback else logging.INFO, "%s",
+                   start_summary(model=f"{model_dir.name} ({self.architecture})",
+                                 device=self.device, dtype=self.dtype,
+                                 num_threads=torch.get_num_threads(), backend=self.backend,
+                                 num_blocks=self.num_blocks, block_size=cache.block_size,
+                                 block_bytes=block_bytes, max_model_len=self.max_model_len,
+                                 elapsed_s=time.monotonic() - start))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

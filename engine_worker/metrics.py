@@ -56,7 +56,9 @@ class EngineMetrics:
     last-seen totals of the cumulative counters.
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, *, backend: str, backend_reason: str) -> None:
+        """``backend`` and ``backend_reason``: the kernel backend the engine runs and why (see
+        ``engine_worker.backends.BackendChoice``), exported as ``quire:backend_info``."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self._lock = threading.Lock()
@@ -71,6 +73,12 @@ class EngineMetrics:
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        # What runs, as an info-style gauge (always 1): a fallback to the reference ops costs
+        # 5-10x and an alert can match on backend="torch" where "cpu" was expected.
+        Gauge("quire:backend_info", "Kernel backend the engine runs, and why (value 1).",
+              ["model_name", "backend", "reason"], registry=r
+              ).labels(model_name, backend, backend_reason).set(1)
 
         # Scheduler state, sampled after every step.
         self._num_running = gauge("vllm:num_requests_running",

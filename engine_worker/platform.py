@@ -86,18 +86,3 @@ def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
     out.copy_(t)
     return out
 
-
-def select_kernels(name: str, device: torch.device) -> str:
-    """``auto`` -> ``cpu`` (the compiled kernels) on a CPU where they build, else ``torch``."""
-    from engine_worker.ops import cpu_ops_unavailable_reason, load_cpu_ops
-
-    if name == "torch":
-        return name
-    if name == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"kernels: 'cpu' runs on the CPU only, the device is {device}")
-        reason = cpu_ops_unavailable_reason()
-        if reason is not None:
-            raise ValueError(f"kernels: 'cpu' requested but unavailable: {reason}")
-        return name
-    return "cpu" if device.type == "cpu" and load_cpu_ops() else "torch"

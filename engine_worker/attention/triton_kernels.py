@@ -22,7 +22,7 @@ Keys are walked in tiles of ``TILE_N`` logical positions, independent of the KV 
 sum ``l`` and an fp32 accumulator). Query row ``i`` of a sequence sits at position
 ``seq_len - query_len + i`` and sees keys up to and including it.
 
-The reference is ``engine_worker/attention/torch_backend.py``; tests run these kernels under
+The reference is ``engine_worker/backends/reference.py``; tests run these kernels under
 ``TRITON_INTERPRET=1`` on the CPU against it, and compile them for sm_80 / sm_90.
 """
 

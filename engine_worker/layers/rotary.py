@@ -101,7 +101,7 @@ ROPE_SCALINGS: dict[str, Callable[[RopeConfig], tuple[torch.Tensor, float]]] = {
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds the cos/sin tables; ``kernel`` applies them (see ``layers.kernels``)."""
+    """Holds the cos/sin tables; ``kernel`` (the backend's rope) applies them."""
 
     def __init__(self, cfg: RopeConfig, max_position: int, device: torch.device,
                  kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:

@@ -1,8 +1,10 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM): pre-norm decoder, GQA, RoPE, SwiGLU.
 
 Tokens are flat (``[num_tokens, ...]``) across the whole batch; where each token's K/V live in
-the paged cache comes from the attention metadata. Checkpoint naming and layout quirks live in
-``engine_worker.weights.loader``, never here.
+the paged cache comes from the attention metadata. Every op comes from the engine's backend
+(``engine_worker.backends``); once loaded, the model exports its weights as data
+(``LlamaStack``) and a backend with a fused implementation runs all layers in one call.
+Checkpoint naming and layout quirks live in ``engine_worker.weights.loader``, never here.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 from torch import nn
 
 from engine_worker.attention.metadata import AttentionMetadata
-from engine_worker.layers.kernels import LAYER_KERNELS, LayerKernels
+from engine_worker.backends.base import Backend, LayersFn, LlamaLayerWeights, LlamaStack
 from engine_worker.layers.linear import Linear
 from engine_worker.layers.norm import RMSNorm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding
@@ -45,84 +47,100 @@ class LlamaConfig:
 
 
 class LlamaAttention(nn.Module):
-    """RMSNorm, the fused QKV projection and RoPE (one kernel call), then paged attention.
-    ``o_proj`` is applied by the layer's second half, together with the residual."""
+    """Grouped-query attention over the paged KV cache: a fused QKV projection, RoPE on q and
+    k, attention (the backend's), and the output projection."""
 
-    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend,
-                 kernels: LayerKernels) -> None:
+    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: Backend) -> None:
         super().__init__()
         self.cfg = cfg
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias,
-                               kernels.linear, kernels.pack_weight)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, kernels.linear,
-                             kernels.pack_weight)
+                               backend.linear, backend.pack_weight)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, backend.linear,
+                             backend.pack_weight)
         self.rotary = rotary
-        self.backend = backend
+        self.attention = backend.attention
         self.scale = cfg.head_dim ** -0.5
-        self.norm_qkv_rope = kernels.norm_qkv_rope
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, norm: RMSNorm,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # x: [num_tokens, hidden_size] -> attention output [num_tokens, num_heads * head_dim]
-        cfg = self.cfg
-        q, k, v = self.norm_qkv_rope(x, positions, norm, self.qkv_proj, self.rotary,
-                                     cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return out.reshape(-1, cfg.q_size)
-
-
-class LlamaMLP(nn.Module):
-    """SwiGLU over a fused gate/up projection; run by the layer's ``residual_mlp`` kernel."""
-
-    def __init__(self, cfg: LlamaConfig, kernels: LayerKernels) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
-                                   kernels.linear, kernels.pack_weight)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias,
-                                kernels.linear, kernels.pack_weight)
-        self.silu_and_mul = kernels.silu_and_mul
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend,
-                 kernels: LayerKernels) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rms_norm)
-        self.self_attn = LlamaAttention(cfg, rotary, backend, kernels)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
-                                                kernels.rms_norm)
-        self.mlp = LlamaMLP(cfg, kernels)
-        self.residual_mlp = kernels.residual_mlp
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        # h = x + o_proj(attention(norm(x)));  h + mlp(norm(h))
-        attn = self.self_attn(positions, x, self.input_layernorm, kv_cache, meta)
-        mlp = self.mlp
-        return self.residual_mlp(x, attn, self.self_attn.o_proj, self.post_attention_layernorm,
-                                 mlp.gate_up_proj, mlp.down_proj, mlp.silu_and_mul)
+        # x: [num_tokens, hidden_size] -> [num_tokens, hidden_size]
+        q, k, v = self.qkv_rope(positions, x)
+        out = self.attention.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.cfg.q_size))
+
+    def qkv_rope(self, positions: torch.Tensor,
+                 x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # x: [num_tokens, hidden_size] -> q [num_tokens, num_heads, head_dim],
+        # k, v [num_tokens, num_kv_heads, head_dim]
+        cfg = self.cfg
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return q, k, v
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU (Shazeer, 2020) over a fused gate/up projection."""
+
+    def __init__(self, cfg: LlamaConfig, backend: Backend) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
+                                   backend.linear, backend.pack_weight)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias,
+                                backend.linear, backend.pack_weight)
+        self.silu_and_mul = backend.silu_and_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, hidden_size] -> [num_tokens, hidden_size]
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm: h = x + attention(norm(x)); out = h + mlp(norm(h))."""
+
+    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: Backend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm)
+        self.self_attn = LlamaAttention(cfg, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                backend.rms_norm)
+        self.mlp = LlamaMLP(cfg, backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def export(self) -> LlamaLayerWeights:
+        attn, mlp = self.self_attn, self.mlp
+        return LlamaLayerWeights(
+            input_norm=self.input_layernorm.weight, qkv_proj=attn.qkv_proj.export(),
+            o_proj=attn.o_proj.export(), post_attention_norm=self.post_attention_layernorm.weight,
+            gate_up_proj=mlp.gate_up_proj.export(), down_proj=mlp.down_proj.export())
 
 
 class LlamaForCausalLM(nn.Module):
     """``forward`` returns final hidden states; ``compute_logits`` projects the rows to sample."""
 
-    def __init__(self, cfg: LlamaConfig, backend, max_position: int, device: torch.device,
-                 kernels: LayerKernels = LAYER_KERNELS["torch"]) -> None:
+    def __init__(self, cfg: LlamaConfig, backend: Backend, max_position: int,
+                 device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
-        self.kernels = kernels
+        self.backend = backend
         self.logits_packed = None
-        self.layer_stack = None  # every layer in one kernel call, where the kernels allow
+        self.layer_stack: LayersFn | None = None  # every layer in one call, where the backend can
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.rope, max_position, device, kernels.rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary, backend, kernels)
+        self.rotary = RotaryEmbedding(cfg.rope, max_position, device, backend.rope)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, backend)
                                     for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels.rms_norm)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, kernels.linear,
-                                  kernels.pack_weight)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, backend.linear,
+                                  backend.pack_weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -136,18 +154,28 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def pack_weights(self) -> None:
-        """Once the checkpoint is loaded: every linear weight into its kernel's layout."""
+        """Once the checkpoint is loaded: every linear weight into the backend's layout, then
+        the layers' weights handed to the backend as data for its fused stack, if it has one."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        self.logits_packed = (self.kernels.pack_weight(self.embed_tokens.weight)
+        self.logits_packed = (self.backend.pack_weight(self.embed_tokens.weight)
                               if self.lm_head is None else self.lm_head.packed)
-        self.layer_stack = self.kernels.layer_stack(self)
+        self.layer_stack = self.backend.llama_layers(self.export())
+
+    def export(self) -> LlamaStack:
+        """The decoder layers' loaded (and packed) weights and shapes, as plain data."""
+        cfg = self.cfg
+        return LlamaStack(
+            layers=tuple(layer.export() for layer in self.layers), hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            rms_norm_eps=cfg.rms_norm_eps, attention_scale=cfg.head_dim ** -0.5,
+            rope_cos=self.rotary.cos, rope_sin=self.rotary.sin)
 
     def _logits_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden_size] -> fp32 logits [num_rows, vocab_size]
-        return self.kernels.linear(hidden, self._logits_weight(), None,
+        return self.backend.linear(hidden, self._logits_weight(), None,
                                    self.logits_packed).float()

@@ -45,7 +45,9 @@ class EngineServer:
         """``tracing``: where request spans go (None: off; the owner shuts it down)."""
         self.cfg = cfg
         model_name = cfg.model_name or engine.config.model.model or EMBEDDED_MODEL_ID
-        self.metrics = EngineMetrics(model_name) if cfg.metrics_port is not None else None
+        self.metrics = (EngineMetrics(model_name, backend=engine.backend.name,
+                                      backend_reason=engine.backend.reason)
+                        if cfg.metrics_port is not None else None)
         self.metrics_server: MetricsServer | None = None
         self.async_engine = AsyncEngine(
             engine, max_waiting_requests=cfg.max_waiting_requests,

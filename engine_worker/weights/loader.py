@@ -17,8 +17,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine_worker.layers.kernels import LayerKernels
+from engine_worker.backends.base import Backend
 from engine_worker.models.registry import lookup_architecture
+from engine_worker.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +57,18 @@ def derive_max_model_len(hf_config: dict[str, Any], requested: int | None) -> in
     return requested
 
 
-def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, backend,
-               kernels: LayerKernels, max_model_len: int | None) -> LoadedModel:
+def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, backend: Backend,
+               max_model_len: int | None) -> LoadedModel:
+    """Build the model on the meta device, load the checkpoint into it (cast to ``dtype`` on
+    ``device``), then let ``backend`` pack the weights its way."""
     hf_config = read_hf_config(model_dir)
     arch_name, arch = lookup_architecture(hf_config)
     cfg = arch.parse_config(hf_config)
     max_len = derive_max_model_len(hf_config, max_model_len)
     with torch.device("meta"):
-        model = arch.model_cls(cfg, backend, max_len, device, kernels)
-    state = _read_state_dict(model_dir, dtype=dtype, device=device)
+        model = arch.model_cls(cfg, backend, max_len, device)
+    with progress(logger, f"Loading weights from {model_dir.name}"):
+        state = _read_state_dict(model_dir, dtype=dtype, device=device)
     expected = set(model.state_dict())
     missing = expected - state.keys()
     unexpected = state.keys() - expected
@@ -76,7 +80,8 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, bac
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     model.eval()
-    model.pack_weights()
+    with progress(logger, f"Packing weights for the {backend.name} backend"):
+        model.pack_weights()
     return LoadedModel(model=model, architecture=arch_name, hf_config=hf_config,
                        max_model_len=max_len)
 
@@ -87,7 +92,9 @@ def _read_state_dict(model_dir: Path, *, dtype: torch.dtype,
     if not files:
         raise ValueError(f"model: no *.safetensors files in {model_dir}")
     raw: dict[str, torch.Tensor] = {}
-    for path in files:
+    for i, path in enumerate(files, 1):
+        if len(files) > 1:
+            logger.info("Reading %s (file %d of %d)", path.name, i, len(files))
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if not _IGNORED.search(name):

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from engine_worker.config import quire_cache_dir
+from engine_worker.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +63,12 @@ def _converted_gguf_dir(gguf: Path) -> Path:
     target = quire_cache_dir() / "models" / f"{name}-{key.hexdigest()[:12]}"
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
-    logger.info("Converting %s to safetensors in %s (once; later starts reuse it)", gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        _convert_gguf(gguf, tmp)
+        with progress(logger, f"Converting {gguf.name} to safetensors in {target}",
+                      expect="first start only, about 1-3 min; later starts reuse it"):
+            _convert_gguf(gguf, tmp)
         try:
             os.replace(tmp, target)
         except OSError:  # another process won the race: keep theirs

@@ -70,9 +70,9 @@ class StepProfiler:
         model.forward = _Timed(model.forward, self.totals, "forward")
         backends = {}
         for layer in model.layers:
-            inner = layer.self_attn.backend
+            inner = layer.self_attn.attention
             backends.setdefault(id(inner), _TimedBackend(inner, self.totals))
-            layer.self_attn.backend = backends[id(inner)]
+            layer.self_attn.attention = backends[id(inner)]
         self.stack_attention_ns = torch.zeros(1, dtype=torch.int64)
         stack = model.layer_stack
         if stack is not None:

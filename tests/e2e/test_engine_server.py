@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine_worker import LLM, SamplingParams
 from engine_worker.config import EngineArgs
 from engine_worker.engine import LLMEngine
+from engine_worker.ops import cpu_ops_unavailable_reason
 from engine_worker.server.app import SERVICE_NAME, EngineServer
 from engine_worker.server.config import ServerConfig
 from quire.kv_events import KVCacheMirror, batch_from_proto, snapshot_from_proto
@@ -41,7 +44,7 @@ def _engine(model_dir, **kwargs) -> LLMEngine:
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     running = RunningServer(_engine(tiny_model_dir), ServerConfig(host="127.0.0.1", port=0,
-                                                                  max_n=4))
+                                                                  max_n=4, metrics_port=0))
     yield running
     running.close()
 
@@ -150,6 +153,26 @@ def test_model_info_health_and_reflection(server):
         list_services="")])))
     names = {s.name for s in reply.list_services_response.service}
     assert {SERVICE_NAME, "grpc.health.v1.Health"} <= names
+
+
+def test_model_info_and_metrics_say_which_backend_runs_and_why(server):
+    """kernels=auto: the compiled CPU kernels where they build here, else a loud fallback."""
+    reason = cpu_ops_unavailable_reason()
+    info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
+    if reason is None:
+        assert (info.backend, info.backend_fallback) == ("cpu", False)
+        assert info.backend_reason == "the fastest backend that runs on cpu"
+    else:
+        assert (info.backend, info.backend_fallback) == ("torch", True)
+        assert info.backend_reason == f"compiled CPU kernels unavailable: {reason}"
+    port = server.server.metrics_server.port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    infos = [s for family in text_string_to_metric_families(text) for s in family.samples
+             if s.name == "quire:backend_info"]
+    assert len(infos) == 1 and infos[0].value == 1
+    assert infos[0].labels["backend"] == info.backend
+    assert infos[0].labels["reason"] == info.backend_reason
 
 
 def test_load_reports_and_kv_event_feed(server):

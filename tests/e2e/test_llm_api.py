@@ -261,3 +261,48 @@ def test_delta_outputs_of_parallel_samples_carry_only_news(llm):
     full = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(
         n=3, temperature=1.0, seed=5, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert [pieces[i] for i in range(3)] == [c.token_ids for c in full.outputs]
+
+
+def test_the_backend_is_said_once_at_start_and_loudly_when_a_fallback(tiny_model_dir):
+    """``LLM(...)`` with logging left unconfigured, as a user runs it: a fallback to the
+    reference ops shows on stderr in one block, once; the fast path stays quiet."""
+    import subprocess
+    import sys
+
+    from engine_worker.ops import cpu_ops_unavailable_reason
+
+    code = ("from engine_worker import LLM\n"
+            f"LLM({str(tiny_model_dir)!r}, dtype='float32', kv_cache_memory_bytes=1 << 24)\n")
+    stderr = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, timeout=600).stderr
+    lines = [line for line in stderr.splitlines() if "Backend: " in line]
+    reason = cpu_ops_unavailable_reason()
+    if reason is None:
+        assert lines == []
+    else:
+        assert lines == [f"  Backend: torch (reference ops, about 5-10x slower): compiled CPU "
+                         f"kernels unavailable: {reason}"]
+        assert stderr.count("Engine ready in ") == 1
+
+
+def test_start_shows_progress_and_one_summary_of_the_choices(tiny_model_dir, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="engine_worker")
+    llm = LLM(str(tiny_model_dir), dtype="float32", kernels="torch", max_model_len=512,
+              kv_cache_memory_bytes=1 << 24)
+    messages = [r.getMessage() for r in caplog.records]
+    for step in ("Loading weights from", "Packing weights for the torch backend",
+                 "Loading the tokenizer", "Allocating the KV cache"):
+        assert any(m.startswith(step) and ": done in " in m for m in messages), step
+    summaries = [r for r in caplog.records if r.getMessage().startswith("Engine ready in ")]
+    assert len(summaries) == 1 and summaries[0].levelno == logging.INFO
+    engine = llm.engine
+    block_bytes = 3 * 2 * 2 * 16 * 16 * 4  # layers, K and V, kv heads, head dim, tokens, fp32
+    assert summaries[0].getMessage().splitlines()[1:] == [
+        "  Device: cpu, %d threads, dtype float32" % torch.get_num_threads(),
+        "  Backend: torch (reference ops): requested (kernels=torch)",
+        f"  KV cache: {engine.num_blocks} blocks x 16 tokens = {engine.num_blocks * 16} tokens, "
+        f"{engine.num_blocks * block_bytes / 2**30:.2f} GiB ({block_bytes // 16} bytes a token)",
+        f"  Max model len: 512 tokens ({engine.num_blocks * 16 / 512:.2f} full-length sequences "
+        f"fit at once)"]

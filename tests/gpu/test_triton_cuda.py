@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu,
 
 triton = pytest.importorskip("triton")
 
-from engine_worker.attention import TorchAttentionBackend  # noqa: E402
+from engine_worker.backends.reference import TorchAttentionBackend  # noqa: E402
 from engine_worker.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from engine_worker.model_runner.graphs import CudaGraphDecoder, DecodeBuffers  # noqa: E402
 from tests.unit.attention.test_triton_attention import _step  # noqa: E402

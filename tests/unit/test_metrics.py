@@ -16,11 +16,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_worker.metrics import EngineMetrics, MetricsServer
 
 MODEL = "test-model"
+FALLBACK = "compiled CPU kernels unavailable: building csrc/cpu failed"
+
+
+def engine_metrics(model_name: str = MODEL) -> EngineMetrics:
+    return EngineMetrics(model_name, backend="torch", backend_reason=FALLBACK)
 
 
 @pytest.fixture
 def metrics() -> EngineMetrics:
-    return EngineMetrics(MODEL)
+    return engine_metrics()
 
 
 @pytest.fixture
@@ -157,7 +162,7 @@ def test_other_path_is_404(server: MetricsServer) -> None:
 
 
 def test_instances_do_not_share_state() -> None:
-    first, second = EngineMetrics(MODEL), EngineMetrics(MODEL)
+    first, second = engine_metrics(), engine_metrics()
     assert first.registry is not second.registry
     step(first, num_running=4, prefix_cache_queries=10)
     first.observe_finished(finish_reason="stop", num_prompt_tokens=5, num_generation_tokens=2,
@@ -171,7 +176,7 @@ def test_instances_do_not_share_state() -> None:
 
 
 def test_model_name_label_and_two_servers() -> None:
-    a, b = EngineMetrics("model-a"), EngineMetrics("model-b")
+    a, b = engine_metrics("model-a"), engine_metrics("model-b")
     servers = [MetricsServer(m, "127.0.0.1", 0) for m in (a, b)]
     for s in servers:
         s.start()
@@ -198,3 +203,12 @@ def test_port_before_start_raises_and_stop_is_idempotent(metrics: EngineMetrics)
     assert srv.port > 0
     srv.stop()
     srv.stop()
+
+
+def test_backend_info_says_which_backend_runs_and_why(server: MetricsServer) -> None:
+    _, text = scrape(server)
+    assert value(text, "quire:backend_info", backend="torch", reason=FALLBACK) == 1
+    assert f'quire:backend_info{{backend="torch",model_name="{MODEL}",reason="{FALLBACK}"}} 1.0' \
+        in text.splitlines()
+    # one series: the engine runs one backend
+    assert [name for name, _ in samples(text)].count("quire:backend_info") == 1

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine_worker.attention import TorchAttentionBackend  # noqa: E402
+from engine_worker.backends.reference import TorchAttentionBackend  # noqa: E402
 from engine_worker.attention.triton_backend import (TritonAttentionBackend,  # noqa: E402
                                                     triton_write_kv)
 from engine_worker.model_runner.inputs import build_step_inputs  # noqa: E402

@@ -12,9 +12,8 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 
 pytest.importorskip("triton")
 
-from engine_worker.attention import TorchAttentionBackend  # noqa: E402
-from engine_worker.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from engine_worker.layers.kernels import LAYER_KERNELS  # noqa: E402
+from engine_worker.backends.reference import TorchAttentionBackend  # noqa: E402
+from engine_worker.backends import BACKENDS  # noqa: E402
 from engine_worker.model_runner.graphs import (DecodeBuffers, capture_sizes,  # noqa: E402
                                                padded_batch_size)
 from engine_worker.model_runner.inputs import build_step_inputs  # noqa: E402
@@ -55,8 +54,7 @@ def test_fill_pads_with_rows_that_write_nothing():
 @pytest.fixture(scope="module")
 def triton_model(tiny_model_dir):
     return load_model(tiny_model_dir, dtype=torch.float32, device=torch.device("cpu"),
-                      backend=TritonAttentionBackend(), kernels=LAYER_KERNELS["torch"],
-                      max_model_len=256).model
+                      backend=BACKENDS["triton"], max_model_len=256).model
 
 
 def _caches(model, num_blocks=8):
@@ -89,13 +87,14 @@ def test_padded_decode_equals_unpadded_reference(triton_model):
         got = triton_model(step.input_ids, step.positions, caches, step.meta)[:3]
         ids, pos, meta, _ = build_step_inputs(states, [1, 1, 1], BLOCK_SIZE,
                                               torch.device("cpu"))
+        triton_attention = triton_model.layers[0].self_attn.attention
         for layer in triton_model.layers:
-            layer.self_attn.backend = TorchAttentionBackend()
+            layer.self_attn.attention = TorchAttentionBackend()
         try:
             want = triton_model(ids, pos, ref_caches, meta)
         finally:
             for layer in triton_model.layers:
-                layer.self_attn.backend = TritonAttentionBackend()
+                layer.self_attn.attention = triton_attention
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     written = [1 * 16 + 2, 2 * 16 + 0, 6 * 16 + 15]  # each request's new slot
     untouched = [i for i in range(8 * BLOCK_SIZE) if i not in written]

@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
-from engine_worker.attention import CpuPagedAttentionBackend, TorchAttentionBackend
+from engine_worker.backends.cpu import (CpuPagedAttentionBackend, cpu_linear, cpu_pack_weight,
+                                        cpu_rms_norm, cpu_rope, cpu_silu_and_mul)
+from engine_worker.backends.reference import TorchAttentionBackend
 from engine_worker.layers.activation import silu_and_mul
-from engine_worker.layers.kernels import (cpu_linear, cpu_pack_weight, cpu_rms_norm, cpu_rope,
-                                          cpu_silu_and_mul)
 from engine_worker.layers.norm import rms_norm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding, apply_rope
 from engine_worker.model_runner.inputs import build_step_inputs

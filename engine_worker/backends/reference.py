@@ -1,15 +1,33 @@
-"""Paged attention in plain PyTorch: the reference every kernel is tested against.
+"""The ``torch`` backend: plain PyTorch, on any device torch supports. The reference every
+other backend is tested against, and itself tested against Hugging Face token for token.
 
-Runs on any device torch supports. Decodes are batched into one gathered matmul; each prefill
-chunk runs through ``scaled_dot_product_attention`` over its cached context plus itself.
+The elementwise references live beside their modules (``layers.norm.rms_norm``,
+``layers.activation.silu_and_mul``, ``layers.rotary.apply_rope``); the matmul and paged
+attention are here. Decodes are batched into one gathered matmul; each prefill chunk runs
+through ``scaled_dot_product_attention`` over its cached context plus itself.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from engine_worker.attention.metadata import AttentionMetadata
+from engine_worker.backends.base import Backend
+from engine_worker.layers.activation import silu_and_mul
+from engine_worker.layers.norm import rms_norm
+from engine_worker.layers.rotary import apply_rope
+
+
+def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 packed: Any = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def no_packing(weight: torch.Tensor) -> None:
+    return None
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -83,3 +101,10 @@ class TorchAttentionBackend:
             q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
             attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)
+
+
+REFERENCE = Backend(
+    name="torch", description="reference ops", linear=torch_linear, pack_weight=no_packing,
+    rms_norm=rms_norm, silu_and_mul=silu_and_mul, rope=apply_rope,
+    attention=TorchAttentionBackend(), llama_layers=lambda stack: None,
+    unavailable_reason=lambda device: None)

@@ -1,0 +1,87 @@
+"""Kernel backends, looked up by name, and the one choice an engine makes at start.
+
+``torch`` is the pure-PyTorch reference every other backend is tested against; ``cpu`` is the
+compiled set of ``csrc/cpu``. ``auto`` takes the first backend of the device type's preference
+list that can run here, and says why when that is not the first: a fallback costs 5 to 10x
+and must be loud.
+
+A new backend (an instruction set, a GPU kernel library) is a ``Backend`` in its own module,
+one entry in ``BACKENDS`` and a place in ``PREFERENCE``; it is handed weights as data
+(``backends.base``) and tested against the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_worker.backends.base import Backend
+from engine_worker.backends.cpu import CPU
+from engine_worker.backends.reference import REFERENCE
+from engine_worker.backends.triton import TRITON, with_attention
+
+BACKENDS: dict[str, Backend] = {"torch": REFERENCE, "cpu": CPU, "triton": TRITON}
+
+# ``auto``: the backends to try on a device type, fastest first
+PREFERENCE: dict[str, tuple[str, ...]] = {"cpu": ("cpu", "torch"), "cuda": ("triton", "torch")}
+
+FALLBACK_COST = "about 5-10x slower"
+
+
+@dataclass(frozen=True, slots=True)
+class BackendChoice:
+    """The backend an engine runs and why: ``reason`` is the requested name, or why every
+    faster backend for the device was passed over (``fallback``)."""
+
+    backend: Backend
+    reason: str
+    fallback: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    def describe(self) -> str:
+        """One line for the log: ``torch (reference ops, about 5-10x slower): <why>``."""
+        what = self.backend.description + (f", {FALLBACK_COST}" if self.fallback else "")
+        return f"{self.name} ({what}): {self.reason}"
+
+
+def select_backend(name: str, device: torch.device,
+                   attention_backend: str = "auto") -> BackendChoice:
+    """``name`` is a registry key or ``auto``; a named backend that cannot run here raises
+    ValueError (``kernels: ...``), ``auto`` falls back and keeps the reason.
+    ``attention_backend`` (``torch`` or ``triton``) swaps the chosen backend's attention."""
+    choice = _select(name, device)
+    if attention_backend == "auto" or attention_backend == choice.backend.attention.name:
+        return choice
+    if attention_backend == "triton":
+        reason = TRITON.unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(f"attention_backend: 'triton' requested but unavailable: {reason}")
+    return BackendChoice(with_attention(choice.backend, attention_backend),
+                         f"{choice.reason}; attention: {attention_backend} (requested)",
+                         choice.fallback)
+
+
+def _select(name: str, device: torch.device) -> BackendChoice:
+    if name != "auto":
+        backend = BACKENDS[name]
+        reason = backend.unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(f"kernels: {name!r} requested but unavailable: {reason}")
+        return BackendChoice(backend, f"requested (kernels={name})")
+    passed_over: list[str] = []
+    for candidate in PREFERENCE.get(device.type, ("torch",)):
+        backend = BACKENDS[candidate]
+        reason = backend.unavailable_reason(device)
+        if reason is None:
+            if passed_over:
+                return BackendChoice(backend, "; ".join(passed_over), fallback=True)
+            return BackendChoice(backend, f"the fastest backend that runs on {device.type}")
+        passed_over.append(f"{backend.description} unavailable: {reason}")
+    raise AssertionError(f"no backend runs on {device}")  # the reference runs everywhere
+
+
+__all__ = ["BACKENDS", "Backend", "BackendChoice", "PREFERENCE", "select_backend"]

@@ -1,0 +1,74 @@
+"""The backend registry and the one choice an engine makes at start.
+
+Which backend ``auto`` picks depends on this machine (the CPU kernels build only where the
+compiler and CPU allow), so each test reads the real reason and checks the choice follows it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_worker.backends import BACKENDS, PREFERENCE, select_backend
+from engine_worker.config import KERNEL_CHOICES
+from engine_worker.ops import cpu_ops_unavailable_reason
+
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda")  # only a name here: nothing runs on it
+
+
+def test_every_kernels_choice_is_a_registered_backend():
+    assert set(KERNEL_CHOICES) == set(BACKENDS) | {"auto"}
+    assert all(name in BACKENDS for names in PREFERENCE.values() for name in names)
+    assert {name: backend.name for name, backend in BACKENDS.items()} == \
+        {name: name for name in BACKENDS}
+
+
+def test_auto_on_the_cpu_takes_the_kernels_where_they_build_and_says_why_not():
+    reason = cpu_ops_unavailable_reason()
+    choice = select_backend("auto", CPU)
+    if reason is None:
+        assert (choice.name, choice.fallback) == ("cpu", False)
+        assert choice.describe() == ("cpu (compiled CPU kernels): the fastest backend that "
+                                     "runs on cpu")
+    else:
+        assert (choice.name, choice.fallback) == ("torch", True)
+        assert choice.reason == f"compiled CPU kernels unavailable: {reason}"
+        assert choice.describe() == (f"torch (reference ops, about 5-10x slower): compiled "
+                                     f"CPU kernels unavailable: {reason}")
+
+
+def test_a_requested_backend_is_no_fallback_or_an_error_naming_the_field():
+    choice = select_backend("torch", CPU)
+    assert (choice.name, choice.fallback, choice.reason) == ("torch", False,
+                                                             "requested (kernels=torch)")
+    with pytest.raises(ValueError, match=r"^kernels: 'cpu' requested but unavailable: the "
+                                         r"compiled CPU kernels run on the CPU only"):
+        select_backend("cpu", CUDA)
+    reason = cpu_ops_unavailable_reason()
+    if reason is None:
+        assert select_backend("cpu", CPU).name == "cpu"
+    else:
+        with pytest.raises(ValueError, match="^kernels: 'cpu' requested but unavailable: "):
+            select_backend("cpu", CPU)
+
+
+def test_auto_on_cuda_is_triton_where_it_is_installed():
+    choice = select_backend("auto", CUDA)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        assert (choice.name, choice.fallback) == ("torch", True)
+        assert "triton is not installed" in choice.reason
+    else:
+        assert (choice.name, choice.fallback) == ("triton", False)
+
+
+def test_attention_backend_swaps_only_the_attention():
+    pytest.importorskip("triton")
+    choice = select_backend("torch", CPU, attention_backend="triton")  # interpreter here
+    assert choice.backend.attention.name == "triton"
+    assert choice.backend.linear is select_backend("torch", CPU).backend.linear
+    assert "attention: triton" in choice.reason
+    assert select_backend("torch", CPU, attention_backend="torch").backend.attention.name == \
+        "torch"
