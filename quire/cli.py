@@ -8,6 +8,8 @@ import importlib
 import logging
 import sys
 
+from quire.ports import check_ports_free
+
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
@@ -93,6 +95,7 @@ def cmd_engine(ns: argparse.Namespace) -> int:
     from engine_worker.server.config import ServerConfig
 
     cfg = dataclass_from_namespace(ServerConfig, ns)
+    check_ports_free([(cfg.host, cfg.port, "port"), (cfg.host, cfg.metrics_port, "metrics_port")])
     engine = _build_engine(ns)
     asyncio.run(serve(engine, cfg))
     return 0
@@ -107,6 +110,9 @@ def cmd_router(ns: argparse.Namespace) -> int:
 
     configs = [dataclass_from_namespace(cls, ns) for cls in
                (RouterServerConfig, DiscoveryConfig, PlacementConfig, EngineTLSConfig)]
+    server = configs[0]
+    check_ports_free([(server.host, server.port, "port"), (server.host, server.http_port,
+                                                           "http_port")])
     asyncio.run(serve(*configs))
     return 0
 
@@ -119,6 +125,8 @@ def cmd_up(ns: argparse.Namespace) -> int:
                           start_engines, stop_engines)
 
     cfg = dataclass_from_namespace(StackConfig, ns)
+    check_ports_free([(cfg.router_host, cfg.router_port, "router_port"),
+                      (cfg.router_host, cfg.http_port, "http_port")])
     resolve_model_once(ns.model)
     engines = start_engines(cfg, changed_engine_flags(ns))
     try:
