@@ -11,6 +11,8 @@ interceptor that answers undecodable request bytes with INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 
 import grpc
@@ -69,12 +71,18 @@ async def _refuse(method: str, bad: _Undecodable, context) -> None:
 
 
 def _guard_unary_stream(method: str, behaviour):
+    if not inspect.isasyncgenfunction(behaviour):  # a coroutine writing with context.write
+        return _guard_unary_unary(method, behaviour)
+
     async def run(request, context):
         if isinstance(request, _Undecodable):
             await _refuse(method, request, context)
             return
-        async for message in behaviour(request, context):
-            yield message
+        # aclosing: a cancelled call closes the servicer's stream now (its finally aborts the
+        # request upstream), not whenever the garbage collector gets to it
+        async with contextlib.aclosing(behaviour(request, context)) as stream:
+            async for message in stream:
+                yield message
     return run
 
 
