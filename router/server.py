@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 ENGINE_ID_METADATA = "quire-engine-id"
 _LONG_TEXT_CHARS = 512  # shorter prompts tokenize faster than a thread hop costs
+_LONG_PROMPT_TOKENS = 4096  # and shorter token-id prompts hash faster
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,21 +126,27 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         if kind == "text":
             if not request.text:
                 raise ValueError("text: the prompt must not be empty")
-            started = time.perf_counter()
-            if len(request.text) > _LONG_TEXT_CHARS:
-                token_ids = await self.tokenize(identity.tokenizer.encode, request.text)
-            else:
-                token_ids = identity.tokenizer.encode(request.text)
-            self.metrics.tokenize_s.observe(time.perf_counter() - started)
+            prompt, long = request.text, len(request.text) > _LONG_TEXT_CHARS
         elif kind == "token_ids":
-            token_ids = request.token_ids.ids
-            if not token_ids:
+            if not request.token_ids.ids:
                 raise ValueError("token_ids: the prompt must not be empty")
+            prompt, long = request.token_ids.ids, len(request.token_ids.ids) > _LONG_PROMPT_TOKENS
         else:
             raise ValueError("prompt: set either text or token_ids")
-        token_ids = tuple(token_ids)
+        salt = request.cache_salt or None
+        if long:  # tokenizing and hashing a long prompt would hold up every other request
+            return await self.tokenize(self._route_prompt, identity, prompt, salt)
+        return self._route_prompt(identity, prompt, salt)
+
+    def _route_prompt(self, identity: ModelIdentity, prompt, salt: str | None) -> RoutedPrompt:
+        if isinstance(prompt, str):
+            started = time.perf_counter()
+            token_ids = tuple(identity.tokenizer.encode(prompt))
+            self.metrics.tokenize_s.observe(time.perf_counter() - started)
+        else:
+            token_ids = tuple(prompt)
         hashes = identity.tokenizer.block_hashes(token_ids, identity.block_size,
-                                                 cache_salt=request.cache_salt or None)
+                                                 cache_salt=salt)
         return RoutedPrompt(token_ids=token_ids, block_hashes=tuple(hashes))
 
     def place(self, prompt: RoutedPrompt, exclude: set[str],
