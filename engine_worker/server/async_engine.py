@@ -104,7 +104,11 @@ class AsyncEngine:
         added: Future = Future()
         self._commands.put(("add", request_id, prompt, params, priority, cache_salt, stream,
                             added))
-        await asyncio.wrap_future(added)  # raises ValueError / QueueFullError from the loop
+        try:
+            await asyncio.wrap_future(added)  # raises ValueError / QueueFullError from the loop
+        except asyncio.CancelledError:  # the caller left while the add was queued or running
+            self._commands.put(("abort", request_id))
+            raise
         finished = False
         try:
             while True:
@@ -180,6 +184,8 @@ class AsyncEngine:
                 self._subscribers.remove(command[1])
 
     def _add(self, request_id, prompt, params, priority, cache_salt, stream, added) -> None:
+        if not added.set_running_or_notify_cancel():
+            return  # the caller was cancelled before the engine saw the request
         scheduler = self.engine.scheduler
         if scheduler.num_waiting >= self.max_waiting_requests:
             added.set_exception(QueueFullError(
