@@ -177,8 +177,9 @@ class AsyncEngine:
                 self.engine.abort_request(command[1])
         elif kind == "subscribe":
             sink, taken = command[1], command[2]
-            self._subscribers.append(sink)
-            taken.set_result(self.engine.kv_cache_snapshot())
+            if taken.set_running_or_notify_cancel():  # not if the subscriber already left
+                self._subscribers.append(sink)
+                taken.set_result(self.engine.kv_cache_snapshot())
         elif kind == "unsubscribe":
             if command[1] in self._subscribers:
                 self._subscribers.remove(command[1])
@@ -253,5 +254,5 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if command[0] in ("add", "subscribe"):
+            if command[0] in ("add", "subscribe") and command[-1].set_running_or_notify_cancel():
                 command[-1].set_exception(EngineUnavailableError(str(error)))
