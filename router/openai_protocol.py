@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -96,6 +97,9 @@ CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs
                                   "functions", "function_call", "response_format"}
 
 
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w{0,63}", re.ASCII)
+
+
 def shown(value, limit: int = 64) -> str:
     """A value as the client sent it (JSON), cut short for error messages."""
     try:
@@ -122,7 +126,9 @@ def check_body(body: dict, *, chat: bool) -> None:
         if name in IGNORED_FIELDS:
             continue
         if name not in known:
-            raise RequestError(f"{name}: unknown or unsupported field", name)
+            if _IDENTIFIER.fullmatch(name):
+                raise RequestError(f"{name}: unknown or unsupported field", name)
+            raise RequestError(f"body: unknown or unsupported field {shown(name)}", name)
         off = _OFF_FORMS.get(name)
         if off is not None and not off(value, body):
             raise RequestError(f"{name}: is not supported by this server, got {shown(value)}",
