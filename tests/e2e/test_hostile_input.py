@@ -384,3 +384,13 @@ def test_accepted_and_ignored_fields_are_served(router):
         "response_format": {"type": "text"}, "metadata": {"k": "v"}})
     assert status == 200, body
     assert re.fullmatch(r"chatcmpl-[0-9a-f]+", body["id"])
+
+
+def test_long_texts_tokenize_the_same_with_the_gil_released(embedded_model_dir):
+    from router.tokenizer import RouterTokenizer
+
+    tokenizer = RouterTokenizer.from_dir(embedded_model_dir)
+    text = "Héllo wörld, <|im_start|> 123 " * 400  # past the encode_batch threshold
+    for special in (True, False):
+        assert tokenizer.encode(text, add_special_tokens=special) == \
+            tokenizer.backend.encode(text, add_special_tokens=special).ids
