@@ -11,6 +11,7 @@ would be hidden global state, and two engines (or two tests) in one process woul
 
 from __future__ import annotations
 
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -176,8 +177,10 @@ class MetricsServer:
     Kept apart from the gRPC server so a scrape never waits behind model work.
     """
 
-    def __init__(self, metrics: EngineMetrics, host: str, port: int) -> None:
+    def __init__(self, metrics: EngineMetrics, host: str, port: int, *,
+                 timeout_s: float = 10.0) -> None:
         self._metrics = metrics
+        self._timeout_s = timeout_s  # a connection not done within this is dropped
         self._host = host
         self._requested_port = port  # 0: let the OS pick a free port
         self._server: ThreadingHTTPServer | None = None
@@ -194,7 +197,7 @@ class MetricsServer:
         if self._server is not None:
             raise RuntimeError("MetricsServer already started")
         self._server = ThreadingHTTPServer((self._host, self._requested_port),
-                                           _make_handler(self._metrics))
+                                           _make_handler(self._metrics, self._timeout_s))
         self._server.daemon_threads = True  # a stuck scraper must not block shutdown
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="metrics-server", daemon=True)
@@ -211,10 +214,33 @@ class MetricsServer:
         self._thread = None
 
 
-def _make_handler(metrics: EngineMetrics) -> type[BaseHTTPRequestHandler]:
+def _make_handler(metrics: EngineMetrics, timeout_s: float) -> type[BaseHTTPRequestHandler]:
     # http.server builds a handler per request from a class, so the metrics are bound here
     # rather than stored on the server or in a module global.
     class _MetricsHandler(BaseHTTPRequestHandler):
+        timeout = timeout_s  # each socket read
+
+        def setup(self) -> None:
+            # A per-read timeout does not stop a client sending a byte a second (slowloris):
+            # the whole connection gets ``timeout_s``, then its socket is shut down.
+            super().setup()
+            self._deadline = threading.Timer(timeout_s, self._drop)
+            self._deadline.daemon = True
+            self._deadline.start()
+
+        def _drop(self) -> None:
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
+
+        def finish(self) -> None:
+            self._deadline.cancel()
+            try:
+                super().finish()
+            except OSError:
+                pass  # the deadline shut the socket down
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             if self.path.split("?", 1)[0] != "/metrics":
                 self._reply(404, b"not found\n", "text/plain; charset=utf-8")

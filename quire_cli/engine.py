@@ -20,9 +20,12 @@ def main(ns: argparse.Namespace) -> int:
     from engine_worker.server.app import serve
     from engine_worker.server.config import ServerConfig
     from quire.config_args import dataclass_from_namespace
+    from quire.ports import check_ports_free
     from quire_cli.offline import build_engine
 
     cfg = dataclass_from_namespace(ServerConfig, ns)
+    # before the model loads: a busy port is one line now, not a traceback minutes later
+    check_ports_free([(cfg.host, cfg.port, "port"), (cfg.host, cfg.metrics_port, "metrics_port")])
     engine = build_engine(ns)
     asyncio.run(serve(engine, cfg))
     return 0

@@ -28,7 +28,12 @@ def main(ns: argparse.Namespace) -> int:
     import asyncio
 
     from quire.config_args import dataclass_from_namespace
+    from quire.ports import check_ports_free
     from router.app import serve
 
-    asyncio.run(serve(*(dataclass_from_namespace(cls, ns) for cls, _ in _config_groups())))
+    configs = [dataclass_from_namespace(cls, ns) for cls, _ in _config_groups()]
+    server = configs[0]
+    check_ports_free([(server.host, server.port, "port"),
+                      (server.host, server.http_port, "http_port")])
+    asyncio.run(serve(*configs))
     return 0

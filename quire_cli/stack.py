@@ -168,7 +168,11 @@ def main(ns: argparse.Namespace) -> int:
 
     from quire.config_args import dataclass_from_namespace
 
+    from quire.ports import check_ports_free
+
     cfg = dataclass_from_namespace(StackConfig, ns)
+    check_ports_free([(cfg.router_host, cfg.router_port, "router_port"),
+                      (cfg.router_host, cfg.http_port, "http_port")])
     resolve_model_once(ns.model)
     engines = start_engines(cfg, changed_engine_flags(ns))
     try:

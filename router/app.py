@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from quire.grpc_server import NO_PORT_REUSE, BadRequestBytes, bind_port
 from quire.tracing import Tracing, TracingConfig, make_tracing
 from quire.v1 import engine_pb2_grpc
 from router.auth import ApiKeyInterceptor, ApiKeys
@@ -61,9 +62,12 @@ class RouterServer:
         self.tracing = tracing
         self.servicer = RouterServicer(
             self.pool, policy=make_policy(placement.policy), metrics=self.metrics,
-            limits=RequestLimits(max_n=server.max_n, max_tokens=server.max_tokens_limit),
+            limits=RequestLimits(max_n=server.max_n, max_tokens=server.max_tokens_limit,
+                                 max_prompt_chars=server.max_prompt_chars,
+                                 max_stop_strings=server.max_stop_strings,
+                                 max_stop_string_len=server.max_stop_string_len),
             max_attempts=placement.max_attempts, session_header=placement.session_header,
-            spans=_span_factory(tracing))
+            spans=_span_factory(tracing), tokenizer_threads=server.tokenizer_threads)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.front = None
@@ -96,15 +100,16 @@ class RouterServer:
 
     async def start(self) -> int:
         options = [("grpc.max_receive_message_length", self.cfg.max_message_bytes),
-                   ("grpc.max_send_message_length", 64 << 20)]
+                   ("grpc.max_send_message_length", 64 << 20), NO_PORT_REUSE]
         interceptors = [ApiKeyInterceptor(self.keys)] if self.keys.enabled else []
+        interceptors.append(BadRequestBytes())
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (ENGINE_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        self.port = bind_port(self.server, self.cfg.host, self.cfg.port, what="router gRPC")
         await self.pool.start()
         await self.server.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -118,9 +123,14 @@ class RouterServer:
                              model_name=lambda: self.model_name, tokenizer=self._tokenizer,
                              engine_states=self.pool.engine_states,
                              draining=lambda: self.servicer.draining)
-            self.front = OpenAIFront(seam, self.cfg, self.metrics, host=self.cfg.host,
-                                     port=self.cfg.http_port)
-            self.http_port = await self.front.start()
+            front = OpenAIFront(seam, self.cfg, self.metrics, host=self.cfg.host,
+                                port=self.cfg.http_port)
+            try:
+                self.http_port = await front.start()
+            except Exception:
+                await self.stop(0)  # a busy HTTP port: stop cleanly, the caller reports it
+                raise
+            self.front = front
         logger.info("router serving gRPC on %s:%d%s, policy %s", self.cfg.host, self.port,
                     f" and HTTP on :{self.http_port}" if self.front else "",
                     self.placement.policy)
@@ -153,6 +163,7 @@ class RouterServer:
         if self.server is not None:
             await self.server.stop(grace_s)
         await self.pool.stop()
+        self.servicer.close()
 
 
 def _span_factory(tracing: Tracing | None):

@@ -32,7 +32,13 @@ class RouterServerConfig:
     max_body_bytes: int = 8 << 20  # HTTP request body limit (413 above it)
     max_message_bytes: int = 16 << 20  # gRPC message limit
     max_n: int = 16
-    max_tokens_limit: int = 0  # 0: only the engines' max_model_len bounds max_tokens
+    max_tokens_limit: int = 4096  # larger max_tokens: 400; unset: this (0: no router cap)
+    max_prompt_chars: int = 1 << 20  # text prompts and chat messages, checked before tokenizing
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256
+    tokenizer_threads: int = 2  # the bounded pool that tokenizes long prompts off the loop
+    http_header_timeout_s: float = 10.0  # a request's headers must arrive within this
+    http_body_timeout_s: float = 60.0  # and its body within this
     request_timeout_s: float = 600.0  # deadline of HTTP requests (gRPC clients set their own)
     drain_timeout_s: float = 30.0
 
@@ -40,12 +46,13 @@ class RouterServerConfig:
         _check(0 <= self.port < 65536, "port", f"must be in [0, 65536), got {self.port}")
         _check(-1 <= self.http_port < 65536, "http_port",
                f"must be in [-1, 65536) (-1: off), got {self.http_port}")
-        for name in ("max_body_bytes", "max_message_bytes", "max_n"):
+        for name in ("max_body_bytes", "max_message_bytes", "max_n", "max_prompt_chars",
+                     "max_stop_strings", "max_stop_string_len", "tokenizer_threads"):
             _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
-        _check(self.max_tokens_limit >= 0, "max_tokens_limit",
-               f"must be >= 0, got {self.max_tokens_limit}")
-        _check(self.request_timeout_s > 0, "request_timeout_s",
-               f"must be > 0, got {self.request_timeout_s}")
+        _check(0 <= self.max_tokens_limit < 2 ** 32, "max_tokens_limit",
+               f"must be in [0, 2**32), got {self.max_tokens_limit}")
+        for name in ("request_timeout_s", "http_header_timeout_s", "http_body_timeout_s"):
+            _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s",
                f"must be >= 0, got {self.drain_timeout_s}")
 
@@ -214,7 +221,16 @@ HELP = {
     "model_name": "model name served on the OpenAI API (default: the engines')",
     "api_keys": "comma-separated API keys; set: both fronts require 'Bearer <key>'",
     "api_key_file": "file with one API key per line",
-    "max_tokens_limit": "largest max_tokens accepted (0: only the engines' max_model_len)",
+    "max_tokens_limit": "largest max_tokens accepted (larger: 400) and the default when a "
+                        "request sets none (0: only the engines' limits)",
+    "max_prompt_chars": "longest text prompt / chat conversation in characters, checked before "
+                        "tokenizing",
+    "max_stop_strings": "most stop strings per request",
+    "max_stop_string_len": "longest stop string in characters",
+    "tokenizer_threads": "threads that tokenize long prompts off the event loop",
+    "http_header_timeout_s": "HTTP: a request's headers must arrive within this (slow clients "
+                             "are disconnected)",
+    "http_body_timeout_s": "HTTP: a request's body must arrive within this (408 otherwise)",
     "request_timeout_s": "deadline of HTTP requests",
     "drain_timeout_s": "on SIGTERM, how long in-flight requests may finish",
     "discovery": "static, dns or kubernetes",

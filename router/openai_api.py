@@ -15,26 +15,31 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 from aiohttp import web
 
+from quire.ports import PortInUseError
 from quire.tracing import TRACE_HEADERS
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 from router.auth import OPEN_HTTP_PATHS, ApiKeys
 from router.config import RouterServerConfig
+from router.http_guard import GuardedAppRunner, deadline_of
 from router.metrics import RouterMetrics
-from router.openai_protocol import (FINISH, RequestError, chat_messages, error_response,
-                                    sampling_options, sse, token_list, usage_json, Choice,
-                                    OpenAIRequest)
+from router.openai_protocol import (FINISH, RequestError, chat_messages, check_body,
+                                    error_response, sampling_options, shown, sse, token_list,
+                                    usage_json, Choice, OpenAIRequest)
 
 if TYPE_CHECKING:
     from router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
+
+_KEEPALIVE_TIMEOUT_S = 75.0  # an idle keep-alive connection is closed after this
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +69,7 @@ class OpenAIFront:
         self._runner: web.AppRunner | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub: engine_pb2_grpc.EngineServiceStub | None = None
+        self._render_pool: ThreadPoolExecutor | None = None
 
     @property
     def model_name(self) -> str:
@@ -84,6 +90,8 @@ class OpenAIFront:
             f"127.0.0.1:{self.seam.grpc_port}",
             options=[("grpc.max_send_message_length", self.cfg.max_message_bytes)])
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+        self._render_pool = ThreadPoolExecutor(self.cfg.tokenizer_threads,
+                                               thread_name_prefix="openai-render")
         app = web.Application(middlewares=[self._guard],
                               client_max_size=self.cfg.max_body_bytes)
         app.add_routes([web.post("/v1/completions", self._completions),
@@ -91,10 +99,19 @@ class OpenAIFront:
                         web.get("/v1/models", self._models), web.get("/health", self._health),
                         web.get("/metrics", self._metrics),
                         web.get("/debug/decisions", self._decisions)])
-        self._runner = web.AppRunner(app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, whose finally
+        # cancels the gRPC call, which aborts the request on the engine (streaming or not).
+        self._runner = GuardedAppRunner(app, access_log=None, handler_cancellation=True,
+                                        keepalive_timeout=_KEEPALIVE_TIMEOUT_S,
+                                        header_timeout_s=self.cfg.http_header_timeout_s)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:
+            await self._runner.cleanup()
+            raise PortInUseError(f"http_port: cannot listen on {self.host}:{self.port} "
+                                 f"(router HTTP): {e.strerror or e}") from None
         self.port = self._runner.addresses[0][1]
         logger.info("OpenAI API serving on http://%s:%d/v1", self.host, self.port)
         return self.port
@@ -104,6 +121,8 @@ class OpenAIFront:
             await self._runner.cleanup()
         if self._channel is not None:
             await self._channel.close()
+        if self._render_pool is not None:
+            self._render_pool.shutdown(wait=False, cancel_futures=True)
 
     @web.middleware
     async def _guard(self, request: web.Request, handler):
@@ -115,11 +134,17 @@ class OpenAIFront:
                 "authorization: missing or invalid API key (send 'Authorization: Bearer "
                 "<key>')", "authorization", 401))
         else:
+            deadline = deadline_of(request)
+            if deadline is not None:
+                deadline.headers_done()
             try:
                 response = await handler(request)
             except web.HTTPException as e:  # unknown path, wrong method: still a JSON body
                 response = error_response(RequestError(f"{request.method} {request.path}: "
                                                        f"{e.reason}", None, e.status))
+            finally:
+                if deadline is not None:
+                    deadline.request_done()
         resource = request.match_info.route.resource
         path = resource.canonical if resource else "other"
         self.metrics.http_requests.labels(path, str(response.status)).inc()
@@ -157,7 +182,7 @@ class OpenAIFront:
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         call = None
         try:
-            body = await self._body(request)
+            body = await self._body(request, chat=chat)
             req = OpenAIRequest(body, chat=chat, model_name=self.model_name,
                                 token_text=self.token_text)
             call = self._stub.Generate(await self._generate_request(req),
@@ -173,16 +198,26 @@ class OpenAIFront:
             if call is not None:
                 call.cancel()  # no-op once finished; aborts the engine request otherwise
 
-    async def _body(self, request: web.Request) -> dict:
+    async def _body(self, request: web.Request, *, chat: bool) -> dict:
+        """The JSON object sent, checked (``check_body``) before anything reads it."""
         try:
-            body = await request.json()
+            async with asyncio.timeout(self.cfg.http_body_timeout_s):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise RequestError(f"body: larger than {self.cfg.max_body_bytes} bytes", None,
+            raise RequestError(f"body: larger than {self.cfg.max_body_bytes} bytes", "body",
                                413) from None
+        except TimeoutError:
+            raise RequestError(f"body: not received within {self.cfg.http_body_timeout_s:g} s",
+                               "body", 408) from None
+        try:
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"body: not valid JSON ({e})") from None
+            raise RequestError(f"body: not valid JSON ({e})", "body") from None
+        except RecursionError:  # the C parser stops ~1000 levels deep: no traceback, a 400
+            raise RequestError("body: JSON nested too deeply", "body") from None
         if not isinstance(body, dict):
-            raise RequestError("body: must be a JSON object")
+            raise RequestError("body: must be a JSON object", "body")
+        check_body(body, chat=chat)
         return body
 
     def _forwarded_metadata(self, request: web.Request) -> tuple[tuple[str, str], ...]:
@@ -202,19 +237,27 @@ class OpenAIFront:
     async def _generate_request(self, req: OpenAIRequest) -> pb.GenerateRequest:
         body = req.body
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RequestError(f"model: must be a string, got {shown(model)}", "model")
         if model is not None and model != self.model_name:
-            raise RequestError(f"model: the model `{model}` does not exist", "model", 404)
+            raise RequestError(f"model: the model {shown(model)} does not exist", "model", 404)
+        cfg = self.cfg
         out = pb.GenerateRequest(request_id=req.id, sampling=sampling_options(
-            body, chat=req.chat, max_n=self.cfg.max_n,
-            max_tokens_limit=self.cfg.max_tokens_limit))
+            body, chat=req.chat, max_n=cfg.max_n, max_tokens_limit=cfg.max_tokens_limit,
+            max_stop_strings=cfg.max_stop_strings, max_stop_string_len=cfg.max_stop_string_len))
         if req.chat:
-            messages = chat_messages(body)
-            out.token_ids.ids[:] = await asyncio.to_thread(self._render_chat, messages)
+            messages = chat_messages(body, cfg.max_prompt_chars)
+            ids = await asyncio.get_running_loop().run_in_executor(
+                self._render_pool, self._render_chat, messages)
+            out.token_ids.ids[:] = ids
             return out
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str) and prompt:
+            if len(prompt) > cfg.max_prompt_chars:  # before any copy or tokenizing
+                raise RequestError(f"prompt: at most {cfg.max_prompt_chars} characters, got "
+                                   f"{len(prompt)}", "prompt")
             out.text = prompt
         elif (ids := token_list(prompt)) is not None:
             out.token_ids.ids[:] = ids

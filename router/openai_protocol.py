@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -59,51 +61,142 @@ def error_response(error: BaseException) -> web.Response:
 
 # ---- validation -------------------------------------------------------------------------------
 
+UINT32_MAX = 2 ** 32 - 1
+INT32_MAX = 2 ** 31 - 1
+SEED_MAX = 2 ** 63 - 1  # the engine's seed range is [0, 2**63)
+_FLOAT32_MAX = 3.4028234663852886e38
+
+# Fields every generation request may carry (each validated below).
+_SAMPLING_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+    "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p", "repetition_penalty",
+    "min_tokens", "stop_token_ids", "ignore_eos"})
+# Accepted and ignored: they change nothing about what is generated.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+# Accepted only in the form that means "off" (the feature is not implemented): any other value is
+# a 400 naming the field, as vLLM answers for what it does not support.
+_OFF_FORMS: dict[str, Callable[[object, dict], bool]] = {
+    "best_of": lambda v, body: v is None or v == 1 or v == body.get("n", 1),
+    "suffix": lambda v, body: v is None or v == "",
+    "echo": lambda v, body: v is None or v is False,
+    "logit_bias": lambda v, body: v is None or v == {},
+    "tools": lambda v, body: v is None or v == [],
+    "tool_choice": lambda v, body: v is None or v == "none",
+    "functions": lambda v, body: v is None or v == [],
+    "function_call": lambda v, body: v is None or v == "none",
+    "response_format": lambda v, body: v is None or v == {"type": "text"},
+}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs", "best_of", "suffix", "echo",
+                                        "logit_bias"}
+CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs",
+                                  "top_logprobs", "logit_bias", "tools", "tool_choice",
+                                  "functions", "function_call", "response_format"}
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w{0,63}", re.ASCII)
+
+
+def shown(value, limit: int = 64) -> str:
+    """A value as the client sent it (JSON), cut short for error messages."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_body(body: dict, *, chat: bool) -> None:
+    """Before anything reads the body: every string is valid Unicode, and every field is one
+    this server implements (or accepts and ignores). RequestError naming the field."""
+    for name, value in body.items():
+        try:
+            name.encode("utf-8")
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            field = name if _valid_unicode(name) else "body"
+            raise RequestError(f"{field}: contains a lone surrogate (\\ud800-\\udfff escape "
+                               f"without its pair); strings must be valid Unicode",
+                               field) from None
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name, value in body.items():
+        if name in IGNORED_FIELDS:
+            continue
+        if name not in known:
+            if _IDENTIFIER.fullmatch(name):
+                raise RequestError(f"{name}: unknown or unsupported field", name)
+            raise RequestError(f"body: unknown or unsupported field {shown(name)}", name)
+        off = _OFF_FORMS.get(name)
+        if off is not None and not off(value, body):
+            raise RequestError(f"{name}: is not supported by this server, got {shown(value)}",
+                               name)
+
+
+def _valid_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None, *,
-            integer: bool = False, lo_open: bool = False):
+            integer: bool = False, lo_open: bool = False, why: str = ""):
+    """``body[name]`` checked against its type and range; errors echo the value as sent."""
     value = body.get(name)
     if value is None:
         return None
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
-        raise RequestError(f"{name}: must be {'an integer' if integer else 'a number'}", name)
+        raise RequestError(f"{name}: must be {'an integer' if integer else 'a number'}, "
+                           f"got {shown(value)}", name)
+    if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
+        raise RequestError(f"{name}: must be a finite number, got {shown(value)}", name)
     if (lo is not None and (value <= lo if lo_open else value < lo)) or (
             hi is not None and value > hi):
         bound = f"{'>' if lo_open else '>='} {lo}" if lo is not None else ""
-        upper = f"<= {hi}" if hi is not None else ""
+        upper = f"<= {hi}{why}" if hi is not None else ""
         raise RequestError(f"{name}: must be {' and '.join(b for b in (bound, upper) if b)}, "
-                           f"got {value}", name)
+                           f"got {shown(value)}", name)
     return value
 
 
 def _flag(body: dict, name: str) -> bool | None:
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
-        raise RequestError(f"{name}: must be a boolean", name)
+        raise RequestError(f"{name}: must be a boolean, got {shown(value)}", name)
     return value
 
 
-def _stop(body: dict) -> list[str]:
+def _stop(body: dict, max_stop_strings: int, max_stop_string_len: int) -> list[str]:
     stop = body.get("stop")
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise RequestError("stop: must be a non-empty string or a list of them", "stop")
+    if len(stops) > max_stop_strings:
+        raise RequestError(f"stop: at most {max_stop_strings} stop strings, got {len(stops)}",
+                           "stop")
+    if any(len(s) > max_stop_string_len for s in stops):
+        raise RequestError(f"stop: each stop string at most {max_stop_string_len} characters",
+                           "stop")
     return stops
 
 
 def token_list(value) -> list[int] | None:
     if isinstance(value, list) and value and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32_MAX
+            for t in value):
         return value
     return None
 
 
 def sampling_options(body: dict, *, chat: bool, max_n: int = 128,
-                     max_tokens_limit: int = 0) -> pb.SamplingOptions:
+                     max_tokens_limit: int = 0, max_stop_strings: int = 16,
+                     max_stop_string_len: int = 256) -> pb.SamplingOptions:
     """``SamplingOptions`` for an OpenAI request body (RequestError naming the bad field).
-    ``max_tokens_limit`` 0: no cap here (the engine still bounds it by its max_model_len)."""
+    ``max_tokens_limit`` 0: no cap here (the engine still bounds it by its own limit and its
+    max_model_len). Every number must fit its wire field: no value is wrapped or clipped."""
     s = pb.SamplingOptions()
     simple = {"n": _number(body, "n", 1, max_n, integer=True),
               "temperature": _number(body, "temperature", 0, 2),
@@ -112,22 +205,24 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = 128,
               "presence_penalty": _number(body, "presence_penalty", -2, 2),
               "frequency_penalty": _number(body, "frequency_penalty", -2, 2),
               "repetition_penalty": _number(body, "repetition_penalty", 0, lo_open=True),
-              "min_tokens": _number(body, "min_tokens", 0, integer=True)}
+              "min_tokens": _number(body, "min_tokens", 0, UINT32_MAX, integer=True)}
     for name, value in simple.items():
         if value is not None:
             setattr(s, name, value)
-    top_k = _number(body, "top_k", -1, integer=True)
+    top_k = _number(body, "top_k", -1, INT32_MAX, integer=True)
     if top_k is not None:
         s.top_k = max(top_k, 0)  # -1 (vLLM's "off") is 0 here
-    seed = _number(body, "seed", -(2 ** 63), 2 ** 64 - 1, integer=True)
+    seed = _number(body, "seed", 0, SEED_MAX, integer=True)
     if seed is not None:
-        s.seed = seed % 2 ** 64
-    limit = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    max_tokens = _number(body, limit, 1, max_tokens_limit or None, integer=True)
-    if max_tokens is not None:
-        s.max_tokens = max_tokens
-    s.stop[:] = _stop(body)
+        s.seed = seed
+    cap, why = (max_tokens_limit, " (the server's --max-tokens-limit)") if max_tokens_limit \
+        else (UINT32_MAX, "")
+    names = ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)
+    for name in names:  # chat: max_completion_tokens wins when both are set
+        max_tokens = _number(body, name, 1, cap, integer=True, why=why)
+        if max_tokens is not None:
+            s.max_tokens = max_tokens
+    s.stop[:] = _stop(body, max_stop_strings, max_stop_string_len)
     if body.get("stop_token_ids") is not None:
         ids = token_list(body["stop_token_ids"])
         if ids is None:
@@ -144,28 +239,48 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = 128,
         logprobs = _number(body, "logprobs", 0, MAX_LOGPROBS, integer=True)
         if logprobs is not None:
             s.logprobs = logprobs
-        if _flag(body, "echo"):
-            raise RequestError("echo: is not supported", "echo")
     return s
 
 
-def chat_messages(body: dict) -> list[dict]:
+_MESSAGE_KEYS = frozenset({"role", "content", "name"})
+# Echoed back by clients from earlier responses; accepted while empty (no tool calling here).
+_EMPTY_MESSAGE_KEYS = frozenset({"tool_calls", "function_call", "refusal", "audio",
+                                 "annotations", "tool_call_id", "reasoning_content"})
+
+
+def chat_messages(body: dict, max_chars: int = 1 << 20) -> list[dict]:
+    """The conversation, checked before any template rendering; its text may hold at most
+    ``max_chars`` characters in all (the same bound as a text prompt)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages: a non-empty list of messages is required", "messages")
     out = []
+    num_chars = 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in _ROLES:
             raise RequestError(f"messages[{i}].role: must be one of {sorted(_ROLES)}", "messages")
+        for key, value in message.items():
+            if key not in _MESSAGE_KEYS and not (key in _EMPTY_MESSAGE_KEYS and value in
+                                                 (None, [], "")):
+                raise RequestError(f"messages[{i}].{key}: is not supported by this server",
+                                   "messages")
+        if message.get("name") is not None and not isinstance(message["name"], str):
+            raise RequestError(f"messages[{i}].name: must be a string", "messages")
         content = message.get("content")
         if isinstance(content, list):  # content parts: only text is supported
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and
+                       isinstance(p.get("text"), str) for p in content):
                 raise RequestError(f"messages[{i}].content: only text parts are supported",
                                    "messages")
-            content = "".join(str(p.get("text", "")) for p in content)
+            content = "".join(p["text"] for p in content)
         if content is not None and not isinstance(content, str):
             raise RequestError(f"messages[{i}].content: must be a string", "messages")
-        out.append({**message, "content": content or ""})
+        num_chars += len(content or "")
+        if num_chars > max_chars:
+            raise RequestError(f"messages: at most {max_chars} characters of content in all",
+                               "messages")
+        out.append({"role": message["role"], "content": content or ""} |
+                   ({"name": message["name"]} if message.get("name") is not None else {}))
     return out
 
 
@@ -190,9 +305,10 @@ class OpenAIRequest:
         self.object = "chat.completion" if chat else "text_completion"
         self.stream = bool(_flag(body, "stream"))
         options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise RequestError("stream_options: must be an object", "stream_options")
-        self.include_usage = bool(options.get("include_usage"))
+        if not isinstance(options, dict) or not set(options) <= {"include_usage"}:
+            raise RequestError("stream_options: must be an object with at most "
+                               "include_usage", "stream_options")
+        self.include_usage = bool(_flag(options, "include_usage"))
         self.want_logprobs = bool(_flag(body, "logprobs")) if chat else (
             body.get("logprobs") is not None)
 

@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 ENGINE_ID_METADATA = "quire-engine-id"
 _LONG_TEXT_CHARS = 512  # shorter prompts tokenize faster than a thread hop costs
+_LONG_PROMPT_TOKENS = 4096  # and shorter token-id prompts hash faster
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +52,15 @@ class RoutedPrompt:
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
+    """The engine's cheap limits, checked at the router before any tokenizing (so a giant
+    prompt is refused at once, as the engine would refuse it, instead of after seconds of
+    work). Errors name the field and echo what was sent."""
+
     max_n: int = 16
     max_tokens: int = 0  # 0: no router-side cap
+    max_prompt_chars: int = 1 << 20
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256
 
     def check(self, request: pb.GenerateRequest) -> None:
         """Raise ValueError naming the field when the request exceeds a limit."""
@@ -60,8 +69,17 @@ class RequestLimits:
             raise ValueError(f"sampling.n: must be in [1, {self.max_n}], got {sampling.n}")
         if self.max_tokens and sampling.HasField("max_tokens") and \
                 sampling.max_tokens > self.max_tokens:
-            raise ValueError(f"sampling.max_tokens: must be <= {self.max_tokens}, "
-                             f"got {sampling.max_tokens}")
+            raise ValueError(f"sampling.max_tokens: must be <= {self.max_tokens} (the router's "
+                             f"--max-tokens-limit), got {sampling.max_tokens}")
+        if len(sampling.stop) > self.max_stop_strings:
+            raise ValueError(f"sampling.stop: at most {self.max_stop_strings} stop strings, "
+                             f"got {len(sampling.stop)}")
+        if any(len(s) > self.max_stop_string_len for s in sampling.stop):
+            raise ValueError(f"sampling.stop: each stop string at most "
+                             f"{self.max_stop_string_len} characters")
+        if request.WhichOneof("prompt") == "text" and len(request.text) > self.max_prompt_chars:
+            raise ValueError(f"text: at most {self.max_prompt_chars} characters, got "
+                             f"{len(request.text)}")
 
 
 class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
@@ -70,10 +88,11 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self, pool: EnginePool, *, policy: Policy, metrics: RouterMetrics,
                  limits: RequestLimits = RequestLimits(), max_attempts: int = 2,
                  session_header: str = "x-session-id",
-                 spans: Callable[[pb.GenerateRequest, object], RouterSpan] | None = None
-                 ) -> None:
+                 spans: Callable[[pb.GenerateRequest, object], RouterSpan] | None = None,
+                 tokenizer_threads: int = 2) -> None:
         """``spans`` (request, invocation metadata) -> a started ``RouterSpan``: given when
-        tracing is on, None when off."""
+        tracing is on, None when off. Long prompts are tokenized on a pool of
+        ``tokenizer_threads`` threads (the tokenizer releases the GIL), never on the loop."""
         if max_attempts < 1:
             raise ValueError(f"max_attempts: must be >= 1, got {max_attempts}")
         self.pool = pool
@@ -84,6 +103,15 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         self.session_header = session_header.lower()
         self.spans = spans
         self.draining = False
+        self.tokenize_pool = ThreadPoolExecutor(tokenizer_threads,
+                                                thread_name_prefix="router-tokenize")
+
+    async def tokenize(self, fn, *args):
+        """``fn(*args)`` on the bounded tokenizer pool."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
+    def close(self) -> None:
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def identity(self) -> ModelIdentity | None:
@@ -99,22 +127,30 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         if kind == "text":
             if not request.text:
                 raise ValueError("text: the prompt must not be empty")
-            started = time.perf_counter()
-            if len(request.text) > _LONG_TEXT_CHARS:
-                token_ids = await asyncio.to_thread(identity.tokenizer.encode, request.text)
-            else:
-                token_ids = identity.tokenizer.encode(request.text)
-            self.metrics.tokenize_s.observe(time.perf_counter() - started)
+            prompt, long = request.text, len(request.text) > _LONG_TEXT_CHARS
         elif kind == "token_ids":
-            token_ids = request.token_ids.ids
-            if not token_ids:
+            if not request.token_ids.ids:
                 raise ValueError("token_ids: the prompt must not be empty")
+            prompt, long = request.token_ids.ids, len(request.token_ids.ids) > _LONG_PROMPT_TOKENS
         else:
             raise ValueError("prompt: set either text or token_ids")
-        token_ids = tuple(token_ids)
         salt = request.cache_salt or None
+        sizes = self.pool.block_sizes() | {identity.block_size}  # read on the loop, not a thread
+        if long:  # tokenizing and hashing a long prompt would hold up every other request
+            return await self.tokenize(self._route_prompt, identity, prompt, salt, sizes)
+        return self._route_prompt(identity, prompt, salt, sizes)
+
+    def _route_prompt(self, identity: ModelIdentity, prompt, salt: str | None,
+                      sizes: frozenset[int]) -> RoutedPrompt:
+        if isinstance(prompt, str):
+            started = time.perf_counter()
+            token_ids = tuple(identity.tokenizer.encode(prompt))
+            self.metrics.tokenize_s.observe(time.perf_counter() - started)
+        else:
+            token_ids = tuple(prompt)
+        # hashed at every block size the pool's engines use (a mixed pool: Quire 16, vLLM 128)
         by_size = {size: tuple(identity.tokenizer.block_hashes(token_ids, size, cache_salt=salt))
-                   for size in self.pool.block_sizes() | {identity.block_size}}
+                   for size in sizes}
         return RoutedPrompt(token_ids=token_ids, block_hashes=by_size[identity.block_size],
                             hashes=PromptHashes(by_size))
 

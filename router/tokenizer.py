@@ -23,6 +23,7 @@ from quire.tokenizer_digest import TOKENIZER_FILES, tokenizer_digest
 from quire.block_hash import hash_block_tokens
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+_GIL_FREE_CHARS = 4096  # longer texts are tokenized with the GIL released
 
 
 class RouterTokenizer:
@@ -73,7 +74,13 @@ class RouterTokenizer:
         return self.special_tokens.get("eos_token")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids exactly as transformers' ``tokenizer.encode(text)`` gives them."""
+        """Token ids exactly as transformers' ``tokenizer.encode(text)`` gives them.
+
+        Long texts go through ``encode_batch``, which releases the GIL while it works
+        (``encode`` holds it: a 700,000-character prompt froze every other thread for ~1 s),
+        so a worker thread tokenizing a giant prompt leaves the event loop running."""
+        if len(text) > _GIL_FREE_CHARS:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,

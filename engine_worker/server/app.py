@@ -19,6 +19,7 @@ from engine_worker.server.async_engine import AsyncEngine
 from engine_worker.server.config import ServerConfig
 from engine_worker.server.convert import RequestLimits
 from engine_worker.server.servicer import EngineServicer
+from quire.grpc_server import NO_PORT_REUSE, BadRequestBytes, PortInUseError, bind_port
 from quire.signals import shutdown_event
 from quire.tracing import Tracing, TracingConfig, make_tracing
 from quire.v1 import engine_pb2, engine_pb2_grpc
@@ -56,7 +57,8 @@ class EngineServer:
             on_finished=_request_recorder(self.metrics) if self.metrics else None)
         limits = RequestLimits(max_n=cfg.max_n, max_stop_strings=cfg.max_stop_strings,
                                max_stop_string_len=cfg.max_stop_string_len,
-                               max_prompt_chars=cfg.max_prompt_chars)
+                               max_prompt_chars=cfg.max_prompt_chars,
+                               max_tokens=cfg.max_tokens_limit)
         self.servicer = EngineServicer(self.async_engine, model_name=model_name,
                                        limits=limits, tokenizer_dir=engine.model_dir,
                                        spans=_span_factory(tracing, model_name))
@@ -67,21 +69,25 @@ class EngineServer:
 
     async def start(self) -> int:
         options = [("grpc.max_receive_message_length", self.cfg.max_message_bytes),
-                   ("grpc.max_send_message_length", self.cfg.max_message_bytes)]
-        self.server = grpc.aio.server(options=options)
+                   ("grpc.max_send_message_length", self.cfg.max_message_bytes), NO_PORT_REUSE]
+        self.server = grpc.aio.server(options=options, interceptors=[BadRequestBytes()])
         engine_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
-        address = f"{self.cfg.host}:{self.cfg.port}"
-        credentials = server_credentials(self.cfg)
-        self.port = (self.server.add_secure_port(address, credentials) if credentials
-                     else self.server.add_insecure_port(address))
+        self.port = bind_port(self.server, self.cfg.host, self.cfg.port,
+                              server_credentials(self.cfg), what="engine gRPC")
         self.async_engine.start()
         if self.metrics is not None:
-            self.metrics_server = MetricsServer(self.metrics, self.cfg.host, self.cfg.metrics_port)
-            self.metrics_server.start()
+            self.metrics_server = MetricsServer(self.metrics, self.cfg.host, self.cfg.metrics_port,
+                                                timeout_s=self.cfg.http_timeout_s)
+            try:
+                self.metrics_server.start()
+            except OSError as e:
+                raise PortInUseError(f"metrics_port: cannot listen on {self.cfg.host}:"
+                                     f"{self.cfg.metrics_port} (engine metrics): "
+                                     f"{e.strerror or e}") from None
         await self.server.start()
         await self._set_serving(True)
         self._watchdog = asyncio.create_task(self._watch_engine())

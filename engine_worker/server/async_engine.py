@@ -104,7 +104,11 @@ class AsyncEngine:
         added: Future = Future()
         self._commands.put(("add", request_id, prompt, params, priority, cache_salt, stream,
                             added))
-        await asyncio.wrap_future(added)  # raises ValueError / QueueFullError from the loop
+        try:
+            await asyncio.wrap_future(added)  # raises ValueError / QueueFullError from the loop
+        except asyncio.CancelledError:  # the caller left while the add was queued or running
+            self._commands.put(("abort", request_id))
+            raise
         finished = False
         try:
             while True:
@@ -173,13 +177,16 @@ class AsyncEngine:
                 self.engine.abort_request(command[1])
         elif kind == "subscribe":
             sink, taken = command[1], command[2]
-            self._subscribers.append(sink)
-            taken.set_result(self.engine.kv_cache_snapshot())
+            if taken.set_running_or_notify_cancel():  # not if the subscriber already left
+                self._subscribers.append(sink)
+                taken.set_result(self.engine.kv_cache_snapshot())
         elif kind == "unsubscribe":
             if command[1] in self._subscribers:
                 self._subscribers.remove(command[1])
 
     def _add(self, request_id, prompt, params, priority, cache_salt, stream, added) -> None:
+        if not added.set_running_or_notify_cancel():
+            return  # the caller was cancelled before the engine saw the request
         scheduler = self.engine.scheduler
         if scheduler.num_waiting >= self.max_waiting_requests:
             added.set_exception(QueueFullError(
@@ -247,5 +254,5 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if command[0] in ("add", "subscribe"):
+            if command[0] in ("add", "subscribe") and command[-1].set_running_or_notify_cancel():
                 command[-1].set_exception(EngineUnavailableError(str(error)))

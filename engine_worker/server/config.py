@@ -19,6 +19,10 @@ class ServerConfig:
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
     max_prompt_chars: int = 1 << 20
+    # max_tokens above this is refused (INVALID_ARGUMENT naming max_tokens); a request that sets
+    # none gets this many at most (and never more than the model's length allows). 0: no cap.
+    max_tokens_limit: int = 4096
+    http_timeout_s: float = 10.0  # the metrics server drops a connection not done within this
     max_message_bytes: int = 16 << 20
     drain_timeout_s: float = 30.0
     tls_cert_file: str | None = None
@@ -28,6 +32,13 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port: must be in [0, 65536), got {self.metrics_port}")
+        if not 0 <= self.max_tokens_limit < 2 ** 32:
+            raise ValueError(f"max_tokens_limit: must be in [0, 2**32), got "
+                             f"{self.max_tokens_limit}")
+        if self.http_timeout_s <= 0:
+            raise ValueError(f"http_timeout_s: must be > 0, got {self.http_timeout_s}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file: TLS needs both a certificate and a key")
         if self.tls_client_ca_file and not self.tls_cert_file:

@@ -29,7 +29,8 @@ def request_from_proto(message: pb.GenerateRequest, limits: RequestLimits):
     sampling = message.sampling
     kwargs = {name: getattr(sampling, name) for name in _OPTIONAL if sampling.HasField(name)}
     if "max_tokens" not in kwargs:
-        kwargs["max_tokens"] = None  # up to the model's length limit, as vLLM's server does
+        # up to the output cap (then the model's length limit), as vLLM's server does
+        kwargs["max_tokens"] = limits.max_tokens or None
     params = SamplingParams(stop=list(sampling.stop),
                             stop_token_ids=list(sampling.stop_token_ids),
                             ignore_eos=sampling.ignore_eos,
@@ -43,8 +44,9 @@ class RequestLimits:
     """Server-side caps beyond what the engine itself validates."""
 
     def __init__(self, *, max_n: int, max_stop_strings: int, max_stop_string_len: int,
-                 max_prompt_chars: int) -> None:
+                 max_prompt_chars: int, max_tokens: int = 0) -> None:
         self.max_n = max_n
+        self.max_tokens = max_tokens  # 0: no cap beyond the model's length
         self.max_stop_strings = max_stop_strings
         self.max_stop_string_len = max_stop_string_len
         self.max_prompt_chars = max_prompt_chars
@@ -57,7 +59,12 @@ class RequestLimits:
         if any(len(s) > self.max_stop_string_len for s in params.stop):
             raise ValueError(f"stop: each stop string at most {self.max_stop_string_len} chars")
         if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
-            raise ValueError(f"text: at most {self.max_prompt_chars} characters")
+            raise ValueError(f"text: at most {self.max_prompt_chars} characters, got "
+                             f"{len(prompt)}")
+        if self.max_tokens and params.max_tokens is not None and \
+                params.max_tokens > self.max_tokens:
+            raise ValueError(f"max_tokens: must be <= {self.max_tokens} (the server's "
+                             f"--max-tokens-limit), got {params.max_tokens}")
 
 
 def _logprobs_to_proto(entries) -> list[pb.PositionLogprobs]:
