@@ -107,3 +107,128 @@ def test_rotary_embedding_matches_reference_in_place(dtype):
     assert torch.equal(qkv[:, 12 * 64:], untouched_v)
     with pytest.raises(RuntimeError, match="position out of range"):
         ops.rotary_embedding(q, k, torch.tensor([2048] * len(positions)), rope.cos, rope.sin)
+
+
+# ---------------------------------------------------------------- paged attention
+
+NUM_BLOCKS = 96
+
+
+def _state(rng: random.Random, context_len: int, query_len: int, block_size: int,
+           free_blocks: list[int]) -> RunnerRequestState:
+    num_blocks = -(-(context_len + query_len) // block_size)
+    block_ids = [free_blocks.pop() for _ in range(num_blocks)]
+    return RunnerRequestState(
+        req_id=str(rng.random()), token_ids=[0] * (context_len + query_len),
+        num_prompt_tokens=context_len + query_len, params=None, block_ids=block_ids,
+        num_computed_tokens=context_len, generator=None)
+
+
+def _step(rng, shapes, block_size):
+    """Requests as (context_len, query_len), decodes first, blocks scattered in the pool."""
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    states = [_state(rng, c, n, block_size, free) for c, n in shapes]
+    _, _, meta, _ = build_step_inputs(states, [n for _, n in shapes], block_size,
+                                      torch.device("cpu"))
+    return meta
+
+
+STEPS = {
+    "decodes": [(0, 1), (5, 1), (16, 1), (47, 1), (130, 1)],
+    "one_long_decode": [(300, 1)],  # alone and long: its kv heads split across threads
+    "prefill_from_empty": [(0, 37)],
+    "chunked_prefill_with_context": [(48, 33), (17, 16)],
+    "mixed": [(3, 1), (200, 1), (0, 70), (31, 9), (64, 1 + 64)],
+}
+
+
+def _attend(q, k, v, cache, meta, scale):
+    """What an AVX2 attention backend runs a layer: the cache write, then one varlen call."""
+    ops.write_kv(cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    ops.paged_attention(out, q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                        scale)
+    return out
+
+
+# (query dtype, cache dtype): the cache in the queries' dtype, or narrower under fp32 queries
+DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+               (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=lambda p: f"{p[0]}-{p[1]}".replace("torch.", ""))
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
+@pytest.mark.parametrize("step", sorted(STEPS))
+def test_paged_attention_matches_reference(step, heads, block_size, dtypes):
+    q_dtype, cache_dtype = dtypes
+    rng = random.Random(hash((step, heads, block_size)) & 0xFFFF)
+    torch.manual_seed(rng.randrange(1 << 30))
+    num_heads, num_kv_heads, head_dim = heads
+    meta = _step(rng, STEPS[step], block_size)
+    num_tokens = int(meta.query_start_loc[-1])
+    q = torch.randn(num_tokens, num_heads, head_dim).to(q_dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim).to(q_dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim).to(q_dtype)
+    cache = torch.randn(2, NUM_BLOCKS, block_size, num_kv_heads, head_dim).to(cache_dtype)
+    scale = head_dim ** -0.5
+
+    # the reference in the queries' dtype over the cache's values (which the kernel widens)
+    ref_cache = cache.to(q_dtype)
+    want = TorchAttentionBackend().forward(q, k.to(cache_dtype).to(q_dtype),
+                                           v.to(cache_dtype).to(q_dtype), ref_cache, meta, scale)
+    got = _attend(q, k, v, cache, meta, scale)
+
+    assert torch.equal(cache.to(q_dtype), ref_cache)  # the same K/V written to the same slots
+    tol = 2e-2 if q_dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_paged_attention_reads_only_its_own_blocks():
+    """Garbage (NaN) everywhere outside the requests' blocks must not reach the output."""
+    rng = random.Random(7)
+    meta = _step(rng, STEPS["mixed"], 16)
+    num_tokens = int(meta.query_start_loc[-1])
+    used = set(meta.block_tables.flatten().tolist())
+    cache = torch.full((2, NUM_BLOCKS, 16, 3, 64), float("nan"))
+    for b in used:
+        cache[:, b] = torch.randn(2, 16, 3, 64)
+    # positions past each request's length inside its last block stay NaN as well
+    q, k, v = torch.randn(num_tokens, 9, 64), torch.randn(num_tokens, 3, 64), torch.randn(
+        num_tokens, 3, 64)
+    for i, n in enumerate(meta.seq_lens.tolist()):
+        table = meta.block_tables[i]
+        for pos in range(n, -(-n // 16) * 16):
+            cache[:, table[pos // 16], pos % 16] = float("nan")
+    out = _attend(q, k, v, cache, meta, 0.125)
+    assert not out.isnan().any()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_write_kv_narrows_as_torch_casts(cache_dtype):
+    """fp32 K/V into a narrower cache: torch's rounding (to nearest even), bit for bit, with
+    ties, NaN, infinities, signed zeros and subnormals."""
+    k = torch.randn(40, 3, 64) * 100
+    special = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-39, 3e38, 65519.0,
+               70000.0, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 1.0 + 2.0 ** -11]
+    k.view(-1)[:len(special)] = torch.tensor(special)
+    v = -k
+    cache = torch.zeros(2, 8, 16, 3, 64, dtype=cache_dtype)
+    slots = torch.randperm(8 * 16)[:40]
+    ops.write_kv(cache, k, v, slots)
+    got_k = cache[0].view(-1, 3, 64)[slots]
+    got_v = cache[1].view(-1, 3, 64)[slots]
+    for got, want in ((got_k, k.to(cache_dtype)), (got_v, v.to(cache_dtype))):
+        # a NaN stays a NaN (its payload bits are torch's own choice)
+        assert torch.equal(got.isnan(), want.isnan())
+        keep_inf = {"posinf": float("inf"), "neginf": -float("inf")}
+        assert torch.equal(got.nan_to_num(0.0, **keep_inf).view(torch.int16),
+                           want.nan_to_num(0.0, **keep_inf).view(torch.int16))
+
+
+def test_write_kv_rejects_out_of_range_slot():
+    cache = torch.zeros(2, 4, 16, 3, 64)
+    k = torch.randn(1, 3, 64)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.write_kv(cache, k, k, torch.tensor([4 * 16]))
