@@ -232,3 +232,40 @@ def test_write_kv_rejects_out_of_range_slot():
     k = torch.randn(1, 3, 64)
     with pytest.raises(RuntimeError, match="slot out of range"):
         ops.write_kv(cache, k, k, torch.tensor([4 * 16]))
+
+
+# ---------------------------------------------------------------- bf16 weights, fp32 activations
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 8, 13, 64])
+@pytest.mark.parametrize("shape", [(576, 1728), (1536, 576), (37, 48)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_bf16w_matches_fp32_matmul(rows, shape, bias):
+    in_features, out_features = shape
+    torch.manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features)
+    w = (torch.randn(out_features, in_features) / in_features ** 0.5).bfloat16()
+    b = torch.randn(out_features) if bias else None
+    packed = ops.pack_bf16w(w)
+    assert packed.dtype == torch.bfloat16 and packed.numel() == w.numel()
+    got = ops.linear_bf16w(x, packed, b)
+    # the fp32 matmul of the bf16 weight's values: only the summation order differs
+    want = torch.nn.functional.linear(x, w.float(), b)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_linear_bf16w_reads_strided_rows():
+    x = torch.randn(9, 2 * 64)[:, :64]  # rows of a wider tensor
+    w = torch.randn(32, 64).bfloat16()
+    torch.testing.assert_close(ops.linear_bf16w(x, ops.pack_bf16w(w), None), x @ w.float().T,
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_linear_bf16w_rejects_what_it_cannot_run():
+    with pytest.raises(RuntimeError, match="N a multiple of 16"):
+        ops.pack_bf16w(torch.zeros(24, 64).bfloat16())
+    packed = ops.pack_bf16w(torch.zeros(32, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="fp32"):
+        ops.linear_bf16w(torch.zeros(2, 64).bfloat16(), packed, None)
+    with pytest.raises(RuntimeError, match="K"):
+        ops.linear_bf16w(torch.zeros(2, 48), packed, None)
