@@ -17,11 +17,17 @@ import pytest
 import torch
 
 from engine_worker.attention import TorchAttentionBackend
+from engine_worker.attention.avx2_backend import Avx2PagedAttentionBackend
+from engine_worker.layers import blocks
 from engine_worker.layers.activation import silu_and_mul
-from engine_worker.layers.norm import rms_norm
+from engine_worker.layers.kernels import LAYER_KERNELS
+from engine_worker.layers.kernels_avx2 import AVX2_LAYER_KERNELS as AVX2
+from engine_worker.layers.linear import Linear
+from engine_worker.layers.norm import RMSNorm, rms_norm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding, apply_rope
 from engine_worker.model_runner.inputs import build_step_inputs
 from engine_worker.model_runner.runner import RunnerRequestState
+from engine_worker.models.llama import LlamaConfig, LlamaForCausalLM
 
 AVX2_DIR = Path(__file__).resolve().parents[3] / "csrc" / "cpu" / "avx2"
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17", "-DQUIRE_NS=quire_avx2"]
@@ -269,3 +275,154 @@ def test_linear_bf16w_rejects_what_it_cannot_run():
         ops.linear_bf16w(torch.zeros(2, 64).bfloat16(), packed, None)
     with pytest.raises(RuntimeError, match="K"):
         ops.linear_bf16w(torch.zeros(2, 48), packed, None)
+
+
+# ---------------------------------------------------------------- fused halves and the layer stack
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 576, 9, 3, 64, 1536
+
+
+def _linear(in_features, out_features, bias, weight_dtype):
+    lin = Linear(in_features, out_features, bias, AVX2.linear, AVX2.pack_weight)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(out_features, in_features) / in_features ** 0.5)
+        if bias:
+            lin.bias.copy_(torch.randn(out_features) / 4)
+    lin.weight.data = lin.weight.data.to(weight_dtype)  # the bias stays fp32
+    lin.pack()
+    return lin
+
+
+def _layer(bias: bool, weight_dtype):
+    """A SmolLM2-shaped layer with fp32 norms and activations, linear weights in weight_dtype."""
+    torch.manual_seed(int(bias))
+    rope = RopeConfig(head_dim=HEAD_DIM, theta=10000.0, max_position_embeddings=4096)
+    norms = [RMSNorm(HIDDEN, 1e-5, AVX2.rms_norm) for _ in range(2)]
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.copy_(1 + torch.randn(HIDDEN) / 4)
+    return {
+        "norm1": norms[0], "norm2": norms[1],
+        "qkv": _linear(HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM, bias, weight_dtype),
+        "o": _linear(HEADS * HEAD_DIM, HIDDEN, bias, weight_dtype),
+        "gate_up": _linear(HIDDEN, 2 * INTERMEDIATE, bias, weight_dtype),
+        "down": _linear(INTERMEDIATE, HIDDEN, bias, weight_dtype),
+        "rotary": RotaryEmbedding(rope, 4096, torch.device("cpu"), AVX2.rope),
+    }
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 8, 9, 40])
+def test_fused_halves_are_the_composition(rows, bias, weight_dtype):
+    """fp32 rows: each half is one op call giving the per-op path's result bit for bit, and
+    the layer's math: close to the plain torch ops on the weights' fp32 values."""
+    m = _layer(bias, weight_dtype)
+    assert (m["qkv"].packed is not None) == (weight_dtype == torch.bfloat16)
+    x = torch.randn(rows, HIDDEN) * 2
+    positions = torch.randint(0, 4096, (rows,))
+    args = (x, positions, m["norm1"], m["qkv"], m["rotary"], HEADS, KV_HEADS, HEAD_DIM)
+    got = AVX2.norm_qkv_rope(*args)
+    want = blocks.norm_qkv_rope(*args)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    q_plain = torch.nn.functional.linear(rms_norm(x, m["norm1"].weight, 1e-5),
+                                         m["qkv"].weight.float(), m["qkv"].bias)
+    q_plain = q_plain[:, :HEADS * HEAD_DIM].view(rows, HEADS, HEAD_DIM)
+    q_plain, _ = apply_rope(positions, q_plain, q_plain[:, :KV_HEADS], m["rotary"].cos,
+                            m["rotary"].sin)
+    torch.testing.assert_close(got[0], q_plain, atol=1e-4, rtol=1e-4)
+
+    attn = torch.randn(rows, HEADS * HEAD_DIM)
+    x_before = x.clone()
+    args = (x, attn, m["o"], m["norm2"], m["gate_up"], m["down"], AVX2.silu_and_mul)
+    got = AVX2.residual_mlp(*args)
+    assert torch.equal(got, blocks.residual_mlp(*args))
+    assert torch.equal(x, x_before)  # the residual stream's input is not written to
+    h = x + torch.nn.functional.linear(attn, m["o"].weight.float(), m["o"].bias)
+    gate_up = torch.nn.functional.linear(rms_norm(h, m["norm2"].weight, 1e-5),
+                                         m["gate_up"].weight.float(), m["gate_up"].bias)
+    plain = h + torch.nn.functional.linear(silu_and_mul(gate_up), m["down"].weight.float(),
+                                           m["down"].bias)
+    torch.testing.assert_close(got, plain, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_ops_name_what_is_wrong():
+    m = _layer(False, torch.bfloat16)
+    w = m["qkv"].packed.panels
+    with pytest.raises(RuntimeError, match="x must be contiguous fp32"):
+        ops.norm_qkv_rope(torch.zeros(2, HIDDEN).bfloat16(), m["norm1"].weight, 1e-5, w, w, None,
+                          torch.zeros(2, dtype=torch.long), m["rotary"].cos, m["rotary"].sin,
+                          HEADS, KV_HEADS)
+    with pytest.raises(RuntimeError, match="heads \\+ 2 kv heads"):
+        ops.norm_qkv_rope(torch.zeros(2, HIDDEN), m["norm1"].weight, 1e-5, w, w, None,
+                          torch.zeros(2, dtype=torch.long), m["rotary"].cos, m["rotary"].sin,
+                          HEADS - KV_HEADS, KV_HEADS)
+    with pytest.raises(RuntimeError, match="pack_bf16w's, fp32"):
+        ops.norm_qkv_rope(torch.zeros(2, HIDDEN), m["norm1"].weight, 1e-5, w.float(),
+                          w.float(), None, torch.zeros(2, dtype=torch.long), m["rotary"].cos,
+                          m["rotary"].sin, HEADS, KV_HEADS)
+
+
+def _tiny_llama(kernels, backend, bias: bool) -> LlamaForCausalLM:
+    # head_dim 32, every output size a multiple of 16 (the panels')
+    cfg = LlamaConfig(vocab_size=512, hidden_size=192, intermediate_size=256, num_layers=3,
+                      num_heads=6, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5,
+                      rope=RopeConfig(head_dim=32, theta=10000.0, max_position_embeddings=1024),
+                      tie_word_embeddings=True, qkv_bias=bias, o_bias=bias)
+    return LlamaForCausalLM(cfg, backend, 1024, torch.device("cpu"), kernels)
+
+
+def _run(model, meta, input_ids, positions, caches):
+    caches = [c.clone() for c in caches]
+    with torch.no_grad():
+        hidden = model(input_ids, positions, caches, meta)
+        return model.compute_logits(hidden), caches
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_llama_on_avx2_kernels(bias):
+    """A whole model on this set: in fp32 the one-call layers are the per-layer path bit for
+    bit, and both the reference's result; a bf16 model (bf16 weights and cache, its layers'
+    activations in fp32) is the fp32 model of its bf16 values up to the cache's rounding."""
+    torch.manual_seed(3)
+    reference = _tiny_llama(LAYER_KERNELS["torch"], TorchAttentionBackend(), bias)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 + (1 if p.dim() == 1 else 0))
+    rng = random.Random(5)
+    meta = _step(rng, STEPS["mixed"], 16)
+    num_tokens = int(meta.query_start_loc[-1])
+    input_ids = torch.randint(0, 512, (num_tokens,))
+    positions = torch.cat([torch.arange(int(n) - int(e - s), int(n)) for n, s, e in zip(
+        meta.seq_lens, meta.query_start_loc[:-1], meta.query_start_loc[1:])])
+    caches = [torch.randn(2, NUM_BLOCKS, 16, 2, 32) for _ in range(3)]
+    reference.pack_weights()
+    want, want_caches = _run(reference, meta, input_ids, positions, caches)
+
+    model = _tiny_llama(AVX2, Avx2PagedAttentionBackend(), bias)
+    model.load_state_dict(reference.state_dict())
+    model.pack_weights()
+    assert model.layer_stack is not None
+    stacked, stacked_caches = _run(model, meta, input_ids, positions, caches)
+    model.layer_stack = None
+    per_layer, per_layer_caches = _run(model, meta, input_ids, positions, caches)
+    assert torch.equal(stacked, per_layer)
+    assert all(torch.equal(a, b) for a, b in zip(stacked_caches, per_layer_caches))
+    torch.testing.assert_close(stacked, want, atol=1e-3, rtol=1e-3)
+
+    # bf16: the reference in fp32 over the bf16-rounded weights and cache
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(p.bfloat16().float())
+    reference.pack_weights()
+    bf16_caches = [c.bfloat16() for c in caches]
+    want, _ = _run(reference, meta, input_ids, positions,
+                   [c.float() for c in bf16_caches])
+    model = _tiny_llama(AVX2, Avx2PagedAttentionBackend(), bias).to(torch.bfloat16)
+    model.load_state_dict(reference.state_dict())
+    model.pack_weights()
+    assert model.layer_stack is not None
+    assert model.layers[0].self_attn.qkv_proj.packed is not None
+    got, _ = _run(model, meta, input_ids, positions, bf16_caches)
+    # logits rounded to bf16 (the model's dtype) at the end: one bf16 step of logits ~10
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
