@@ -11,8 +11,9 @@
 // micro-kernel keeps RB rows x 16 columns of accumulators in registers with no horizontal
 // sums, and each thread streams its band of panels as one sequential read.
 //   few rows (decode):  each panel is read once, widened in registers, for all M rows;
-//   many rows (prefill): each panel is widened once into an fp32 copy (L2-resident) that every
-//                        block of 6 rows then reuses; parallel over panels either way.
+//   many rows (prefill): a few panels at a time are widened once into an fp32 copy that every
+//                        block of 6 rows then reuses, rows in tiles that stay in L2 while they
+//                        pass over those panels; parallel over panels either way.
 //
 // Reference: x @ w.float().T + bias; tests compare the two.
 
@@ -31,6 +32,9 @@ constexpr int W = Vec::kWidth;
 constexpr int kCols = 16;       // output columns per panel
 constexpr int kRowBlock = 6;    // rows per micro-kernel call: 12 accumulators
 constexpr int64_t kWidenAbove = kRowBlock;  // more rows than this: widen each panel once
+constexpr int64_t kPanelTileBytes = 256 << 10;  // widened panels shared by every row tile
+constexpr int64_t kRowTileBytes = 128 << 10;    // rows of x passing over a panel tile
+constexpr int64_t kSliceK = 256;  // K per micro-kernel pass there: 16 KB of panel, in L1
 
 // acc[r] (16 columns as two vectors) = sum over k of x[r][k] * panel[k][0..16), for RB rows.
 // TP: bf16 (widened as loaded) or fp32 (a widened copy). Up to two rows, the even and odd k
@@ -70,32 +74,36 @@ inline void micro(const float* x, int64_t ldx, const TP* panel, int64_t K, Vec (
   }
 }
 
-// RB rows of x against one panel -> out[r][n0 .. n0 + 16) (+ bias)
+// RB rows of x against one panel -> out[r][n0 .. n0 + 16) (+ bias); with `add`, onto what
+// out holds (a later slice of K).
 template <int RB, typename TP>
 inline void rows_panel(const float* x, int64_t ldx, const TP* panel, int64_t K,
-                       const float* bias, float* out, int64_t ldo) {
+                       const float* bias, float* out, int64_t ldo, bool add) {
   Vec acc[RB][2];
   micro<RB>(x, ldx, panel, K, acc);
   const Vec b0 = bias ? Vec::load(bias) : Vec::zero(), b1 = bias ? Vec::load(bias + W) : Vec::zero();
   for (int r = 0; r < RB; ++r) {
-    (acc[r][0] + b0).store(out + r * ldo);
-    (acc[r][1] + b1).store(out + r * ldo + W);
+    float* o = out + r * ldo;
+    (acc[r][0] + (add ? Vec::load(o) : b0)).store(o);
+    (acc[r][1] + (add ? Vec::load(o + W) : b1)).store(o + W);
   }
 }
 
 // All M rows against one panel, kRowBlock at a time.
 template <typename TP>
 void all_rows(const float* x, int64_t ldx, int64_t M, const TP* panel, int64_t K,
-              const float* bias, float* out, int64_t ldo) {
+              const float* bias, float* out, int64_t ldo, bool add = false) {
   int64_t m = 0;
   for (; m + kRowBlock <= M; m += kRowBlock)
-    rows_panel<kRowBlock>(x + m * ldx, ldx, panel, K, bias, out + m * ldo, ldo);
+    rows_panel<kRowBlock>(x + m * ldx, ldx, panel, K, bias, out + m * ldo, ldo, add);
+  const float* xm = x + m * ldx;
+  float* om = out + m * ldo;
   switch (M - m) {
-    case 5: rows_panel<5>(x + m * ldx, ldx, panel, K, bias, out + m * ldo, ldo); break;
-    case 4: rows_panel<4>(x + m * ldx, ldx, panel, K, bias, out + m * ldo, ldo); break;
-    case 3: rows_panel<3>(x + m * ldx, ldx, panel, K, bias, out + m * ldo, ldo); break;
-    case 2: rows_panel<2>(x + m * ldx, ldx, panel, K, bias, out + m * ldo, ldo); break;
-    case 1: rows_panel<1>(x + m * ldx, ldx, panel, K, bias, out + m * ldo, ldo); break;
+    case 5: rows_panel<5>(xm, ldx, panel, K, bias, om, ldo, add); break;
+    case 4: rows_panel<4>(xm, ldx, panel, K, bias, om, ldo, add); break;
+    case 3: rows_panel<3>(xm, ldx, panel, K, bias, om, ldo, add); break;
+    case 2: rows_panel<2>(xm, ldx, panel, K, bias, om, ldo, add); break;
+    case 1: rows_panel<1>(xm, ldx, panel, K, bias, om, ldo, add); break;
     default: break;
   }
 }
@@ -134,19 +142,36 @@ at::Tensor linear_bf16w(const at::Tensor& x, const at::Tensor& packed_w,
   const float* xp = xc.data_ptr<float>();
   const at::BFloat16* wp = packed_w.data_ptr<at::BFloat16>();
   float* op = out.data_ptr<float>();
-  const bool widen = M > kWidenAbove;
+  if (M <= kWidenAbove) {
+    at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        all_rows(xp, ldx, M, wp + p * K * kCols, K, bp ? bp + p * kCols : nullptr,
+                 op + p * kCols, N);
+    });
+    return out;
+  }
+  // Many rows: tiles of panels widened once (kPanelTileBytes of fp32), each passed over by
+  // tiles of rows small enough (kRowTileBytes of x) to stay in L2 across the panel tile.
+  const int64_t panel_floats = K * kCols;
+  const int64_t panels_per_tile = std::max<int64_t>(1, kPanelTileBytes / (4 * panel_floats));
+  const int64_t row_tile = std::max<int64_t>(kRowBlock, kRowTileBytes / (4 * K) / kRowBlock * kRowBlock);
   at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
-    thread_local std::vector<float> widened;  // one panel in fp32: [K][16]
-    if (widen) widened.resize(K * kCols);
-    for (int64_t p = p0; p < p1; ++p) {
-      const at::BFloat16* panel = wp + p * K * kCols;
-      const float* b = bp ? bp + p * kCols : nullptr;
-      if (!widen) {
-        all_rows(xp, ldx, M, panel, K, b, op + p * kCols, N);
-        continue;
+    thread_local std::vector<float> widened;
+    widened.resize(std::min(panels_per_tile, p1 - p0) * panel_floats);
+    for (int64_t pt = p0; pt < p1; pt += panels_per_tile) {
+      const int64_t pe = std::min(p1, pt + panels_per_tile);
+      const at::BFloat16* src = wp + pt * panel_floats;
+      for (int64_t i = 0; i < (pe - pt) * panel_floats; i += W)
+        Vec::load(src + i).store(widened.data() + i);
+      for (int64_t m0 = 0; m0 < M; m0 += row_tile) {
+        const int64_t rows = std::min(row_tile, M - m0);
+        for (int64_t p = pt; p < pe; ++p)
+          for (int64_t k0 = 0; k0 < K; k0 += kSliceK)  // a slice of panel and rows in L1
+            all_rows(xp + m0 * ldx + k0, ldx, rows,
+                     widened.data() + (p - pt) * panel_floats + k0 * kCols,
+                     std::min(kSliceK, K - k0), bp ? bp + p * kCols : nullptr,
+                     op + m0 * N + p * kCols, N, k0 > 0);
       }
-      for (int64_t i = 0; i < K * kCols; i += W) Vec::load(panel + i).store(widened.data() + i);
-      all_rows(xp, ldx, M, widened.data(), K, b, op + p * kCols, N);
     }
   });
   return out;
