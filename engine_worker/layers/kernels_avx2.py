@@ -25,6 +25,7 @@ from engine_worker.layers.activation import silu_and_mul
 from engine_worker.layers.kernels import LayerKernels
 from engine_worker.layers.norm import rms_norm
 from engine_worker.layers.rotary import apply_rope
+from engine_worker.platform import to_huge_pages
 
 _PANEL_COLUMNS = 16  # pack_bf16w's panels: output columns in multiples of this
 
@@ -38,10 +39,11 @@ class Avx2PackedWeight:
 
 
 def avx2_pack_weight(weight: torch.Tensor) -> Avx2PackedWeight | None:
-    """Once per weight at load: bf16 weights whose output size the panels divide."""
+    """Once per weight at load: bf16 weights whose output size the panels divide. On huge
+    pages (platform.py): decode streams every panel every step."""
     if weight.dtype != torch.bfloat16 or weight.shape[0] % _PANEL_COLUMNS:
         return None
-    return Avx2PackedWeight(torch.ops.quire_avx2.pack_bf16w(weight.detach()))
+    return Avx2PackedWeight(to_huge_pages(torch.ops.quire_avx2.pack_bf16w(weight.detach())))
 
 
 def avx2_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -81,7 +81,8 @@ inline void rows_panel(const float* x, int64_t ldx, const TP* panel, int64_t K,
                        const float* bias, float* out, int64_t ldo, bool add) {
   Vec acc[RB][2];
   micro<RB>(x, ldx, panel, K, acc);
-  const Vec b0 = bias ? Vec::load(bias) : Vec::zero(), b1 = bias ? Vec::load(bias + W) : Vec::zero();
+  const Vec b0 = bias ? Vec::load(bias) : Vec::zero();
+  const Vec b1 = bias ? Vec::load(bias + W) : Vec::zero();
   for (int r = 0; r < RB; ++r) {
     float* o = out + r * ldo;
     (acc[r][0] + (add ? Vec::load(o) : b0)).store(o);
@@ -154,7 +155,8 @@ at::Tensor linear_bf16w(const at::Tensor& x, const at::Tensor& packed_w,
   // tiles of rows small enough (kRowTileBytes of x) to stay in L2 across the panel tile.
   const int64_t panel_floats = K * kCols;
   const int64_t panels_per_tile = std::max<int64_t>(1, kPanelTileBytes / (4 * panel_floats));
-  const int64_t row_tile = std::max<int64_t>(kRowBlock, kRowTileBytes / (4 * K) / kRowBlock * kRowBlock);
+  const int64_t row_tile =
+      std::max<int64_t>(kRowBlock, kRowTileBytes / (4 * K) / kRowBlock * kRowBlock);
   at::parallel_for(0, num_panels, 1, [&](int64_t p0, int64_t p1) {
     thread_local std::vector<float> widened;
     widened.resize(std::min(panels_per_tile, p1 - p0) * panel_floats);

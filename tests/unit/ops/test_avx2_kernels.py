@@ -163,7 +163,8 @@ DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)]
 
 
-@pytest.mark.parametrize("dtypes", DTYPE_PAIRS, ids=lambda p: f"{p[0]}-{p[1]}".replace("torch.", ""))
+@pytest.mark.parametrize("dtypes", DTYPE_PAIRS,
+                         ids=lambda p: f"{p[0]}-{p[1]}".replace("torch.", ""))
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
 @pytest.mark.parametrize("step", sorted(STEPS))
