@@ -1,0 +1,154 @@
+// Fused per-token ops of a decoder layer for AVX2: RMSNorm, SiLU-and-mul, NeoX rotary
+// embedding, in fp32, bf16 or fp16 (computed in fp32).
+//
+// Each reads its input once and writes its output once. Intermediates are rounded to the
+// tensor's dtype where the PyTorch references round them, so bf16 / fp16 results match theirs
+// up to the order of a sum. References: engine_worker/layers/{norm,activation,rotary}.py.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "ops.h"
+
+namespace QUIRE_NS {
+namespace {
+
+constexpr int W = Vec::kWidth;
+
+// out = weight * round(x / rms(x)), per row of [rows, hidden]
+template <typename T>
+void rms_norm_typed(T* out, const T* x, const T* weight, int64_t rows, int64_t hidden,
+                    int64_t x_stride, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = x + r * x_stride;
+      Vec sq0 = Vec::zero(), sq1 = Vec::zero();  // two chains: half the FMA latency
+      int64_t c = 0;
+      for (; c + 2 * W <= hidden; c += 2 * W) {
+        const Vec a = Vec::load(row + c), b = Vec::load(row + c + W);
+        sq0 = simd::fma(a, a, sq0);
+        sq1 = simd::fma(b, b, sq1);
+      }
+      for (; c < hidden; c += W) {
+        const Vec a = Vec::load(row + c);
+        sq0 = simd::fma(a, a, sq0);
+      }
+      const float inv = 1.f / std::sqrt(simd::reduce_add(sq0 + sq1) / float(hidden) + eps);
+      const Vec f = Vec::broadcast(inv);
+      for (c = 0; c < hidden; c += W) {
+        const Vec normed = simd::round_as<T>(Vec::load(row + c) * f);
+        (Vec::load(weight + c) * normed).store(out + r * hidden + c);
+      }
+    }
+  });
+}
+
+// out[:, i] = round(silu(gate[:, i])) * up[:, i], with x = [gate | up]
+template <typename T>
+void silu_and_mul_typed(T* out, const T* x, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    const Vec one = Vec::broadcast(1.f);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * 2 * width;
+      const T* up = gate + width;
+      for (int64_t c = 0; c < width; c += W) {
+        const Vec g = Vec::load(gate + c);
+        const Vec act = simd::round_as<T>(g / (one + simd::exp(Vec::zero() - g)));
+        (act * Vec::load(up + c)).store(out + r * width + c);
+      }
+    }
+  });
+}
+
+// In place on token t of x [tokens, heads, head_dim] (any token stride): NeoX halves rotated
+// by the position's angles c and s (fp32 [head_dim], halves equal).
+template <typename T>
+void rotate(T* x, int64_t token_stride, int64_t heads, int64_t head_dim, int64_t t,
+            const float* c, const float* s) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* v = x + t * token_stride + h * head_dim;
+    for (int64_t i = 0; i < half; i += W) {
+      const Vec x1 = Vec::load(v + i), x2 = Vec::load(v + half + i);
+      const Vec ci = Vec::load(c + i), si = Vec::load(s + i);
+      simd::fms(x1, ci, x2 * si).store(v + i);
+      simd::fma(x2, ci, x1 * si).store(v + half + i);
+    }
+  }
+}
+
+template <typename T>
+void rope_typed(at::Tensor& q, at::Tensor& k, const int64_t* positions, const float* cos,
+                const float* sin, int64_t head_dim) {
+  T* qp = q.data_ptr<T>();
+  T* kp = k.data_ptr<T>();
+  at::parallel_for(0, q.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + positions[t] * head_dim;
+      const float* s = sin + positions[t] * head_dim;
+      rotate(qp, q.stride(0), q.size(1), head_dim, t, c, s);
+      rotate(kp, k.stride(0), k.size(1), head_dim, t, c, s);
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % W == 0,
+              "rms_norm: x [rows, hidden] with unit stride, hidden a multiple of 8");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.dtype() == x.dtype(), "rms_norm: weight [hidden] in x's dtype");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  QUIRE_AVX2_DISPATCH(x.scalar_type(), "rms_norm",
+                      rms_norm_typed<T>(out.data_ptr<T>(), x.data_ptr<T>(), weight.data_ptr<T>(),
+                                        x.size(0), x.size(1), x.stride(0), float(eps)));
+  return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % (2 * W) == 0,
+              "silu_and_mul: contiguous x [rows, 2 * width], width a multiple of 8");
+  const int64_t width = x.size(1) / 2;
+  at::Tensor out = at::empty({x.size(0), width}, x.options());
+  QUIRE_AVX2_DISPATCH(x.scalar_type(), "silu_and_mul",
+                      silu_and_mul_typed<T>(out.data_ptr<T>(), x.data_ptr<T>(), x.size(0), width));
+  return out;
+}
+
+void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
+                      const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.size(2) == q.size(2) && q.size(0) == k.size(0),
+              "rotary_embedding: q, k [tokens, heads, head_dim]");
+  const int64_t d = q.size(2);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && k.stride(2) == 1 && k.stride(1) == d,
+              "rotary_embedding: heads of q and k must be packed");
+  TORCH_CHECK(d % (2 * W) == 0 && q.dtype() == k.dtype(), "rotary_embedding: head_dim % 16 == 0");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dtype() == at::kFloat &&
+                  sin.dtype() == at::kFloat && cos.size(1) == d && sin.sizes() == cos.sizes(),
+              "rotary_embedding: fp32 cos and sin [max_position, head_dim]");
+  TORCH_CHECK(positions.dtype() == at::kLong && positions.is_contiguous() &&
+                  positions.numel() == q.size(0), "rotary_embedding: int64 positions [tokens]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.numel(); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary_embedding: position out of range");
+  QUIRE_AVX2_DISPATCH(q.scalar_type(), "rotary_embedding",
+                      rope_typed<T>(q, k, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), d));
+}
+
+TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary_embedding(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, "
+        "Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(QUIRE_NS, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
+}
+
+}  // namespace QUIRE_NS

@@ -1,0 +1,211 @@
+// The two halves of a Llama decoder layer around attention, and every layer in one call, for
+// fp32 activations on AVX2 CPUs:
+//
+//   norm_qkv_rope:  x -> RMSNorm -> QKV projection -> RoPE on q and k       -> q, k, v
+//   residual_mlp:   x, attn -> x + o_proj(attn) = h -> h + down(silu(gate) * up)(RMSNorm(h))
+//   llama_layers:   per layer norm_qkv_rope, write_kv, paged_attention, residual_mlp
+//
+// The schemas are those of the AVX-512 set (csrc/cpu/llama_block.cpp): each linear layer comes
+// as two weights, one for few rows (decode, up to kFewRows) and one for more. Each may be
+//   a pack_bf16w panel tensor (bf16 [N / 16, K, 16]): bf16 weights, fp32 math (linear.cpp);
+//   a plain fp32 weight [N, K]: torch's fp32 matmul;
+//   a oneDNN-packed fp32 weight (MkldnnCPU): oneDNN's matmul.
+// Biases are fp32. The ops run the same kernels the per-op path runs, in the same order, so
+// their results are the per-op path's; what goes is the Python and dispatcher time between
+// ops. Attention stays outside the halves: the backend writes the cache and attends between.
+// References: engine_worker/layers/blocks.py.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <chrono>
+#include <string_view>
+#include <tuple>
+
+#include "ops.h"
+
+namespace QUIRE_NS {
+namespace {
+
+constexpr int64_t kFewRows = 8;
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w,
+                         const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            std::string_view, c10::List<std::optional<at::Scalar>>,
+                            std::optional<std::string_view>)>();
+  return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+}
+
+// x @ W^T + bias, W in whichever form the caller packed it (see the top of the file)
+at::Tensor linear(const at::Tensor& x, const at::Tensor& few, const at::Tensor& many,
+                  const std::optional<at::Tensor>& bias) {
+  const at::Tensor& w = x.size(0) <= kFewRows ? few : many;
+  if (w.is_mkldnn()) return onednn_linear(x, w, bias);
+  if (w.scalar_type() == at::kBFloat16 && w.dim() == 3) return linear_bf16w(x, w, bias);
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2,
+              "a linear weight must be pack_bf16w's, fp32 [N, K] or oneDNN-packed fp32");
+  return at::linear(x, w, bias);
+}
+
+void check_x(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
+                  x.size(0) >= 1 && x.size(1) % 16 == 0,
+              name, ": x must be contiguous fp32 [tokens >= 1, hidden], hidden % 16 == 0");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_rope(
+    const at::Tensor& x, const at::Tensor& norm_weight, double eps, const at::Tensor& qkv_few,
+    const at::Tensor& qkv_many, const std::optional<at::Tensor>& qkv_bias,
+    const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+    int64_t num_kv_heads) {
+  check_x(x, "norm_qkv_rope");
+  const int64_t head_dim = cos.size(1), tokens = x.size(0);
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+              "norm_qkv_rope: num_heads must be a positive multiple of num_kv_heads");
+  const at::Tensor qkv = linear(rms_norm(x, norm_weight, eps), qkv_few, qkv_many, qkv_bias);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "norm_qkv_rope: the QKV weight does not give (heads + 2 kv heads) * head_dim");
+  // views into the one [tokens, (heads + 2 kv_heads) * head_dim] output, as torch's split
+  at::Tensor q = qkv.narrow(1, 0, num_heads * head_dim).view({tokens, num_heads, head_dim});
+  at::Tensor k = qkv.narrow(1, num_heads * head_dim, num_kv_heads * head_dim)
+                     .view({tokens, num_kv_heads, head_dim});
+  at::Tensor v = qkv.narrow(1, (num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim)
+                     .view({tokens, num_kv_heads, head_dim});
+  rotary_embedding(q, k, positions, cos, sin);
+  return {q, k, v};
+}
+
+at::Tensor residual_mlp(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& o_few,
+                        const at::Tensor& o_many, const std::optional<at::Tensor>& o_bias,
+                        const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up_few,
+                        const at::Tensor& gate_up_many,
+                        const std::optional<at::Tensor>& gate_up_bias,
+                        const at::Tensor& down_few, const at::Tensor& down_many,
+                        const std::optional<at::Tensor>& down_bias) {
+  check_x(x, "residual_mlp");
+  TORCH_CHECK(attn.dim() == 2 && attn.size(0) == x.size(0) && attn.dtype() == x.dtype(),
+              "residual_mlp: attn must be [tokens, heads * head_dim] in x's dtype");
+  at::Tensor h = linear(attn.contiguous(), o_few, o_many, o_bias);
+  TORCH_CHECK(h.sizes() == x.sizes(), "residual_mlp: o_proj must map back to hidden");
+  h.add_(x);  // x + o_proj(attn)
+  const at::Tensor act = silu_and_mul(
+      linear(rms_norm(h, norm_weight, eps), gate_up_few, gate_up_many, gate_up_bias));
+  at::Tensor out = linear(act, down_few, down_many, down_bias);
+  TORCH_CHECK(out.sizes() == x.sizes(), "residual_mlp: down_proj must map back to hidden");
+  return out.add_(h);
+}
+
+// The next layer's K/V of a few short requests, asked for before this layer's MLP streams its
+// weights past them: by the time that attention runs they are in cache. Skipped where they
+// would not fit in L2 anyway.
+constexpr int64_t kPrefetchKvMaxBytes = 1 << 19;
+
+void prefetch_kv(const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                 const at::Tensor& seq_lens) {
+  // kv_cache: [2, blocks, block_size, kv_heads, head_dim]
+  const int64_t num_seqs = seq_lens.size(0), block_size = kv_cache.size(2);
+  const int64_t slot_bytes = kv_cache.size(3) * kv_cache.size(4) * kv_cache.element_size();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) total += lens[b];
+  if (2 * total * slot_bytes > kPrefetchKvMaxBytes) return;
+  const char* keys = static_cast<const char*>(kv_cache.data_ptr());
+  const int64_t values = kv_cache.stride(0) * kv_cache.element_size();  // V after all K
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  for (int64_t b = 0; b < num_seqs; ++b)
+    for (int64_t pos = 0; pos < lens[b]; pos += block_size) {
+      const int64_t block = tables[b * block_tables.size(1) + pos / block_size];
+      const int64_t bytes = std::min(block_size, lens[b] - pos) * slot_bytes;
+      const char* k = keys + block * block_size * slot_bytes;
+      for (int64_t o = 0; o < bytes; o += 64) {
+        _mm_prefetch(k + o, _MM_HINT_T0);
+        _mm_prefetch(k + values + o, _MM_HINT_T0);
+      }
+    }
+}
+
+// Every decoder layer in one call: per layer norm_qkv_rope, the cache write, paged attention
+// and residual_mlp, exactly as the per-layer path runs them, with no Python between layers.
+// `weights` holds kWeightsPerLayer tensors a layer, in this order: input norm, QKV (few, many),
+// o_proj (few, many), post-attention norm, gate/up (few, many), down (few, many); `biases`
+// four a layer: QKV, o_proj, gate/up, down. Given `attention_ns` (int64 [1]), the time spent
+// in the cache writes and attention is added to it, for the step profiler.
+constexpr int64_t kWeightsPerLayer = 10, kBiasesPerLayer = 4;
+
+at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& cos,
+                        const at::Tensor& sin, at::TensorList weights,
+                        const c10::List<std::optional<at::Tensor>>& biases,
+                        at::TensorList kv_caches, const at::Tensor& slot_mapping,
+                        const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                        const at::Tensor& seq_lens, double eps, double scale, int64_t num_heads,
+                        int64_t num_kv_heads, const std::optional<at::Tensor>& attention_ns) {
+  const int64_t num_layers = int64_t(kv_caches.size());
+  TORCH_CHECK(int64_t(weights.size()) == num_layers * kWeightsPerLayer &&
+                  int64_t(biases.size()) == num_layers * kBiasesPerLayer,
+              "llama_layers: 10 weights and 4 biases per layer, one KV cache per layer");
+  int64_t* timer = nullptr;
+  if (attention_ns.has_value()) {
+    TORCH_CHECK(attention_ns->scalar_type() == at::kLong && attention_ns->numel() == 1,
+                "llama_layers: attention_ns must be one int64");
+    timer = attention_ns->data_ptr<int64_t>();
+  }
+  at::Tensor x = x_in;
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const at::Tensor* w = weights.data() + i * kWeightsPerLayer;
+    const auto bias = [&](int64_t j) { return biases.get(i * kBiasesPerLayer + j); };
+    auto [q, k, v] = norm_qkv_rope(x, w[0], eps, w[1], w[2], bias(0), positions, cos, sin,
+                                   num_heads, num_kv_heads);
+    const auto start = std::chrono::steady_clock::now();
+    at::Tensor kv_cache = kv_caches[i];
+    write_kv(kv_cache, k, v, slot_mapping);
+    at::Tensor attn = at::empty({x.size(0), num_heads, q.size(2)}, x.options());
+    paged_attention(attn, q.contiguous(), kv_cache, block_tables, query_start_loc, seq_lens,
+                    scale);
+    if (timer)
+      *timer += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::steady_clock::now() - start).count();
+    if (i + 1 < num_layers) prefetch_kv(kv_caches[i + 1], block_tables, seq_lens);
+    x = residual_mlp(x, attn.view({x.size(0), -1}), w[3], w[4], bias(1), w[5], eps, w[6], w[7],
+                     bias(2), w[8], w[9], bias(3));
+  }
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
+  m.def("llama_layers(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, "
+        "Tensor?[] biases, Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor seq_lens, float eps, float scale, int num_heads, "
+        "int num_kv_heads, Tensor(b!)? attention_ns=None) -> Tensor");
+  m.def("norm_qkv_rope(Tensor x, Tensor norm_weight, float eps, Tensor qkv_skinny, "
+        "Tensor qkv_onednn, Tensor? qkv_bias, Tensor positions, Tensor cos, Tensor sin, "
+        "int num_heads, int num_kv_heads) -> (Tensor, Tensor, Tensor)");
+  m.def("residual_mlp(Tensor x, Tensor attn, Tensor o_skinny, Tensor o_onednn, Tensor? o_bias, "
+        "Tensor norm_weight, float eps, Tensor gate_up_skinny, Tensor gate_up_onednn, "
+        "Tensor? gate_up_bias, Tensor down_skinny, Tensor down_onednn, Tensor? down_bias) "
+        "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(QUIRE_NS, CPU, m) {
+  m.impl("norm_qkv_rope", &norm_qkv_rope);
+  m.impl("residual_mlp", &residual_mlp);
+  m.impl("llama_layers", &llama_layers);
+}
+
+// oneDNN's packed weights are MkldnnCPU tensors, which the dispatcher ranks above CPU.
+TORCH_LIBRARY_IMPL(QUIRE_NS, MkldnnCPU, m) {
+  m.impl("norm_qkv_rope", &norm_qkv_rope);
+  m.impl("residual_mlp", &residual_mlp);
+  m.impl("llama_layers", &llama_layers);
+}
+
+}  // namespace QUIRE_NS

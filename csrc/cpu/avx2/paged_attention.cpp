@@ -1,0 +1,444 @@
+// Paged attention for AVX2 CPUs: decodes and chunked prefill in one varlen kernel, and the
+// cache write.
+//
+// Every sequence b owns query rows [query_start_loc[b], query_start_loc[b + 1]) of the step and
+// has seq_lens[b] tokens in the cache, its new ones included. Its query row i sits at position
+// seq_lens[b] - query_len + i and sees keys 0..that position, read through block_tables[b].
+// A decode is the case query_len == 1; a prefill chunk with cached context is the general case.
+//
+// Work items are (sequence, kv heads, tile of query positions). An item holds the query rows
+// of every head in its GQA group in fp32, walks the keys in chunks of 16 slots, and keeps a
+// running (online) softmax per row: max m, sum l, and an fp32 accumulator of P @ V.
+//   decode:  few rows, so keys and values are read where they lie (widened in registers),
+//            each key dotted with a row by 8-key batches that share one horizontal-sum tree;
+//   prefill: many rows, so a chunk's keys are widened once into a transposed fp32 tile
+//            ([d][16]: a broadcast query element times 16 keys per two FMAs, no horizontal
+//            sums) and its values into fp32 rows, reused by every row of the item.
+// The cache may hold fp32, bf16 or fp16 under fp32 queries (half the bytes of an fp32 cache:
+// a bf16 value widens by a shift), or the queries' own dtype.
+//
+// The pure-PyTorch reference is engine_worker/attention/torch_backend.py; tests compare the two.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "ops.h"
+
+namespace QUIRE_NS {
+namespace {
+
+constexpr int W = Vec::kWidth;
+constexpr int kChunk = 16;        // keys per chunk: two vectors of scores per query row
+constexpr int kPrefillTile = 32;  // query positions per work item in prefill
+constexpr int64_t kMaxHeadDim = 512;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Item {
+  int64_t seq;
+  int64_t kv_begin;  // kv heads [kv_begin, kv_end)
+  int64_t kv_end;
+  int64_t row_begin;  // first query row of the tile (global token index)
+  int64_t row_end;
+  int64_t cost;  // rows times the keys the last of them sees: its work, roughly
+};
+
+template <typename TKV>
+struct Layout {
+  const TKV* key_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]
+  const TKV* value_cache;
+  int64_t block_shift;  // log2(block_size): block sizes are powers of two
+  int64_t num_kv_heads;
+  int64_t head_dim;
+
+  // where logical position p of a sequence keeps kv head h's row, through its block table
+  int64_t offset(const int32_t* table, int64_t h, int64_t p) const {
+    const int64_t slot = (int64_t(table[p >> block_shift]) << block_shift) |
+                         (p & ((int64_t(1) << block_shift) - 1));
+    return (slot * num_kv_heads + h) * head_dim;
+  }
+};
+
+// One row's softmax state and output accumulator, all fp32.
+struct Rows {
+  float* q;    // [n, d], pre-scaled
+  float* acc;  // [n, d]
+  float* m;    // [n] running max
+  float* l;    // [n] running sum
+};
+
+// The online-softmax step of one row for one chunk of scores (lanes [0, visible) live):
+// writes exp(s - m_new) to p (0 where masked), updates m and l, returns the factor
+// exp(m_old - m_new) for what was accumulated before.
+inline float softmax_step(Vec s0, Vec s1, int visible, float& m, float& l, float* p) {
+  s0 = simd::first_n(s0, visible, kNegInf);
+  s1 = simd::first_n(s1, visible - W, kNegInf);
+  const float m_new = std::max(m, simd::reduce_max(simd::max(s0, s1)));
+  const float alpha = std::exp(m - m_new);  // 0 on the first chunk (m = -inf)
+  const Vec mv = Vec::broadcast(m_new);
+  const Vec p0 = simd::first_n(simd::exp(s0 - mv), visible, 0.f);
+  const Vec p1 = simd::first_n(simd::exp(s1 - mv), visible - W, 0.f);
+  p0.store(p);
+  p1.store(p + W);
+  l = l * alpha + simd::reduce_add(p0 + p1);
+  m = m_new;
+  return alpha;
+}
+
+// acc[r] = alpha[r] * acc[r] + p[r] @ V for RB rows (acc rows d apart); value j is vrow[j].
+template <int RB, typename TV>
+inline void accumulate_pv(const float (*p)[kChunk], const float* alpha, const TV* const* vrow,
+                          int count, int64_t d, float* acc) {
+  for (int64_t c = 0; c < d; c += W) {
+    Vec o[RB];
+    for (int r = 0; r < RB; ++r) o[r] = Vec::load(acc + r * d + c) * Vec::broadcast(alpha[r]);
+    for (int j = 0; j < count; ++j) {
+      const Vec v = Vec::load(vrow[j] + c);
+      for (int r = 0; r < RB; ++r) o[r] = simd::fma(Vec::broadcast(p[r][j]), v, o[r]);
+    }
+    for (int r = 0; r < RB; ++r) o[r].store(acc + r * d + c);
+  }
+}
+
+template <typename TV>
+void accumulate_rows(const float (*p)[kChunk], const float* alpha, const TV* const* vrow,
+                     int count, int64_t num_rows, int64_t d, float* acc) {
+  int64_t r = 0;
+  for (; r + 4 <= num_rows; r += 4) accumulate_pv<4>(p + r, alpha + r, vrow, count, d, acc + r * d);
+  for (; r < num_rows; ++r) accumulate_pv<1>(p + r, alpha + r, vrow, count, d, acc + r * d);
+}
+
+// Scores of one fp32 query row against the 8 keys krow[0..8) (finite, [d] each).
+template <typename TKV>
+inline Vec dots8(const float* q, const TKV* const* krow, int64_t d) {
+  Vec a[8];
+  for (int j = 0; j < 8; ++j) a[j] = Vec::zero();
+  for (int64_t c = 0; c < d; c += W) {
+    const Vec qc = Vec::load(q + c);
+    for (int j = 0; j < 8; ++j) a[j] = simd::fma(qc, Vec::load(krow[j] + c), a[j]);
+  }
+  return simd::sum8(a);
+}
+
+// Decode: one kv head's `group` rows against keys [pos, pos + count), read in place.
+template <typename TKV>
+void decode_chunk(const Rows& w, int64_t num_rows, const TKV* const* krow, const TKV* const* vrow,
+                  int count, int64_t d) {
+  alignas(32) float p[kChunk][kChunk];  // rows of a group: at most kChunk per batch
+  float alpha[kChunk];
+  for (int64_t r0 = 0; r0 < num_rows; r0 += kChunk) {
+    const int64_t n = std::min<int64_t>(kChunk, num_rows - r0);
+    for (int64_t r = 0; r < n; ++r) {
+      const float* q = w.q + (r0 + r) * d;
+      const Vec s0 = dots8(q, krow, d);
+      const Vec s1 = count > W ? dots8(q, krow + W, d) : Vec::broadcast(kNegInf);
+      alpha[r] = softmax_step(s0, s1, count, w.m[r0 + r], w.l[r0 + r], p[r]);
+    }
+    accumulate_rows(p, alpha, vrow, count, n, d, w.acc + r0 * d);
+  }
+}
+
+// Prefill: RB rows against a transposed fp32 key tile kT [d][16] -> two score vectors a row.
+template <int RB>
+inline void dots_transposed(const float* q, const float* kT, int64_t d, Vec (*s)[2]) {
+  for (int r = 0; r < RB; ++r) s[r][0] = s[r][1] = Vec::zero();
+  for (int64_t c = 0; c < d; ++c) {
+    const Vec k0 = Vec::load(kT + c * kChunk), k1 = Vec::load(kT + c * kChunk + W);
+    for (int r = 0; r < RB; ++r) {
+      const Vec qb = Vec::broadcast(q[r * d + c]);
+      s[r][0] = simd::fma(qb, k0, s[r][0]);
+      s[r][1] = simd::fma(qb, k1, s[r][1]);
+    }
+  }
+}
+
+// Prefill rows [r0, r0 + RB) against one chunk at positions [pos, pos + count); row r sits
+// at position first_pos + r / group and sees keys up to it.
+template <int RB>
+void prefill_rows(const Rows& w, int64_t r0, const float* kT, const float* const* vrow,
+                  int count, int64_t pos, int64_t first_pos, int64_t group, int64_t d) {
+  Vec s[RB][2];
+  alignas(32) float p[RB][kChunk];
+  float alpha[RB];
+  dots_transposed<RB>(w.q + r0 * d, kT, d, s);
+  for (int r = 0; r < RB; ++r) {
+    const int64_t row_pos = first_pos + (r0 + r) / group;
+    const int visible = int(std::clamp<int64_t>(row_pos + 1 - pos, 0, count));
+    if (visible == 0) {  // the chunk lies after this row's position: nothing to add
+      std::fill(p[r], p[r] + kChunk, 0.f);
+      alpha[r] = 1.f;
+      continue;
+    }
+    alpha[r] = softmax_step(s[r][0], s[r][1], visible, w.m[r0 + r], w.l[r0 + r], p[r]);
+  }
+  accumulate_pv<RB>(p, alpha, vrow, count, d, w.acc + r0 * d);
+}
+
+// Widens keys [pos, pos + count) of one kv head into kT [d][16] (missing keys 0) and their
+// values into vf [16][d].
+template <typename TKV>
+void widen_chunk(const TKV* const* krow, const TKV* const* vrow, int count, int64_t d, float* kT,
+                 float* vf) {
+  alignas(32) float row[kMaxHeadDim];
+  if (count < kChunk) std::fill(kT, kT + d * kChunk, 0.f);
+  for (int j = 0; j < count; ++j) {
+    for (int64_t c = 0; c < d; c += W) {
+      Vec::load(vrow[j] + c).store(vf + j * d + c);
+      Vec::load(krow[j] + c).store(row + c);
+    }
+    for (int64_t c = 0; c < d; ++c) kT[c * kChunk + j] = row[c];
+  }
+}
+
+// One work item: for each kv head in [kv_begin, kv_end), rows = (query position, head of its
+// group), positions ascending.
+template <typename TQ, typename TKV>
+void attend_item(const Item& it, const TQ* q, TQ* out, const Layout<TKV>& lay,
+                 const int32_t* table, int64_t num_heads, int64_t first_pos, float scale) {
+  alignas(32) static const TKV zeros[kMaxHeadDim] = {};
+  const int64_t d = lay.head_dim;
+  const int64_t group = num_heads / lay.num_kv_heads;
+  const int64_t num_pos = it.row_end - it.row_begin;
+  const int64_t num_rows = num_pos * group;  // per kv head
+  const int64_t num_kv = it.kv_end - it.kv_begin;
+  const int64_t last_pos = first_pos + num_pos - 1;  // the furthest key any row may see
+  const bool prefill = num_pos > 1;
+
+  // per-thread scratch, kept between items
+  const int64_t per_head = num_rows * (2 * d + 2);
+  thread_local std::vector<float> buf;
+  buf.resize(num_kv * per_head + 2 * kChunk * d);
+  float* kT = buf.data() + num_kv * per_head;  // [d, kChunk] (prefill)
+  float* vf = kT + kChunk * d;                 // [kChunk, d] (prefill)
+  std::vector<Rows> heads(num_kv);
+  for (int64_t h = 0; h < num_kv; ++h) {
+    Rows& w = heads[h];
+    w.q = buf.data() + h * per_head;
+    w.acc = w.q + num_rows * d;
+    w.m = w.acc + num_rows * d;
+    w.l = w.m + num_rows;
+    std::fill(w.acc, w.acc + num_rows * d, 0.f);
+    std::fill(w.m, w.m + num_rows, kNegInf);
+    std::fill(w.l, w.l + num_rows, 0.f);
+    const Vec f = Vec::broadcast(scale);
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const int64_t i = r / group, head = (it.kv_begin + h) * group + r % group;
+      const TQ* src = q + ((it.row_begin + i) * num_heads + head) * d;
+      for (int64_t c = 0; c < d; c += W) (Vec::load(src + c) * f).store(w.q + r * d + c);
+    }
+  }
+
+  const TKV* krow[kChunk];
+  const TKV* vrow[kChunk];
+  const float* vf_rows[kChunk];
+  for (int j = 0; j < kChunk; ++j) vf_rows[j] = vf + j * d;
+  for (int64_t pos = 0; pos <= last_pos; pos += kChunk) {
+    const int count = int(std::min<int64_t>(kChunk, last_pos + 1 - pos));
+    for (int64_t h = 0; h < num_kv; ++h) {
+      const int64_t kv_head = it.kv_begin + h;
+      for (int j = 0; j < kChunk; ++j) {  // keys past `count` read as zeros: finite scores
+        const int64_t o = j < count ? lay.offset(table, kv_head, pos + j) : -1;
+        krow[j] = o < 0 ? zeros : lay.key_cache + o;
+        vrow[j] = o < 0 ? zeros : lay.value_cache + o;
+      }
+      if (!prefill) {
+        decode_chunk(heads[h], num_rows, krow, vrow, count, d);
+        continue;
+      }
+      widen_chunk(krow, vrow, count, d, kT, vf);
+      // rows whose position is before this chunk see none of it
+      int64_t r = std::max<int64_t>(0, (pos - first_pos) * group);
+      for (; r + 4 <= num_rows; r += 4)
+        prefill_rows<4>(heads[h], r, kT, vf_rows, count, pos, first_pos, group, d);
+      for (; r < num_rows; ++r)
+        prefill_rows<1>(heads[h], r, kT, vf_rows, count, pos, first_pos, group, d);
+    }
+  }
+  for (int64_t h = 0; h < num_kv; ++h) {
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const int64_t i = r / group, head = (it.kv_begin + h) * group + r % group;
+      const Vec inv = Vec::broadcast(1.f / heads[h].l[r]);
+      TQ* dst = out + ((it.row_begin + i) * num_heads + head) * d;
+      for (int64_t c = 0; c < d; c += W) (Vec::load(heads[h].acc + r * d + c) * inv).store(dst + c);
+    }
+  }
+}
+
+// From this many keys on, a lone decode's kv heads go to separate items (threads).
+constexpr int64_t kSplitDecodeKeys = 128;
+
+std::vector<Item> make_items(const int64_t* query_start_loc, const int64_t* seq_lens,
+                             int64_t num_seqs, int64_t num_kv_heads, int64_t num_threads) {
+  std::vector<Item> items;
+  // A decode is one item for all its kv heads (their rows sit side by side in each slot: one
+  // sweep reads them all), unless too few decodes keep the threads busy and its context is
+  // long enough to be worth splitting: then one item per kv head.
+  int64_t num_decodes = 0;
+  for (int64_t b = 0; b < num_seqs; ++b)
+    num_decodes += query_start_loc[b + 1] - query_start_loc[b] == 1;
+  const bool few_decodes = num_threads > 1 && num_decodes < 2 * num_threads;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t begin = query_start_loc[b], end = query_start_loc[b + 1];
+    if (end - begin == 1) {
+      const int64_t per_item = few_decodes && seq_lens[b] >= kSplitDecodeKeys ? 1 : num_kv_heads;
+      for (int64_t h = 0; h < num_kv_heads; h += per_item)
+        items.push_back({b, h, std::min(h + per_item, num_kv_heads), begin, end,
+                         seq_lens[b] * per_item});
+      continue;
+    }
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t r = begin; r < end; r += kPrefillTile) {
+        const int64_t r_end = std::min(end, r + kPrefillTile);
+        items.push_back({b, h, h + 1, r, r_end, (seq_lens[b] - (end - r_end)) * (r_end - r)});
+      }
+  }
+  // longest first, handed out dynamically: the last items to start are the short ones
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  return items;
+}
+
+template <typename TQ, typename TKV>
+void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+         const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+         const at::Tensor& seq_lens, double scale) {
+  const int64_t num_heads = q.size(1);
+  const int64_t block_size = kv_cache.size(2);
+  const TKV* cache = kv_cache.data_ptr<TKV>();
+  const Layout<TKV> lay{cache, cache + kv_cache.stride(0),
+                        int64_t(__builtin_ctzll(uint64_t(block_size))), kv_cache.size(3),
+                        kv_cache.size(4)};
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.size(1);
+  const std::vector<Item> items =
+      make_items(qsl, lens, seq_lens.size(0), lay.num_kv_heads, at::get_num_threads());
+  const TQ* qp = q.data_ptr<TQ>();
+  TQ* op = out.data_ptr<TQ>();
+  const int64_t num_items = int64_t(items.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t k = 0; k < num_items; ++k) {
+    const Item& it = items[k];
+    const int64_t query_len = qsl[it.seq + 1] - qsl[it.seq];
+    const int64_t first_pos = lens[it.seq] - query_len + (it.row_begin - qsl[it.seq]);
+    attend_item<TQ, TKV>(it, qp, op, lay, tables + it.seq * table_stride, num_heads, first_pos,
+                         float(scale));
+  }
+}
+
+void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                  const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                  const at::Tensor& seq_lens) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [tokens, heads, dim]");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.dtype() == q.dtype(),
+              "out must be contiguous and shaped and typed like q");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be contiguous [2, blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(kv_cache.dtype() == q.dtype() || q.scalar_type() == at::kFloat,
+              "kv_cache must have q's dtype, or any of fp32 / bf16 / fp16 under fp32 q");
+  TORCH_CHECK(kv_cache.size(4) == q.size(2) && q.size(2) % 16 == 0 && q.size(2) <= kMaxHeadDim,
+              "head_dim must match and be a multiple of 16, at most 512");
+  TORCH_CHECK(q.size(1) % kv_cache.size(3) == 0, "heads must be a multiple of kv heads");
+  const int64_t block_size = kv_cache.size(2);
+  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0,
+              "block_size must be a power of two");
+  TORCH_CHECK(block_tables.dtype() == at::kInt && block_tables.is_contiguous(),
+              "block_tables must be contiguous int32");
+  TORCH_CHECK(query_start_loc.dtype() == at::kLong && seq_lens.dtype() == at::kLong &&
+                  query_start_loc.is_contiguous() && seq_lens.is_contiguous(),
+              "query_start_loc and seq_lens must be contiguous int64");
+  TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1 &&
+                  block_tables.size(0) >= seq_lens.size(0),
+              "one block table and seq_len per sequence, num_seqs + 1 query starts");
+}
+
+}  // namespace
+
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                     const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                     const at::Tensor& seq_lens, double scale) {
+  check_inputs(out, q, kv_cache, block_tables, query_start_loc, seq_lens);
+  if (q.scalar_type() == at::kFloat) {
+    QUIRE_AVX2_DISPATCH(kv_cache.scalar_type(), "paged_attention",
+                        run<float, T>(out, q, kv_cache, block_tables, query_start_loc, seq_lens,
+                                      scale));
+    return;
+  }
+  QUIRE_AVX2_DISPATCH(q.scalar_type(), "paged_attention",
+                      run<T, T>(out, q, kv_cache, block_tables, query_start_loc, seq_lens, scale));
+}
+
+namespace {
+
+// Store each token's new K and V at its slot, narrowed to the cache's dtype: the cache write
+// of every layer.
+template <typename TIN, typename TKV>
+void write_kv_typed(const at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& slot_mapping) {
+  const int64_t width = k.size(1) * k.size(2);
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  TKV* key_cache = kv_cache.data_ptr<TKV>();
+  TKV* value_cache = key_cache + kv_cache.stride(0);
+  const TIN* kp = k.data_ptr<TIN>();
+  const TIN* vp = v.data_ptr<TIN>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < k.size(0); ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot out of range");
+  at::parallel_for(0, k.size(0), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if constexpr (std::is_same_v<TIN, TKV>) {
+        std::copy_n(kp + t * width, width, key_cache + slots[t] * width);
+        std::copy_n(vp + t * width, width, value_cache + slots[t] * width);
+      } else {
+        for (int64_t c = 0; c < width; c += W) {
+          Vec::load(kp + t * width + c).store(key_cache + slots[t] * width + c);
+          Vec::load(vp + t * width + c).store(value_cache + slots[t] * width + c);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5 && k.dim() == 3 &&
+                  v.sizes() == k.sizes(),
+              "write_kv: contiguous cache, k and v shaped [tokens, kv_heads, dim]");
+  TORCH_CHECK(k.size(1) == kv_cache.size(3) && k.size(2) == kv_cache.size(4),
+              "write_kv: k does not match the cache's kv heads and head_dim");
+  TORCH_CHECK(k.dtype() == v.dtype() &&
+                  (k.dtype() == kv_cache.dtype() || k.scalar_type() == at::kFloat),
+              "write_kv: k and v in the cache's dtype, or fp32");
+  TORCH_CHECK((k.size(1) * k.size(2)) % W == 0, "write_kv: kv_heads * head_dim % 8 == 0");
+  TORCH_CHECK(slot_mapping.dtype() == at::kLong && slot_mapping.size(0) == k.size(0),
+              "write_kv: one int64 slot per token");
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous(), sc = slot_mapping.contiguous();
+  if (k.scalar_type() == at::kFloat) {
+    QUIRE_AVX2_DISPATCH(kv_cache.scalar_type(), "write_kv",
+                        write_kv_typed<float, T>(kv_cache, kc, vc, sc));
+    return;
+  }
+  QUIRE_AVX2_DISPATCH(k.scalar_type(), "write_kv", write_kv_typed<T, T>(kv_cache, kc, vc, sc));
+}
+
+TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
+        "Tensor query_start_loc, Tensor seq_lens, float scale) -> ()");
+  m.def("write_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(QUIRE_NS, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv", &write_kv);
+}
+
+}  // namespace QUIRE_NS
