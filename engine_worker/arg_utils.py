@@ -28,7 +28,8 @@ _HELP = {
     "device": "auto, cpu or cuda[:N]",
     "num_threads": "torch CPU threads",
     "kernels": "kernel backend: auto (on a CPU the compiled CPU kernels where they build, else "
-               "torch; on CUDA triton; said at start), cpu, triton (Triton paged attention), "
+               "torch; on CUDA triton; said at start), cpu (AVX-512), cpu-avx2, triton (Triton "
+               "paged attention), "
                "or torch (the pure-PyTorch reference)",
     "attention_backend": "auto (the kernel backend's own), torch (the reference) or triton "
                          "(Triton paged attention; on a CPU only under TRITON_INTERPRET=1)",

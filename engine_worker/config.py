@@ -115,7 +115,7 @@ class SchedulerConfig:
                f"must be a non-negative integer, got {self.long_prefill_token_threshold!r}")
 
 
-KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")  # "auto" and the keys of backends.BACKENDS
+KERNEL_CHOICES = ("auto", "torch", "cpu", "cpu-avx2", "triton")  # "auto" and the keys of backends.BACKENDS
 ATTENTION_CHOICES = ("auto", "torch", "triton")  # "auto": the kernel backend's own
 
 

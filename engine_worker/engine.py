@@ -48,13 +48,13 @@ class LLMEngine:
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
         self.device = select_device(config.device.device)
-        self.dtype = select_dtype(config.model.dtype, self.device)
         model_dir = resolve_model_dir(config.model.model)
         tokenizer_dir = resolve_model_dir(config.model.tokenizer) if config.model.tokenizer \
             else model_dir
         self.model_dir = model_dir
         self.backend = select_backend(config.device.kernels, self.device,
                                       config.device.attention_backend)
+        self.dtype = select_dtype(config.model.dtype, self.device, self.backend.name)
         self.kernels = self.backend.name
         loaded = load_model(model_dir, dtype=self.dtype, device=self.device,
                             backend=self.backend.backend,

@@ -33,13 +33,22 @@ def cpu_supports_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def select_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` -> bf16 where the hardware runs it natively, else fp32."""
+# Backends that keep bf16 weights and widen them to fp32 inside their kernels: on a CPU with
+# no bf16 arithmetic they stream half the bytes of fp32 and never touch torch's emulated
+# bf16 matmul, so bf16 is their fastest dtype.
+BF16_WEIGHT_BACKENDS = frozenset({"cpu-avx2"})
+
+
+def select_dtype(name: str, device: torch.device, backend: str | None = None) -> torch.dtype:
+    """``auto`` -> bf16 where the hardware runs it natively or ``backend`` widens bf16
+    weights in its kernels, else fp32."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    if cpu_supports_bf16() or backend in BF16_WEIGHT_BACKENDS:
+        return torch.bfloat16
+    return torch.float32
 
 
 def available_memory_bytes(device: torch.device) -> int:

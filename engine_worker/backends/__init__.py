@@ -18,13 +18,17 @@ import torch
 
 from engine_worker.backends.base import Backend
 from engine_worker.backends.cpu import CPU
+from engine_worker.backends.cpu_avx2 import CPU_AVX2
 from engine_worker.backends.reference import REFERENCE
 from engine_worker.backends.triton import TRITON, with_attention
 
-BACKENDS: dict[str, Backend] = {"torch": REFERENCE, "cpu": CPU, "triton": TRITON}
+BACKENDS: dict[str, Backend] = {"torch": REFERENCE, "cpu": CPU, "cpu-avx2": CPU_AVX2,
+                                "triton": TRITON}
 
-# ``auto``: the backends to try on a device type, fastest first
-PREFERENCE: dict[str, tuple[str, ...]] = {"cpu": ("cpu", "torch"), "cuda": ("triton", "torch")}
+# ``auto``: the backends to try on a device type, fastest first. ``cpu`` is the AVX-512 set
+# (bf16 dot products); ``cpu-avx2`` serves x86 CPUs without AVX-512, as fast as they allow.
+PREFERENCE: dict[str, tuple[str, ...]] = {"cpu": ("cpu", "cpu-avx2", "torch"),
+                                          "cuda": ("triton", "torch")}
 
 FALLBACK_COST = "about 5-10x slower"
 
@@ -78,7 +82,10 @@ def _select(name: str, device: torch.device) -> BackendChoice:
         reason = backend.unavailable_reason(device)
         if reason is None:
             if passed_over:
-                return BackendChoice(backend, "; ".join(passed_over), fallback=True)
+                # a costly fallback only when it ends on the reference: passing over the
+                # AVX-512 set for the AVX2 one on a CPU without AVX-512 is the right choice
+                return BackendChoice(backend, "; ".join(passed_over),
+                                     fallback=backend is REFERENCE)
             return BackendChoice(backend, f"the fastest backend that runs on {device.type}")
         passed_over.append(f"{backend.description} unavailable: {reason}")
     raise AssertionError(f"no backend runs on {device}")  # the reference runs everywhere

@@ -175,14 +175,16 @@ def unavailable_reason(device: torch.device) -> str | None:
         return f"the compiled CPU kernels run on the CPU only, the device is {device}"
     from engine_worker.ops import cpu_ops_unavailable_reason
 
-    # the first call compiles csrc/cpu into the cache; later ones load that build in ms
+    # the first call compiles csrc/cpu into the cache; later ones load that build in ms.
+    # This backend is the AVX-512 set (its bf16 path streams AVX-512-only layouts); CPUs
+    # without AVX-512 get cpu-avx2.
     with progress(logger, "Loading the CPU kernels", expect="compiled on first start only, "
                   "about a minute"):
-        return cpu_ops_unavailable_reason()
+        return cpu_ops_unavailable_reason("avx512")
 
 
 CPU = Backend(
-    name="cpu", description="compiled CPU kernels", linear=cpu_linear,
+    name="cpu", description="compiled CPU kernels, AVX-512", linear=cpu_linear,
     pack_weight=cpu_pack_weight, rms_norm=cpu_rms_norm, silu_and_mul=cpu_silu_and_mul,
     rope=cpu_rope, attention=CpuPagedAttentionBackend(), llama_layers=cpu_llama_layers,
     unavailable_reason=unavailable_reason)

@@ -262,7 +262,7 @@ def test_6_a_busy_grpc_port_is_an_error_naming_it(engine, tiny_model_dir):
 
 
 def _cli(*argv, timeout_s=60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "quire.cli", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "quire_cli", *argv], capture_output=True,
                           text=True, timeout=timeout_s)
 
 

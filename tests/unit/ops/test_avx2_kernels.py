@@ -7,21 +7,16 @@ those (AVX-512 machines included); elsewhere these tests are skipped with the re
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import random
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
-from engine_worker.attention import TorchAttentionBackend
-from engine_worker.attention.avx2_backend import Avx2PagedAttentionBackend
-from engine_worker.layers import blocks
+from engine_worker.backends import BACKENDS
+from engine_worker.backends.cpu_avx2 import CPU_AVX2 as AVX2
+from engine_worker.backends.reference import TorchAttentionBackend
 from engine_worker.layers.activation import silu_and_mul
-from engine_worker.layers.kernels import LAYER_KERNELS
-from engine_worker.layers.kernels_avx2 import AVX2_LAYER_KERNELS as AVX2
+from engine_worker.ops import cpu_ops_unavailable_reason, load_cpu_ops
 from engine_worker.layers.linear import Linear
 from engine_worker.layers.norm import RMSNorm, rms_norm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding, apply_rope
@@ -29,36 +24,13 @@ from engine_worker.model_runner.inputs import build_step_inputs
 from engine_worker.model_runner.runner import RunnerRequestState
 from engine_worker.models.llama import LlamaConfig, LlamaForCausalLM
 
-AVX2_DIR = Path(__file__).resolve().parents[3] / "csrc" / "cpu" / "avx2"
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17", "-DQUIRE_NS=quire_avx2"]
 
 
-@functools.cache
-def _avx2_unavailable_reason() -> str | None:
-    """Builds the set into a private directory named by its sources' digest; None once
-    ``torch.ops.quire_avx2`` holds it."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if not all(f" {f}" in flags for f in ("avx2", "fma", "f16c")):
-        return "the CPU lacks AVX2, FMA or F16C"
-    sources = sorted(AVX2_DIR.glob("*.cpp"))
-    digest = hashlib.sha256(torch.__version__.encode())
-    for path in sorted(AVX2_DIR.iterdir()):
-        digest.update(path.read_bytes())
-    build_dir = Path(tempfile.gettempdir()) / f"quire-avx2-test-{digest.hexdigest()[:12]}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        from torch.utils.cpp_extension import load
-
-        load(name="quire_avx2_test", sources=[str(s) for s in sources], extra_cflags=CFLAGS,
-             extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False)
-    except Exception as exc:  # no compiler: skip, saying why
-        return f"building csrc/cpu/avx2 failed: {str(exc).strip().splitlines()[-1][:300]}"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_avx2_unavailable_reason() is not None,
-                                reason=f"AVX2 kernels: {_avx2_unavailable_reason()}")
-ops = torch.ops.quire_avx2
+# built by engine_worker.ops like the engine's own (any x86 CPU with AVX2, FMA and F16C: the
+# AVX-512 machines run this set too)
+pytestmark = pytest.mark.skipif(cpu_ops_unavailable_reason("avx2") is not None,
+                                reason=f"AVX2 kernels: {cpu_ops_unavailable_reason('avx2')}")
+ops = load_cpu_ops("avx2") if cpu_ops_unavailable_reason("avx2") is None else None
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -312,41 +284,6 @@ def _layer(bias: bool, weight_dtype):
     }
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 8, 9, 40])
-def test_fused_halves_are_the_composition(rows, bias, weight_dtype):
-    """fp32 rows: each half is one op call giving the per-op path's result bit for bit, and
-    the layer's math: close to the plain torch ops on the weights' fp32 values."""
-    m = _layer(bias, weight_dtype)
-    assert (m["qkv"].packed is not None) == (weight_dtype == torch.bfloat16)
-    x = torch.randn(rows, HIDDEN) * 2
-    positions = torch.randint(0, 4096, (rows,))
-    args = (x, positions, m["norm1"], m["qkv"], m["rotary"], HEADS, KV_HEADS, HEAD_DIM)
-    got = AVX2.norm_qkv_rope(*args)
-    want = blocks.norm_qkv_rope(*args)
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
-    q_plain = torch.nn.functional.linear(rms_norm(x, m["norm1"].weight, 1e-5),
-                                         m["qkv"].weight.float(), m["qkv"].bias)
-    q_plain = q_plain[:, :HEADS * HEAD_DIM].view(rows, HEADS, HEAD_DIM)
-    q_plain, _ = apply_rope(positions, q_plain, q_plain[:, :KV_HEADS], m["rotary"].cos,
-                            m["rotary"].sin)
-    torch.testing.assert_close(got[0], q_plain, atol=1e-4, rtol=1e-4)
-
-    attn = torch.randn(rows, HEADS * HEAD_DIM)
-    x_before = x.clone()
-    args = (x, attn, m["o"], m["norm2"], m["gate_up"], m["down"], AVX2.silu_and_mul)
-    got = AVX2.residual_mlp(*args)
-    assert torch.equal(got, blocks.residual_mlp(*args))
-    assert torch.equal(x, x_before)  # the residual stream's input is not written to
-    h = x + torch.nn.functional.linear(attn, m["o"].weight.float(), m["o"].bias)
-    gate_up = torch.nn.functional.linear(rms_norm(h, m["norm2"].weight, 1e-5),
-                                         m["gate_up"].weight.float(), m["gate_up"].bias)
-    plain = h + torch.nn.functional.linear(silu_and_mul(gate_up), m["down"].weight.float(),
-                                           m["down"].bias)
-    torch.testing.assert_close(got, plain, atol=1e-4, rtol=1e-4)
-
-
 def test_fused_ops_name_what_is_wrong():
     m = _layer(False, torch.bfloat16)
     w = m["qkv"].packed.panels
@@ -364,13 +301,13 @@ def test_fused_ops_name_what_is_wrong():
                           m["rotary"].sin, HEADS, KV_HEADS)
 
 
-def _tiny_llama(kernels, backend, bias: bool) -> LlamaForCausalLM:
+def _tiny_llama(backend, bias: bool) -> LlamaForCausalLM:
     # head_dim 32, every output size a multiple of 16 (the panels')
     cfg = LlamaConfig(vocab_size=512, hidden_size=192, intermediate_size=256, num_layers=3,
                       num_heads=6, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5,
                       rope=RopeConfig(head_dim=32, theta=10000.0, max_position_embeddings=1024),
                       tie_word_embeddings=True, qkv_bias=bias, o_bias=bias)
-    return LlamaForCausalLM(cfg, backend, 1024, torch.device("cpu"), kernels)
+    return LlamaForCausalLM(cfg, backend, 1024, torch.device("cpu"))
 
 
 def _run(model, meta, input_ids, positions, caches):
@@ -386,7 +323,7 @@ def test_llama_on_avx2_kernels(bias):
     bit, and both the reference's result; a bf16 model (bf16 weights and cache, its layers'
     activations in fp32) is the fp32 model of its bf16 values up to the cache's rounding."""
     torch.manual_seed(3)
-    reference = _tiny_llama(LAYER_KERNELS["torch"], TorchAttentionBackend(), bias)
+    reference = _tiny_llama(BACKENDS["torch"], bias)
     with torch.no_grad():
         for p in reference.parameters():
             p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 + (1 if p.dim() == 1 else 0))
@@ -400,7 +337,7 @@ def test_llama_on_avx2_kernels(bias):
     reference.pack_weights()
     want, want_caches = _run(reference, meta, input_ids, positions, caches)
 
-    model = _tiny_llama(AVX2, Avx2PagedAttentionBackend(), bias)
+    model = _tiny_llama(AVX2, bias)
     model.load_state_dict(reference.state_dict())
     model.pack_weights()
     assert model.layer_stack is not None
@@ -419,7 +356,7 @@ def test_llama_on_avx2_kernels(bias):
     bf16_caches = [c.bfloat16() for c in caches]
     want, _ = _run(reference, meta, input_ids, positions,
                    [c.float() for c in bf16_caches])
-    model = _tiny_llama(AVX2, Avx2PagedAttentionBackend(), bias).to(torch.bfloat16)
+    model = _tiny_llama(AVX2, bias).to(torch.bfloat16)
     model.load_state_dict(reference.state_dict())
     model.pack_weights()
     assert model.layer_stack is not None
