@@ -66,6 +66,20 @@ class EngineServer:
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
         self._watchdog: asyncio.Task | None = None
+        self._kv_zmq: asyncio.Task | None = None
+
+    async def _publish_kv_events_zmq(self) -> None:
+        """The engine's KV events, batch by batch, on vLLM's ZMQ wire (kv_events_zmq.py)."""
+        from engine_worker.server.kv_events_zmq import ZmqKVEventPublisher
+
+        publisher = ZmqKVEventPublisher(self.cfg.kv_events_zmq, self.cfg.kv_events_replay)
+        _, sink = await self.async_engine.subscribe_kv_events()
+        try:
+            while (batch := await sink.get()) is not None:
+                publisher.publish(batch)
+        finally:
+            self.async_engine.unsubscribe_kv_events(sink)
+            await asyncio.to_thread(publisher.close)
 
     async def start(self) -> int:
         options = [("grpc.max_receive_message_length", self.cfg.max_message_bytes),
@@ -88,6 +102,8 @@ class EngineServer:
                 raise PortInUseError(f"metrics_port: cannot listen on {self.cfg.host}:"
                                      f"{self.cfg.metrics_port} (engine metrics): "
                                      f"{e.strerror or e}") from None
+        if self.cfg.kv_events_zmq:
+            self._kv_zmq = asyncio.create_task(self._publish_kv_events_zmq())
         await self.server.start()
         await self._set_serving(True)
         self._watchdog = asyncio.create_task(self._watch_engine())
@@ -120,6 +136,9 @@ class EngineServer:
     async def stop(self, grace_s: float | None = None) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self._kv_zmq is not None:
+            self._kv_zmq.cancel()
+            await asyncio.gather(self._kv_zmq, return_exceptions=True)
         if self.server is not None:
             await self.server.stop(grace_s)
         await asyncio.to_thread(self.async_engine.stop)

@@ -28,8 +28,18 @@ class ServerConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None  # set: mutual TLS, clients must present a cert
+    # KV events also on vLLM's ZMQ wire (for llm-d's indexer, Dynamo): the PUB endpoint to bind,
+    # e.g. tcp://POD_IP:5557 or ipc:///run/quire/events.sock; None: off
+    kv_events_zmq: str | None = None
+    kv_events_replay: str | None = None  # its replay (ROUTER) endpoint; None: no replay
 
     def __post_init__(self) -> None:
+        for name in ("kv_events_zmq", "kv_events_replay"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{name}: must be a tcp:// or ipc:// endpoint, got {value!r}")
+        if self.kv_events_replay and not self.kv_events_zmq:
+            raise ValueError("kv_events_replay: needs kv_events_zmq")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:

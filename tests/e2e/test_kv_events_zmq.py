@@ -156,3 +156,42 @@ def test_vllms_own_decoder_reads_the_batches(publisher):
         ([11, 12], list(range(8)), 4)
     assert decoded[1][2][1]["cls"] == "BlockRemoved"
     assert decoded[2][2][0]["cls"] == "AllBlocksCleared"
+
+
+def test_a_quire_engine_publishes_its_blocks_on_vllms_wire(tiny_model_dir, tmp_path):
+    """`quire engine --kv-events-zmq`: a real engine's KV events as vLLM's consumers read them;
+    its BlockStored names the engine's own block hashes and the prompt's token ids."""
+    from quire.block_hash import hash_block_tokens
+    from tests.e2e.router_harness import collect, request, start_engine
+
+    endpoint, replay = f"ipc://{tmp_path}/engine.sock", f"ipc://{tmp_path}/engine-replay.sock"
+    engine = start_engine(tiny_model_dir, kv_events_zmq=endpoint, kv_events_replay=replay)
+    ctx = zmq.Context.instance()
+    sub = _subscriber(ctx, endpoint)
+    try:
+        prompt = list(range(700, 740))  # two full 16-token blocks
+        stored: list[int] = []
+        deadline = time.monotonic() + 60
+        while set(hash_block_tokens(prompt, 16)) - set(stored) and time.monotonic() < deadline:
+            collect(engine.stub.Generate(request(prompt, max_tokens=2), timeout=60))
+            while sub.poll(500):
+                _, _, payload = sub.recv_multipart()
+                for event in msgpack.unpackb(payload)[1]:
+                    if event["type"] == "BlockStored":
+                        stored += event["block_hashes"]
+                        assert event["block_size"] == 16
+        assert set(hash_block_tokens(prompt, 16)) <= set(stored)
+        # the replay socket has the history too (what a subscriber joining late asks for)
+        req = ctx.socket(zmq.DEALER)
+        req.setsockopt(zmq.RCVTIMEO, 5000)
+        req.connect(replay)
+        req.send_multipart((b"", (0).to_bytes(8, "big")))
+        replayed = []
+        while (frames := req.recv_multipart())[2] != END_SEQ:
+            replayed += [e for e in msgpack.unpackb(frames[3])[1] if e["type"] == "BlockStored"]
+        assert set(hash_block_tokens(prompt, 16)) <= {h for e in replayed
+                                                       for h in e["block_hashes"]}
+        req.close()
+    finally:
+        sub.close()
+        engine.close()
