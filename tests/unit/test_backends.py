@@ -25,17 +25,24 @@ def test_every_kernels_choice_is_a_registered_backend():
 
 
 def test_auto_on_the_cpu_takes_the_kernels_where_they_build_and_says_why_not():
-    reason = cpu_ops_unavailable_reason()
+    """The AVX-512 set where it runs, else the AVX2 set (no costly fallback: it is the right
+    set for such a CPU, and the reason says why AVX-512 was passed over), else the reference,
+    loudly."""
+    avx512, avx2 = cpu_ops_unavailable_reason("avx512"), cpu_ops_unavailable_reason("avx2")
     choice = select_backend("auto", CPU)
-    if reason is None:
+    if avx512 is None:
         assert (choice.name, choice.fallback) == ("cpu", False)
-        assert choice.describe() == ("cpu (compiled CPU kernels): the fastest backend that "
-                                     "runs on cpu")
+        assert choice.describe() == ("cpu (compiled CPU kernels, AVX-512): the fastest backend "
+                                     "that runs on cpu")
+    elif avx2 is None:
+        assert (choice.name, choice.fallback) == ("cpu-avx2", False)
+        assert choice.reason == f"compiled CPU kernels, AVX-512 unavailable: {avx512}"
+        assert choice.describe().startswith("cpu-avx2 (compiled CPU kernels, AVX2): ")
     else:
         assert (choice.name, choice.fallback) == ("torch", True)
-        assert choice.reason == f"compiled CPU kernels unavailable: {reason}"
-        assert choice.describe() == (f"torch (reference ops, about 5-10x slower): compiled "
-                                     f"CPU kernels unavailable: {reason}")
+        assert choice.reason == (f"compiled CPU kernels, AVX-512 unavailable: {avx512}; "
+                                 f"compiled CPU kernels, AVX2 unavailable: {avx2}")
+        assert choice.describe().startswith("torch (reference ops, about 5-10x slower): ")
 
 
 def test_a_requested_backend_is_no_fallback_or_an_error_naming_the_field():
@@ -45,12 +52,13 @@ def test_a_requested_backend_is_no_fallback_or_an_error_naming_the_field():
     with pytest.raises(ValueError, match=r"^kernels: 'cpu' requested but unavailable: the "
                                          r"compiled CPU kernels run on the CPU only"):
         select_backend("cpu", CUDA)
-    reason = cpu_ops_unavailable_reason()
-    if reason is None:
-        assert select_backend("cpu", CPU).name == "cpu"
-    else:
-        with pytest.raises(ValueError, match="^kernels: 'cpu' requested but unavailable: "):
-            select_backend("cpu", CPU)
+    for name, isa in (("cpu", "avx512"), ("cpu-avx2", "avx2")):
+        if cpu_ops_unavailable_reason(isa) is None:
+            assert select_backend(name, CPU).name == name
+        else:
+            with pytest.raises(ValueError, match=f"^kernels: '{name}' requested but "
+                                                 "unavailable: "):
+                select_backend(name, CPU)
 
 
 def test_auto_on_cuda_is_triton_where_it_is_installed():
