@@ -90,7 +90,9 @@ def _add_commands(parser: argparse.ArgumentParser, group: Group, argv: Sequence[
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The parser for ``argv``: every command listed, the chosen one with all its flags."""
     parser = argparse.ArgumentParser(prog="quire", description=COMMANDS.help)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="INFO",
+                        help="INFO (default) shows start-up progress and the choices made; "
+                             "WARNING for quiet")
     _add_commands(parser, COMMANDS, list(argv), "command")
     return parser
 
