@@ -10,12 +10,11 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from engine_worker.model_runner.output import SampledLogprobs
 from engine_worker.outputs import (CompletionOutput, Logprob, LogprobsDict, RequestMetrics,
                                    RequestOutput)
 from engine_worker.request import RequestStatus
 from engine_worker.sampling_params import RequestOutputKind, SamplingParams
-from engine_worker.scheduler.scheduler import EngineCoreOutput
+from engine_worker.step_types import EngineCoreOutput, SampledLogprobs
 from engine_worker.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

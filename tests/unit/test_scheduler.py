@@ -4,11 +4,11 @@ aborts and stop rules (prefix caching off, so block ids are exact). See schedule
 
 from __future__ import annotations
 
-from engine_worker.model_runner.output import ModelRunnerOutput, SampledLogprobs
 from engine_worker.request import Request, RequestStatus
-from engine_worker.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_worker.scheduler.queue import QUEUE_POLICIES, FCFSQueue, PriorityQueue
-from engine_worker.scheduler.scheduler import EngineCoreOutput, Scheduler
+from engine_worker.scheduler.scheduler import Scheduler
+from engine_worker.step_types import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                                      NewRequestData, SampledLogprobs, SchedulerOutput)
 from tests.unit.scheduler_harness import (EOS, TOKEN, FakeRunner, assert_all_blocks_free,
                                           make_request, running_ids, setup, step, waiting_ids)
 
@@ -18,7 +18,7 @@ def test_single_request_prefill_then_decode_then_length_cap():
     sched, runner = setup(block_size=4)
     request = make_request("a", 6, max_tokens=4)
     sched.add_request(request)
-    assert (sched.num_waiting, sched.num_running) == (1, 0)
+    assert (sched.stats().num_waiting, sched.stats().num_running) == (1, 0)
 
     out, core = step(sched, runner)
     assert out.new_requests == (NewRequestData(
