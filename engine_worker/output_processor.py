@@ -85,9 +85,6 @@ class OutputProcessor:
     def is_live_sample(self, sample_id: str) -> bool:
         return sample_id in self._child_to_parent or sample_id in self._requests
 
-    def __len__(self) -> int:
-        return len(self._requests)
-
     def mark_scheduled(self, child_ids, now: float) -> None:
         for child_id in child_ids:
             parent = self._requests.get(self._child_to_parent.get(child_id, ""))

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from quire.limits import DEFAULT_MAX_N, check_n, request_prompt
 from quire.tracing import traced_generate
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
@@ -49,14 +50,14 @@ class RoutedPrompt:
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
-    max_n: int = 16
+    max_n: int = DEFAULT_MAX_N
     max_tokens: int = 0  # 0: no router-side cap
 
     def check(self, request: pb.GenerateRequest) -> None:
         """Raise ValueError naming the field when the request exceeds a limit."""
         sampling = request.sampling
-        if sampling.HasField("n") and not 1 <= sampling.n <= self.max_n:
-            raise ValueError(f"sampling.n: must be in [1, {self.max_n}], got {sampling.n}")
+        if sampling.HasField("n"):
+            check_n(sampling.n, self.max_n, field="sampling.n")
         if self.max_tokens and sampling.HasField("max_tokens") and \
                 sampling.max_tokens > self.max_tokens:
             raise ValueError(f"sampling.max_tokens: must be <= {self.max_tokens}, "
@@ -94,22 +95,16 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         identity = self.identity
         if identity is None:
             raise NoEndpointError("no engine is available yet")
-        kind = request.WhichOneof("prompt")
-        if kind == "text":
-            if not request.text:
-                raise ValueError("text: the prompt must not be empty")
+        prompt = request_prompt(request)
+        if isinstance(prompt, str):
             started = time.perf_counter()
-            if len(request.text) > _LONG_TEXT_CHARS:
-                token_ids = await asyncio.to_thread(identity.tokenizer.encode, request.text)
+            if len(prompt) > _LONG_TEXT_CHARS:
+                token_ids = await asyncio.to_thread(identity.tokenizer.encode, prompt)
             else:
-                token_ids = identity.tokenizer.encode(request.text)
+                token_ids = identity.tokenizer.encode(prompt)
             self.metrics.tokenize_s.observe(time.perf_counter() - started)
-        elif kind == "token_ids":
-            token_ids = request.token_ids.ids
-            if not token_ids:
-                raise ValueError("token_ids: the prompt must not be empty")
         else:
-            raise ValueError("prompt: set either text or token_ids")
+            token_ids = prompt
         token_ids = tuple(token_ids)
         hashes = identity.tokenizer.block_hashes(token_ids, identity.block_size,
                                                  cache_salt=request.cache_salt or None)
