@@ -184,8 +184,8 @@ def waiting_ids(sched: Scheduler) -> list[str]:
 
 def assert_all_blocks_free(sched: Scheduler) -> None:
     kv = sched.kv
-    assert kv.num_free_blocks == kv.num_blocks
-    assert sorted(kv.pool.free_queue.block_ids()) == list(range(kv.num_blocks))
+    assert kv.stats().num_free_blocks == kv.stats().num_blocks
+    assert sorted(kv.pool.free_queue.block_ids()) == list(range(kv.pool.num_blocks))
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     stats = kv.stats()
     assert (stats.num_allocated_slots, stats.num_used_slots) == (0, 0)

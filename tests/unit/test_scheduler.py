@@ -205,7 +205,7 @@ def test_fcfs_preempts_the_latest_admitted_and_resumes_it_with_its_full_table():
         sched.add_request(make_request(req_id, num_prompt))
     out, _ = step(sched, runner)
     assert [n.block_ids for n in out.new_requests] == [(0,), (1,), (2, 3)]
-    assert sched.kv.num_free_blocks == 0
+    assert sched.kv.stats().num_free_blocks == 0
 
     # a and b each need a second block: c (admitted last) is preempted, blocks freed 3 then 2
     c = sched.requests["c"]
@@ -311,7 +311,7 @@ def test_priority_policy_preempts_the_worst_priority_and_undoes_its_step():
     sched.add_request(make_request("vip", 2, priority=0))
     step(sched, runner)  # bulk decodes into block 1; vip admitted into block 2
     assert running_ids(sched) == ["bulk", "vip"]
-    assert sched.kv.num_free_blocks == 0
+    assert sched.kv.stats().num_free_blocks == 0
 
     out, _ = step(sched, runner)
     # bulk's decode (position 3, block 1) is scheduled first; vip then needs a block and the
