@@ -22,7 +22,7 @@ from engine_worker.engine import EngineStats, LLMEngine
 from engine_worker.input_processor import PromptType
 from engine_worker.outputs import RequestOutput
 from engine_worker.sampling_params import RequestOutputKind, SamplingParams
-from quire.kv_events import KVCacheSnapshot
+from quire.kv_events import KVCacheSnapshot, KVEventBatch
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class AsyncEngine:
                 self._on_finished(output, generated)
         self._loop.call_soon_threadsafe(stream.put_nowait, output)
 
-    def _after_step(self, stats: EngineStats, batches) -> None:
+    def _after_step(self, stats: EngineStats, batches: tuple[KVEventBatch, ...]) -> None:
         self.load = LoadSnapshot(num_running=stats.scheduler.num_running,
                                  num_waiting=stats.scheduler.num_waiting,
                                  num_queued_tokens=stats.scheduler.num_queued_tokens,
