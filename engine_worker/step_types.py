@@ -73,6 +73,13 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
 
+    def forks_by_parent(self) -> dict[str, list[ForkedRequestData]]:
+        """Each forking parent's forks, in order (a new dict each call)."""
+        grouped: dict[str, list[ForkedRequestData]] = {}
+        for fork in self.forks:
+            grouped.setdefault(fork.parent_req_id, []).append(fork)
+        return grouped
+
 
 # ------------------------------------------------------------------ runner -> scheduler
 @dataclass(frozen=True, slots=True)

@@ -100,9 +100,7 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(states, counts, query_starts, hidden)
         sampled: dict[str, tuple[int, ...]] = {}
         logprobs: dict[str, SampledLogprobs] = {}
-        forks: dict[str, list[ForkedRequestData]] = {}
-        for fork in out.forks:
-            forks.setdefault(fork.parent_req_id, []).append(fork)
+        forks = out.forks_by_parent()
         if sample_rows:
             sampled, logprobs = self._sample(states, counts, query_starts, sample_rows, hidden,
                                              forks)

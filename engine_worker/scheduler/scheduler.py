@@ -223,16 +223,15 @@ class Scheduler:
                 num_computed_tokens=request.num_computed_tokens))
         finished = frozenset(self._finished_req_ids)
         self._finished_req_ids.clear()
-        self._in_flight_forks = {}
-        for fork in forks:
-            self._in_flight_forks[fork.parent_req_id] = \
-                self._in_flight_forks.get(fork.parent_req_id, ()) + (fork.req_id,)
-        return SchedulerOutput(
+        out = SchedulerOutput(
             new_requests=tuple(new_reqs), cached_requests=tuple(cached_reqs),
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             preempted_req_ids=frozenset(r.req_id for r in preempted),
             finished_req_ids=finished, block_copies=tuple(copies), forks=tuple(forks))
+        self._in_flight_forks = {parent: tuple(f.req_id for f in group)
+                                 for parent, group in out.forks_by_parent().items()}
+        return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -240,9 +239,7 @@ class Scheduler:
         sampled tokens, apply stop rules, free finished requests."""
         outputs = []
         self._in_flight_forks = {}
-        forks: dict[str, list[ForkedRequestData]] = {}
-        for fork in scheduler_output.forks:
-            forks.setdefault(fork.parent_req_id, []).append(fork)
+        forks = scheduler_output.forks_by_parent()
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:

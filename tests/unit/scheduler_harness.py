@@ -99,9 +99,8 @@ class FakeRunner:
                                     + out.num_scheduled_tokens.get(req_id, 0))
 
         sampled = {}
-        forks: dict[str, list[str]] = {}
-        for fork in out.forks:
-            forks.setdefault(fork.parent_req_id, []).append(fork.req_id)
+        forks = {parent: [f.req_id for f in group]
+                 for parent, group in out.forks_by_parent().items()}
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             if self.num_computed[req_id] + num_tokens >= len(self.token_ids[req_id]):
                 samples = [req_id, *self._fork(req_id, num_tokens, forks.pop(req_id, []))]
