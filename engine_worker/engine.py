@@ -1,7 +1,9 @@
 """The engine step API: ``add_request``, ``step``, ``abort_request``, ``has_unfinished_requests``.
 
 Synchronous and single-threaded; the gRPC server drives it from its own loop thread. One step:
-schedule -> run the model -> update the scheduler -> detokenize and build outputs.
+schedule -> run the model -> update the scheduler -> detokenize and build outputs. ``step()``
+returns a ``StepResult``: the outputs, the counts after the step and the KV events it sealed, so
+nothing outside reaches into the scheduler or the cache manager.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +30,7 @@ from engine_worker.progress import progress, start_summary
 from engine_worker.request import RequestStatus
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.scheduler.scheduler import Scheduler
+from engine_worker.step_types import SchedulerStats
 from engine_worker.tokenizer import Tokenizer
 from engine_worker.weights.loader import load_model
 from engine_worker.weights.resolve import resolve_model_dir
@@ -37,6 +41,25 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """A step failed; the engine's state is unknown and it serves nothing more."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's counts at one moment: its scheduler's and its KV cache's."""
+
+    scheduler: SchedulerStats
+    kv_cache: KVCacheStats
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one ``LLMEngine.step()`` produced: outputs of every request that progressed or
+    finished, the counts after the step, and the KV-event batches sealed since the last step
+    (in order; a consumer mirroring the cache applies each exactly once)."""
+
+    outputs: list[RequestOutput]
+    stats: EngineStats
+    kv_event_batches: tuple[KVEventBatch, ...]
 
 
 class LLMEngine:
@@ -84,12 +107,12 @@ class LLMEngine:
                                           model_cfg.num_kv_heads, model_cfg.head_dim),
                                          self.dtype, self.device)
                          for _ in range(model_cfg.num_layers)]
-        self.kv_events = KVEventRecorder(medium=self.device.type)
-        self.kv_cache_manager = KVCacheManager(self.num_blocks, cache.block_size,
-                                               cache.enable_prefix_caching, self.kv_events)
+        self._kv_events = KVEventRecorder(medium=self.device.type)
+        self._kv_cache_manager = KVCacheManager(self.num_blocks, cache.block_size,
+                                                cache.enable_prefix_caching, self._kv_events)
         sched = config.scheduler
-        self.scheduler = Scheduler(
-            kv_cache_manager=self.kv_cache_manager,
+        self._scheduler = Scheduler(
+            kv_cache_manager=self._kv_cache_manager,
             max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
             max_model_len=self.max_model_len, policy=sched.scheduling_policy,
             long_prefill_token_threshold=sched.long_prefill_token_threshold)
@@ -115,6 +138,16 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())
 
+    # -------------------------------------------------------------------- facts
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block (the unit of prefix caching and of the block hashes)."""
+        return self.config.cache.block_size
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.config.cache.enable_prefix_caching
+
     # -------------------------------------------------------------------- the step API
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0,
@@ -135,15 +168,15 @@ class LLMEngine:
         self.output_processor.add_request(request_id, processed.prompt_text,
                                           processed.prompt_token_ids, params,
                                           list(processed.sample_ids), arrival)
-        self.scheduler.add_request(processed.request)
+        self._scheduler.add_request(processed.request)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepResult:
         """Run one batch; return outputs of every request that progressed or finished."""
         self._check_alive()
         outputs, self._pending_outputs = self._pending_outputs, []
-        if not self.scheduler.has_unfinished_requests():
-            return outputs
-        scheduler_output = self.scheduler.schedule()
+        if not self._scheduler.has_unfinished_requests():
+            return self._result(outputs)
+        scheduler_output = self._scheduler.schedule()
         now = time.monotonic()
         self.output_processor.mark_scheduled(scheduler_output.num_scheduled_tokens, now)
         if scheduler_output.preempted_req_ids:
@@ -153,16 +186,20 @@ class LLMEngine:
         except BaseException as e:
             # The step's K/V is unknown: nothing it was to compute may be found, and the engine
             # refuses further work (the server reports it dead so the pod is restarted).
-            self.kv_cache_manager.discard_pending()
+            self._kv_cache_manager.discard_pending()
             self._pending_outputs = outputs
             self.dead_reason = f"{type(e).__name__}: {e}"
             raise
-        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        core_outputs = self._scheduler.update_from_output(scheduler_output, runner_output)
         new_outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        self.kv_events.seal()
-        return outputs + new_outputs
+            self._scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._kv_events.seal()
+        return self._result(outputs + new_outputs)
+
+    def _result(self, outputs: list[RequestOutput]) -> StepResult:
+        return StepResult(outputs=outputs, stats=self.stats(),
+                          kv_event_batches=tuple(self._kv_events.take()))
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
@@ -174,30 +211,27 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
-            self.scheduler.finish_requests(self.output_processor.child_ids(request_id),
+            self._scheduler.finish_requests(self.output_processor.child_ids(request_id),
                                            RequestStatus.FINISHED_ABORTED)
             self._pending_outputs.extend(self.output_processor.abort(request_id))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+        return self._scheduler.has_unfinished_requests() or bool(self._pending_outputs)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor)
-
-    def kv_cache_stats(self) -> KVCacheStats:
-        return self.kv_cache_manager.stats()
+    def stats(self) -> EngineStats:
+        """The scheduler's and the KV cache's counts as of now (``step()`` returns them too)."""
+        return EngineStats(scheduler=self._scheduler.stats(),
+                           kv_cache=self._kv_cache_manager.stats())
 
     # ------------------------------------------------------------------- prefix cache
-    def take_kv_events(self) -> list[KVEventBatch]:
-        """KV-event batches sealed since the last call, in order."""
-        return self.kv_events.take()
-
     def kv_cache_snapshot(self) -> KVCacheSnapshot:
-        """Every cached block hash, as of the last sealed event batch."""
-        return self.kv_events.snapshot(self.kv_cache_manager.pool.cached)
+        """Every cached block hash, as of the last sealed event batch; the batches after it
+        come with the following ``step()`` results."""
+        return self._kv_events.snapshot(self._kv_cache_manager.pool.cached)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached blocks (only when no request holds any); True if done."""
-        done = self.kv_cache_manager.reset_prefix_cache()
-        self.kv_events.seal()
+        """Forget all cached blocks (only when no request holds any); True if done. The
+        ``AllBlocksCleared`` event comes with the next ``step()`` result."""
+        done = self._kv_cache_manager.reset_prefix_cache()
+        self._kv_events.seal()
         return done

@@ -12,6 +12,7 @@ from typing import Union
 from engine_worker.request import Request
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.tokenizer import Tokenizer
+from quire.limits import check_n
 
 MAX_LOGPROBS = 20  # top-k logprobs a request may ask for (vLLM's default max_logprobs)
 
@@ -51,8 +52,8 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
                 raise ValueError(f"{name}: at most {MAX_LOGPROBS} per token, got {value}")
-        if params.n > self.max_num_seqs:
-            raise ValueError(f"n: {params.n} samples exceed max_num_seqs={self.max_num_seqs}")
+        # the samples of one request run together: at most max_num_seqs of them
+        check_n(params.n, self.max_num_seqs)
         if not isinstance(priority, int):
             raise ValueError(f"priority: must be an integer, got {priority!r}")
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:

@@ -117,7 +117,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = _Progress(len(request_ids)) if use_tqdm else None
         while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
+            for output in self.engine.step().outputs:
                 if output.finished:
                     results[output.request_id] = output
                     if bar is not None:

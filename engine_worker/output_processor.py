@@ -10,12 +10,11 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from engine_worker.model_runner.output import SampledLogprobs
 from engine_worker.outputs import (CompletionOutput, Logprob, LogprobsDict, RequestMetrics,
                                    RequestOutput)
 from engine_worker.request import RequestStatus
 from engine_worker.sampling_params import RequestOutputKind, SamplingParams
-from engine_worker.scheduler.scheduler import EngineCoreOutput
+from engine_worker.step_types import EngineCoreOutput, SampledLogprobs
 from engine_worker.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -85,9 +84,6 @@ class OutputProcessor:
 
     def is_live_sample(self, sample_id: str) -> bool:
         return sample_id in self._child_to_parent or sample_id in self._requests
-
-    def __len__(self) -> int:
-        return len(self._requests)
 
     def mark_scheduled(self, child_ids, now: float) -> None:
         for child_id in child_ids:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_worker.model_runner.output import SampledLogprobs
+from engine_worker.step_types import SampledLogprobs
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,8 @@ import enum
 import math
 from dataclasses import dataclass, field, replace
 
+from quire.limits import check_n
+
 _GREEDY_EPS = 1e-5
 
 
@@ -69,8 +71,7 @@ class SamplingParams:
                      "prompt_logprobs"):
             if isinstance(getattr(self, name), bool):
                 _fail(name, f"must be an integer, got {getattr(self, name)!r}")
-        if not isinstance(self.n, int) or self.n < 1:
-            _fail("n", f"must be at least 1, got {self.n!r}")
+        check_n(self.n)
         if self.temperature is None or self.temperature < 0:
             _fail("temperature", f"must be non-negative, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:

@@ -41,7 +41,7 @@ def stream(engine, request_id: str, prompt, params) -> str:
     engine.add_request(request_id, prompt, params)
     pieces = []
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        for output in engine.step().outputs:
             text = output.outputs[0].text
             pieces.append(text)
             sys.stdout.write(text)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quire.limits import DEFAULT_MAX_N
+
 DISCOVERY_KINDS = ("static", "dns", "kubernetes")
 _SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
@@ -31,7 +33,7 @@ class RouterServerConfig:
     api_key_file: str | None = None  # one key per line, read at start
     max_body_bytes: int = 8 << 20  # HTTP request body limit (413 above it)
     max_message_bytes: int = 16 << 20  # gRPC message limit
-    max_n: int = 16
+    max_n: int = DEFAULT_MAX_N
     max_tokens_limit: int = 4096  # larger max_tokens: 400; unset: this (0: no router cap)
     max_prompt_chars: int = 1 << 20  # text prompts and chat messages, checked before tokenizing
     max_stop_strings: int = 16

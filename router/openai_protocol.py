@@ -18,6 +18,7 @@ import grpc
 from aiohttp import web
 
 from quire.errors import http_status
+from quire.limits import DEFAULT_MAX_N, check_n
 from quire.v1 import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -191,15 +192,19 @@ def token_list(value) -> list[int] | None:
     return None
 
 
-def sampling_options(body: dict, *, chat: bool, max_n: int = 128,
+def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
                      max_tokens_limit: int = 0, max_stop_strings: int = 16,
                      max_stop_string_len: int = 256) -> pb.SamplingOptions:
     """``SamplingOptions`` for an OpenAI request body (RequestError naming the bad field).
     ``max_tokens_limit`` 0: no cap here (the engine still bounds it by its own limit and its
     max_model_len). Every number must fit its wire field: no value is wrapped or clipped."""
     s = pb.SamplingOptions()
-    simple = {"n": _number(body, "n", 1, max_n, integer=True),
-              "temperature": _number(body, "temperature", 0, 2),
+    if body.get("n") is not None:
+        try:
+            s.n = check_n(body["n"], max_n)
+        except ValueError as e:
+            raise RequestError(str(e), "n") from None
+    simple = {"temperature": _number(body, "temperature", 0, 2),
               "top_p": _number(body, "top_p", 0, 1, lo_open=True),
               "min_p": _number(body, "min_p", 0, 1),
               "presence_penalty": _number(body, "presence_penalty", -2, 2),

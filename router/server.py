@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from quire.load_stream import load_reports
+from quire.limits import DEFAULT_MAX_N, check_n, request_prompt
 from quire.tracing import traced_generate
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
@@ -56,7 +57,7 @@ class RequestLimits:
     prompt is refused at once, as the engine would refuse it, instead of after seconds of
     work). Errors name the field and echo what was sent."""
 
-    max_n: int = 16
+    max_n: int = DEFAULT_MAX_N
     max_tokens: int = 0  # 0: no router-side cap
     max_prompt_chars: int = 1 << 20
     max_stop_strings: int = 16
@@ -65,8 +66,8 @@ class RequestLimits:
     def check(self, request: pb.GenerateRequest) -> None:
         """Raise ValueError naming the field when the request exceeds a limit."""
         sampling = request.sampling
-        if sampling.HasField("n") and not 1 <= sampling.n <= self.max_n:
-            raise ValueError(f"sampling.n: must be in [1, {self.max_n}], got {sampling.n}")
+        if sampling.HasField("n"):
+            check_n(sampling.n, self.max_n, field="sampling.n")
         if self.max_tokens and sampling.HasField("max_tokens") and \
                 sampling.max_tokens > self.max_tokens:
             raise ValueError(f"sampling.max_tokens: must be <= {self.max_tokens} (the router's "
@@ -123,17 +124,9 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         identity = self.identity
         if identity is None:
             raise NoEndpointError("no engine is available yet")
-        kind = request.WhichOneof("prompt")
-        if kind == "text":
-            if not request.text:
-                raise ValueError("text: the prompt must not be empty")
-            prompt, long = request.text, len(request.text) > _LONG_TEXT_CHARS
-        elif kind == "token_ids":
-            if not request.token_ids.ids:
-                raise ValueError("token_ids: the prompt must not be empty")
-            prompt, long = request.token_ids.ids, len(request.token_ids.ids) > _LONG_PROMPT_TOKENS
-        else:
-            raise ValueError("prompt: set either text or token_ids")
+        prompt = request_prompt(request)
+        long = (len(prompt) > _LONG_TEXT_CHARS if isinstance(prompt, str)
+                else len(prompt) > _LONG_PROMPT_TOKENS)
         salt = request.cache_salt or None
         sizes = self.pool.block_sizes() | {identity.block_size}  # read on the loop, not a thread
         if long:  # tokenizing and hashing a long prompt would hold up every other request

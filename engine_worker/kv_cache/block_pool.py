@@ -165,7 +165,3 @@ class BlockPool:
         if self.events is not None:
             self.events.all_cleared()
         return True
-
-    def usage(self) -> float:
-        """Fraction of blocks in use, in [0, 1]."""
-        return 1.0 - self.num_free_blocks / self.num_blocks

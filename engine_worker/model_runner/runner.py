@@ -1,7 +1,8 @@
 """Runs one scheduled step on the model: builds flat inputs, runs forward, samples.
 
 The runner keeps its own per-request state (token ids, block table, generator), updated from the
-scheduler's diffs; it shares no mutable object with the scheduler.
+scheduler's diffs; it shares no mutable object with the scheduler and decides nothing the
+scheduler has not sent (an n > 1 request forks exactly when ``SchedulerOutput.forks`` says).
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from engine_worker.model_runner.inputs import build_step_inputs
-from engine_worker.model_runner.output import ModelRunnerOutput, SampledLogprobs
 from engine_worker.model_runner.sampling_inputs import build_sampling_metadata
 from engine_worker.sampler import gather_logprobs, sample
 from engine_worker.sampling_params import SamplingParams
-from engine_worker.scheduler.output import SchedulerOutput
+from engine_worker.step_types import (ForkedRequestData, ModelRunnerOutput, SampledLogprobs,
+                                      SchedulerOutput)
 
 
 @dataclass(slots=True)
@@ -28,7 +29,6 @@ class RunnerRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None
     prompt_logprobs_from: int = 0  # prompt positions before this already have logprobs
-    fork_children: tuple[tuple[str, SamplingParams], ...] = ()
 
 
 class ModelRunner:
@@ -55,8 +55,7 @@ class ModelRunner:
                 req_id=new.req_id, token_ids=list(new.prompt_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids), params=new.sampling_params,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-                generator=self._generator(new.sampling_params),
-                fork_children=new.fork_children)
+                generator=self._generator(new.sampling_params))
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]
             if cached.replace_block_table:
@@ -101,18 +100,22 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(states, counts, query_starts, hidden)
         sampled: dict[str, tuple[int, ...]] = {}
         logprobs: dict[str, SampledLogprobs] = {}
+        forks = out.forks_by_parent()
         if sample_rows:
-            sampled, logprobs = self._sample(states, counts, query_starts, sample_rows, hidden)
+            sampled, logprobs = self._sample(states, counts, query_starts, sample_rows, hidden,
+                                             forks)
+        assert not forks, f"forks of requests that sample nothing this step: {sorted(forks)}"
         for state, n in zip(states, counts):
             state.num_computed_tokens += n
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
 
-    def _sample(self, states, counts, query_starts, rows, hidden):
+    def _sample(self, states, counts, query_starts, rows, hidden, forks):
+        """``forks`` (parent -> its forks) is consumed: each parent's forks are applied."""
         picked, logit_rows = [], []
         for j, i in enumerate(rows):
             picked.append(states[i])
             logit_rows.append(j)
-            for child in self._fork(states[i], counts[i]):
+            for child in self._fork(states[i], counts[i], forks.pop(states[i].req_id, ())):
                 picked.append(child)
                 logit_rows.append(j)  # the samples of one prompt share its logits
         last = torch.tensor([query_starts[i] + counts[i] - 1 for i in rows], device=self.device)
@@ -132,20 +135,20 @@ class ModelRunner:
                     ranks=(logprobs.ranks[j],))
         return sampled, per_req_logprobs
 
-    def _fork(self, parent: RunnerRequestState, num_scheduled: int) -> list[RunnerRequestState]:
-        """n > 1: the other samples' states, copied from the parent after its prompt."""
+    def _fork(self, parent: RunnerRequestState, num_scheduled: int,
+              forks: list[ForkedRequestData]) -> list[RunnerRequestState]:
+        """n > 1: the forked samples' states, copied from the parent after its prompt."""
         children = []
-        for child_id, params in parent.fork_children:
+        for fork in forks:
             child = RunnerRequestState(
-                req_id=child_id, token_ids=list(parent.token_ids),
-                num_prompt_tokens=parent.num_prompt_tokens, params=params,
+                req_id=fork.req_id, token_ids=list(parent.token_ids),
+                num_prompt_tokens=parent.num_prompt_tokens, params=fork.sampling_params,
                 block_ids=list(parent.block_ids),
                 num_computed_tokens=parent.num_computed_tokens + num_scheduled,
-                generator=self._generator(params),
+                generator=self._generator(fork.sampling_params),
                 prompt_logprobs_from=parent.num_prompt_tokens)
-            self.requests[child_id] = child
+            self.requests[fork.req_id] = child
             children.append(child)
-        parent.fork_children = ()
         return children
 
     def _prompt_logprobs(self, states, counts, query_starts, hidden):

@@ -7,37 +7,26 @@ Order of a step:
 2. if nothing was preempted, admit waiting requests while budget, ``max_num_seqs`` and free
    blocks allow; a request starts from its longest cached prefix, and a prompt longer than the
    remaining budget is prefilled in chunks.
-After the step, newly full and computed blocks are published to the prefix cache, and an
-n > 1 request whose prompt is done forks into its samples, which share its blocks.
+After the step, newly full and computed blocks are published to the prefix cache. An n > 1
+request forks into its samples, which share its blocks, in the step that completes its prompt:
+the scheduler decides the fork when it forms the batch and sends it to the runner as
+``SchedulerOutput.forks``; the runner only applies it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
 
 from engine_worker.kv_cache.manager import NO_PREFIX, Allocation, KVCacheManager
-from engine_worker.model_runner.output import ModelRunnerOutput, SampledLogprobs
 from engine_worker.request import Request, RequestStatus
-from engine_worker.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_worker.scheduler.queue import QUEUE_POLICIES
+from engine_worker.step_types import (CachedRequestData, EngineCoreOutput, ForkedRequestData,
+                                      ModelRunnerOutput, NewRequestData, SchedulerOutput,
+                                      SchedulerStats)
 from quire.block_hash import ROOT_HASH, hash_block_tokens
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineCoreOutput:
-    """What one step produced for one request."""
-
-    req_id: str
-    new_token_ids: tuple[int, ...]
-    finish_status: RequestStatus | None = None
-    stop_reason: int | str | None = None
-    new_logprobs: tuple[SampledLogprobs, ...] = ()
-    new_prompt_logprobs: SampledLogprobs | None = None
-    num_cached_tokens: int = 0
 
 
 class Scheduler:
@@ -57,7 +46,8 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()  # to tell the runner next step
         self._runner_knows: set[str] = set()
         self._to_resume: set[str] = set()  # preempted while the runner held their state
-        self._in_flight: frozenset[str] = frozenset()  # scheduled, outputs not yet applied
+        # forks sent in the step whose outputs are not yet applied: parent -> child ids
+        self._in_flight_forks: dict[str, tuple[str, ...]] = {}
         self._admit_counter = itertools.count()
         self.num_preemptions = 0
 
@@ -96,13 +86,13 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(len(self.waiting))
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
+    def stats(self) -> SchedulerStats:
+        """Counts as of now; ``num_preemptions`` is the running total."""
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens
+                                  for r in self.requests.values()),
+            num_preemptions=self.num_preemptions)
 
     # ----------------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
@@ -205,19 +195,24 @@ class Scheduler:
 
     def _build_output(self, num_scheduled: dict[str, int], allocations: dict[str, Allocation],
                       preempted: list[Request]) -> SchedulerOutput:
-        new_reqs, cached_reqs, copies = [], [], []
-        for req_id in num_scheduled:
+        new_reqs, cached_reqs, copies, forks = [], [], [], []
+        for req_id, num_new in num_scheduled.items():
             request = self.requests[req_id]
             allocation = allocations[req_id]
             copies.extend(allocation.copies)
+            if request.fork_children and \
+                    request.num_computed_tokens + num_new >= request.num_tokens:
+                # the step completes the prompt: the parent samples, and its samples fork
+                forks.extend(ForkedRequestData(parent_req_id=req_id, req_id=child_id,
+                                               sampling_params=params)
+                             for child_id, params in request.fork_children)
             if req_id not in self._runner_knows:
                 self._runner_knows.add(req_id)
                 new_reqs.append(NewRequestData(
                     req_id=req_id, prompt_token_ids=tuple(request.all_token_ids),
                     sampling_params=request.sampling_params,
                     block_ids=tuple(self.kv.get_block_ids(req_id)),
-                    num_computed_tokens=request.num_computed_tokens,
-                    fork_children=request.fork_children))
+                    num_computed_tokens=request.num_computed_tokens))
                 continue
             replace = req_id in self._to_resume or bool(allocation.copies)
             self._to_resume.discard(req_id)
@@ -228,20 +223,23 @@ class Scheduler:
                 num_computed_tokens=request.num_computed_tokens))
         finished = frozenset(self._finished_req_ids)
         self._finished_req_ids.clear()
-        self._in_flight = frozenset(num_scheduled)
-        return SchedulerOutput(
+        out = SchedulerOutput(
             new_requests=tuple(new_reqs), cached_requests=tuple(cached_reqs),
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             preempted_req_ids=frozenset(r.req_id for r in preempted),
-            finished_req_ids=finished, block_copies=tuple(copies))
+            finished_req_ids=finished, block_copies=tuple(copies), forks=tuple(forks))
+        self._in_flight_forks = {parent: tuple(f.req_id for f in group)
+                                 for parent, group in out.forks_by_parent().items()}
+        return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Advance computed counts, publish full blocks, fork n > 1 requests, append sampled
-        tokens, apply stop rules, free finished requests."""
+        """Advance computed counts, publish full blocks, apply the step's forks, append
+        sampled tokens, apply stop rules, free finished requests."""
         outputs = []
-        self._in_flight = frozenset()
+        self._in_flight_forks = {}
+        forks = scheduler_output.forks_by_parent()
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -251,10 +249,9 @@ class Scheduler:
                 self.kv.cache_full_blocks(req_id, request.block_hashes,
                                           request.num_computed_tokens, request.all_token_ids,
                                           request.cache_salt)
-            sampled = runner_output.sampled_token_ids.get(req_id, ())
             siblings = [request]
-            if sampled and request.fork_children:
-                siblings += self._fork(request)
+            if req_id in forks:
+                siblings += self._fork(request, forks[req_id])
             for sibling in siblings:
                 out = self._append_sampled(
                     sibling, runner_output.sampled_token_ids.get(sibling.req_id, ()),
@@ -264,15 +261,15 @@ class Scheduler:
                     outputs.append(out)
         return outputs
 
-    def _fork(self, parent: Request) -> list[Request]:
+    def _fork(self, parent: Request, forks: list[ForkedRequestData]) -> list[Request]:
         children = []
-        for child_id, params in parent.fork_children:
-            child = parent.fork(child_id, params)
+        for fork in forks:
+            child = parent.fork(fork.req_id, fork.sampling_params)
             child.admit_seq = next(self._admit_counter)
-            self.kv.fork(parent.req_id, child_id)
-            self.requests[child_id] = child
+            self.kv.fork(parent.req_id, fork.req_id)
+            self.requests[fork.req_id] = child
             self.running.append(child)
-            self._runner_knows.add(child_id)  # the runner forked its own state
+            self._runner_knows.add(fork.req_id)  # the runner applied the fork
             children.append(child)
         parent.fork_children = ()
         return children
@@ -308,6 +305,5 @@ class Scheduler:
         if request.req_id in self._runner_knows:
             self._runner_knows.discard(request.req_id)
             self._finished_req_ids.add(request.req_id)
-            if request.req_id in self._in_flight:
-                # ended mid-step: the runner may have forked its samples in this step
-                self._finished_req_ids.update(c for c, _ in request.fork_children)
+            # ended mid-step: the runner forked the samples this step sent it
+            self._finished_req_ids.update(self._in_flight_forks.pop(request.req_id, ()))

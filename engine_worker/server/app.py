@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine_worker.engine import LLMEngine
+from engine_worker.engine import EngineStats, LLMEngine
 from engine_worker.metrics import EngineMetrics, MetricsServer
 from engine_worker.weights.resolve import EMBEDDED_MODEL_ID
 from engine_worker.server.async_engine import AsyncEngine
@@ -147,13 +147,13 @@ class EngineServer:
 
 
 def _step_recorder(metrics: EngineMetrics):
-    def record(engine: LLMEngine, stats) -> None:
-        metrics.observe_step(num_running=engine.scheduler.num_running,
-                             num_waiting=engine.scheduler.num_waiting,
-                             kv_cache_usage=stats.usage,
-                             prefix_cache_queries=stats.prefix_cache_queries,
-                             prefix_cache_hits=stats.prefix_cache_hits,
-                             num_preemptions=engine.scheduler.num_preemptions)
+    def record(stats: EngineStats) -> None:
+        metrics.observe_step(num_running=stats.scheduler.num_running,
+                             num_waiting=stats.scheduler.num_waiting,
+                             kv_cache_usage=stats.kv_cache.usage,
+                             prefix_cache_queries=stats.kv_cache.prefix_cache_queries,
+                             prefix_cache_hits=stats.kv_cache.prefix_cache_hits,
+                             num_preemptions=stats.scheduler.num_preemptions)
     return record
 
 

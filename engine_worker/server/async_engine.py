@@ -1,8 +1,9 @@
 """The engine loop in its own thread, and the asyncio side that gRPC handlers talk to.
 
-Handlers never run model work: they put commands on a queue that the loop thread drains
-between steps, and results come back to the event loop with ``call_soon_threadsafe``. Only the
-loop thread touches the ``LLMEngine``.
+Handlers never run model work: they put commands (frozen dataclasses, below) on a queue that
+the loop thread drains between steps, and results come back to the event loop with
+``call_soon_threadsafe``. Only the loop thread touches the ``LLMEngine``; what the asyncio side
+reads of it (``load``) is a snapshot the loop thread publishes after each step.
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from engine_worker.engine import LLMEngine
+from engine_worker.engine import EngineStats, LLMEngine
 from engine_worker.input_processor import PromptType
-from engine_worker.kv_cache.manager import KVCacheStats
 from engine_worker.outputs import RequestOutput
 from engine_worker.sampling_params import RequestOutputKind, SamplingParams
-from quire.kv_events import KVCacheSnapshot
+from quire.kv_events import KVCacheSnapshot, KVEventBatch
 
 logger = logging.getLogger(__name__)
 
@@ -47,19 +47,60 @@ class LoadSnapshot:
 _END = object()  # marks the end of a request's output queue
 
 
+# ------------------------------------------------------------ commands to the loop thread
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Queue a request; ``added`` resolves once the engine accepted (or refused) it, and its
+    outputs then go to ``stream``."""
+
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    stream: asyncio.Queue
+    added: Future
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SubscribeKVEvents:
+    """Add ``sink`` to the KV-event feed; ``taken`` resolves to the snapshot it starts from."""
+
+    sink: asyncio.Queue
+    taken: Future
+
+
+@dataclass(frozen=True, slots=True)
+class UnsubscribeKVEvents:
+    sink: asyncio.Queue
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """Nothing to do: wakes an idle loop (to notice it is stopping)."""
+
+
+Command = AddRequest | AbortRequest | SubscribeKVEvents | UnsubscribeKVEvents | Wake
+
+
 class AsyncEngine:
     """Owns the loop thread. ``max_waiting_requests`` / ``max_queued_tokens`` bound the queue."""
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 1024,
                  max_queued_tokens: int = 1 << 20,
-                 on_step: Callable[[LLMEngine, KVCacheStats], None] | None = None,
+                 on_step: Callable[[EngineStats], None] | None = None,
                  on_finished: Callable[[RequestOutput, int], None] | None = None) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.max_queued_tokens = max_queued_tokens
         self._on_step = on_step
         self._on_finished = on_finished
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}  # loop thread writes via the event loop
         self._num_generated: dict[str, int] = {}  # tokens streamed so far, per request
         self._subscribers: list[asyncio.Queue] = []
@@ -78,7 +119,7 @@ class AsyncEngine:
 
     def stop(self) -> None:
         self._stopping.set()
-        self._commands.put(("wake",))
+        self._commands.put(Wake())
         if self._thread is not None:
             self._thread.join(timeout=30)
 
@@ -102,12 +143,12 @@ class AsyncEngine:
         params = params.clone(output_kind=RequestOutputKind.DELTA)
         stream: asyncio.Queue = asyncio.Queue()
         added: Future = Future()
-        self._commands.put(("add", request_id, prompt, params, priority, cache_salt, stream,
-                            added))
+        self._commands.put(AddRequest(request_id, prompt, params, priority, cache_salt, stream,
+                                      added))
         try:
             await asyncio.wrap_future(added)  # raises ValueError / QueueFullError from the loop
         except asyncio.CancelledError:  # the caller left while the add was queued or running
-            self._commands.put(("abort", request_id))
+            self._commands.put(AbortRequest(request_id))
             raise
         finished = False
         try:
@@ -125,17 +166,17 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._commands.put(("abort", request_id))
+                self._commands.put(AbortRequest(request_id))
 
     async def subscribe_kv_events(self) -> tuple[KVCacheSnapshot, asyncio.Queue]:
         """A snapshot and a queue of every later KV event batch (None when the feed ends)."""
         sink: asyncio.Queue = asyncio.Queue()
         taken: Future = Future()
-        self._commands.put(("subscribe", sink, taken))
+        self._commands.put(SubscribeKVEvents(sink, taken))
         return await asyncio.wrap_future(taken), sink
 
     def unsubscribe_kv_events(self, sink: asyncio.Queue) -> None:
-        self._commands.put(("unsubscribe", sink))
+        self._commands.put(UnsubscribeKVEvents(sink))
 
     # -------------------------------------------------------------- loop thread
     def _run(self) -> None:
@@ -146,14 +187,14 @@ class AsyncEngine:
             if not engine.has_unfinished_requests():
                 continue
             try:
-                outputs = engine.step()
+                result = engine.step()
             except Exception as e:  # the engine is dead: end every stream, never hang one
                 logger.exception("engine step failed; the engine stops serving")
                 self._die(f"{type(e).__name__}: {e}")
                 return
-            for output in outputs:
+            for output in result.outputs:
                 self._deliver(output)
-            self._after_step()
+            self._after_step(result.stats, result.kv_event_batches)
         self._end_all(EngineUnavailableError("the engine is shutting down"))
 
     def _drain_commands(self, block: bool) -> None:
@@ -168,47 +209,45 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _handle(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            self._add(*command[1:])
-        elif kind == "abort":
-            if command[1] in self._streams:
-                self.engine.abort_request(command[1])
-        elif kind == "subscribe":
-            sink, taken = command[1], command[2]
-            if taken.set_running_or_notify_cancel():  # not if the subscriber already left
-                self._subscribers.append(sink)
-                taken.set_result(self.engine.kv_cache_snapshot())
-        elif kind == "unsubscribe":
-            if command[1] in self._subscribers:
-                self._subscribers.remove(command[1])
+    def _handle(self, command: Command) -> None:
+        match command:
+            case AddRequest():
+                self._add(command)
+            case AbortRequest(request_id=request_id):
+                if request_id in self._streams:
+                    self.engine.abort_request(request_id)
+            case SubscribeKVEvents(sink=sink, taken=taken):
+                if taken.set_running_or_notify_cancel():  # not if the subscriber already left
+                    self._subscribers.append(sink)
+                    taken.set_result(self.engine.kv_cache_snapshot())
+            case UnsubscribeKVEvents(sink=sink):
+                if sink in self._subscribers:
+                    self._subscribers.remove(sink)
+            case Wake():
+                pass
 
-    def _add(self, request_id, prompt, params, priority, cache_salt, stream, added) -> None:
+    def _add(self, command: AddRequest) -> None:
+        added = command.added
         if not added.set_running_or_notify_cancel():
             return  # the caller was cancelled before the engine saw the request
-        scheduler = self.engine.scheduler
-        if scheduler.num_waiting >= self.max_waiting_requests:
+        load = self.engine.stats().scheduler
+        if load.num_waiting >= self.max_waiting_requests:
             added.set_exception(QueueFullError(
-                f"{scheduler.num_waiting} requests are waiting (limit "
+                f"{load.num_waiting} requests are waiting (limit "
                 f"{self.max_waiting_requests})"))
             return
-        if self._queued_tokens() >= self.max_queued_tokens:
+        if load.num_queued_tokens >= self.max_queued_tokens:
             added.set_exception(QueueFullError(
                 f"queued prompt tokens at the limit of {self.max_queued_tokens}"))
             return
         try:
-            self.engine.add_request(request_id, prompt, params, priority=priority,
-                                    cache_salt=cache_salt)
+            self.engine.add_request(command.request_id, command.prompt, command.params,
+                                    priority=command.priority, cache_salt=command.cache_salt)
         except ValueError as e:
             added.set_exception(e)
             return
-        self._streams[request_id] = stream
+        self._streams[command.request_id] = command.stream
         added.set_result(None)
-
-    def _queued_tokens(self) -> int:
-        scheduler = self.engine.scheduler
-        return sum(r.num_tokens - r.num_computed_tokens for r in scheduler.requests.values())
 
     def _deliver(self, output: RequestOutput) -> None:
         stream = self._streams.get(output.request_id)
@@ -224,19 +263,16 @@ class AsyncEngine:
                 self._on_finished(output, generated)
         self._loop.call_soon_threadsafe(stream.put_nowait, output)
 
-    def _after_step(self) -> None:
-        engine = self.engine
-        stats = engine.kv_cache_stats()
-        self.load = LoadSnapshot(num_running=engine.scheduler.num_running,
-                                 num_waiting=engine.scheduler.num_waiting,
-                                 num_queued_tokens=self._queued_tokens(),
-                                 kv_cache_usage=stats.usage, timestamp_s=time.time())
-        batches = engine.take_kv_events()
+    def _after_step(self, stats: EngineStats, batches: tuple[KVEventBatch, ...]) -> None:
+        self.load = LoadSnapshot(num_running=stats.scheduler.num_running,
+                                 num_waiting=stats.scheduler.num_waiting,
+                                 num_queued_tokens=stats.scheduler.num_queued_tokens,
+                                 kv_cache_usage=stats.kv_cache.usage, timestamp_s=time.time())
         for batch in batches:
             for sink in self._subscribers:
                 self._loop.call_soon_threadsafe(sink.put_nowait, batch)
         if self._on_step is not None:
-            self._on_step(engine, stats)  # stats computed once per step
+            self._on_step(stats)
 
     def _die(self, reason: str) -> None:
         self.dead_reason = reason
@@ -254,5 +290,7 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if command[0] in ("add", "subscribe") and command[-1].set_running_or_notify_cancel():
-                command[-1].set_exception(EngineUnavailableError(str(error)))
+            match command:
+                case AddRequest(added=future) | SubscribeKVEvents(taken=future):
+                    if future.set_running_or_notify_cancel():
+                        future.set_exception(EngineUnavailableError(str(error)))

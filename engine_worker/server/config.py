@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quire.limits import DEFAULT_MAX_N
+
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
@@ -15,7 +17,7 @@ class ServerConfig:
     model_name: str | None = None  # None: the model as named on the command line
     max_waiting_requests: int = 1024
     max_queued_tokens: int = 1 << 20
-    max_n: int = 16
+    max_n: int = DEFAULT_MAX_N
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
     max_prompt_chars: int = 1 << 20

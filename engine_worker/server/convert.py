@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine_worker.outputs import RequestOutput
 from engine_worker.sampling_params import SamplingParams
+from quire.limits import check_n, request_prompt
 from quire.v1 import engine_pb2 as pb
 
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
@@ -17,15 +18,9 @@ _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"
 
 def request_from_proto(message: pb.GenerateRequest, limits: RequestLimits):
     """-> (prompt for LLMEngine.add_request, SamplingParams, priority, cache_salt)."""
-    kind = message.WhichOneof("prompt")
-    if kind == "text":
-        if not message.text:
-            raise ValueError("text: the prompt must not be empty")
-        prompt = message.text
-    elif kind == "token_ids":
-        prompt = {"prompt_token_ids": list(message.token_ids.ids)}
-    else:
-        raise ValueError("prompt: set either text or token_ids")
+    prompt = request_prompt(message)
+    if not isinstance(prompt, str):
+        prompt = {"prompt_token_ids": prompt}
     sampling = message.sampling
     kwargs = {name: getattr(sampling, name) for name in _OPTIONAL if sampling.HasField(name)}
     if "max_tokens" not in kwargs:
@@ -52,8 +47,7 @@ class RequestLimits:
         self.max_prompt_chars = max_prompt_chars
 
     def check(self, params: SamplingParams, prompt) -> None:
-        if params.n > self.max_n:
-            raise ValueError(f"n: at most {self.max_n}, got {params.n}")
+        check_n(params.n, self.max_n)
         if len(params.stop) > self.max_stop_strings:
             raise ValueError(f"stop: at most {self.max_stop_strings} stop strings")
         if any(len(s) > self.max_stop_string_len for s in params.stop):

@@ -84,10 +84,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         engine = self.engine.engine
         return pb.ModelInfo(
             model_name=self.model_name, max_model_len=engine.max_model_len,
-            block_size=engine.config.cache.block_size,
+            block_size=engine.block_size,
             block_hash_algorithm=BLOCK_HASH_ALGORITHM, block_hash_seed=ROOT_HASH,
             tokenizer_digest=self._tokenizer_digest, vocab_size=engine.tokenizer.vocab_size,
-            enable_prefix_caching=engine.config.cache.enable_prefix_caching,
+            enable_prefix_caching=engine.enable_prefix_caching,
             num_kv_blocks=engine.num_blocks, backend=engine.backend.name,
             backend_reason=engine.backend.reason, backend_fallback=engine.backend.fallback)
 

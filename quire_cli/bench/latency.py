@@ -63,7 +63,7 @@ def quire_latency(engine, cfg: LatencyConfig, rng: random.Random, vocab_size: in
         engine.add_request(f"lat-{rng.random()}", {"prompt_token_ids": prompt}, params)
         first = None
         while engine.has_unfinished_requests():
-            outputs = engine.step()
+            outputs = engine.step().outputs
             if first is None and outputs:
                 first = time.perf_counter()
         end = time.perf_counter()

@@ -53,12 +53,12 @@ def run_setting(engine_args, workload: PrefixWorkload, caching: bool) -> dict:
     warm = [list(range(FIRST_PLAIN_TOKEN_ID, FIRST_PLAIN_TOKEN_ID + 64))]
     llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
     llm.engine.reset_prefix_cache()
-    before = llm.engine.kv_cache_stats()
+    before = llm.engine.stats().kv_cache
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": list(p)} for p in workload.prompts], params,
                            use_tqdm=False)
     elapsed = time.perf_counter() - start
-    stats = llm.engine.kv_cache_stats()
+    stats = llm.engine.stats().kv_cache
     ttfts = [o.metrics.time_to_first_token_s for o in outputs]
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_in = sum(len(p) for p in workload.prompts)
@@ -102,8 +102,7 @@ def measure_sharing(engine_args, prompt_len: int = 1000, n: int = 8,
             engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
         peak = 0
         while engine.has_unfinished_requests():
-            engine.step()
-            stats = engine.kv_cache_stats()
+            stats = engine.step().stats.kv_cache
             peak = max(peak, stats.num_blocks - stats.num_free_blocks)
         peaks[label] = peak
         del engine

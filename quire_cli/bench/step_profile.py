@@ -131,14 +131,17 @@ def sweep_batch_sizes(engine_args, sizes, *, prompt_len: int, output_len: int,
             temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
         for i, prompt in enumerate(_prompts(size, prompt_len, vocab_size, 2)):
             engine.add_request(f"sweep-{i}", prompt, params)
-        while len(engine.scheduler.waiting) or any(  # prefill everyone, untimed
-                r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
-            engine.step()
+        # prefill everyone, untimed: until nothing waits and every running request has only
+        # its last sampled token left to compute
+        stats = engine.stats().scheduler
+        while stats.num_waiting or stats.num_queued_tokens > stats.num_running:
+            stats = engine.step().stats.scheduler
         profiler = StepProfiler(engine)
         start = time.perf_counter()
         produced = 0
         while engine.has_unfinished_requests():
-            produced += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+            produced += sum(len(o.outputs[0].token_ids) for o in engine.step().outputs
+                            if o.finished)
         elapsed = time.perf_counter() - start
         # every request had its first token from the prefill; the rest came from these steps
         decoded = produced - size

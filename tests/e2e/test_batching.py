@@ -40,9 +40,9 @@ def test_same_tokens_alone_batched_chunked_and_preempted(tiny_model_dir, seeded)
     block_bytes = 3 * 2 * 16 * 2 * 16 * 4  # layers * (K, V) * block * kv_heads * head_dim * fp32
     llm, preempted = _run(tiny_model_dir, PROMPTS, params, kv_cache_memory_bytes=14 * block_bytes)
     assert llm.engine.num_blocks == 14
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().scheduler.num_preemptions > 0
     assert preempted == alone
-    assert llm.engine.kv_cache_stats().num_free_blocks == 14
+    assert llm.engine.stats().kv_cache.num_free_blocks == 14
 
 
 def test_every_block_returns_after_finish_and_abort(tiny_model_dir):
@@ -54,17 +54,16 @@ def test_every_block_returns_after_finish_and_abort(tiny_model_dir):
                            SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     for _ in range(5):
         engine.step()
-    assert engine.kv_cache_stats().num_free_blocks < total
+    assert engine.stats().kv_cache.num_free_blocks < total
     engine.abort_request(["r0", "r3", "r5"])
     finished = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.finished:
                 finished[out.request_id] = out.outputs[0].finish_reason
     assert finished == {f"r{i}": ("abort" if i in (0, 3, 5) else "length") for i in range(8)}
-    stats = engine.kv_cache_stats()
+    stats = engine.stats().kv_cache
     assert stats.num_free_blocks == total and stats.num_allocated_slots == 0
-    assert engine.kv_cache_manager.pool.free_queue.num_free_blocks == total
 
 
 def test_memory_is_wasted_only_in_last_blocks(tiny_model_dir):
@@ -74,16 +73,22 @@ def test_memory_is_wasted_only_in_last_blocks(tiny_model_dir):
         engine.add_request(f"r{i}", {"prompt_token_ids": p},
                            SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     seen_running = 0
+    num_tokens = {}  # per running request, from its outputs: prompt and sampled tokens
     while engine.has_unfinished_requests():
-        engine.step()
-        stats = engine.kv_cache_stats()
-        running = engine.scheduler.num_running
+        result = engine.step()
+        for out in result.outputs:
+            num_tokens[out.request_id] = len(out.prompt_token_ids) + len(
+                out.outputs[0].token_ids)
+            if out.finished:
+                del num_tokens[out.request_id]
+        stats, running = result.stats.kv_cache, result.stats.scheduler.num_running
         seen_running = max(seen_running, running)
         assert 0 <= stats.num_allocated_slots - stats.num_used_slots < 16 * max(running, 1)
-        for req_id in engine.scheduler.requests:
-            blocks = engine.kv_cache_manager.get_block_ids(req_id)
-            used = engine.kv_cache_manager._req_num_tokens.get(req_id, 0)
-            assert len(blocks) == -(-used // 16), "a request holds more blocks than it needs"
+        if len(num_tokens) == running:  # every holder of blocks has sampled
+            # each holds the blocks of its cached tokens (all but the last sampled), no more
+            assert stats.num_allocated_slots == 16 * sum(-(-(n - 1) // 16)
+                                                          for n in num_tokens.values()), \
+                "a request holds more blocks than it needs"
     assert seen_running == len(PROMPTS)
 
 
@@ -98,7 +103,7 @@ def test_late_request_joins_running_batch(tiny_model_dir):
                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     order = []
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.finished:
                 order.append(out.request_id)
     # the late request was batched with the running one and finished first
@@ -118,5 +123,5 @@ def test_impossible_requests_are_rejected_at_once(tiny_model_dir):
     out = llm.generate({"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=5,
                                                                       ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 5
-    assert llm.engine.kv_cache_stats().num_free_blocks == 4
+    assert llm.engine.stats().kv_cache.num_free_blocks == 4
     assert not llm.engine.has_unfinished_requests()

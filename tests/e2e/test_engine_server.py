@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +33,23 @@ class RunningServer(LoopThread):
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    @property
+    def load(self):
+        """The counts the engine loop published after its last step."""
+        return self.server.async_engine.load
+
+    def holds_no_request(self) -> bool:
+        return self.load.num_running == 0 and self.load.num_waiting == 0
+
+    def cached_block_hashes(self) -> frozenset[int]:
+        """Every block hash the engine's prefix cache holds, read on the engine loop thread
+        (the snapshot a KV-event subscriber starts from)."""
+        async def read():
+            snapshot, sink = await self.server.async_engine.subscribe_kv_events()
+            self.server.async_engine.unsubscribe_kv_events(sink)
+            return snapshot.block_hashes
+        return self.call(read())
 
 
 def _engine(model_dir, **kwargs) -> LLMEngine:
@@ -80,13 +96,12 @@ def test_streams_the_same_tokens_as_the_offline_api(server, tiny_model_dir):
 def test_many_concurrent_streams_and_a_late_joiner(server):
     def run(i):
         return _collect(server.stub.Generate(_request(PROMPT[:10] + [1000 + i], max_tokens=200)))
-    engine = server.server.async_engine.engine
     with ThreadPoolExecutor(40) as pool:
         futures = [pool.submit(run, i) for i in range(36)]
         deadline = time.monotonic() + 30
-        while engine.scheduler.num_running < 36 and time.monotonic() < deadline:
+        while server.load.num_running < 36 and time.monotonic() < deadline:
             time.sleep(0.005)
-        assert engine.scheduler.num_running == 36  # all decoding together
+        assert server.load.num_running == 36  # all decoding together
         late = server.stub.Generate(_request([7, 8, 9], max_tokens=2))
         first_message = next(late)
         # it joined the running batch: its first token came while the others still decode
@@ -98,25 +113,23 @@ def test_many_concurrent_streams_and_a_late_joiner(server):
 
 
 def test_cancelling_a_stream_aborts_and_frees_blocks(server):
-    engine = server.server.async_engine.engine
     stream = server.stub.Generate(_request(PROMPT, max_tokens=10_000 - len(PROMPT) - 100))
     next(stream)
     stream.cancel()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and engine.scheduler.num_running:
+    while time.monotonic() < deadline and server.load.num_running:
         time.sleep(0.05)
-    assert engine.scheduler.num_running == 0 and not engine.scheduler.requests
+    assert server.load.num_running == 0 and server.holds_no_request()
 
 
 def test_deadline_is_honoured_and_work_stops(server):
-    engine = server.server.async_engine.engine
     with pytest.raises(grpc.RpcError) as err:
         _collect(server.stub.Generate(_request(PROMPT, max_tokens=900), timeout=0.5))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and engine.scheduler.requests:
+    while time.monotonic() < deadline and not server.holds_no_request():
         time.sleep(0.05)
-    assert not engine.scheduler.requests
+    assert server.holds_no_request()
 
 
 @pytest.mark.parametrize("request_, field", [
@@ -181,8 +194,7 @@ def test_load_reports_and_kv_event_feed(server):
     feed = server.stub.StreamKVEvents(pb.StreamKVEventsRequest())
     mirror = KVCacheMirror.from_snapshot(snapshot_from_proto(next(feed).snapshot))
     _collect(server.stub.Generate(_request(list(range(5000, 5050)), max_tokens=4)))
-    engine = server.server.async_engine.engine
-    truth = server.call(asyncio.to_thread(lambda: set(engine.kv_cache_manager.pool.cached)))
+    truth = server.cached_block_hashes()
     deadline = time.monotonic() + 10
     while mirror.block_hashes != truth and time.monotonic() < deadline:
         assert mirror.apply(batch_from_proto(next(feed).batch))

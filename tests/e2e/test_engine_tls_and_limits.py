@@ -102,7 +102,7 @@ def test_full_queue_gets_resource_exhausted_and_others_keep_flowing(tiny_model_d
         next(running)
         waiting = server.stub.Generate(_request([4, 5, 6], max_tokens=2))
         deadline = time.monotonic() + 10
-        while engine.scheduler.num_waiting < 1 and time.monotonic() < deadline:
+        while server.load.num_waiting < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         with pytest.raises(grpc.RpcError) as err:
             _collect(server.stub.Generate(_request([7, 8, 9], max_tokens=2)))

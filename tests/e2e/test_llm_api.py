@@ -198,7 +198,7 @@ def test_bad_prompts_name_the_field_and_spare_others(llm):
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.kv_cache_stats().num_free_blocks == llm.engine.num_blocks
+    assert llm.engine.stats().kv_cache.num_free_blocks == llm.engine.num_blocks
 
 
 def test_unknown_model_path_and_architecture(tmp_path):
@@ -238,7 +238,7 @@ def test_limits_on_logprobs_and_sample_ids(llm):
         engine.add_request("x", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(n=2))
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.kv_cache_stats().num_free_blocks == engine.num_blocks
+    assert engine.stats().kv_cache.num_free_blocks == engine.num_blocks
 
 
 def test_delta_outputs_of_parallel_samples_carry_only_news(llm):
@@ -252,7 +252,7 @@ def test_delta_outputs_of_parallel_samples_carry_only_news(llm):
     pieces: dict[int, list[int]] = {0: [], 1: [], 2: []}
     finishes: dict[int, int] = {0: 0, 1: 0, 2: 0}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step().outputs:
             for c in out.outputs:
                 assert c.token_ids, "a sample without news was sent"
                 pieces[c.index] += c.token_ids

@@ -36,8 +36,8 @@ def test_outputs_identical_with_and_without_caching(tiny_model_dir, seeded):
     assert first[0].outputs[0].token_ids == ref[0]
     assert [o.outputs[0].token_ids for o in second] == ref
     assert [o.num_cached_tokens for o in second[:3]] == [32, 32, 32]
-    assert off.engine.kv_cache_stats().prefix_cache_hits == 0
-    stats = on.engine.kv_cache_stats()
+    assert off.engine.stats().kv_cache.prefix_cache_hits == 0
+    stats = on.engine.stats().kv_cache
     assert stats.prefix_cache_hits > 0 and stats.prefix_cache_queries > stats.prefix_cache_hits
 
 
@@ -79,8 +79,7 @@ def _peak_blocks(engine: LLMEngine, prompt, params_list) -> int:
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
     peak = 0
     while engine.has_unfinished_requests():
-        engine.step()
-        stats = engine.kv_cache_stats()
+        stats = engine.step().stats.kv_cache
         peak = max(peak, stats.num_blocks - stats.num_free_blocks)
     return peak
 
@@ -101,7 +100,7 @@ def test_parallel_samples_hold_the_prompt_once(tiny_model_dir):
     assert peak_separate >= 8 * prompt_blocks
     # the prompt once, plus per sample at most its copied partial block and one new block
     assert peak_shared <= prompt_blocks + 8 * 2
-    assert shared.kv_cache_stats().num_free_blocks == shared.num_blocks
+    assert shared.stats().kv_cache.num_free_blocks == shared.num_blocks
 
 
 def test_parallel_samples_match_separate_seeded_requests(tiny_model_dir):
@@ -125,18 +124,16 @@ def test_kv_events_rebuild_the_cache_exactly(tiny_model_dir):
         for i, prompt in enumerate(PROMPTS[wave * 3:wave * 3 + 3] or PROMPTS[:3]):
             engine.add_request(f"w{wave}-{i}", {"prompt_token_ids": prompt}, params)
         while engine.has_unfinished_requests():
-            engine.step()
-            for batch in engine.take_kv_events():
+            for batch in engine.step().kv_event_batches:
                 assert mirror.apply(batch)
                 if late is not None:
                     assert late.apply(batch)
             if wave == 1 and late is None:
                 late = KVCacheMirror.from_snapshot(engine.kv_cache_snapshot())
-    truth = set(engine.kv_cache_manager.pool.cached)
+    truth = engine.kv_cache_snapshot().block_hashes
     assert truth and mirror.block_hashes == truth and late.block_hashes == truth
-    assert engine.kv_cache_snapshot().block_hashes == truth
     assert engine.reset_prefix_cache()
-    (cleared,) = engine.take_kv_events()
+    (cleared,) = engine.step().kv_event_batches  # the next step carries it
     assert mirror.apply(cleared) and mirror.block_hashes == set()
 
 
@@ -156,7 +153,7 @@ def test_beam_search_matches_transformers(tiny_model_dir):
             [s[len(prompt):].tolist() for s in ref.sequences]
         assert [b.score(len(prompt), 1.0) for b in output.sequences] == \
             pytest.approx(ref.sequences_scores.tolist(), abs=1e-4)
-    assert llm.engine.kv_cache_stats().prefix_cache_hits > 0  # beams shared their blocks
+    assert llm.engine.stats().kv_cache.prefix_cache_hits > 0  # beams shared their blocks
 
 
 def test_a_failed_step_publishes_nothing(tiny_model_dir, monkeypatch):
@@ -171,9 +168,9 @@ def test_a_failed_step_publishes_nothing(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(engine.runner, "model", broken_forward)
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
-    assert engine.kv_cache_manager.pool.cached == {}
-    assert all(not any(type(e).__name__ == "BlockStored" for e in b.events)
-               for b in engine.take_kv_events())
+    snapshot = engine.kv_cache_snapshot()
+    # nothing findable and no event at all: no batch was ever sealed
+    assert snapshot.block_hashes == frozenset() and snapshot.seq == 0
     from engine_worker.engine import EngineDeadError
 
     with pytest.raises(EngineDeadError, match="injected device failure"):

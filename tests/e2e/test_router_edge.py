@@ -161,8 +161,8 @@ def test_a_request_past_its_deadline_is_a_504(engines):
         status, answer = _http(router, "POST", "/v1/completions",
                                {"prompt": "go on", "max_tokens": 4000, "ignore_eos": True})
         assert status == 504 and answer["error"]["type"] == "timeout_error"
-        assert wait_for(lambda: all(not e.server.async_engine.engine.scheduler.requests
-                                    for e in engines))  # the engine stopped the work
+        # the engines stopped the work
+        assert wait_for(lambda: all(e.holds_no_request() for e in engines))
     finally:
         router.close()
 

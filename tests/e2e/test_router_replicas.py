@@ -13,8 +13,7 @@ def _index(router: RunningRouter) -> dict[str, frozenset[int]]:
 
 
 def _truth(engines) -> dict[str, frozenset[int]]:
-    return {f"127.0.0.1:{e.port}": frozenset(e.server.async_engine.engine.kv_cache_manager.pool
-                                             .cached) for e in engines}
+    return {f"127.0.0.1:{e.port}": e.cached_block_hashes() for e in engines}
 
 
 def test_two_replicas_hold_the_same_index(tiny_model_dir):

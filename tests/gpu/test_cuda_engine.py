@@ -36,5 +36,5 @@ def test_cuda_seeded_sampling_and_preemption(tiny_model_dir):
                 kv_cache_memory_bytes=10 * 3 * 2 * 16 * 2 * 16 * 4)
     a = roomy.generate([{"prompt_token_ids": p} for p in TINY_PROMPTS], params, use_tqdm=False)
     b = tight.generate([{"prompt_token_ids": p} for p in TINY_PROMPTS], params, use_tqdm=False)
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.stats().scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]

@@ -17,11 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine_worker.kv_cache.manager import KVCacheManager
-from engine_worker.model_runner.output import ModelRunnerOutput
 from engine_worker.request import Request, RequestStatus
 from engine_worker.sampling_params import SamplingParams
-from engine_worker.scheduler.output import SchedulerOutput
-from engine_worker.scheduler.scheduler import EngineCoreOutput, Scheduler
+from engine_worker.scheduler.scheduler import Scheduler
+from engine_worker.step_types import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 
 EOS = 2
 TOKEN = 7  # what the fake model samples unless told otherwise
@@ -61,7 +60,6 @@ class FakeRunner:
         self.block_tables: dict[str, list[int]] = {}
         self.token_ids: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
-        self.fork_children: dict[str, tuple[str, ...]] = {}
         # block id -> per slot, the token sequence (up to and including the slot's position)
         # whose K/V the slot holds; None where nothing was written
         self.cache: dict[int, list[tuple[int, ...] | None]] = {}
@@ -72,13 +70,11 @@ class FakeRunner:
         for req_id in out.finished_req_ids:
             assert req_id in self.block_tables, f"finished {req_id} was never sent to the runner"
             del self.block_tables[req_id], self.token_ids[req_id], self.num_computed[req_id]
-            self.fork_children.pop(req_id, None)
         for new in out.new_requests:
             assert new.req_id not in self.block_tables, f"{new.req_id} sent as new twice"
             self.block_tables[new.req_id] = list(new.block_ids)
             self.token_ids[new.req_id] = list(new.prompt_token_ids)
             self.num_computed[new.req_id] = new.num_computed_tokens
-            self.fork_children[new.req_id] = tuple(c for c, _ in new.fork_children)
         for cached in out.cached_requests:
             table = self.block_tables[cached.req_id]
             if cached.replace_block_table:
@@ -103,19 +99,21 @@ class FakeRunner:
                                     + out.num_scheduled_tokens.get(req_id, 0))
 
         sampled = {}
+        forks = {parent: [f.req_id for f in group]
+                 for parent, group in out.forks_by_parent().items()}
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             if self.num_computed[req_id] + num_tokens >= len(self.token_ids[req_id]):
-                samples = [req_id, *self._fork(req_id, num_tokens)]
+                samples = [req_id, *self._fork(req_id, num_tokens, forks.pop(req_id, []))]
                 for sample_id in samples:  # the samples of one prompt share its logits
                     token = pick(sample_id)
                     self.token_ids[sample_id].append(token)
                     sampled[sample_id] = (token,)
             self.num_computed[req_id] += num_tokens
+        assert not forks, f"forks of requests that sample nothing this step: {sorted(forks)}"
         return ModelRunnerOutput(sampled, {}, {})
 
-    def _fork(self, parent_id: str, num_tokens: int) -> list[str]:
+    def _fork(self, parent_id: str, num_tokens: int, children: list[str]) -> list[str]:
         """n > 1: the children copy the parent's table and tokens, before its sampled token."""
-        children = list(self.fork_children.pop(parent_id, ()))
         for child_id in children:
             assert child_id not in self.block_tables, f"{child_id} forked twice"
             self.block_tables[child_id] = list(self.block_tables[parent_id])
@@ -185,8 +183,8 @@ def waiting_ids(sched: Scheduler) -> list[str]:
 
 def assert_all_blocks_free(sched: Scheduler) -> None:
     kv = sched.kv
-    assert kv.num_free_blocks == kv.num_blocks
-    assert sorted(kv.pool.free_queue.block_ids()) == list(range(kv.num_blocks))
+    assert kv.stats().num_free_blocks == kv.stats().num_blocks
+    assert sorted(kv.pool.free_queue.block_ids()) == list(range(kv.pool.num_blocks))
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
     stats = kv.stats()
     assert (stats.num_allocated_slots, stats.num_used_slots) == (0, 0)

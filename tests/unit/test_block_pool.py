@@ -132,7 +132,6 @@ def test_pool_starts_with_every_block_free_in_id_order():
     assert pool.num_free_blocks == 6
     assert pool.free_queue.block_ids() == [0, 1, 2, 3, 4, 5]
     assert [b.ref_cnt for b in pool.blocks] == [0] * 6
-    assert pool.usage() == 0.0
 
 
 @pytest.mark.parametrize("num_blocks", [0, -1])
@@ -150,7 +149,6 @@ def test_pool_hands_out_blocks_from_head_with_ref_count_one():
     assert pool.free_queue.block_ids() == [3, 4]
     assert ids(pool.get_new_blocks(2)) == [3, 4]
     assert pool.num_free_blocks == 0
-    assert pool.usage() == 1.0
 
 
 def test_pool_get_zero_blocks_is_a_no_op():
@@ -200,14 +198,6 @@ def test_pool_double_free_is_caught():
         pool.free_blocks([block])
     assert block.ref_cnt == 0
     assert pool.free_queue.block_ids() == [1, 0]
-
-
-def test_pool_usage_is_fraction_of_blocks_held():
-    pool = BlockPool(4)
-    pool.get_new_blocks(1)
-    assert pool.usage() == 0.25
-    pool.get_new_blocks(2)
-    assert pool.usage() == 0.75
 
 
 # --------------------------------------------------------------------------- prefix cache

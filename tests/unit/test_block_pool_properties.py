@@ -312,7 +312,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             event(f"evictions: {self.num_evictions > 0}")
             for req_id in self.live_ids():
                 self.kv.free(req_id)
-            assert self.kv.num_free_blocks == self.kv.num_blocks
+            assert self.kv.stats().num_free_blocks == self.kv.stats().num_blocks
 
 
 PrefixCacheMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50,

@@ -54,7 +54,7 @@ def test_allocate_hands_out_blocks_in_free_queue_order():
     assert kv.allocate_slots("b", 0, 4) == Allocation((3,))
     assert kv.get_block_ids("a") == [0, 1, 2]
     assert kv.get_block_ids("b") == [3]
-    assert kv.num_free_blocks == 4
+    assert kv.stats().num_free_blocks == 4
     assert kv.pool.free_queue.block_ids() == [4, 5, 6, 7]
 
 
@@ -96,7 +96,7 @@ def test_allocate_returns_none_and_changes_nothing_for_a_growing_request():
     assert kv.get_block_ids("a") == [0, 1]
     # exactly enough still succeeds, taking the last free block
     assert alloc(kv, "a", 5, 7) == [3]
-    assert kv.num_free_blocks == 0
+    assert kv.stats().num_free_blocks == 0
 
 
 def test_free_releases_tail_first():
@@ -109,7 +109,7 @@ def test_free_releases_tail_first():
     assert kv.get_block_ids("a") == []
     kv.free("b")
     assert kv.pool.free_queue.block_ids() == [4, 5, 2, 1, 0, 3]
-    assert kv.num_free_blocks == 6
+    assert kv.stats().num_free_blocks == 6
 
 
 def test_freed_blocks_are_reused_after_older_free_blocks_tail_block_first():
@@ -166,7 +166,7 @@ def test_waste_per_request_is_below_block_size(num_tokens):
 def test_manager_exposes_pool_sizes():
     kv = KVCacheManager(num_blocks=7, block_size=8)
     assert kv.enable_prefix_caching  # on unless turned off
-    assert kv.num_blocks == 7
+    assert kv.stats().num_blocks == 7
     assert kv.num_blocks_for(0) == 0
     assert kv.num_blocks_for(8) == 1
     assert kv.num_blocks_for(9) == 2
@@ -184,7 +184,7 @@ def test_fork_shares_the_whole_table_and_the_first_write_copies_the_shared_parti
     assert kv.get_block_ids("b") == [0, 1]
     assert refs(kv) == [2, 2, 0, 0, 0, 0, 0, 0]
     assert kv.pool.free_queue.block_ids() == [2, 3, 4, 5, 6, 7]
-    assert kv.num_blocks - kv.num_free_blocks == 2  # distinct blocks in use
+    assert kv.stats().num_blocks - kv.stats().num_free_blocks == 2  # distinct blocks in use
     assert kv.stats().num_used_slots == 12  # 6 tokens in each table
 
     # a writes position 6 into shared block 1: a private copy (block 2) replaces it in a's table
@@ -330,6 +330,6 @@ def test_random_allocate_free_keeps_every_block_accounted_for(num_blocks, block_
         check_invariants(kv, model_tokens)
     for req_index in range(NUM_REQS):
         kv.free(f"r{req_index}")
-    assert kv.num_free_blocks == num_blocks
+    assert kv.stats().num_free_blocks == num_blocks
     assert kv.stats() == stats(num_blocks=num_blocks, num_free_blocks=num_blocks,
                                num_allocated_slots=0, num_used_slots=0)

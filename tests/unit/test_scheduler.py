@@ -4,11 +4,11 @@ aborts and stop rules (prefix caching off, so block ids are exact). See schedule
 
 from __future__ import annotations
 
-from engine_worker.model_runner.output import ModelRunnerOutput, SampledLogprobs
 from engine_worker.request import Request, RequestStatus
-from engine_worker.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine_worker.scheduler.queue import QUEUE_POLICIES, FCFSQueue, PriorityQueue
-from engine_worker.scheduler.scheduler import EngineCoreOutput, Scheduler
+from engine_worker.scheduler.scheduler import Scheduler
+from engine_worker.step_types import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                                      NewRequestData, SampledLogprobs, SchedulerOutput)
 from tests.unit.scheduler_harness import (EOS, TOKEN, FakeRunner, assert_all_blocks_free,
                                           make_request, running_ids, setup, step, waiting_ids)
 
@@ -18,7 +18,7 @@ def test_single_request_prefill_then_decode_then_length_cap():
     sched, runner = setup(block_size=4)
     request = make_request("a", 6, max_tokens=4)
     sched.add_request(request)
-    assert (sched.num_waiting, sched.num_running) == (1, 0)
+    assert (sched.stats().num_waiting, sched.stats().num_running) == (1, 0)
 
     out, core = step(sched, runner)
     assert out.new_requests == (NewRequestData(
@@ -205,7 +205,7 @@ def test_fcfs_preempts_the_latest_admitted_and_resumes_it_with_its_full_table():
         sched.add_request(make_request(req_id, num_prompt))
     out, _ = step(sched, runner)
     assert [n.block_ids for n in out.new_requests] == [(0,), (1,), (2, 3)]
-    assert sched.kv.num_free_blocks == 0
+    assert sched.kv.stats().num_free_blocks == 0
 
     # a and b each need a second block: c (admitted last) is preempted, blocks freed 3 then 2
     c = sched.requests["c"]
@@ -311,7 +311,7 @@ def test_priority_policy_preempts_the_worst_priority_and_undoes_its_step():
     sched.add_request(make_request("vip", 2, priority=0))
     step(sched, runner)  # bulk decodes into block 1; vip admitted into block 2
     assert running_ids(sched) == ["bulk", "vip"]
-    assert sched.kv.num_free_blocks == 0
+    assert sched.kv.stats().num_free_blocks == 0
 
     out, _ = step(sched, runner)
     # bulk's decode (position 3, block 1) is scheduled first; vip then needs a block and the

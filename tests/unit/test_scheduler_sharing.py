@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from engine_worker.request import RequestStatus
-from engine_worker.scheduler.output import CachedRequestData, NewRequestData
-from engine_worker.scheduler.scheduler import EngineCoreOutput, Scheduler
+from engine_worker.scheduler.scheduler import Scheduler
+from engine_worker.step_types import CachedRequestData, EngineCoreOutput, NewRequestData
 from tests.unit.scheduler_harness import (EOS, TOKEN, FakeRunner, assert_all_blocks_free,
                                           make_request, running_ids, setup, step)
 
@@ -130,7 +130,7 @@ def test_n_samples_fork_after_the_prompt_and_copy_the_shared_partial_block_on_wr
     parent = make_request("p", 6, max_tokens=3, num_samples=3)
     sched.add_request(parent)
     out, core = step(sched, runner, {"p": 10, "p-1": 11, "p-2": 12})
-    assert [c for c, _ in out.new_requests[0].fork_children] == ["p-1", "p-2"]
+    assert [(f.parent_req_id, f.req_id) for f in out.forks] == [("p", "p-1"), ("p", "p-2")]
     # one prefill, three first tokens drawn from its logits
     assert core == [EngineCoreOutput("p", (10,)), EngineCoreOutput("p-1", (11,)),
                     EngineCoreOutput("p-2", (12,))]
@@ -161,8 +161,9 @@ def test_fork_after_a_chunked_prompt_and_a_full_last_block_copies_nothing():
     sched, runner = setup(block_size=4, max_num_batched_tokens=5)
     sched.add_request(make_request("p", 8, max_tokens=2, num_samples=2))
     out, core = step(sched, runner)
-    assert core == []  # mid-prefill: no fork yet
+    assert core == [] and out.forks == ()  # mid-prefill: no fork yet
     out, core = step(sched, runner, {"p": 10, "p-1": 11})
+    assert [(f.parent_req_id, f.req_id) for f in out.forks] == [("p", "p-1")]
     assert [c.new_token_ids for c in core] == [(10,), (11,)]
     out, _ = step(sched, runner)
     assert out.block_copies == ()
@@ -249,4 +250,4 @@ def test_forks_respect_max_num_seqs():
     for _ in range(3):
         out, _ = step(sched, runner)
         assert len(out.num_scheduled_tokens) <= 2
-        assert sched.num_running <= 2
+        assert sched.stats().num_running <= 2

@@ -22,7 +22,7 @@ def test_mixed_workload_with_preemptions_returns_every_block():
     while sched.has_unfinished_requests():
         out, _ = step(sched, runner)
         assert out.total_num_scheduled_tokens <= 16
-        assert sched.num_running <= 4
+        assert sched.stats().num_running <= 4
         num_steps += 1
         if num_steps == 3:
             for request in requests[3:]:
@@ -102,7 +102,7 @@ def test_random_workloads_finish_and_return_every_block(specs, block_size, extra
                 final[output.req_id] = output.finish_status
         reported_finished.extend(out.finished_req_ids)
         assert out.total_num_scheduled_tokens <= budget
-        assert sched.num_running <= max_num_seqs
+        assert sched.stats().num_running <= max_num_seqs
         assert not out.preempted_req_ids & set(out.num_scheduled_tokens)
         free_ids = sched.kv.pool.free_queue.block_ids()
         tables = [sched.kv.get_block_ids(i) for i in all_ids]
