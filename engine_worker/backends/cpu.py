@@ -109,11 +109,12 @@ def kernel_supports(head_dim: int) -> bool:
 
 class CpuPagedAttentionBackend:
     """Stateless; one instance serves every layer. Head sizes the kernel does not take go to
-    the reference."""
+    the reference. ``ops`` gives the namespace whose ``write_kv`` / ``paged_attention`` it
+    calls (the AVX-512 set's by default; ``cpu-avx2`` passes its own)."""
 
-    name = "cpu"
-
-    def __init__(self) -> None:
+    def __init__(self, name: str = "cpu", ops=None) -> None:
+        self.name = name
+        self._ops = ops or _ops
         self._reference = TorchAttentionBackend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -121,11 +122,12 @@ class CpuPagedAttentionBackend:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         if not kernel_supports(q.shape[-1]):
             return self._reference.forward(q, k, v, kv_cache, meta, scale)
-        _ops().write_kv(kv_cache, k, v, meta.slot_mapping)
+        ops = self._ops()
+        ops.write_kv(kv_cache, k, v, meta.slot_mapping)
         q = q.contiguous()
         out = torch.empty_like(q)
-        _ops().paged_attention(out, q, kv_cache, meta.block_tables, meta.query_start_loc,
-                               meta.seq_lens, scale)
+        ops.paged_attention(out, q, kv_cache, meta.block_tables, meta.query_start_loc,
+                            meta.seq_lens, scale)
         return out
 
 

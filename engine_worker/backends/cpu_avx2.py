@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from engine_worker.attention.metadata import AttentionMetadata
 from engine_worker.backends.base import Backend, LayersFn, LinearWeights, LlamaStack
-from engine_worker.backends.reference import TorchAttentionBackend
+from engine_worker.backends.cpu import CpuPagedAttentionBackend, kernel_supports
 from engine_worker.layers.activation import silu_and_mul
 from engine_worker.layers.norm import rms_norm
 from engine_worker.layers.rotary import apply_rope
@@ -91,32 +91,6 @@ def avx2_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: to
     return apply_rope(positions, q, k, cos, sin)
 
 
-def kernel_supports(head_dim: int) -> bool:
-    return head_dim % 16 == 0 and head_dim <= 512
-
-
-class Avx2PagedAttentionBackend:
-    """Stateless. Under fp32 queries the cache may be bf16 or fp16 (half the bytes a decode
-    reads), widened in the kernel. Head sizes the kernel does not take go to the reference."""
-
-    name = "cpu-avx2"
-
-    def __init__(self) -> None:
-        self._reference = TorchAttentionBackend()
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-        if not kernel_supports(q.shape[-1]):
-            return self._reference.forward(q, k, v, kv_cache, meta, scale)
-        _ops().write_kv(kv_cache, k, v, meta.slot_mapping)
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        _ops().paged_attention(out, q, kv_cache, meta.block_tables, meta.query_start_loc,
-                               meta.seq_lens, scale)
-        return out
-
-
 def _weight(lin: LinearWeights) -> torch.Tensor | None:
     """What the fused ops take for a linear layer: its panels, or its fp32 weight."""
     if lin.packed is not None:
@@ -175,5 +149,7 @@ def unavailable_reason(device: torch.device) -> str | None:
 CPU_AVX2 = Backend(
     name="cpu-avx2", description="compiled CPU kernels, AVX2", linear=avx2_linear,
     pack_weight=avx2_pack_weight, rms_norm=avx2_rms_norm, silu_and_mul=avx2_silu_and_mul,
-    rope=avx2_rope, attention=Avx2PagedAttentionBackend(), llama_layers=avx2_llama_layers,
+    rope=avx2_rope,
+    # the same varlen call; under fp32 queries the AVX2 set also reads bf16 / fp16 caches
+    attention=CpuPagedAttentionBackend("cpu-avx2", _ops), llama_layers=avx2_llama_layers,
     unavailable_reason=unavailable_reason)

@@ -24,7 +24,7 @@ import pytest
 
 from quire.block_hash import hash_block_tokens
 from quire.v1 import engine_pb2 as pb
-from tests.e2e.router_harness import RunningRouter, collect, request
+from tests.e2e.router_harness import RunningRouter, collect, request, wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -113,15 +113,6 @@ def router(vllm_servers, embedded_model_dir):
     running.close()
 
 
-def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_answers_equal_vllms_own(router, vllm_servers):
     ids = list(range(300, 340))
     want = vllm_servers[0].completion(ids)["choices"][0]
@@ -148,8 +139,8 @@ def test_a_shared_prefix_follows_its_engine_and_the_index_is_vllms(router, vllm_
     _, first = collect(router.stub.Generate(request(prefix + [7, 8]), timeout=120))
     engine = router.last_engine()
     hashes = hash_block_tokens(prefix, BLOCK_SIZE)
-    assert _wait_for(lambda: set(hashes) <= router.read(router.server.pool.cached_blocks)
-                     .get(engine, frozenset()))
+    assert wait_for(lambda: set(hashes) <= router.read(router.server.pool.cached_blocks)
+                    .get(engine, frozenset()), timeout_s=30)
     for tail in ([9], [10, 11, 12]):
         _, last = collect(router.stub.Generate(request(prefix + tail), timeout=120))
         assert router.last_engine() == engine

@@ -18,26 +18,13 @@ pytest.importorskip("triton")
 from engine_worker.backends.reference import TorchAttentionBackend  # noqa: E402
 from engine_worker.attention.triton_backend import (TritonAttentionBackend,  # noqa: E402
                                                     triton_write_kv)
-from engine_worker.model_runner.inputs import build_step_inputs  # noqa: E402
-from engine_worker.model_runner.runner import RunnerRequestState  # noqa: E402
+from tests.attention_steps import make_step  # noqa: E402
 
 NUM_BLOCKS = 40
 
 
-def _step(rng: random.Random, shapes: list[tuple[int, int]], block_size: int):
-    """Requests as (context_len, query_len), decodes first, blocks shuffled in the pool."""
-    free = list(range(NUM_BLOCKS))
-    rng.shuffle(free)
-    states = []
-    for context_len, query_len in shapes:
-        total = context_len + query_len
-        block_ids = [free.pop() for _ in range(-(-total // block_size))]
-        states.append(RunnerRequestState(
-            req_id=str(rng.random()), token_ids=[0] * total, num_prompt_tokens=total,
-            params=None, block_ids=block_ids, num_computed_tokens=context_len, generator=None))
-    _, _, meta, _ = build_step_inputs(states, [n for _, n in shapes], block_size,
-                                      torch.device("cpu"))
-    return meta
+def _step(rng: random.Random, shapes, block_size: int):
+    return make_step(rng, shapes, block_size, NUM_BLOCKS)
 
 
 # (context_len, query_len): decodes first, then prefill chunks, some over cached context

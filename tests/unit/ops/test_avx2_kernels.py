@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from tests.attention_steps import STEPS, make_step
 from engine_worker.backends import BACKENDS
 from engine_worker.backends.cpu_avx2 import CPU_AVX2 as AVX2
 from engine_worker.backends.reference import TorchAttentionBackend
@@ -20,8 +21,6 @@ from engine_worker.ops import cpu_ops_unavailable_reason, load_cpu_ops
 from engine_worker.layers.linear import Linear
 from engine_worker.layers.norm import RMSNorm, rms_norm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding, apply_rope
-from engine_worker.model_runner.inputs import build_step_inputs
-from engine_worker.model_runner.runner import RunnerRequestState
 from engine_worker.models.llama import LlamaConfig, LlamaForCausalLM
 
 
@@ -92,33 +91,8 @@ def test_rotary_embedding_matches_reference_in_place(dtype):
 NUM_BLOCKS = 96
 
 
-def _state(rng: random.Random, context_len: int, query_len: int, block_size: int,
-           free_blocks: list[int]) -> RunnerRequestState:
-    num_blocks = -(-(context_len + query_len) // block_size)
-    block_ids = [free_blocks.pop() for _ in range(num_blocks)]
-    return RunnerRequestState(
-        req_id=str(rng.random()), token_ids=[0] * (context_len + query_len),
-        num_prompt_tokens=context_len + query_len, params=None, block_ids=block_ids,
-        num_computed_tokens=context_len, generator=None)
-
-
 def _step(rng, shapes, block_size):
-    """Requests as (context_len, query_len), decodes first, blocks scattered in the pool."""
-    free = list(range(NUM_BLOCKS))
-    rng.shuffle(free)
-    states = [_state(rng, c, n, block_size, free) for c, n in shapes]
-    _, _, meta, _ = build_step_inputs(states, [n for _, n in shapes], block_size,
-                                      torch.device("cpu"))
-    return meta
-
-
-STEPS = {
-    "decodes": [(0, 1), (5, 1), (16, 1), (47, 1), (130, 1)],
-    "one_long_decode": [(300, 1)],  # alone and long: its kv heads split across threads
-    "prefill_from_empty": [(0, 37)],
-    "chunked_prefill_with_context": [(48, 33), (17, 16)],
-    "mixed": [(3, 1), (200, 1), (0, 70), (31, 9), (64, 1 + 64)],
-}
+    return make_step(rng, shapes, block_size, NUM_BLOCKS)
 
 
 def _attend(q, k, v, cache, meta, scale):
