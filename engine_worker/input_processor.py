@@ -6,6 +6,7 @@ request never occupies the queue.
 
 from __future__ import annotations
 
+from quire.errors import FieldError
 from dataclasses import dataclass
 from typing import Union
 
@@ -45,21 +46,21 @@ class InputProcessor:
                 arrival_time: float, priority: int,
                 cache_salt: str | None = None) -> ProcessedRequest:
         if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id: must be a non-empty string")
+            raise FieldError("request_id", "must be a non-empty string")
         if not isinstance(params, SamplingParams):
-            raise ValueError("sampling_params: must be a SamplingParams")
+            raise FieldError("sampling_params", "must be a SamplingParams")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
-                raise ValueError(f"{name}: at most {MAX_LOGPROBS} per token, got {value}")
+                raise FieldError(name, f"at most {MAX_LOGPROBS} per token, got {value}")
         # the samples of one request run together: at most max_num_seqs of them
         check_n(params.n, self.max_num_seqs)
         if not isinstance(priority, int):
-            raise ValueError(f"priority: must be an integer, got {priority!r}")
+            raise FieldError("priority", f"must be an integer, got {priority!r}")
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             cache_salt = prompt["cache_salt"]
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError("cache_salt: must be a non-empty string")
+            raise FieldError("cache_salt", "must be a non-empty string")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
         # n > 1 is one request until its prompt is computed; then it forks into the samples,
@@ -87,25 +88,25 @@ class InputProcessor:
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+                raise FieldError("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt: must not be empty")
+                raise FieldError("prompt", "must not be empty")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
-                raise ValueError("prompt_token_ids: must not be empty")
+                raise FieldError("prompt_token_ids", "must not be empty")
             for token_id in prompt:
                 if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
-                    raise ValueError(f"prompt_token_ids: {token_id!r} is not a token id in "
+                    raise FieldError("prompt_token_ids", f"{token_id!r} is not a token id in "
                                      f"[0, {self.vocab_size})")
             return None, list(prompt)
-        raise ValueError(f"prompt: must be a string or a list of token ids, "
+        raise FieldError("prompt", f"must be a string or a list of token ids, "
                          f"got {type(prompt).__name__}")
 
     def _max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"prompt: {num_prompt_tokens} tokens leave no room to generate "
+            raise FieldError("prompt", f"{num_prompt_tokens} tokens leave no room to generate "
                              f"within max_model_len={self.max_model_len}")
         room = self.max_model_len - num_prompt_tokens
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -113,6 +114,6 @@ class InputProcessor:
         peak = num_prompt_tokens + max_tokens - 1
         if peak > self.kv_capacity_tokens:
             field_name = "prompt" if num_prompt_tokens > self.kv_capacity_tokens else "max_tokens"
-            raise ValueError(f"{field_name}: the request needs up to {peak} tokens of KV cache "
+            raise FieldError(field_name, f"the request needs up to {peak} tokens of KV cache "
                              f"but the whole cache holds {self.kv_capacity_tokens}")
         return max_tokens

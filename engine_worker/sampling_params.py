@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from quire.errors import FieldError
 import enum
 import math
 from dataclasses import dataclass, field, replace
@@ -20,7 +21,7 @@ class RequestOutputKind(enum.Enum):
 
 
 def _fail(name: str, message: str) -> None:
-    raise ValueError(f"{name}: {message}")
+    raise FieldError(name, f"{message}")
 
 
 @dataclass(slots=True)

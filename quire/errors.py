@@ -37,6 +37,29 @@ class ErrorKind(enum.Enum):
 
 _HTTP_FOR_GRPC = {kind.grpc_code: kind.http_status for kind in ErrorKind}
 
+# Trailing metadata naming the offending request field, so a router's HTTP front can fill
+# OpenAI's ``error.param`` from an engine's answer without parsing its message.
+FIELD_METADATA = "quire-error-field"
+
+
+class FieldError(ValueError):
+    """A bad request field: ``field`` names it; the message reads ``"<field>: <detail>"``."""
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"{field}: {detail}")
+        self.field = field
+
+
+def field_of(error: BaseException) -> str | None:
+    """The field an error names: a ``FieldError``'s, or what an upstream status carried."""
+    if isinstance(error, FieldError):
+        return error.field
+    if isinstance(error, grpc.aio.AioRpcError):
+        for key, value in error.trailing_metadata() or ():
+            if key == FIELD_METADATA:
+                return value
+    return None
+
 # (exception type, kind), first match wins: an application's table of its own errors.
 ErrorKinds = Sequence[tuple[type[BaseException], ErrorKind]]
 
@@ -59,6 +82,8 @@ def status_for(error: BaseException, kinds: ErrorKinds) -> tuple[grpc.StatusCode
 
 async def abort_with(context: grpc.aio.ServicerContext, error: BaseException,
                      kinds: ErrorKinds) -> None:
-    """End the call with the error's status."""
+    """End the call with the error's status (and the bad field's name as trailing metadata)."""
     code, message = status_for(error, kinds)
-    await context.abort(code, message)
+    field = field_of(error)
+    await context.abort(code, message,
+                        trailing_metadata=((FIELD_METADATA, field),) if field else ())

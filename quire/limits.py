@@ -6,6 +6,7 @@ Imports nothing: the router (whose image has no torch) and the engine both impor
 
 from __future__ import annotations
 
+from quire.errors import FieldError
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -18,11 +19,11 @@ def check_n(n: object, max_n: int | None = None, field: str = "n") -> int:
     """``n`` (samples of one prompt) as an integer in [1, ``max_n``] (no upper bound when
     ``max_n`` is None); ValueError naming ``field`` otherwise."""
     if isinstance(n, bool) or not isinstance(n, int):
-        raise ValueError(f"{field}: must be an integer, got {n!r}")
+        raise FieldError(field, f"must be an integer, got {n!r}")
     if max_n is None and n < 1:
-        raise ValueError(f"{field}: must be at least 1, got {n}")
+        raise FieldError(field, f"must be at least 1, got {n}")
     if max_n is not None and not 1 <= n <= max_n:
-        raise ValueError(f"{field}: must be in [1, {max_n}], got {n}")
+        raise FieldError(field, f"must be in [1, {max_n}], got {n}")
     return n
 
 
@@ -32,10 +33,10 @@ def request_prompt(request: pb.GenerateRequest) -> str | list[int]:
     kind = request.WhichOneof("prompt")
     if kind == "text":
         if not request.text:
-            raise ValueError("text: the prompt must not be empty")
+            raise FieldError("text", "the prompt must not be empty")
         return request.text
     if kind == "token_ids":
         if not request.token_ids.ids:
-            raise ValueError("token_ids: the prompt must not be empty")
+            raise FieldError("token_ids", "the prompt must not be empty")
         return list(request.token_ids.ids)
-    raise ValueError("prompt: set either text or token_ids")
+    raise FieldError("prompt", "set either text or token_ids")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 from aiohttp import web
 
-from quire.errors import http_status
+from quire.errors import field_of, http_status
 from quire.limits import DEFAULT_MAX_N, check_n
 from quire.v1 import engine_pb2 as pb
 
@@ -49,8 +49,8 @@ def error_response(error: BaseException) -> web.Response:
     elif isinstance(error, grpc.aio.AioRpcError):
         status, message = http_status(error.code()), error.details() or ""
         message = message or error.code().name
-        if status == 400 and ":" in message:  # router/engine messages start with "field: ..."
-            param = message.split(":", 1)[0].strip().removeprefix("sampling.") or None
+        field = field_of(error)  # named by the router or the engine, never parsed from text
+        param = field.removeprefix("sampling.") if field else None
     else:
         logger.exception("internal error in the OpenAI front", exc_info=error)
         status, message = 500, f"internal error: {type(error).__name__}"

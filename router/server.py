@@ -13,6 +13,7 @@ request also gets a span (``router.tracing``) whose context goes to the engine a
 
 from __future__ import annotations
 
+from quire.errors import FieldError
 import asyncio
 import logging
 import time
@@ -70,16 +71,16 @@ class RequestLimits:
             check_n(sampling.n, self.max_n, field="sampling.n")
         if self.max_tokens and sampling.HasField("max_tokens") and \
                 sampling.max_tokens > self.max_tokens:
-            raise ValueError(f"sampling.max_tokens: must be <= {self.max_tokens} (the router's "
+            raise FieldError("sampling.max_tokens", f"must be <= {self.max_tokens} (the router's "
                              f"--max-tokens-limit), got {sampling.max_tokens}")
         if len(sampling.stop) > self.max_stop_strings:
-            raise ValueError(f"sampling.stop: at most {self.max_stop_strings} stop strings, "
+            raise FieldError("sampling.stop", f"at most {self.max_stop_strings} stop strings, "
                              f"got {len(sampling.stop)}")
         if any(len(s) > self.max_stop_string_len for s in sampling.stop):
-            raise ValueError(f"sampling.stop: each stop string at most "
+            raise FieldError("sampling.stop", f"each stop string at most "
                              f"{self.max_stop_string_len} characters")
         if request.WhichOneof("prompt") == "text" and len(request.text) > self.max_prompt_chars:
-            raise ValueError(f"text: at most {self.max_prompt_chars} characters, got "
+            raise FieldError("text", f"at most {self.max_prompt_chars} characters, got "
                              f"{len(request.text)}")
 
 
@@ -95,7 +96,7 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         tracing is on, None when off. Long prompts are tokenized on a pool of
         ``tokenizer_threads`` threads (the tokenizer releases the GIL), never on the loop."""
         if max_attempts < 1:
-            raise ValueError(f"max_attempts: must be >= 1, got {max_attempts}")
+            raise FieldError("max_attempts", f"must be >= 1, got {max_attempts}")
         self.pool = pool
         self.policy = policy
         self.metrics = metrics

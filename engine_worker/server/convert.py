@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from quire.errors import FieldError
 from engine_worker.outputs import RequestOutput
 from engine_worker.sampling_params import SamplingParams
 from quire.limits import check_n, request_prompt
@@ -49,15 +50,15 @@ class RequestLimits:
     def check(self, params: SamplingParams, prompt) -> None:
         check_n(params.n, self.max_n)
         if len(params.stop) > self.max_stop_strings:
-            raise ValueError(f"stop: at most {self.max_stop_strings} stop strings")
+            raise FieldError("stop", f"at most {self.max_stop_strings} stop strings")
         if any(len(s) > self.max_stop_string_len for s in params.stop):
-            raise ValueError(f"stop: each stop string at most {self.max_stop_string_len} chars")
+            raise FieldError("stop", f"each stop string at most {self.max_stop_string_len} chars")
         if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
-            raise ValueError(f"text: at most {self.max_prompt_chars} characters, got "
+            raise FieldError("text", f"at most {self.max_prompt_chars} characters, got "
                              f"{len(prompt)}")
         if self.max_tokens and params.max_tokens is not None and \
                 params.max_tokens > self.max_tokens:
-            raise ValueError(f"max_tokens: must be <= {self.max_tokens} (the server's "
+            raise FieldError("max_tokens", f"must be <= {self.max_tokens} (the server's "
                              f"--max-tokens-limit), got {params.max_tokens}")
 
 

@@ -47,3 +47,12 @@ def test_engine_errors_map_by_kind():
     assert status_for(EngineDeadError("x"), ENGINE_KINDS)[0] == grpc.StatusCode.UNAVAILABLE
     assert status_for(ValueError("n: too big"), ENGINE_KINDS) == (
         grpc.StatusCode.INVALID_ARGUMENT, "n: too big")
+
+
+def test_a_field_error_names_its_field_and_reads_as_before():
+    from quire.errors import FieldError, field_of
+
+    error = FieldError("max_tokens", "must be at least 1, got 0")
+    assert str(error) == "max_tokens: must be at least 1, got 0"
+    assert isinstance(error, ValueError) and field_of(error) == "max_tokens"
+    assert field_of(ValueError("max_tokens: no field carried")) is None  # never parsed
