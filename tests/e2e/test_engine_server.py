@@ -113,7 +113,7 @@ def test_many_concurrent_streams_and_a_late_joiner(server):
 
 
 def test_cancelling_a_stream_aborts_and_frees_blocks(server):
-    stream = server.stub.Generate(_request(PROMPT, max_tokens=10_000 - len(PROMPT) - 100))
+    stream = server.stub.Generate(_request(PROMPT, max_tokens=4000))  # under the default cap
     next(stream)
     stream.cancel()
     deadline = time.monotonic() + 10
@@ -169,15 +169,19 @@ def test_model_info_health_and_reflection(server):
 
 
 def test_model_info_and_metrics_say_which_backend_runs_and_why(server):
-    """kernels=auto: the compiled CPU kernels where they build here, else a loud fallback."""
-    reason = cpu_ops_unavailable_reason()
+    """kernels=auto: the AVX-512 kernels where they run here, else the AVX2 ones (the right set
+    for such a CPU, with the reason AVX-512 was passed over), else a loud fallback."""
+    avx512, avx2 = cpu_ops_unavailable_reason("avx512"), cpu_ops_unavailable_reason("avx2")
     info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
-    if reason is None:
+    if avx512 is None:
         assert (info.backend, info.backend_fallback) == ("cpu", False)
         assert info.backend_reason == "the fastest backend that runs on cpu"
+    elif avx2 is None:
+        assert (info.backend, info.backend_fallback) == ("cpu-avx2", False)
+        assert info.backend_reason == f"compiled CPU kernels, AVX-512 unavailable: {avx512}"
     else:
         assert (info.backend, info.backend_fallback) == ("torch", True)
-        assert info.backend_reason == f"compiled CPU kernels unavailable: {reason}"
+        assert info.backend_reason.endswith(f"AVX2 unavailable: {avx2}")
     port = server.server.metrics_server.port
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
