@@ -94,10 +94,11 @@ def _one(router, seed: int) -> str:
 
 def _engine_idle(engine) -> bool:
     core = engine.server.async_engine.engine
-    stats = core.kv_cache_stats()
+    stats = core.stats()
+    kv = stats.kv_cache
     return (engine.server.async_engine.num_unfinished == 0 and not core.has_unfinished_requests()
-            and core.scheduler.num_running == 0 and core.scheduler.num_waiting == 0
-            and stats.num_allocated_slots == 0 and stats.num_free_blocks == stats.num_blocks)
+            and stats.scheduler.num_running == 0 and stats.scheduler.num_waiting == 0
+            and kv.num_allocated_slots == 0 and kv.num_free_blocks == kv.num_blocks)
 
 
 def test_soak_leaves_no_request_running_and_every_index_true(router, engines):
@@ -131,7 +132,7 @@ def test_soak_leaves_no_request_running_and_every_index_true(router, engines):
     for engine in engines:
         assert wait_for(lambda: _engine_idle(engine), 10), (
             engine.server.async_engine.num_unfinished,
-            engine.server.async_engine.engine.kv_cache_stats())
+            engine.server.async_engine.engine.stats())
 
     by_address = {address(e): e for e in engines}
 
@@ -141,7 +142,8 @@ def test_soak_leaves_no_request_running_and_every_index_true(router, engines):
         for client in clients:
             engine = by_address[client.address]
             held = engine.server.async_engine.engine.kv_cache_snapshot().block_hashes
-            if router.read(lambda: pool.index.block_hashes(client.engine_id)) != held:
+            cached = router.read(pool.cached_blocks).get(client.engine_id, frozenset())
+            if cached != held:
                 return False
         return len(clients) == len(engines)
     assert wait_for(index_true, 10)
