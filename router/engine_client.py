@@ -119,6 +119,16 @@ class EngineReports(Protocol):
         ...
 
 
+def change_state(client, state: EngineState, what: str) -> None:
+    """Move ``client`` (any engine kind's client) to ``state``, log it, report it to its pool."""
+    if state is not client.state:
+        logger.log(logging.INFO if state is EngineState.SERVING else logging.WARNING,
+                   "%s %s at %s: %s -> %s", what, client.engine_id, client.address,
+                   client.state.value, state.value)
+        client.state = state
+        client.reports.state_changed(client)
+
+
 class EngineClient:
     """The router's connection to one engine pod. ``start()`` it, ``await close()`` it."""
 
@@ -168,12 +178,7 @@ class EngineClient:
         return self.state is EngineState.SERVING and not self._closed
 
     def _set_state(self, state: EngineState) -> None:
-        if state is not self.state:
-            logger.log(logging.INFO if state is EngineState.SERVING else logging.WARNING,
-                       "engine %s at %s: %s -> %s", self.engine_id, self.address,
-                       self.state.value, state.value)
-            self.state = state
-            self.reports.state_changed(self)
+        change_state(self, state, "engine")
 
     async def _supervise(self) -> None:
         backoff = self._backoff()

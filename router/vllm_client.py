@@ -33,7 +33,8 @@ from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
 from quire.kv_events import BlockStored, KVCacheSnapshot, KVEventBatch
 from quire.v1 import engine_pb2 as pb
 from router.backoff import Backoff
-from router.engine_client import ClientOptions, EngineMismatchError, EngineReports, EngineState
+from router.engine_client import (ClientOptions, EngineMismatchError, EngineReports, EngineState,
+                                  change_state)
 from router.vllm_events import VllmKVEventFeed
 
 logger = logging.getLogger(__name__)
@@ -172,12 +173,7 @@ class VllmEngineClient:
         return self.state is EngineState.SERVING and not self._closed
 
     def _set_state(self, state: EngineState) -> None:
-        if state is not self.state:
-            logger.log(logging.INFO if state is EngineState.SERVING else logging.WARNING,
-                       "vLLM engine %s at %s: %s -> %s", self.engine_id, self.address,
-                       self.state.value, state.value)
-            self.state = state
-            self.reports.state_changed(self)
+        change_state(self, state, "vLLM engine")
 
     async def _model_info(self) -> pb.ModelInfo:
         async with self._session.get(f"{self.base_url}/v1/models") as resp:

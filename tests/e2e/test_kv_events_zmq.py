@@ -46,6 +46,31 @@ def _publish_until_seen(pub, sub):
     raise AssertionError("subscriber never connected")
 
 
+def _publish_batches(publisher):
+    """A joined subscriber, and the frames it received for BATCHES."""
+    sub = _subscriber(zmq.Context.instance(), publisher.endpoint)
+    _publish_until_seen(publisher, sub)
+    for batch in BATCHES:
+        publisher.publish(batch)
+    return sub, [sub.recv_multipart() for _ in BATCHES]
+
+
+def _replay(endpoint: str, start_seq: int) -> list[tuple[bytes, bytes, bytes]]:
+    """(topic, seq, payload) of every batch the replay socket sends from ``start_seq`` on, asked
+    as vLLM's consumers ask: a DEALER sending [b"", start_seq]."""
+    req = zmq.Context.instance().socket(zmq.DEALER)
+    req.setsockopt(zmq.RCVTIMEO, 5000)
+    req.connect(endpoint)
+    req.send_multipart((b"", start_seq.to_bytes(8, "big")))
+    replayed = []
+    try:
+        while (frames := req.recv_multipart())[2] != END_SEQ:
+            replayed.append(tuple(frames[1:]))
+    finally:
+        req.close()
+    return replayed
+
+
 @pytest.fixture
 def publisher(tmp_path):
     pub = ZmqKVEventPublisher(f"ipc://{tmp_path}/events.sock",
@@ -55,12 +80,7 @@ def publisher(tmp_path):
 
 
 def test_frames_are_vllms(publisher):
-    ctx = zmq.Context.instance()
-    sub = _subscriber(ctx, publisher.endpoint)
-    _publish_until_seen(publisher, sub)
-    for batch in BATCHES:
-        publisher.publish(batch)
-    got = [sub.recv_multipart() for _ in BATCHES]
+    sub, got = _publish_batches(publisher)
     seqs = [int.from_bytes(f[1], "big") for f in got]
     assert [f[0] for f in got] == [b"kv"] * 3
     assert seqs == list(range(seqs[0], seqs[0] + 3))  # consecutive
@@ -76,25 +96,10 @@ def test_frames_are_vllms(publisher):
 
 
 def test_replay_recovers_missed_batches(publisher):
-    ctx = zmq.Context.instance()
-    sub = _subscriber(ctx, publisher.endpoint)
-    _publish_until_seen(publisher, sub)
-    for batch in BATCHES:
-        publisher.publish(batch)
-    live = [sub.recv_multipart() for _ in BATCHES]
+    sub, live = _publish_batches(publisher)
     first = int.from_bytes(live[0][1], "big")
-    req = ctx.socket(zmq.DEALER)  # as vLLM's consumers ask: [b"", start_seq]
-    req.setsockopt(zmq.RCVTIMEO, 5000)
-    req.connect(publisher.replay_endpoint)
-    req.send_multipart((b"", (first + 1).to_bytes(8, "big")))
-    replayed = []
-    while True:
-        _, topic, seq, payload = req.recv_multipart()
-        if seq == END_SEQ:
-            break
-        replayed.append((topic, seq, payload))
-    assert replayed == [tuple(f) for f in live[1:]]  # the same bytes, from first + 1 on
-    req.close()
+    # the same bytes, from first + 1 on
+    assert _replay(publisher.replay_endpoint, first + 1) == [tuple(f) for f in live[1:]]
     sub.close()
 
 
@@ -182,16 +187,10 @@ def test_a_quire_engine_publishes_its_blocks_on_vllms_wire(tiny_model_dir, tmp_p
                         assert event["block_size"] == 16
         assert set(hash_block_tokens(prompt, 16)) <= set(stored)
         # the replay socket has the history too (what a subscriber joining late asks for)
-        req = ctx.socket(zmq.DEALER)
-        req.setsockopt(zmq.RCVTIMEO, 5000)
-        req.connect(replay)
-        req.send_multipart((b"", (0).to_bytes(8, "big")))
-        replayed = []
-        while (frames := req.recv_multipart())[2] != END_SEQ:
-            replayed += [e for e in msgpack.unpackb(frames[3])[1] if e["type"] == "BlockStored"]
+        replayed = [e for _, _, payload in _replay(replay, 0)
+                    for e in msgpack.unpackb(payload)[1] if e["type"] == "BlockStored"]
         assert set(hash_block_tokens(prompt, 16)) <= {h for e in replayed
                                                        for h in e["block_hashes"]}
-        req.close()
     finally:
         sub.close()
         engine.close()
