@@ -48,7 +48,7 @@ class CpuPackedWeight:
     one sequential stream per thread (~28 GB/s here against ~18 for the plain layout). The
     skinny layout is exponent-coded where every row uses at most 16 exponents (12 bits a
     weight, decoded losslessly in the kernel: a quarter fewer bytes a decode step; see
-    csrc/cpu/linear.cpp), else plain bf16."""
+    csrc/cpu/avx512/linear.cpp), else plain bf16."""
 
     onednn: torch.Tensor | None
     skinny: torch.Tensor | None
