@@ -71,8 +71,11 @@ def cpu_pack_weight(weight: torch.Tensor) -> CpuPackedWeight | None:
     every call (10-45 % of a decode-sized matmul here)."""
     if weight.dtype != torch.bfloat16:
         return None
-    onednn = (torch.ops.mkldnn._reorder_linear_weight(weight, None)
-              if torch.backends.mkldnn.is_available() else None)
+    # oneDNN's bf16 needs AVX-512 BW/VL/DQ (or AVX-NE-CONVERT) in the CPU itself; without it
+    # (the emulated AVX-512 kernels in the tests) more rows go through F.linear
+    onednn_bf16 = torch.backends.mkldnn.is_available() and \
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None) if onednn_bf16 else None
     out_features, in_features = weight.shape
     skinny = None
     if out_features % 4 == 0 and in_features % 32 == 0:

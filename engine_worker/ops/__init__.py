@@ -5,11 +5,13 @@ Each op has a pure-PyTorch reference beside its caller; the compiled build is op
 everything runs without it.
 """
 
-from engine_worker.ops.cpu_build import (VARIANTS, CpuKernelChoice, build_variant,
-                                         cpu_kernel_choice, cpu_ops, cpu_ops_unavailable_reason,
-                                         load_cpu_ops, use_cpu_isa)
+from engine_worker.ops.cpu_build import (EMULATED_VARIANTS, VARIANTS, CpuKernelChoice,
+                                         build_variant, cpu_kernel_choice, cpu_ops,
+                                         cpu_ops_unavailable_reason, kernel_code, load_cpu_ops,
+                                         use_cpu_isa)
 from engine_worker.ops.cpu_isa import available_isas, cpu_flags, cpu_isa, isa_for_flags
 
-__all__ = ["VARIANTS", "CpuKernelChoice", "available_isas", "build_variant", "cpu_flags",
-           "cpu_isa", "cpu_kernel_choice", "cpu_ops", "cpu_ops_unavailable_reason",
-           "isa_for_flags", "load_cpu_ops", "use_cpu_isa"]
+__all__ = ["EMULATED_VARIANTS", "VARIANTS", "CpuKernelChoice", "available_isas",
+           "build_variant", "cpu_flags", "cpu_isa", "cpu_kernel_choice", "cpu_ops",
+           "cpu_ops_unavailable_reason", "isa_for_flags", "kernel_code", "load_cpu_ops",
+           "use_cpu_isa"]

@@ -46,15 +46,26 @@ class CpuVariant:
     isa: str
     source_dir: Path
     isa_flags: tuple[str, ...]
+    # an emulated variant (tests only): its name, and the header passed with -include that
+    # maps the isa's intrinsics onto the host's (EMULATED_VARIANTS)
+    emulated_name: str | None = None
+    prelude: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return self.emulated_name or self.isa
 
     @property
     def namespace(self) -> str:
-        return f"quire_{self.isa}"
+        return f"quire_{self.name}"
 
     @property
     def cflags(self) -> tuple[str, ...]:
         """The instruction-set flags and the define that selects the set's own code."""
-        return (*self.isa_flags, f"-DQUIRE_ISA_{self.isa.upper()}")
+        flags = (*self.isa_flags, f"-DQUIRE_ISA_{self.isa.upper()}")
+        if self.prelude is not None:
+            flags += (f"-I{_simde_include()}", "-include", str(self.prelude))
+        return flags
 
     def _files(self, pattern: str) -> tuple[Path, ...]:
         dirs = (self.source_dir, self.source_dir / self.isa)
@@ -65,7 +76,7 @@ class CpuVariant:
 
     def headers(self) -> tuple[Path, ...]:
         """What the sources include from csrc: part of the digest, not compiled."""
-        return self._files("*.h")
+        return self._files("*.h") + ((self.prelude,) if self.prelude is not None else ())
 
 
 VARIANTS: dict[str, CpuVariant] = {
@@ -76,6 +87,33 @@ VARIANTS: dict[str, CpuVariant] = {
     "avx2": CpuVariant("avx2", CSRC_DIR, ("-mavx2", "-mfma", "-mf16c")),
 }
 assert VARIANTS.keys() == ISA_REQUIRED_FLAGS.keys()
+
+# For tests only, never chosen by the engine: the avx512 sources compiled for an AVX2 CPU with
+# SIMDe's portable AVX-512 intrinsics (csrc/cpu/emulated/avx512_on_avx2.h), so the kernel tests
+# check the AVX-512 set's numerics on a machine without AVX-512 too. Name -> (variant, the real
+# variant whose flags the host CPU needs).
+EMULATED_VARIANTS: dict[str, tuple[CpuVariant, str]] = {
+    "avx512_emulated": (CpuVariant("avx512", CSRC_DIR, VARIANTS["avx2"].isa_flags,
+                                   "avx512_emulated",
+                                   CSRC_DIR / "emulated" / "avx512_on_avx2.h"), "avx2"),
+}
+
+
+def _simde_include() -> str:
+    try:
+        import simde_py
+    except ImportError as exc:
+        raise BuildFailed("the emulated kernels need SIMDe's headers: pip install simde-py "
+                          "(part of the dev extra)") from exc
+    return simde_py.get_include()
+
+
+def kernel_code(name: str) -> str | None:
+    """The instruction set whose code the variant ``name`` runs (an emulated variant: the one
+    it emulates)."""
+    if name in EMULATED_VARIANTS:
+        return EMULATED_VARIANTS[name][0].isa
+    return name if name in VARIANTS else None
 
 
 def _compiler() -> str:
@@ -113,7 +151,8 @@ def build_variant(variant: str | CpuVariant, *, retry_failed: bool = False,
     """Build (or find in the cache) one variant's library, whether or not this CPU runs it;
     raises ``BuildFailed`` with the reason."""
     if isinstance(variant, str):
-        variant = VARIANTS[variant]
+        variant = EMULATED_VARIANTS[variant][0] if variant in EMULATED_VARIANTS else \
+            VARIANTS[variant]
     sources = variant.sources()
     if not sources:
         raise BuildFailed(f"{variant.isa} kernels not present (no *.cpp in "
@@ -128,12 +167,14 @@ def build_variant(variant: str | CpuVariant, *, retry_failed: bool = False,
 @functools.cache
 def _load(isa: str) -> tuple[object | None, str | None]:
     """(the op namespace, None) once loaded, else (None, why not). Once per process."""
-    if isa not in VARIANTS:
-        return None, f"unknown CPU kernel variant {isa!r} (known: {', '.join(VARIANTS)})"
+    if isa not in VARIANTS and isa not in EMULATED_VARIANTS:
+        known = ", ".join((*VARIANTS, *EMULATED_VARIANTS))
+        return None, f"unknown CPU kernel variant {isa!r} (known: {known})"
+    host = EMULATED_VARIANTS[isa][1] if isa in EMULATED_VARIANTS else isa
     flags = cpu_flags()
-    if not ISA_REQUIRED_FLAGS[isa] <= flags:
+    if not ISA_REQUIRED_FLAGS[host] <= flags:
         return None, (f"this CPU cannot run the {isa} kernels (missing "
-                      f"{', '.join(missing_flags(isa, flags))})")
+                      f"{', '.join(missing_flags(host, flags))})")
     try:
         library = build_variant(isa)
         torch.ops.load_library(str(library))
@@ -142,7 +183,7 @@ def _load(isa: str) -> tuple[object | None, str | None]:
         return None, reason if reason.startswith(isa) else f"building the {isa} kernels: {reason}"
     except OSError as exc:  # a library that does not load (a torch built differently)
         return None, f"{isa} kernels do not load: {exc}"
-    return getattr(torch.ops, VARIANTS[isa].namespace), None
+    return getattr(torch.ops, f"quire_{isa}"), None
 
 
 _active_isa: str | None = None  # the variant cpu_ops() returns; set once per process
@@ -168,6 +209,8 @@ def _no_default_reason() -> str:
 def cpu_ops_unavailable_reason(isa: str | None = None) -> str | None:
     """None once the kernels of ``isa`` (default: the variant in use, else the best this CPU
     runs that builds) are loaded; otherwise why they are not."""
+    if isa is not None and _active_isa is not None and kernel_code(_active_isa) == isa:
+        isa = _active_isa  # a test runs the emulated build of isa (use_cpu_isa)
     resolved = _resolve(isa)
     if resolved is None:
         return _no_default_reason()
@@ -196,7 +239,7 @@ def load_cpu_ops(isa: str | None = None):
     if isa is None and _active_isa is None:
         _active_isa = resolved
         logger.info("CPU kernels: the %s variant (torch.ops.%s)", resolved,
-                    VARIANTS[resolved].namespace)
+                    f"quire_{resolved}")
     return ops
 
 

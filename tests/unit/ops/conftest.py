@@ -1,8 +1,9 @@
 """``cpu_isa``: runs a kernel test once per instruction-set variant, with ``ops.cpu_ops()``
 and engines built in the test using that variant (on an AVX-512 machine, the AVX2 kernels
-too). Skipped with the reason where this CPU cannot run a variant (the flags it lacks) or the
-variant does not build (the builder's reason); that a variant compiles on any x86 host is
-test_kernel_build.py's.
+too; on a CPU without AVX-512, the AVX-512 set's code through SIMDe's portable intrinsics,
+``avx512_emulated``, so either machine type checks both sets' numerics). Skipped with the
+reason where this CPU cannot run a variant (the flags it lacks) or the variant does not build
+(the builder's reason); that a variant compiles on any x86 host is test_kernel_build.py's.
 
 ``@pytest.mark.cpu_ops("name", ...)``: the ops a test calls; a variant without them (the AVX2
 set has no exponent-coded skinny matmul, for one) skips it, naming what it lacks."""
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_worker.ops import VARIANTS, cpu_ops_unavailable_reason, use_cpu_isa
+from engine_worker.ops import (EMULATED_VARIANTS, VARIANTS, cpu_ops_unavailable_reason,
+                               kernel_code, use_cpu_isa)
 
 
 def pytest_configure(config):
@@ -19,9 +21,11 @@ def pytest_configure(config):
                             "variants without them skip it")
 
 
-@pytest.fixture(params=list(VARIANTS))
+@pytest.fixture(params=[*VARIANTS, *EMULATED_VARIANTS])
 def cpu_isa(request):
     isa = request.param
+    if isa in EMULATED_VARIANTS and cpu_ops_unavailable_reason(kernel_code(isa)) is None:
+        pytest.skip(f"the real {kernel_code(isa)} kernels run on this CPU")
     reason = cpu_ops_unavailable_reason(isa)
     if reason is not None:
         pytest.skip(f"CPU kernels: {reason}")
@@ -30,4 +34,4 @@ def cpu_isa(request):
         missing = [name for name in needed if not hasattr(ops, name)]
         if missing:
             pytest.skip(f"the {isa} kernels have no {', '.join(missing)}")
-        yield isa
+        yield kernel_code(isa)  # avx512_emulated runs the avx512 code: tests see "avx512"

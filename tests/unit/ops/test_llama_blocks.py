@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from engine_worker.backends import BACKENDS
+from engine_worker.backends.cpu import SKINNY_MAX_ROWS
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding
 from engine_worker.models.llama import LlamaConfig, LlamaDecoderLayer
 from engine_worker.ops import cpu_ops
+from tests.unit.ops.onednn import skip_without_onednn_bf16
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")  # once per variant
 # the AVX-512 packed-weight layouts the cpu backend's bf16 path streams (the AVX2 kernels pack
@@ -77,6 +79,8 @@ def _every_row_count(test):
 
 @_every_row_count
 def test_norm_qkv_rope_is_the_composition_bit_for_bit(rows, bias):
+    if rows > SKINNY_MAX_ROWS:
+        skip_without_onednn_bf16()
     layer = _layer(bias)
     w = layer.export()
     rotary = layer.self_attn.rotary
@@ -95,6 +99,8 @@ def test_norm_qkv_rope_is_the_composition_bit_for_bit(rows, bias):
 
 @_every_row_count
 def test_residual_mlp_is_the_composition_bit_for_bit(rows, bias):
+    if rows > SKINNY_MAX_ROWS:
+        skip_without_onednn_bf16()
     layer = _layer(bias)
     w = layer.export()
     x = (torch.randn(rows, HIDDEN) * 2).bfloat16()

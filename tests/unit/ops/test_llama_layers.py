@@ -21,6 +21,7 @@ from engine_worker.layers.rotary import RopeConfig
 from engine_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from tests.attention_steps import STEPS, make_step
 from tests.conftest import build_tiny_model
+from tests.unit.ops.onednn import skip_without_onednn_bf16
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")  # once per variant this CPU runs
 # bf16 through kernels.py's cpu path: the AVX-512 packed-weight layouts (the AVX2 kernels pack
@@ -54,6 +55,7 @@ def _generate(llm: LLM):
 def test_one_call_layers_are_the_per_layer_path_bit_for_bit(tmp_path_factory,
                                                             embedded_model_dir, arch,
                                                             attention_bias):
+    skip_without_onednn_bf16()  # the one-call stack takes oneDNN's packed weights
     model_dir = _stack_model(tmp_path_factory, embedded_model_dir, arch, attention_bias)
     # 32 tokens a step: the long prompts prefill in chunks next to the others' decodes
     llm = LLM(str(model_dir), dtype="bfloat16", kernels="cpu", max_num_batched_tokens=32,
@@ -93,6 +95,8 @@ def test_head_size_the_op_does_not_take_runs_one_by_one(tiny_model_dir):
 @PACKED_BF16
 def test_step_profiler_reads_attention_time_from_the_one_call_layers(stack_model_dir):
     from quire_cli.bench.step_profile import PARTS, StepProfiler
+
+    skip_without_onednn_bf16()
 
     llm = LLM(str(stack_model_dir), dtype="bfloat16", kernels="cpu", kv_cache_memory_bytes=1 << 24)
     engine = llm.engine
