@@ -76,6 +76,16 @@ def start_engine(model_dir, **engine_kwargs) -> RunningServer:
                          ServerConfig(host="127.0.0.1", port=0, **server_kwargs))
 
 
+def engine_fleet(model_dir, count: int = 2, **engine_kwargs):
+    """``count`` engines for a fixture: ``yield from engine_fleet(...)`` closes them after."""
+    running = [start_engine(model_dir, **engine_kwargs) for _ in range(count)]
+    try:
+        yield running
+    finally:
+        for engine in running:
+            engine.close()
+
+
 def address(engine: RunningServer) -> str:
     return f"127.0.0.1:{engine.port}"
 
