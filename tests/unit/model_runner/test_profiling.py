@@ -102,3 +102,31 @@ def test_the_profile_leaves_the_engine_as_it_was(llm):
     assert engine.stats() == stats and engine.kv_cache_snapshot() == snapshot
     assert torch.equal(runner.default_generator.get_state(), generator)
     assert runner.requests == requests
+
+
+def test_the_engine_profiles_at_its_scheduler_limits(llm, monkeypatch):
+    """What ``LLMEngine`` runs on CUDA before it sizes the cache, run here on its CPU model
+    with the readings scripted (graphs are off on a CPU, so none are measured)."""
+    import engine_worker.engine as engine_module
+
+    engine = llm.engine
+    events: list[str] = []
+    monkeypatch.setattr(engine_module, "CudaMemory", lambda device: _ScriptedMemory(events))
+    model = engine.runner.model
+    forward = model.forward
+
+    def spy_forward(input_ids, *args):
+        events.append(f"forward {input_ids.shape[0]}")
+        return forward(input_ids, *args)
+
+    monkeypatch.setattr(model, "forward", spy_forward)
+    profile = engine._profile_memory(model)
+    assert "forward 300" in events  # max_num_batched_tokens
+    assert profile.cuda_graph_bytes == 0 and profile.peak_activation_bytes == 3 * GIB
+    engine.memory_profile = profile
+    try:
+        assert engine._describe_memory(10 * GIB) == (
+            "80.0 GiB x 0.90: weights 16.00, activations 3.00, CUDA graphs 0.00, other 2.00, "
+            "KV cache 10.00 GiB")
+    finally:
+        engine.memory_profile = None
