@@ -41,7 +41,10 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str,
         env = os.environ.get(env_name(field.name))
         parse = _parse_bool if kind is bool else kind
         default = parse(env) if env is not None else field.default
-        group.add_argument(flag, dest=field.name, type=parse, default=default,
+        # a boolean flag alone means true (``--enforce-eager``), or takes a value
+        # (``--enable-prefix-caching false``)
+        extra = {"nargs": "?", "const": True} if kind is bool else {}
+        group.add_argument(flag, dest=field.name, type=parse, default=default, **extra,
                            help=f"{(helps or {}).get(field.name, '')} [env {env_name(field.name)}]")
 
 
