@@ -309,3 +309,16 @@ def test_sampling_params_reject_seeds_a_generator_cannot_take(seed):
 def test_stop_strings_need_detokenization():
     with raises_for("stop"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_a_bare_boolean_flag_leaves_the_next_positional_alone():
+    from quire.config_args import explicit_bool_values
+    from quire_cli.main import build_parser
+
+    argv = ["generate", "--enforce-eager", "Tell me a story", "--enable-prefix-caching", "no"]
+    parser = build_parser(argv)
+    ns = parser.parse_args(explicit_bool_values(parser, argv))
+    assert ns.enforce_eager is True and ns.enable_prefix_caching is False
+    assert "Tell me a story" in vars(ns).values()
+    with pytest.raises(SystemExit):  # without the rewrite argparse takes the prompt as the value
+        parser.parse_args(argv)
