@@ -105,10 +105,10 @@ def collect(stream):
     return tokens, last
 
 
-def wait_for(predicate, timeout_s=10.0) -> bool:
+def wait_for(predicate, timeout_s=10.0, interval_s=0.02) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
             return True
-        time.sleep(0.02)
+        time.sleep(interval_s)
     return False
