@@ -34,3 +34,30 @@ def make_step(rng: random.Random, shapes, block_size: int, num_blocks: int):
     _, _, meta, _ = build_step_inputs(states, [n for _, n in shapes], block_size,
                                       torch.device("cpu"))
     return meta
+
+
+def random_inputs(meta, heads: tuple[int, int, int], num_blocks: int, block_size: int,
+                  dtype: torch.dtype, cache_dtype: torch.dtype | None = None):
+    """A step's random q [tokens, heads, head_dim] and k, v [tokens, kv_heads, head_dim] in
+    ``dtype``, and a random cache [2, num_blocks, block_size, kv_heads, head_dim] in
+    ``cache_dtype`` (default ``dtype``); ``heads`` is (heads, kv_heads, head_dim)."""
+    num_heads, num_kv_heads, head_dim = heads
+    num_tokens = int(meta.query_start_loc[-1])
+    q = torch.randn(num_tokens, num_heads, head_dim).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
+    return q, k, v, cache.to(cache_dtype or dtype)
+
+
+def nan_outside_requests(meta, num_blocks: int, block_size: int, num_kv_heads: int,
+                         head_dim: int) -> torch.Tensor:
+    """An fp32 cache that is NaN everywhere but the step's requests' positions (random there):
+    outside their blocks, and past each request's length inside its last block."""
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    for b in set(meta.block_tables.flatten().tolist()):
+        cache[:, b] = torch.randn(2, block_size, num_kv_heads, head_dim)
+    for i, n in enumerate(meta.seq_lens.tolist()):
+        for pos in range(n, -(-n // block_size) * block_size):
+            cache[:, meta.block_tables[i, pos // block_size], pos % block_size] = float("nan")
+    return cache

@@ -1,15 +1,22 @@
-// The two halves of a Llama decoder layer on either side of attention, each one op call:
+// The two halves of a Llama decoder layer around attention, and every layer in one call:
 //
 //   norm_qkv_rope:  x -> RMSNorm -> QKV projection -> RoPE on q and k       -> q, k, v
 //   residual_mlp:   x, attn -> x + o_proj(attn) = h -> h + down(silu(gate) * up)(RMSNorm(h))
+//   llama_layers:   per layer norm_qkv_rope, write_kv, paged_attention, residual_mlp
 //
-// They run the same kernels the per-op path runs, in the same order with the same roundings,
-// so their results are bit-identical to it; what goes is the Python and dispatcher time
-// between ops, about 20 calls a layer (4-5 ms of a 15 ms single-request decode step here).
-// Attention stays outside: the backend writes the cache and attends between the two calls.
-//
-// A linear layer takes the skinny kernel up to 8 rows and oneDNN's packed matmul above,
-// as engine_worker.layers.kernels.cpu_linear does. References: engine_worker/layers/blocks.py.
+// Each linear layer comes as two weights, one for few rows (decode, up to kFewRows) and one
+// for more. Each may be
+//   a weight in a layout this instruction set packs (<isa>/linear.h: AVX-512's pack_skinny /
+//   pack_coded for few bf16 rows, AVX2's pack_bf16w panels under fp32 rows);
+//   a oneDNN-packed weight (MkldnnCPU): oneDNN's matmul;
+//   a plain fp32 weight [N, K]: torch's fp32 matmul.
+// The activations are in the dtype the set's linear kernels take (kActivationType: bf16 on
+// AVX-512, fp32 on AVX2). The ops run the same kernels the per-op path runs, in the same order
+// with the same roundings, so their results are bit-identical to it; what goes is the Python
+// and dispatcher time between ops, about 20 calls a layer (4-5 ms of a 15 ms single-request
+// decode step, measured on AVX-512). Attention stays outside the halves: the backend writes
+// the cache and attends between the two calls.
+// References: engine_worker/layers/blocks.py.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -21,13 +28,14 @@
 #include <chrono>
 #include <string_view>
 #include <tuple>
+#include <utility>
 
 #include "ops.h"
 
-namespace quire {
+namespace QUIRE_NS {
 namespace {
 
-constexpr int64_t kSkinnyMaxRows = 8;
+constexpr int64_t kFewRows = 8;
 
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w,
                          const std::optional<at::Tensor>& bias) {
@@ -40,29 +48,34 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w,
   return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
 
-// x @ W^T + bias with W in both packed layouts (pack_skinny's and oneDNN's)
-at::Tensor linear(const at::Tensor& x, const at::Tensor& skinny, const at::Tensor& onednn,
+// x @ W^T + bias, W in whichever form the caller packed it (see the top of the file)
+at::Tensor linear(const at::Tensor& x, const at::Tensor& few, const at::Tensor& many,
                   const std::optional<at::Tensor>& bias) {
-  if (x.size(0) <= kSkinnyMaxRows) return skinny_linear_packed(x, skinny, bias);
-  return onednn_linear(x, onednn, bias);
+  const at::Tensor& w = x.size(0) <= kFewRows ? few : many;
+  if (w.is_mkldnn()) return onednn_linear(x, w, bias);
+  if (std::optional<at::Tensor> out = packed_linear(x, w, bias)) return *std::move(out);
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "a linear weight must be ",
+              kPackedWeights, ", fp32 [N, K] or oneDNN-packed, for ", x.size(0), " rows");
+  return at::linear(x, w, bias);
 }
 
 void check_x(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 &&
-                  x.size(0) >= 1 && x.size(1) % 32 == 0,
-              name, ": x must be contiguous bf16 [tokens >= 1, hidden], hidden % 32 == 0");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == kActivationType &&
+                  x.size(0) >= 1 && x.size(1) % kHiddenMultiple == 0,
+              name, ": x must be contiguous ", kActivationType == at::kFloat ? "fp32" : "bf16",
+              " [tokens >= 1, hidden], hidden % ", kHiddenMultiple, " == 0");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_rope(
-    const at::Tensor& x, const at::Tensor& norm_weight, double eps, const at::Tensor& qkv_skinny,
-    const at::Tensor& qkv_onednn, const std::optional<at::Tensor>& qkv_bias,
+    const at::Tensor& x, const at::Tensor& norm_weight, double eps, const at::Tensor& qkv_few,
+    const at::Tensor& qkv_many, const std::optional<at::Tensor>& qkv_bias,
     const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
     int64_t num_kv_heads) {
   check_x(x, "norm_qkv_rope");
   const int64_t head_dim = cos.size(1), tokens = x.size(0);
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
               "norm_qkv_rope: num_heads must be a positive multiple of num_kv_heads");
-  const at::Tensor qkv = linear(rms_norm(x, norm_weight, eps), qkv_skinny, qkv_onednn, qkv_bias);
+  const at::Tensor qkv = linear(rms_norm(x, norm_weight, eps), qkv_few, qkv_many, qkv_bias);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
               "norm_qkv_rope: the QKV weight does not give (heads + 2 kv heads) * head_dim");
   // views into the one [tokens, (heads + 2 kv_heads) * head_dim] output, as torch's split
@@ -75,31 +88,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_rope(
   return {q, k, v};
 }
 
-at::Tensor residual_mlp(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& o_skinny,
-                        const at::Tensor& o_onednn, const std::optional<at::Tensor>& o_bias,
-                        const at::Tensor& norm_weight, double eps,
-                        const at::Tensor& gate_up_skinny, const at::Tensor& gate_up_onednn,
+at::Tensor residual_mlp(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& o_few,
+                        const at::Tensor& o_many, const std::optional<at::Tensor>& o_bias,
+                        const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up_few,
+                        const at::Tensor& gate_up_many,
                         const std::optional<at::Tensor>& gate_up_bias,
-                        const at::Tensor& down_skinny, const at::Tensor& down_onednn,
+                        const at::Tensor& down_few, const at::Tensor& down_many,
                         const std::optional<at::Tensor>& down_bias) {
   check_x(x, "residual_mlp");
   TORCH_CHECK(attn.dim() == 2 && attn.size(0) == x.size(0) && attn.dtype() == x.dtype(),
               "residual_mlp: attn must be [tokens, heads * head_dim] in x's dtype");
-  at::Tensor h = linear(attn.contiguous(), o_skinny, o_onednn, o_bias);
+  at::Tensor h = linear(attn.contiguous(), o_few, o_many, o_bias);
   TORCH_CHECK(h.sizes() == x.sizes(), "residual_mlp: o_proj must map back to hidden");
-  h.add_(x);  // x + o_proj(attn), rounded once as torch's bf16 add rounds
+  h.add_(x);  // x + o_proj(attn)
   const at::Tensor act = silu_and_mul(
-      linear(rms_norm(h, norm_weight, eps), gate_up_skinny, gate_up_onednn, gate_up_bias));
-  at::Tensor out = linear(act, down_skinny, down_onednn, down_bias);
+      linear(rms_norm(h, norm_weight, eps), gate_up_few, gate_up_many, gate_up_bias));
+  at::Tensor out = linear(act, down_few, down_many, down_bias);
   TORCH_CHECK(out.sizes() == x.sizes(), "residual_mlp: down_proj must map back to hidden");
   return out.add_(h);
 }
 
-// A few requests' K/V of the next layer, asked for before this layer's MLP: by the time the
-// next attention runs they are in cache instead of being fetched one dependent miss at a time
-// (the weight stream in between has evicted them). Single request, ~350 keys: attention 1.24
-// -> 0.98 ms a step, MLP time unchanged. Skipped when the K/V would not fit in L2 anyway.
-constexpr int64_t kPrefetchKvMaxBytes = 1 << 20;
+// The next layer's K/V of a few short requests, asked for before this layer's MLP streams its
+// weights past them: by the time that attention runs they are in cache instead of being
+// fetched one dependent miss at a time (single request, ~350 keys, AVX-512: attention 1.24 ->
+// 0.98 ms a step, MLP time unchanged). Skipped where they would not fit in L2 anyway
+// (kPrefetchKvMaxBytes, <isa>/attention.h).
 
 void prefetch_kv(const at::Tensor& kv_cache, const at::Tensor& block_tables,
                  const at::Tensor& seq_lens) {
@@ -111,7 +124,7 @@ void prefetch_kv(const at::Tensor& kv_cache, const at::Tensor& block_tables,
   for (int64_t b = 0; b < num_seqs; ++b) total += lens[b];
   if (2 * total * slot_bytes > kPrefetchKvMaxBytes) return;
   const char* keys = static_cast<const char*>(kv_cache.data_ptr());
-  const int64_t values = kv_cache.size(1) * block_size * slot_bytes;  // V after all K blocks
+  const int64_t values = kv_cache.stride(0) * kv_cache.element_size();  // V after all K
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   for (int64_t b = 0; b < num_seqs; ++b)
     for (int64_t pos = 0; pos < lens[b]; pos += block_size) {
@@ -126,13 +139,11 @@ void prefetch_kv(const at::Tensor& kv_cache, const at::Tensor& block_tables,
 }
 
 // Every decoder layer in one call: per layer norm_qkv_rope, the cache write, paged attention
-// and residual_mlp, exactly as the per-layer path runs them (so bit-identical to it), with no
-// Python between layers. `weights` holds kWeightsPerLayer tensors a layer, in this order:
-// input norm, QKV (skinny, oneDNN), o_proj (skinny, oneDNN), post-attention norm, gate/up
-// (skinny, oneDNN), down (skinny, oneDNN); `biases` four a layer: QKV, o_proj, gate/up,
-// down.
-// Given `attention_ns` (int64 [1]), the time spent in the cache writes and attention is
-// added to it, for the step profiler; serving passes none and times nothing.
+// and residual_mlp, exactly as the per-layer path runs them, with no Python between layers.
+// `weights` holds kWeightsPerLayer tensors a layer, in this order: input norm, QKV (few, many),
+// o_proj (few, many), post-attention norm, gate/up (few, many), down (few, many); `biases`
+// four a layer: QKV, o_proj, gate/up, down. Given `attention_ns` (int64 [1]), the time spent
+// in the cache writes and attention is added to it, for the step profiler.
 constexpr int64_t kWeightsPerLayer = 10, kBiasesPerLayer = 4;
 
 at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& cos,
@@ -203,4 +214,4 @@ TORCH_LIBRARY_IMPL(QUIRE_NS, MkldnnCPU, m) {
   m.impl("llama_layers", &llama_layers);
 }
 
-}  // namespace quire
+}  // namespace QUIRE_NS

@@ -1,21 +1,39 @@
-// The CPU kernels other kernels call directly (no dispatcher, no Python between them).
+// The CPU kernels other kernels call directly (no dispatcher, no Python between them), for the
+// instruction set this library is built for (vec.h). Declared in the namespace QUIRE_NS,
+// which is also the torch namespace the ops register in: torch.ops.quire_avx512.<name>, ...
+//
+// Shared sources (this directory): RMSNorm, SwiGLU and RoPE (elementwise.cpp), varlen paged
+// attention and the cache write (paged_attention.cpp), the fused layer halves and the layer
+// stack (llama_block.cpp). Each instruction set adds, in its own directory, what only it can
+// do: its linear layers (<isa>/linear.h) and its attention dot products and kernels
+// (<isa>/attention.h).
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <optional>
 
-// The torch op namespace the build gives each instruction-set variant (quire_avx512, ...), so
-// one process can load several: TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m).
-#ifndef QUIRE_NS
-#error "QUIRE_NS (the op namespace) is set by the build: see engine_worker/ops/cpu_build.py"
+#include "vec.h"
+
+#if defined(QUIRE_ISA_AVX512)
+#include "avx512/attention.h"
+#include "avx512/linear.h"
+#elif defined(QUIRE_ISA_AVX2)
+#include "avx2/attention.h"
+#include "avx2/linear.h"
 #endif
 
-namespace quire {
+// Runs the statement with T bound to the C++ type of an fp32 / bf16 / fp16 dtype.
+#define QUIRE_DISPATCH(dtype, name, ...)                                      \
+  switch (dtype) {                                                            \
+    case at::kFloat: { using T = float; __VA_ARGS__; break; }                 \
+    case at::kBFloat16: { using T = at::BFloat16; __VA_ARGS__; break; }       \
+    case at::kHalf: { using T = at::Half; __VA_ARGS__; break; }               \
+    default: TORCH_CHECK(false, name ": unsupported dtype ", dtype);         \
+  }
 
-// x [M <= 8, K] bf16 @ a weight from pack_skinny or pack_coded (+ bias) -> [M, N]
-at::Tensor skinny_linear_packed(const at::Tensor& x, const at::Tensor& wp,
-                                const std::optional<at::Tensor>& bias);
+namespace QUIRE_NS {
+
 // weight * round(x / rms(x)) per row of x [rows, hidden]
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // [rows, 2 * width] -> silu(gate) * up [rows, width]
@@ -23,12 +41,13 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 // NeoX rotary embedding in place on q, k [tokens, heads, head_dim]
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
                       const at::Tensor& cos, const at::Tensor& sin);
-// varlen paged attention over block tables into out [tokens, heads, head_dim]
+// varlen paged attention over block tables into out [tokens, heads, head_dim]; the cache may
+// be fp32, bf16 or fp16 under fp32 queries, else in the queries' dtype
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                      const at::Tensor& seq_lens, double scale);
-// each token's k, v [tokens, kv_heads, head_dim] into its cache slot
+// each token's k, v [tokens, kv_heads, head_dim] into its cache slot (narrowed to its dtype)
 void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& slot_mapping);
 
-}  // namespace quire
+}  // namespace QUIRE_NS

@@ -1,4 +1,6 @@
-"""The ``cpu`` backend: the compiled kernels of ``csrc/cpu`` (``torch.ops.quire``, OpenMP).
+"""The ``cpu`` backend: the AVX-512 build of the compiled kernels of ``csrc/cpu``
+(``torch.ops.quire_avx512``, OpenMP), and what the CPU backends share (the attention backend,
+the one-call layer stack, the kernels' availability).
 
 Each op is called where its shape and dtype rules hold and falls back to the reference
 (``backends.reference``) elsewhere; tests compare every kernel with its reference. Paged
@@ -10,6 +12,7 @@ Needs ``engine_worker.ops.cpu_ops_unavailable_reason()`` to be None (the kernels
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -45,7 +48,7 @@ class CpuPackedWeight:
     one sequential stream per thread (~28 GB/s here against ~18 for the plain layout). The
     skinny layout is exponent-coded where every row uses at most 16 exponents (12 bits a
     weight, decoded losslessly in the kernel: a quarter fewer bytes a decode step; see
-    csrc/cpu/linear.cpp), else plain bf16."""
+    csrc/cpu/avx512/linear.cpp), else plain bf16."""
 
     onednn: torch.Tensor | None
     skinny: torch.Tensor | None
@@ -160,33 +163,46 @@ def cpu_llama_layers(stack: LlamaStack) -> LayersFn | None:
                     down.packed.skinny, down.packed.onednn]
         biases += [lin.bias for lin in layer.linears]
 
+    return one_call_layers(_ops(), stack, weights, biases, torch.bfloat16)
+
+
+def one_call_layers(ops, stack: LlamaStack, weights: list[torch.Tensor],
+                    biases: list[torch.Tensor | None], activation_dtype: torch.dtype) -> LayersFn:
+    """The decoder layers as one ``ops.llama_layers`` call a step over these weight lists (ten
+    tensors and four biases a layer, csrc/cpu/llama_block.cpp), the residual stream in
+    ``activation_dtype`` (the dtype the variant's linear kernels take), the model's own
+    dtype on the way in and out."""
+    cos, sin = stack.rope_cos.float(), stack.rope_sin.float()
+
     def run(x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
             meta: AttentionMetadata, attention_ns: torch.Tensor | None = None) -> torch.Tensor:
         # attention_ns (int64 [1]): the op adds its cache-write and attention time to it
-        return _ops().llama_layers(
-            x, positions, stack.rope_cos, stack.rope_sin, weights, biases, kv_caches,
-            meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            stack.rms_norm_eps, stack.attention_scale, stack.num_heads, stack.num_kv_heads,
-            attention_ns)
+        out = ops.llama_layers(
+            x.to(activation_dtype).contiguous(), positions, cos, sin, weights, biases,
+            kv_caches, meta.slot_mapping, meta.block_tables, meta.query_start_loc,
+            meta.seq_lens, stack.rms_norm_eps, stack.attention_scale, stack.num_heads,
+            stack.num_kv_heads, attention_ns)
+        return out.to(x.dtype)
 
     return run
 
 
-def unavailable_reason(device: torch.device) -> str | None:
+def kernels_unavailable_reason(isa: str, device: torch.device) -> str | None:
+    """Why the ``isa`` build of the kernels cannot run here, or None once it is loaded. The
+    first call compiles csrc/cpu into the cache; later ones load that build in ms."""
     if device.type != "cpu":
         return f"the compiled CPU kernels run on the CPU only, the device is {device}"
     from engine_worker.ops import cpu_ops_unavailable_reason
 
-    # the first call compiles csrc/cpu into the cache; later ones load that build in ms.
-    # This backend is the AVX-512 set (its bf16 path streams AVX-512-only layouts); CPUs
-    # without AVX-512 get cpu-avx2.
-    with progress(logger, "Loading the CPU kernels", expect="compiled on first start only, "
-                  "about a minute"):
-        return cpu_ops_unavailable_reason("avx512")
+    with progress(logger, f"Loading the {isa} CPU kernels", expect="compiled on first start "
+                  "only, one to two minutes"):
+        return cpu_ops_unavailable_reason(isa)
 
 
 CPU = Backend(
     name="cpu", description="compiled CPU kernels, AVX-512", linear=cpu_linear,
     pack_weight=cpu_pack_weight, rms_norm=cpu_rms_norm, silu_and_mul=cpu_silu_and_mul,
     rope=cpu_rope, attention=CpuPagedAttentionBackend(), llama_layers=cpu_llama_layers,
-    unavailable_reason=unavailable_reason)
+    # the AVX-512 build: its bf16 path streams layouts only AVX-512 BF16 multiplies; CPUs
+    # without it get cpu-avx2
+    unavailable_reason=functools.partial(kernels_unavailable_reason, "avx512"))

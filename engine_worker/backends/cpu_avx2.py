@@ -1,6 +1,6 @@
-"""The ``cpu-avx2`` backend: the AVX2 + FMA kernel set of ``csrc/cpu/avx2``
-(``torch.ops.quire_avx2``), for x86 CPUs without AVX-512 (AMD Zen 3 and older, many Intel
-client parts), or to test the set on one that has it.
+"""The ``cpu-avx2`` backend: the AVX2 + FMA build of the kernels of ``csrc/cpu``
+(``torch.ops.quire_avx2``; its own linear layers in ``csrc/cpu/avx2``), for x86 CPUs without
+AVX-512 (AMD Zen 3 and older, many Intel client parts), or to test the set on one that has it.
 
 Such CPUs have no bf16 arithmetic, so torch's bf16 matmul is emulated there and unusably
 slow. This backend never calls it:
@@ -12,27 +12,24 @@ slow. This backend never calls it:
 - the decoder layers run as one ``llama_layers`` call with fp32 activations whatever the
   weights: a bf16 model keeps its residual stream in fp32 there and its KV cache in bf16.
 
-Every op is tested against its reference (tests/unit/ops/test_avx2_kernels.py).
+Every op is tested against its reference (tests/unit/ops/test_cpu_kernels.py).
 """
 
 from __future__ import annotations
 
-import logging
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from engine_worker.attention.metadata import AttentionMetadata
 from engine_worker.backends.base import Backend, LayersFn, LinearWeights, LlamaStack
-from engine_worker.backends.cpu import CpuPagedAttentionBackend, kernel_supports
+from engine_worker.backends.cpu import (CpuPagedAttentionBackend, kernel_supports,
+                                        kernels_unavailable_reason, one_call_layers)
 from engine_worker.layers.activation import silu_and_mul
 from engine_worker.layers.norm import rms_norm
 from engine_worker.layers.rotary import apply_rope
 from engine_worker.platform import to_huge_pages
-from engine_worker.progress import progress
-
-logger = logging.getLogger(__name__)
 
 ISA = "avx2"
 _PANEL_COLUMNS = 16  # pack_bf16w's panels: output columns in multiples of this
@@ -120,30 +117,7 @@ def avx2_llama_layers(stack: LlamaStack) -> LayersFn | None:
         weights += [layer.input_norm.detach().float(), qkv, qkv, o, o,
                     layer.post_attention_norm.detach().float(), gate_up, gate_up, down, down]
         biases += [_bias(lin) for lin in layer.linears]
-    cos, sin = stack.rope_cos.float(), stack.rope_sin.float()
-    ops = _ops()
-
-    def run(x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-            meta: AttentionMetadata, attention_ns: torch.Tensor | None = None) -> torch.Tensor:
-        # attention_ns (int64 [1]): the op adds its cache-write and attention time to it
-        out = ops.llama_layers(
-            x.float().contiguous(), positions, cos, sin, weights, biases, kv_caches,
-            meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            stack.rms_norm_eps, stack.attention_scale, stack.num_heads, stack.num_kv_heads,
-            attention_ns)
-        return out.to(x.dtype)
-
-    return run
-
-
-def unavailable_reason(device: torch.device) -> str | None:
-    if device.type != "cpu":
-        return f"the compiled CPU kernels run on the CPU only, the device is {device}"
-    from engine_worker.ops import cpu_ops_unavailable_reason
-
-    with progress(logger, "Loading the AVX2 CPU kernels", expect="compiled on first start "
-                  "only, a few minutes on 2 cores"):
-        return cpu_ops_unavailable_reason(ISA)
+    return one_call_layers(_ops(), stack, weights, biases, torch.float32)
 
 
 CPU_AVX2 = Backend(
@@ -152,4 +126,4 @@ CPU_AVX2 = Backend(
     rope=avx2_rope,
     # the same varlen call; under fp32 queries the AVX2 set also reads bf16 / fp16 caches
     attention=CpuPagedAttentionBackend("cpu-avx2", _ops), llama_layers=avx2_llama_layers,
-    unavailable_reason=unavailable_reason)
+    unavailable_reason=functools.partial(kernels_unavailable_reason, ISA))

@@ -1,7 +1,9 @@
 """The CPU kernels (``csrc/cpu``), one library per instruction-set variant, built on first use.
 
-Each variant is compiled from its own sources with explicit instruction-set flags (not
-``-march=native``), so a library built on one node runs on any CPU with those flags, and
+Each variant is compiled from the one set of kernel sources (``csrc/cpu/*.cpp``) and that
+instruction set's own (``csrc/cpu/<isa>/``: its vector type, its linear layers, its attention
+dot products), told which by ``-DQUIRE_ISA_<ISA>``, with explicit instruction-set flags (not
+``-march=native``), so a library built on one node runs on any CPU with those flags. It
 registers its ops in its own namespace (``torch.ops.quire_avx512``, ``torch.ops.quire_avx2``)
 so one process can hold both: the kernel tests run every variant the CPU runs. The engine uses
 the best variant the CPU runs (``cpu_isa``) that builds; ``cpu_ops()`` is the namespace the
@@ -38,8 +40,8 @@ COMMON_CFLAGS = ("-O3", "-fopenmp", "-std=c++17", "-fPIC")
 
 @dataclass(frozen=True, slots=True)
 class CpuVariant:
-    """One instruction-set variant: its sources (``*.cpp`` in ``source_dir``) and the flags
-    they are compiled with."""
+    """One instruction-set variant: the shared sources in ``source_dir``, its own in
+    ``source_dir / isa``, and the flags they are compiled with."""
 
     isa: str
     source_dir: Path
@@ -49,8 +51,21 @@ class CpuVariant:
     def namespace(self) -> str:
         return f"quire_{self.isa}"
 
+    @property
+    def cflags(self) -> tuple[str, ...]:
+        """The instruction-set flags and the define that selects the set's own code."""
+        return (*self.isa_flags, f"-DQUIRE_ISA_{self.isa.upper()}")
+
+    def _files(self, pattern: str) -> tuple[Path, ...]:
+        dirs = (self.source_dir, self.source_dir / self.isa)
+        return tuple(sorted(path for d in dirs for path in d.glob(pattern)))
+
     def sources(self) -> tuple[Path, ...]:
-        return tuple(sorted(self.source_dir.glob("*.cpp")))
+        return self._files("*.cpp")
+
+    def headers(self) -> tuple[Path, ...]:
+        """What the sources include from csrc: part of the digest, not compiled."""
+        return self._files("*.h")
 
 
 VARIANTS: dict[str, CpuVariant] = {
@@ -58,7 +73,7 @@ VARIANTS: dict[str, CpuVariant] = {
     "avx512": CpuVariant("avx512", CSRC_DIR, ("-mavx512f", "-mavx512bw", "-mavx512vl",
                                               "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma",
                                               "-mf16c")),
-    "avx2": CpuVariant("avx2", CSRC_DIR / "avx2", ("-mavx2", "-mfma", "-mf16c")),
+    "avx2": CpuVariant("avx2", CSRC_DIR, ("-mavx2", "-mfma", "-mf16c")),
 }
 assert VARIANTS.keys() == ISA_REQUIRED_FLAGS.keys()
 
@@ -69,9 +84,10 @@ def _compiler() -> str:
 
 
 def torch_library_spec(name: str, sources: tuple[Path, ...], namespace: str,
-                       isa_flags: tuple[str, ...] = ()) -> LibrarySpec:
+                       isa_flags: tuple[str, ...] = (),
+                       headers: tuple[Path, ...] | None = None) -> LibrarySpec:
     """A library of torch ops registered in ``namespace`` (``-DQUIRE_NS``), linked against
-    this torch; every header under csrc/cpu is part of its digest."""
+    this torch; ``headers`` (default: every header under csrc/cpu) are part of its digest."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
@@ -82,7 +98,8 @@ def torch_library_spec(name: str, sources: tuple[Path, ...], namespace: str,
     # names), whichever library the process loaded first
     ldflags = ("-shared", "-fopenmp", "-Wl,-Bsymbolic-functions",
                *(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu", "-ltorch")
-    headers = tuple(sorted(CSRC_DIR.rglob("*.h")))
+    if headers is None:
+        headers = tuple(sorted(CSRC_DIR.rglob("*.h")))
     return LibrarySpec(name, sources, headers, cflags, ldflags,
                        key_extra=f"torch {torch.__version__}")
 
@@ -100,10 +117,11 @@ def build_variant(variant: str | CpuVariant, *, retry_failed: bool = False,
     sources = variant.sources()
     if not sources:
         raise BuildFailed(f"{variant.isa} kernels not present (no *.cpp in "
-                          f"{variant.source_dir})")
+                          f"{variant.source_dir} or {variant.source_dir / variant.isa})")
     opts = BuildOptions(compiler=_compiler(), retry_failed=retry_failed, cpu_key=cpu_key())
     root = cache_root if cache_root is not None else quire_cache_dir() / "kernels"
-    spec = torch_library_spec(variant.namespace, sources, variant.namespace, variant.isa_flags)
+    spec = torch_library_spec(variant.namespace, sources, variant.namespace, variant.cflags,
+                              variant.headers())
     return build_library(spec, root, opts)
 
 

@@ -179,6 +179,12 @@ at::Tensor linear_bf16w(const at::Tensor& x, const at::Tensor& packed_w,
   return out;
 }
 
+std::optional<at::Tensor> packed_linear(const at::Tensor& x, const at::Tensor& w,
+                                        const std::optional<at::Tensor>& bias) {
+  if (w.scalar_type() != at::kBFloat16 || w.dim() != 3) return std::nullopt;
+  return linear_bf16w(x, w, bias);
+}
+
 TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
   m.def("pack_bf16w(Tensor w) -> Tensor");
   m.def("linear_bf16w(Tensor x, Tensor packed_w, Tensor? bias) -> Tensor");

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from engine_worker.backends.reference import TorchAttentionBackend  # noqa: E402
 from engine_worker.attention.triton_backend import (TritonAttentionBackend,  # noqa: E402
                                                     triton_write_kv)
-from tests.attention_steps import make_step  # noqa: E402
+from tests.attention_steps import make_step, nan_outside_requests, random_inputs  # noqa: E402
 
 NUM_BLOCKS = 40
 
@@ -49,11 +49,8 @@ def test_triton_attention_matches_reference(case):
     rng = random.Random(hash(case) & 0xFFFF)
     torch.manual_seed(rng.randrange(1 << 30))
     meta = _step(rng, STEPS[step], block_size)
-    num_tokens = int(meta.query_start_loc[-1])
-    q = torch.randn(num_tokens, num_heads, head_dim).to(dtype)
-    k = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
-    v = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
-    cache = torch.randn(2, NUM_BLOCKS, block_size, num_kv_heads, head_dim).to(dtype)
+    q, k, v, cache = random_inputs(meta, (num_heads, num_kv_heads, head_dim), NUM_BLOCKS,
+                                   block_size, dtype)
     ref_cache = cache.float()  # the reference runs in fp32 on the same (rounded) inputs
     scale = head_dim ** -0.5
 
@@ -72,15 +69,8 @@ def test_triton_attention_reads_only_its_own_blocks():
     rng = random.Random(3)
     block_size = 16
     meta = _step(rng, STEPS["mixed"], block_size)
-    num_tokens = int(meta.query_start_loc[-1])
-    cache = torch.full((2, NUM_BLOCKS, block_size, 1, 64), float("nan"))
-    for b in set(meta.block_tables.flatten().tolist()):
-        cache[:, b] = torch.randn(2, block_size, 1, 64)
-    for i, n in enumerate(meta.seq_lens.tolist()):
-        for pos in range(n, -(-n // block_size) * block_size):
-            cache[:, meta.block_tables[i, pos // block_size], pos % block_size] = float("nan")
-    q, k, v = torch.randn(num_tokens, 4, 64), torch.randn(num_tokens, 1, 64), torch.randn(
-        num_tokens, 1, 64)
+    cache = nan_outside_requests(meta, NUM_BLOCKS, block_size, 1, 64)
+    q, k, v, _ = random_inputs(meta, (4, 1, 64), NUM_BLOCKS, block_size, torch.float32)
     out = TritonAttentionBackend().forward(q, k, v, cache, meta, 0.125)
     assert not out.isnan().any()
 

@@ -1,8 +1,10 @@
 """The compiled CPU kernels (csrc/cpu) against their PyTorch references.
 
-Each test runs once per instruction-set variant this CPU runs (``cpu_isa`` in conftest.py);
-where a variant cannot be built (no compiler, no sources) it is skipped with the builder's
-reason, and the engine uses the references.
+Each test runs once per instruction-set variant (``cpu_isa`` in conftest.py), on the ops of
+that variant (``cpu_ops()``); a variant this CPU cannot run, or that does not build here, is
+skipped with the reason, and the engine uses the references. The variants share their
+sources, so most tests are the same for both; the linear layers are each set's own
+(``cpu_ops`` markers: AVX-512's skinny bf16 matmul, AVX2's bf16-weight fp32 matmul).
 """
 
 from __future__ import annotations
@@ -12,68 +14,140 @@ import random
 import pytest
 import torch
 
-from tests.attention_steps import STEPS, make_step
-from engine_worker.backends.cpu import (CpuPagedAttentionBackend, cpu_linear, cpu_pack_weight,
-                                        cpu_rms_norm, cpu_rope, cpu_silu_and_mul)
+from tests.attention_steps import STEPS, make_step, nan_outside_requests, random_inputs
+from engine_worker.backends.cpu import CpuPagedAttentionBackend, cpu_linear, cpu_pack_weight
 from engine_worker.backends.reference import TorchAttentionBackend
 from engine_worker.layers.activation import silu_and_mul
 from engine_worker.layers.norm import rms_norm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding, apply_rope
 from engine_worker.ops import cpu_ops
 
-pytestmark = pytest.mark.usefixtures("cpu_isa")  # once per variant this CPU runs
+pytestmark = pytest.mark.usefixtures("cpu_isa")  # once per variant
 
 NUM_BLOCKS = 96
+LANES = {"avx512": 16, "avx2": 8}  # fp32 lanes of a vector (csrc/cpu/<isa>/simd.h)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _step(rng, shapes, block_size):
-    return make_step(rng, shapes, block_size, NUM_BLOCKS)
+def _close(got, want, dtype):
+    # one bf16 / fp16 rounding step apart at most (the kernels round intermediates where the
+    # references do, but sum in another order)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [16, 8, 32])
-@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)])
+# ---------------------------------------------------------------- RMSNorm, SwiGLU, RoPE
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("extra_vectors", [0, 1])  # hidden = 576 + one vector: an odd count
+def test_rms_norm_matches_reference(dtype, rows, extra_vectors, cpu_isa):
+    torch.manual_seed(rows)
+    hidden = 576 + extra_vectors * LANES[cpu_isa]
+    x = (torch.randn(rows, hidden) * 3).to(dtype)
+    weight = (1 + torch.randn(hidden) / 4).to(dtype)
+    _close(cpu_ops().rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5), dtype)
+
+
+def test_rms_norm_reads_strided_rows():
+    x = torch.randn(5, 2 * 576)[:, :576]  # rows of a wider tensor
+    weight = torch.randn(576)
+    _close(cpu_ops().rms_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_silu_and_mul_matches_reference(dtype, rows):
+    torch.manual_seed(rows)
+    x = (torch.randn(rows, 2 * 1536) * 4).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, -30.0, 0.0]).to(dtype)  # exp's clamped range
+    _close(cpu_ops().silu_and_mul(x), silu_and_mul(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding_matches_reference_in_place(dtype):
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(RopeConfig(head_dim=64, theta=10000.0, max_position_embeddings=2048),
+                           2048, torch.device("cpu"))
+    positions = torch.tensor([0, 1, 5, 77, 1023, 2047, 3])
+    # q and k as the model has them: views into one fused QKV row per token
+    qkv = torch.randn(len(positions), (9 + 3 + 3) * 64).to(dtype)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k = q.view(-1, 9, 64), k.view(-1, 3, 64)
+    want_q, want_k = apply_rope(positions, q, k, rope.cos, rope.sin)
+    untouched_v = qkv[:, 12 * 64:].clone()
+    cpu_ops().rotary_embedding(q, k, positions, rope.cos, rope.sin)  # where they lie
+    _close(q, want_q, dtype)
+    _close(k, want_k, dtype)
+    assert torch.equal(qkv[:, 12 * 64:], untouched_v)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        cpu_ops().rotary_embedding(q, k, torch.tensor([2048] * len(positions)), rope.cos,
+                                   rope.sin)
+
+
+# ---------------------------------------------------------------- paged attention
+
+# (query dtype, cache dtype): the cache in the queries' dtype, or narrower under fp32 queries
+DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+               (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_PAIRS,
+                         ids=lambda p: f"{p[0]}-{p[1]}".replace("torch.", ""))
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 128), (8, 1, 64), (4, 4, 32)],
+                         ids=lambda h: "{}:{}-d{}".format(*h))
 @pytest.mark.parametrize("step", sorted(STEPS))
-def test_paged_attention_matches_reference(step, heads, block_size, dtype):
+def test_paged_attention_matches_reference(step, heads, block_size, dtypes):
+    q_dtype, cache_dtype = dtypes
     rng = random.Random(hash((step, heads, block_size)) & 0xFFFF)
     torch.manual_seed(rng.randrange(1 << 30))
-    num_heads, num_kv_heads = heads
-    head_dim = 64 if num_heads != 4 else 32
-    meta = _step(rng, STEPS[step], block_size)
-    num_tokens = int(meta.query_start_loc[-1])
-    q = torch.randn(num_tokens, num_heads, head_dim).to(dtype)
-    k = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
-    v = torch.randn(num_tokens, num_kv_heads, head_dim).to(dtype)
-    cache = torch.randn(2, NUM_BLOCKS, block_size, num_kv_heads, head_dim).to(dtype)
-    ref_cache = cache.clone()
-    scale = head_dim ** -0.5
+    meta = make_step(rng, STEPS[step], block_size, NUM_BLOCKS)
+    q, k, v, cache = random_inputs(meta, heads, NUM_BLOCKS, block_size, q_dtype, cache_dtype)
+    scale = heads[2] ** -0.5
 
+    # the reference in the queries' dtype over the cache's values (which the kernel widens)
+    ref_cache = cache.to(q_dtype)
+    want = TorchAttentionBackend().forward(q, k.to(cache_dtype).to(q_dtype),
+                                           v.to(cache_dtype).to(q_dtype), ref_cache, meta, scale)
+    # what an attention backend runs a layer: the cache write, then one varlen call
     got = CpuPagedAttentionBackend().forward(q, k, v, cache, meta, scale)
-    want = TorchAttentionBackend().forward(q, k, v, ref_cache, meta, scale)
 
-    assert torch.equal(cache, ref_cache)  # the same K/V written to the same slots
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert torch.equal(cache.to(q_dtype), ref_cache)  # the same K/V written to the same slots
+    tol = 2e-2 if q_dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_paged_attention_reads_only_its_own_blocks():
     """Garbage (NaN) everywhere outside the requests' blocks must not reach the output."""
     rng = random.Random(7)
-    meta = _step(rng, STEPS["mixed"], 16)
-    num_tokens = int(meta.query_start_loc[-1])
-    used = set(meta.block_tables.flatten().tolist())
-    cache = torch.full((2, NUM_BLOCKS, 16, 3, 64), float("nan"))
-    for b in used:
-        cache[:, b] = torch.randn(2, 16, 3, 64)
-    # positions past each request's length inside its last block stay NaN as well
-    q, k, v = torch.randn(num_tokens, 9, 64), torch.randn(num_tokens, 3, 64), torch.randn(
-        num_tokens, 3, 64)
-    for i, n in enumerate(meta.seq_lens.tolist()):
-        table = meta.block_tables[i]
-        for pos in range(n, -(-n // 16) * 16):
-            cache[:, table[pos // 16], pos % 16] = float("nan")
+    meta = make_step(rng, STEPS["mixed"], 16, NUM_BLOCKS)
+    cache = nan_outside_requests(meta, NUM_BLOCKS, 16, 3, 64)
+    q, k, v, _ = random_inputs(meta, (9, 3, 64), NUM_BLOCKS, 16, torch.float32)
     out = CpuPagedAttentionBackend().forward(q, k, v, cache, meta, 0.125)
     assert not out.isnan().any()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_write_kv_narrows_as_torch_casts(cache_dtype):
+    """fp32 K/V into a narrower cache: torch's rounding (to nearest even), bit for bit, with
+    ties, NaN, infinities, signed zeros and subnormals."""
+    k = torch.randn(40, 3, 64) * 100
+    special = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-39, 3e38, 65519.0,
+               70000.0, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 1.0 + 2.0 ** -11]
+    k.view(-1)[:len(special)] = torch.tensor(special)
+    v = -k
+    cache = torch.zeros(2, 8, 16, 3, 64, dtype=cache_dtype)
+    slots = torch.randperm(8 * 16)[:40]
+    cpu_ops().write_kv(cache, k, v, slots)
+    got_k = cache[0].view(-1, 3, 64)[slots]
+    got_v = cache[1].view(-1, 3, 64)[slots]
+    for got, want in ((got_k, k.to(cache_dtype)), (got_v, v.to(cache_dtype))):
+        # a NaN stays a NaN (its payload bits are torch's own choice)
+        assert torch.equal(got.isnan(), want.isnan())
+        keep_inf = {"posinf": float("inf"), "neginf": -float("inf")}
+        assert torch.equal(got.nan_to_num(0.0, **keep_inf).view(torch.int16),
+                           want.nan_to_num(0.0, **keep_inf).view(torch.int16))
 
 
 def test_write_kv_rejects_out_of_range_slot():
@@ -82,6 +156,8 @@ def test_write_kv_rejects_out_of_range_slot():
     with pytest.raises(RuntimeError, match="slot out of range"):
         cpu_ops().write_kv(cache, k, k, torch.tensor([4 * 16]))
 
+
+# ---------------------------------------------------------------- AVX-512: bf16 skinny matmul
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 35)])
@@ -149,7 +225,8 @@ def test_coded_layout_is_the_plain_layout_bit_for_bit(rows, shape, bias):
 
 
 def _decode_coded(coded: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """The coded layout read back in Python, as csrc/cpu/linear.cpp documents it -> int16 bits."""
+    """The coded layout read back in Python, as csrc/cpu/avx512/linear.cpp documents it ->
+    int16 bits."""
     groups, slices = out_features // 4, in_features // 32
     tables = coded[:, :128].contiguous().view(torch.int16).view(groups, 4, 16).long() & 0xFFFF
     body = coded[:, 128:].reshape(groups, slices, 192)
@@ -198,49 +275,41 @@ def test_skinny_linear_rejects_what_it_cannot_run():
                                 None)
 
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# ---------------------------------------------------------------- AVX2: bf16 weights, fp32 math
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 8, 13, 64])
+@pytest.mark.parametrize("shape", [(576, 1728), (1536, 576), (37, 48)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.cpu_ops("pack_bf16w", "linear_bf16w")
+def test_linear_bf16w_matches_fp32_matmul(rows, shape, bias):
+    in_features, out_features = shape
+    torch.manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features)
+    w = (torch.randn(out_features, in_features) / in_features ** 0.5).bfloat16()
+    b = torch.randn(out_features) if bias else None
+    packed = cpu_ops().pack_bf16w(w)
+    assert packed.dtype == torch.bfloat16 and packed.numel() == w.numel()
+    got = cpu_ops().linear_bf16w(x, packed, b)
+    # the fp32 matmul of the bf16 weight's values: only the summation order differs
+    want = torch.nn.functional.linear(x, w.float(), b)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def _close(got, want, dtype):
-    # one bf16 / fp16 rounding step apart at most (the kernels round intermediates where the
-    # references do, but sum in another order)
-    tol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
-    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+@pytest.mark.cpu_ops("pack_bf16w", "linear_bf16w")
+def test_linear_bf16w_reads_strided_rows():
+    x = torch.randn(9, 2 * 64)[:, :64]  # rows of a wider tensor
+    w = torch.randn(32, 64).bfloat16()
+    torch.testing.assert_close(cpu_ops().linear_bf16w(x, cpu_ops().pack_bf16w(w), None),
+                               x @ w.float().T, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 7, 300])
-def test_rms_norm_matches_reference(dtype, rows):
-    torch.manual_seed(rows)
-    x = (torch.randn(rows, 576) * 3).to(dtype)
-    weight = (1 + torch.randn(576) / 4).to(dtype)
-    _close(cpu_rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5), dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 130])
-def test_silu_and_mul_matches_reference(dtype, rows):
-    torch.manual_seed(rows)
-    x = (torch.randn(rows, 2 * 1536) * 4).to(dtype)
-    _close(cpu_silu_and_mul(x), silu_and_mul(x), dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_embedding_matches_reference_in_place(dtype):
-    torch.manual_seed(0)
-    rope = RotaryEmbedding(RopeConfig(head_dim=64, theta=10000.0, max_position_embeddings=2048),
-                           2048, torch.device("cpu"))
-    positions = torch.tensor([0, 1, 5, 77, 1023, 2047, 3])
-    # q and k as the model has them: views into one fused QKV row per token
-    qkv = torch.randn(len(positions), (9 + 3 + 3) * 64).to(dtype)
-    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
-    q, k = q.view(-1, 9, 64), k.view(-1, 3, 64)
-    want_q, want_k = apply_rope(positions, q, k, rope.cos, rope.sin)
-    untouched_v = qkv[:, 12 * 64:].clone()
-    got_q, got_k = cpu_rope(positions, q, k, rope.cos, rope.sin)
-    assert got_q.data_ptr() == q.data_ptr()  # rotated where they lie
-    _close(got_q, want_q, dtype)
-    _close(got_k, want_k, dtype)
-    assert torch.equal(qkv[:, 12 * 64:], untouched_v)
-    with pytest.raises(RuntimeError, match="position out of range"):
-        cpu_rope(torch.tensor([2048] * len(positions)), q, k, rope.cos, rope.sin)
+@pytest.mark.cpu_ops("pack_bf16w", "linear_bf16w")
+def test_linear_bf16w_rejects_what_it_cannot_run():
+    with pytest.raises(RuntimeError, match="N a multiple of 16"):
+        cpu_ops().pack_bf16w(torch.zeros(24, 64).bfloat16())
+    packed = cpu_ops().pack_bf16w(torch.zeros(32, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="fp32"):
+        cpu_ops().linear_bf16w(torch.zeros(2, 64).bfloat16(), packed, None)
+    with pytest.raises(RuntimeError, match="K"):
+        cpu_ops().linear_bf16w(torch.zeros(2, 48), packed, None)

@@ -3,7 +3,8 @@
 The fused ops run the same kernels in the same order as the layer's modules do one by one on
 the ``cpu`` backend, so the results must be bit-identical, at every row count: up to 8 rows
 through the skinny matmul, above through oneDNN. The ops take the weights as the model exports
-them (``LlamaLayerWeights``).
+them (``LlamaLayerWeights``). The ``cpu-avx2`` backend's layers (fp32 activations, so not the
+bf16 modules' roundings) are checked whole-model in test_llama_layers.py.
 """
 
 from __future__ import annotations
@@ -16,12 +17,17 @@ from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding
 from engine_worker.models.llama import LlamaConfig, LlamaDecoderLayer
 from engine_worker.ops import cpu_ops
 
-# once per variant this CPU runs that has the AVX-512 packed-weight layouts the cpu backend's
-# bf16 path streams (the AVX2 kernels pack bf16 weights their own way)
-pytestmark = [pytest.mark.usefixtures("cpu_isa"),
-              pytest.mark.cpu_ops("pack_coded", "pack_skinny", "skinny_linear_packed")]
+pytestmark = pytest.mark.usefixtures("cpu_isa")  # once per variant
+# the AVX-512 packed-weight layouts the cpu backend's bf16 path streams (the AVX2 kernels pack
+# bf16 weights their own way)
+PACKED_BF16 = pytest.mark.cpu_ops("pack_coded", "pack_skinny", "skinny_linear_packed")
 
 CPU = BACKENDS["cpu"]
+# each variant's backend, the dtype its fused ops take, and its weights for few and many rows
+BACKEND = {"avx512": CPU, "avx2": BACKENDS["cpu-avx2"]}
+ACTIVATIONS = {"avx512": torch.bfloat16, "avx2": torch.float32}
+FEW_AND_MANY = {"avx512": lambda packed: (packed.skinny, packed.onednn),
+                "avx2": lambda packed: (packed.panels, packed.panels)}
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 576, 9, 3, 64, 1536
 MAX_POSITION = 4096
 
@@ -61,8 +67,15 @@ def _residual_mlp(layer: LlamaDecoderLayer, x: torch.Tensor, attn: torch.Tensor)
 ROWS = [1, 3, 8, 9, 40]
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", ROWS)
+def _every_row_count(test):
+    """On the AVX-512 layouts, skinny and oneDNN rows, with and without biases."""
+    for mark in (PACKED_BF16, pytest.mark.parametrize("bias", [False, True]),
+                 pytest.mark.parametrize("rows", ROWS)):
+        test = mark(test)
+    return test
+
+
+@_every_row_count
 def test_norm_qkv_rope_is_the_composition_bit_for_bit(rows, bias):
     layer = _layer(bias)
     w = layer.export()
@@ -80,8 +93,7 @@ def test_norm_qkv_rope_is_the_composition_bit_for_bit(rows, bias):
         assert torch.equal(g, wt)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", ROWS)
+@_every_row_count
 def test_residual_mlp_is_the_composition_bit_for_bit(rows, bias):
     layer = _layer(bias)
     w = layer.export()
@@ -103,6 +115,7 @@ def test_residual_mlp_is_the_composition_bit_for_bit(rows, bias):
                                atol=0.1, rtol=0.05)
 
 
+@PACKED_BF16
 def test_fp32_layers_are_not_packed_for_the_fused_stack():
     """The CPU layouts are bf16 only: an fp32 model runs its layers one by one."""
     w = _layer(False, torch.float32).export()
@@ -110,16 +123,24 @@ def test_fp32_layers_are_not_packed_for_the_fused_stack():
     assert all(lin.packed is not None for lin in _layer(False).export().linears)
 
 
-def test_fused_ops_name_what_is_wrong():
-    layer = _layer(False)
+def test_fused_ops_name_what_is_wrong(cpu_isa):
+    layer = _layer(False, backend=BACKEND[cpu_isa])
     w, rotary = layer.export(), layer.self_attn.rotary
-    with pytest.raises(RuntimeError, match="x must be contiguous bf16"):
-        cpu_ops().norm_qkv_rope(
-            torch.zeros(2, HIDDEN), w.input_norm, 1e-5, w.qkv_proj.packed.skinny,
-            w.qkv_proj.packed.onednn, None, torch.zeros(2, dtype=torch.long), rotary.cos,
-            rotary.sin, HEADS, KV_HEADS)
+    dtype = ACTIVATIONS[cpu_isa]
+    few, many = FEW_AND_MANY[cpu_isa](w.qkv_proj.packed)
+    norm = w.input_norm.to(dtype)
+    wrong = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+
+    def call(x, qkv_few, qkv_many, heads=HEADS):
+        return cpu_ops().norm_qkv_rope(x, norm, 1e-5, qkv_few, qkv_many, None,
+                                       torch.zeros(len(x), dtype=torch.long), rotary.cos,
+                                       rotary.sin, heads, KV_HEADS)
+
+    with pytest.raises(RuntimeError, match=f"x must be contiguous {name}"):
+        call(torch.zeros(2, HIDDEN, dtype=wrong), few, many)
     with pytest.raises(RuntimeError, match="heads \\+ 2 kv heads"):
-        cpu_ops().norm_qkv_rope(
-            torch.zeros(2, HIDDEN).bfloat16(), w.input_norm, 1e-5, w.qkv_proj.packed.skinny,
-            w.qkv_proj.packed.onednn, None, torch.zeros(2, dtype=torch.long), rotary.cos,
-            rotary.sin, HEADS, 1)
+        call(torch.zeros(2, HIDDEN, dtype=dtype), few, many, HEADS - KV_HEADS)
+    not_packed = torch.zeros(2, 3, 4)  # fp32, neither a packed layout nor a plain weight
+    with pytest.raises(RuntimeError, match="a linear weight must be .*, fp32 \\[N, K\\]"):
+        call(torch.zeros(2, HIDDEN, dtype=dtype), not_packed, not_packed)

@@ -1,18 +1,25 @@
-"""Every decoder layer in one call (``quire.llama_layers``) against the per-layer path.
+"""Every decoder layer in one call (``llama_layers``) against the per-layer path.
 
 The op runs the fused halves, the cache write and the paged-attention kernel of each layer in
 the order the per-layer path calls them, so a whole generation must be bit-identical with and
 without it: the same tokens and the same logprobs, over steps that mix decodes with chunked
-prefills. The per-layer path is itself checked against the references in test_llama_blocks.py
-and test_cpu_kernels.py.
+prefills (``cpu``, bf16), and a whole model's logits and caches (``cpu-avx2``, fp32). The
+per-layer path is itself checked against the references in test_llama_blocks.py and
+test_cpu_kernels.py.
 """
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 
 from engine_worker import LLM, SamplingParams
+from engine_worker.backends import BACKENDS
+from engine_worker.layers.rotary import RopeConfig
+from engine_worker.models.llama import LlamaConfig, LlamaForCausalLM
+from tests.attention_steps import STEPS, make_step
 from tests.conftest import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("cpu_isa")  # once per variant this CPU runs
@@ -101,3 +108,75 @@ def test_step_profiler_reads_attention_time_from_the_one_call_layers(stack_model
     assert split["attention"] > 0 and split["model"] > 0
     profiler.reset()
     assert profiler.stack_attention_ns.item() == 0 and profiler.num_steps == 0
+
+
+# ---------------------------------------------------------------- cpu-avx2: fp32 activations
+
+NUM_BLOCKS = 96
+AVX2 = BACKENDS["cpu-avx2"]
+
+
+def _tiny_llama(backend, bias: bool) -> LlamaForCausalLM:
+    # head_dim 32, every output size a multiple of 16 (the panels')
+    cfg = LlamaConfig(vocab_size=512, hidden_size=192, intermediate_size=256, num_layers=3,
+                      num_heads=6, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5,
+                      rope=RopeConfig(head_dim=32, theta=10000.0, max_position_embeddings=1024),
+                      tie_word_embeddings=True, qkv_bias=bias, o_bias=bias)
+    return LlamaForCausalLM(cfg, backend, 1024, torch.device("cpu"))
+
+
+def _run(model, meta, input_ids, positions, caches):
+    caches = [c.clone() for c in caches]
+    with torch.no_grad():
+        hidden = model(input_ids, positions, caches, meta)
+        return model.compute_logits(hidden), caches
+
+
+@pytest.mark.cpu_ops("pack_bf16w", "linear_bf16w")
+@pytest.mark.parametrize("bias", [False, True])
+def test_llama_on_avx2_kernels(bias):
+    """A whole model on this set: in fp32 the one-call layers are the per-layer path bit for
+    bit, and both the reference's result; a bf16 model (bf16 weights and cache, its layers'
+    activations in fp32) is the fp32 model of its bf16 values up to the cache's rounding."""
+    torch.manual_seed(3)
+    reference = _tiny_llama(BACKENDS["torch"], bias)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 + (1 if p.dim() == 1 else 0))
+    rng = random.Random(5)
+    meta = make_step(rng, STEPS["mixed"], 16, NUM_BLOCKS)
+    num_tokens = int(meta.query_start_loc[-1])
+    input_ids = torch.randint(0, 512, (num_tokens,))
+    positions = torch.cat([torch.arange(int(n) - int(e - s), int(n)) for n, s, e in zip(
+        meta.seq_lens, meta.query_start_loc[:-1], meta.query_start_loc[1:])])
+    caches = [torch.randn(2, NUM_BLOCKS, 16, 2, 32) for _ in range(3)]
+    reference.pack_weights()
+    want, want_caches = _run(reference, meta, input_ids, positions, caches)
+
+    model = _tiny_llama(AVX2, bias)
+    model.load_state_dict(reference.state_dict())
+    model.pack_weights()
+    assert model.layer_stack is not None
+    stacked, stacked_caches = _run(model, meta, input_ids, positions, caches)
+    model.layer_stack = None
+    per_layer, per_layer_caches = _run(model, meta, input_ids, positions, caches)
+    assert torch.equal(stacked, per_layer)
+    assert all(torch.equal(a, b) for a, b in zip(stacked_caches, per_layer_caches))
+    torch.testing.assert_close(stacked, want, atol=1e-3, rtol=1e-3)
+
+    # bf16: the reference in fp32 over the bf16-rounded weights and cache
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(p.bfloat16().float())
+    reference.pack_weights()
+    bf16_caches = [c.bfloat16() for c in caches]
+    want, _ = _run(reference, meta, input_ids, positions,
+                   [c.float() for c in bf16_caches])
+    model = _tiny_llama(AVX2, bias).to(torch.bfloat16)
+    model.load_state_dict(reference.state_dict())
+    model.pack_weights()
+    assert model.layer_stack is not None
+    assert model.layers[0].self_attn.qkv_proj.packed is not None
+    got, _ = _run(model, meta, input_ids, positions, bf16_caches)
+    # logits rounded to bf16 (the model's dtype) at the end: one bf16 step of logits ~10
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)

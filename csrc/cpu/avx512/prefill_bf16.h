@@ -13,8 +13,7 @@
 // The interleave permutes dimensions within 128-bit lanes; lane_dim() undoes it on the way out.
 #pragma once
 
-#ifdef __AVX512BF16__
-
+#include <ATen/ATen.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -25,7 +24,7 @@
 #include "decode_bf16.h"
 #include "vec.h"
 
-namespace quire::prefill_bf16 {
+namespace QUIRE_NS::prefill_bf16 {
 
 using decode_bf16::lane_dim;
 
@@ -64,10 +63,6 @@ inline void pack(const at::BFloat16* keys, const at::BFloat16* values, const int
         vc[(jp * nz + z) * 2 + 1] = _mm512_unpackhi_epi16(v0, v1);
       }
   }
-}
-
-inline __mmask16 live16(int64_t visible) {  // the first `visible` (clamped to 0..16) lanes
-  return visible >= 16 ? __mmask16(0xFFFF) : visible <= 0 ? 0 : __mmask16((1u << visible) - 1u);
 }
 
 // RB query rows against every key they see, their accumulators held in registers from the
@@ -114,7 +109,7 @@ void rows_block(const at::BFloat16* const* q, at::BFloat16* const* out, const in
     alignas(64) uint32_t pairs[RB][16];
     for (int r = 0; r < RB; ++r) {
       const int64_t visible = pos[r] + 1 - c * kKeys;
-      const __mmask16 live0 = live16(visible), live1 = live16(visible - 16);
+      const __mmask16 live0 = simd::lanes_below(visible), live1 = simd::lanes_below(visible - 16);
       const __m512 ninf = _mm512_set1_ps(-INFINITY);
       const __m512 a = _mm512_mask_mul_ps(ninf, live0, s0[r], vscale);
       const __m512 b = _mm512_mask_mul_ps(ninf, live1, s1[r], vscale);
@@ -130,8 +125,8 @@ void rows_block(const at::BFloat16* const* q, at::BFloat16* const* out, const in
         m[r] = m_new;
       }
       const __m512 mv = _mm512_set1_ps(m_new);
-      const __m512 p0 = _mm512_maskz_mov_ps(live0, vec::exp512(_mm512_sub_ps(a, mv)));
-      const __m512 p1 = _mm512_maskz_mov_ps(live1, vec::exp512(_mm512_sub_ps(b, mv)));
+      const __m512 p0 = _mm512_maskz_mov_ps(live0, simd::exp(_mm512_sub_ps(a, mv)).v);
+      const __m512 p1 = _mm512_maskz_mov_ps(live1, simd::exp(_mm512_sub_ps(b, mv)).v);
       l[r] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
       const __m512bh pb = _mm512_cvtne2ps_pbh(p1, p0);  // keys 0..15 low, 16..31 high
       _mm512_store_si512(pairs[r], (__m512i)pb);
@@ -206,6 +201,4 @@ void attend_tile(QAt q_row, OutAt out_row, int64_t num_pos, int64_t group, int64
   }
 }
 
-}  // namespace quire::prefill_bf16
-
-#endif  // __AVX512BF16__
+}  // namespace QUIRE_NS::prefill_bf16

@@ -1,20 +1,10 @@
-// One fp32 vector of 8 lanes (AVX2 + FMA + F16C) and the few operations the kernels need.
-//
-// The kernel bodies in this directory are written against this small interface (kWidth,
-// load / store of fp32, bf16 and fp16 rows, fma, exp, reductions), not against intrinsics,
-// so that a 16-lane AVX-512 type with the same members can run the same bodies.
-//
-// Everything lives in the namespace QUIRE_NS (set per instruction set by the build): two
-// variants loaded into one process (the AVX2 set tested on an AVX-512 machine) must not
-// resolve each other's symbols.
+// The AVX2 + FMA + F16C side of the vector layer (csrc/cpu/vec.h): one fp32 vector of 8 lanes
+// and the operations the shared kernels are written against. avx512/simd.h defines the same
+// names for 16 lanes; a name one side lacks is that instruction set's own (sum8 here).
 #pragma once
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
-#error "csrc/cpu/avx2 needs -mavx2 -mfma -mf16c"
-#endif
-
-#ifndef QUIRE_NS
-#define QUIRE_NS quire_avx2
+#error "the avx2 kernels need -mavx2 -mfma -mf16c (engine_worker/ops/cpu_build.py)"
 #endif
 
 #include <c10/util/BFloat16.h>
@@ -22,28 +12,27 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <type_traits>
 
 namespace QUIRE_NS::simd {
 
-struct Vec8 {
+struct Vec {
   static constexpr int kWidth = 8;
   __m256 v;
 
-  Vec8() = default;
-  Vec8(__m256 x) : v(x) {}  // NOLINT: implicit from the register type on purpose
+  Vec() = default;
+  Vec(__m256 x) : v(x) {}  // NOLINT: implicit from the register type on purpose
 
-  static Vec8 zero() { return _mm256_setzero_ps(); }
-  static Vec8 broadcast(float x) { return _mm256_set1_ps(x); }
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec broadcast(float x) { return _mm256_set1_ps(x); }
 
   // Widening loads of 8 values: fp32 as is, bf16 by a 16-bit shift (it is the top half of
   // an fp32), fp16 by F16C's conversion.
-  static Vec8 load(const float* p) { return _mm256_loadu_ps(p); }
-  static Vec8 load(const c10::BFloat16* p) {
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static Vec load(const c10::BFloat16* p) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
   }
-  static Vec8 load(const c10::Half* p) {
+  static Vec load(const c10::Half* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
 
@@ -66,22 +55,18 @@ struct Vec8 {
   }
 };
 
-inline Vec8 operator+(Vec8 a, Vec8 b) { return _mm256_add_ps(a.v, b.v); }
-inline Vec8 operator-(Vec8 a, Vec8 b) { return _mm256_sub_ps(a.v, b.v); }
-inline Vec8 operator*(Vec8 a, Vec8 b) { return _mm256_mul_ps(a.v, b.v); }
-inline Vec8 operator/(Vec8 a, Vec8 b) { return _mm256_div_ps(a.v, b.v); }
-inline Vec8 fma(Vec8 a, Vec8 b, Vec8 c) { return _mm256_fmadd_ps(a.v, b.v, c.v); }  // a*b + c
-inline Vec8 fms(Vec8 a, Vec8 b, Vec8 c) { return _mm256_fmsub_ps(a.v, b.v, c.v); }  // a*b - c
-inline Vec8 max(Vec8 a, Vec8 b) { return _mm256_max_ps(a.v, b.v); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a.v, b.v, c.v); }  // a*b + c
+inline Vec fms(Vec a, Vec b, Vec c) { return _mm256_fmsub_ps(a.v, b.v, c.v); }  // a*b - c
+inline Vec max(Vec a, Vec b) { return _mm256_max_ps(a.v, b.v); }
 
-inline float reduce_add(Vec8 a) {
+inline float reduce_add(Vec a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
 
-inline float reduce_max(Vec8 a) {
+inline float reduce_max(Vec a) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
@@ -89,7 +74,7 @@ inline float reduce_max(Vec8 a) {
 }
 
 // Lane i: the sum of a[i]'s lanes. Eight horizontal sums sharing one shuffle tree.
-inline Vec8 sum8(const Vec8* a) {
+inline Vec sum8(const Vec* a) {
   const __m256 t0 = _mm256_hadd_ps(a[0].v, a[1].v), t1 = _mm256_hadd_ps(a[2].v, a[3].v);
   const __m256 t2 = _mm256_hadd_ps(a[4].v, a[5].v), t3 = _mm256_hadd_ps(a[6].v, a[7].v);
   // per 128-bit lane: [a0 a1 a2 a3] (u0) and [a4 a5 a6 a7] (u1), low and high halves apart
@@ -98,7 +83,7 @@ inline Vec8 sum8(const Vec8* a) {
 }
 
 // Lanes [0, n) of x, the others `fill` (n clamped to 0..8).
-inline Vec8 first_n(Vec8 x, int n, float fill) {
+inline Vec first_n(Vec x, int n, float fill) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
   return _mm256_blendv_ps(_mm256_set1_ps(fill), x.v, live);
@@ -107,7 +92,7 @@ inline Vec8 first_n(Vec8 x, int n, float fill) {
 // exp(x): 2^n * p(r), |r| <= ln2 / 2, degree-6 polynomial (relative error about 2e-7).
 // Inputs are clamped to [-87, 88], where 2^n stays a normal number: exp(-inf) gives about
 // 1.6e-38 (softmax masks such lanes itself) and large inputs a finite 1.7e38.
-inline Vec8 exp(Vec8 xv) {
+inline Vec exp(Vec xv) {
   const __m256 x = _mm256_min_ps(_mm256_max_ps(xv.v, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -125,16 +110,11 @@ inline Vec8 exp(Vec8 xv) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
-// x rounded to T and back: the rounding a PyTorch op in dtype T applies to its result.
+// x narrowed to T as torch's casts narrow it, subnormals included: the cache write's rounding.
+// The stores above already do exactly that.
 template <typename T>
-inline Vec8 round_as(Vec8 x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    alignas(32) T tmp[Vec8::kWidth];
-    x.store(tmp);
-    return Vec8::load(tmp);
-  }
+inline void store_as_torch(Vec x, T* p) {
+  x.store(p);
 }
 
 }  // namespace QUIRE_NS::simd

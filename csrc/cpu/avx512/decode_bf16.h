@@ -11,15 +11,16 @@
 //           permute dimensions within 128-bit lanes; the permutation is undone on the way out.
 #pragma once
 
-#ifdef __AVX512BF16__
-
+#include <ATen/ATen.h>
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "vec.h"
 
-namespace quire::decode_bf16 {
+namespace QUIRE_NS::decode_bf16 {
 
 constexpr int kMaxGroup = 16;   // query heads per kv head
 constexpr int kMaxZ = 8;        // head_dim / 32, head_dim up to 256
@@ -44,7 +45,7 @@ inline void scores(const __m512bh (&qv)[GA][ZA], const at::BFloat16* const* krow
           a[t] = _mm512_dpbf16_ps(a[t], qv[g][z],
                                   (__m512bh)_mm512_loadu_si512(krow[j + t] + 32 * z));
       }
-      const __m128 sums = vec::sum4(a[0], a[1], a[2], a[3]);
+      const __m128 sums = simd::sum4(a[0], a[1], a[2], a[3]);
       switch (j) {  // the lane index of an insert must be a constant
         case 0: s[g] = _mm512_insertf32x4(s[g], sums, 0); break;
         case 4: s[g] = _mm512_insertf32x4(s[g], sums, 1); break;
@@ -87,16 +88,15 @@ void attend(const at::BFloat16* q, at::BFloat16* out, int group_rt, int nz_rt, i
       krow[j] = j < count ? keys + offsets[pos + j] : zeros;
       vrow[j] = j < count ? values + offsets[pos + j] : zeros;
     }
-    const __mmask16 live = __mmask16((1u << count) - 1u);
     __m512 s[GA];
     scores<GA, ZA>(qv, krow, count, group, nz, s);
     // probabilities, as bf16 pairs (keys 2i, 2i + 1) per row
     alignas(64) uint32_t pairs[GA][8];
     for (int g = 0; g < group; ++g) {
-      float alpha;
-      const __m512 p = vec::softmax_weights(_mm512_mul_ps(s[g], _mm512_set1_ps(scale)), live,
-                                            m[g], l[g], alpha);
-      const __m256bh pb = _mm512_cvtneps_pbh(p);
+      const Vec scaled[1] = {_mm512_mul_ps(s[g], _mm512_set1_ps(scale))};
+      Vec p[1];
+      const float alpha = simd::softmax_step(scaled, count, m[g], l[g], p);
+      const __m256bh pb = _mm512_cvtneps_pbh(p[0].v);
       std::memcpy(pairs[g], &pb, 32);
       const __m512 a = _mm512_set1_ps(alpha);
       for (int z = 0; z < nz; ++z) {
@@ -132,10 +132,6 @@ void attend(const at::BFloat16* q, at::BFloat16* out, int group_rt, int nz_rt, i
   }
 }
 
-}  // namespace quire::decode_bf16
-
-namespace quire::decode_bf16 {
-
 // attend<G, NZ> for the common shapes, the runtime-sized loop otherwise.
 inline void dispatch(const at::BFloat16* q, at::BFloat16* out, int group, int64_t d,
                      int64_t seq_len, float scale, const at::BFloat16* keys,
@@ -150,6 +146,4 @@ inline void dispatch(const at::BFloat16* q, at::BFloat16* out, int group, int64_
   attend<0, 0>(q, out, group, nz, seq_len, scale, keys, values, offsets);
 }
 
-}  // namespace quire::decode_bf16
-
-#endif  // __AVX512BF16__
+}  // namespace QUIRE_NS::decode_bf16

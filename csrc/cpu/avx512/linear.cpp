@@ -19,12 +19,9 @@
 #include <cstring>
 
 #include "ops.h"
-#include "vec.h"
 
-namespace quire {
+namespace QUIRE_NS {
 namespace {
-
-#ifdef __AVX512BF16__
 
 constexpr int64_t kMaxRows = 8;
 
@@ -102,7 +99,7 @@ template <int M>
 inline void store_group(__m512 (&acc)[M][kGroup], const at::BFloat16* bias, at::BFloat16* out,
                         int64_t N, int64_t g) {
   for (int m = 0; m < M; ++m) {
-    const __m128 sums = vec::sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+    const __m128 sums = simd::sum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
     alignas(16) float v[4];
     _mm_store_ps(v, sums);
     for (int r = 0; r < kGroup; ++r) {
@@ -306,26 +303,13 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w,
 
 }  // namespace
 
-#else
-
-at::Tensor skinny_linear(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&) {
-  TORCH_CHECK(false, "skinny_linear: built without AVX-512 BF16");
+std::optional<at::Tensor> packed_linear(const at::Tensor& x, const at::Tensor& w,
+                                        const std::optional<at::Tensor>& bias) {
+  const bool packed = (w.scalar_type() == at::kByte && w.dim() == 2) ||
+                      (w.scalar_type() == at::kBFloat16 && w.dim() == 4);
+  if (!packed || x.size(0) > kMaxRows) return std::nullopt;
+  return skinny_linear_packed(x, w, bias);
 }
-at::Tensor pack_skinny(const at::Tensor&) {
-  TORCH_CHECK(false, "pack_skinny: built without AVX-512 BF16");
-}
-at::Tensor pack_coded(const at::Tensor&) {
-  TORCH_CHECK(false, "pack_coded: built without AVX-512 BF16");
-}
-
-}  // namespace
-
-at::Tensor skinny_linear_packed(const at::Tensor&, const at::Tensor&,
-                                const std::optional<at::Tensor>&) {
-  TORCH_CHECK(false, "skinny_linear_packed: built without AVX-512 BF16");
-}
-
-#endif
 
 TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
   m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
@@ -341,4 +325,4 @@ TORCH_LIBRARY_IMPL(QUIRE_NS, CPU, m) {
   m.impl("skinny_linear_packed", &skinny_linear_packed);
 }
 
-}  // namespace quire
+}  // namespace QUIRE_NS

@@ -1,0 +1,103 @@
+// What AVX-512 brings to the paged-attention kernel (paged_attention.cpp): the dot products of
+// its fp32 path, and for bf16 queries and caches its own kernels, which never widen the cache
+// (AVX-512 BF16 dot products: decode_bf16.h, prefill_bf16.h).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "decode_bf16.h"
+#include "paged_attention.h"
+#include "prefill_bf16.h"
+#include "vec.h"
+
+namespace QUIRE_NS {
+
+// The most K/V bytes the layer stack prefetches for the next layer (llama_block.cpp): what
+// still fits in the L2 of the AVX-512 parts it was measured on.
+constexpr int64_t kPrefetchKvMaxBytes = 1 << 20;
+
+// Scores of one query row (fp32, [d]) against the 16 keys krow[0..16) ([d] each, all finite;
+// keys past `count` read zeros): four keys per pass share each load of q and one shuffle tree.
+template <typename TKV>
+inline void dots16(const float* q, const TKV* const* krow, int /*count*/, int64_t d,
+                   Vec (&s)[1]) {
+  __m512 sc = _mm512_setzero_ps();
+  for (int j = 0; j < 16; j += 4) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t c = 0; c < d; c += 16) {
+      const __m512 qc = _mm512_loadu_ps(q + c);
+      a0 = _mm512_fmadd_ps(qc, Vec::load(krow[j + 0] + c).v, a0);
+      a1 = _mm512_fmadd_ps(qc, Vec::load(krow[j + 1] + c).v, a1);
+      a2 = _mm512_fmadd_ps(qc, Vec::load(krow[j + 2] + c).v, a2);
+      a3 = _mm512_fmadd_ps(qc, Vec::load(krow[j + 3] + c).v, a3);
+    }
+    const __m128 sums = simd::sum4(a0, a1, a2, a3);
+    switch (j) {  // the lane index of an insert must be a constant
+      case 0: sc = _mm512_insertf32x4(sc, sums, 0); break;
+      case 4: sc = _mm512_insertf32x4(sc, sums, 1); break;
+      case 8: sc = _mm512_insertf32x4(sc, sums, 2); break;
+      default: sc = _mm512_insertf32x4(sc, sums, 3); break;
+    }
+  }
+  s[0] = sc;
+}
+
+// Scores of RB query rows (fp32, [RB, d]) against 16 keys stored transposed (kT: [d, 16]):
+// one zmm per row, no horizontal sums. Two accumulators per row hide the FMA latency.
+template <int RB>
+inline void dots16_transposed(const float* q, const float* kT, int64_t d, Vec (&s)[RB][1]) {
+  __m512 even[RB], odd[RB];
+  for (int r = 0; r < RB; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 2) {
+    const __m512 k0 = _mm512_loadu_ps(kT + c * 16), k1 = _mm512_loadu_ps(kT + (c + 1) * 16);
+    for (int r = 0; r < RB; ++r) {
+      even[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * d + c]), k0, even[r]);
+      odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * d + c + 1]), k1, odd[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) s[r][0] = _mm512_add_ps(even[r], odd[r]);
+}
+
+// The bf16 kernels for a whole work item (bf16 queries and cache, head_dim a multiple of 32 up
+// to 256, at most 16 query heads per kv head); false where they do not apply, leaving the
+// item to the fp32 path.
+template <typename TQ, typename TKV>
+bool attend_item_native(const Item& it, const TQ* q, TQ* out, const Layout<TKV>& lay,
+                        const int32_t* table, int64_t num_heads, int64_t first_pos,
+                        float scale) {
+  if constexpr (std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TKV, at::BFloat16>) {
+    const int64_t d = lay.head_dim, group = num_heads / lay.num_kv_heads;
+    if (d % 32 != 0 || d > 256 || group > decode_bf16::kMaxGroup) return false;
+    const int64_t num_pos = it.row_end - it.row_begin;
+    const int64_t last_pos = first_pos + num_pos - 1;
+    // each key's slot, once for all kv heads
+    thread_local std::vector<int64_t> offsets;
+    offsets.resize(last_pos + 1);
+    for (int64_t p = 0; p <= last_pos; ++p) offsets[p] = lay.offset(table, 0, p);
+    for (int64_t kv_head = it.kv_begin; kv_head < it.kv_end; ++kv_head) {
+      const TKV* keys = lay.key_cache + kv_head * d;
+      const TKV* values = lay.value_cache + kv_head * d;
+      const int64_t row = (it.row_begin * num_heads + kv_head * group) * d;
+      if (num_pos == 1) {
+        decode_bf16::dispatch(q + row, out + row, int(group), d, last_pos + 1, scale, keys,
+                              values, offsets.data());
+        continue;
+      }
+      // row (i, g): query position i of the tile, head g of the group
+      auto at = [&](auto* base) {
+        return [=](int64_t i, int64_t g) { return base + row + (i * num_heads + g) * d; };
+      };
+      prefill_bf16::attend_tile(at(q), at(out), num_pos, group, d, first_pos, scale, keys,
+                                values, offsets.data());
+    }
+    return true;
+  }
+  return false;
+}
+
+}  // namespace QUIRE_NS
