@@ -18,7 +18,10 @@ _HELP = {
     "max_model_len": "longest sequence (prompt + output) in tokens",
     "block_size": "tokens per KV block",
     "kv_cache_memory_bytes": "KV cache budget in bytes (overrides gpu_memory_utilization)",
-    "gpu_memory_utilization": "fraction of free memory for the KV cache (host memory on CPU)",
+    "gpu_memory_utilization": "on a GPU, the fraction of its memory the engine may use (weights, "
+                              "profiled activations, CUDA graphs, then the KV cache; default "
+                              "0.9); on a CPU, of available host memory for the KV cache "
+                              "(default 0.25)",
     "enable_prefix_caching": "reuse cached KV blocks across requests (true/false)",
     "max_num_seqs": "most requests in one batch",
     "max_num_batched_tokens": "most tokens in one step (prefill is chunked to fit)",
@@ -33,6 +36,8 @@ _HELP = {
                "or torch (the pure-PyTorch reference)",
     "attention_backend": "auto (the kernel backend's own), torch (the reference) or triton "
                          "(Triton paged attention; on a CPU only under TRITON_INTERPRET=1)",
+    "enforce_eager": "no CUDA graphs: run decode steps eagerly too (graphs run only on a GPU, "
+                     "with triton attention)",
 }
 
 

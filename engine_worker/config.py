@@ -65,8 +65,10 @@ class CacheConfig:
     """Paged KV cache sizing.
 
     ``kv_cache_memory_bytes`` wins when given; otherwise ``gpu_memory_utilization`` (vLLM's
-    name, kept on CPU too) is the fraction
-    of available host memory (CPU) or free device memory after loading weights (GPU).
+    name, kept on CPU too) is, on a GPU, the fraction of the device's total memory the engine
+    may use (weights, profiled peak activations, CUDA graphs and the KV cache, which gets the
+    rest; default 0.9), and on a CPU the fraction of available host memory given to the KV
+    cache (default 0.25).
     """
 
     block_size: int = 16
@@ -124,14 +126,18 @@ class DeviceConfig:
     """Which torch device runs the model (``auto`` picks CUDA when torch sees one), and which
     kernel backend (``engine_worker.backends``): ``cpu`` is the compiled set in ``csrc/cpu``,
     ``torch`` the pure-PyTorch reference, ``auto`` the fastest that runs on the device (the
-    engine says at start which one runs and why)."""
+    engine says at start which one runs and why). ``enforce_eager`` turns CUDA graphs off:
+    every step then runs eagerly (graphs only ever run on a GPU)."""
 
     device: str = "auto"
     num_threads: int | None = None
     kernels: str = "auto"
     attention_backend: str = "auto"  # another attention than the kernel backend's own
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.enforce_eager, bool), "enforce_eager",
+               f"must be a boolean, got {self.enforce_eager!r}")
         _check(self.kernels in KERNEL_CHOICES, "kernels",
                f"must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         _check(self.attention_backend in ATTENTION_CHOICES, "attention_backend",
@@ -174,6 +180,7 @@ class EngineArgs:
     num_threads: int | None = None
     kernels: str = "auto"
     attention_backend: str = "auto"
+    enforce_eager: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -189,5 +196,6 @@ class EngineArgs:
                                       long_prefill_token_threshold=self.long_prefill_token_threshold),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads,
                                 kernels=self.kernels,
-                                attention_backend=self.attention_backend),
+                                attention_backend=self.attention_backend,
+                                enforce_eager=self.enforce_eager),
         )

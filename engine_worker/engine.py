@@ -8,6 +8,7 @@ nothing outside reaches into the scheduler or the cache manager.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -20,7 +21,12 @@ from engine_worker.config import EngineArgs, EngineConfig
 from engine_worker.input_processor import InputProcessor, PromptType
 from engine_worker.kv_cache.events import KVEventRecorder
 from engine_worker.kv_cache.manager import KVCacheManager, KVCacheStats
-from engine_worker.kv_cache.sizing import bytes_per_block, kv_budget_bytes, num_blocks_for_budget
+from engine_worker.kv_cache.sizing import (DEFAULT_GPU_FRACTION, MemoryProfile, bytes_per_block,
+                                           kv_budget_bytes, num_blocks_for_budget,
+                                           profiled_kv_budget_bytes)
+from engine_worker.model_runner.graphs import (CudaGraphDecoder, build_graph_decoder,
+                                               choose_cuda_graphs)
+from engine_worker.model_runner.profiling import CudaMemory, profile_memory
 from engine_worker.model_runner.runner import ModelRunner
 from engine_worker.output_processor import OutputProcessor
 from engine_worker.outputs import RequestOutput
@@ -88,15 +94,25 @@ class LLMEngine:
         self.max_model_len = loaded.max_model_len
         model_cfg = loaded.model.cfg
 
-        cache = config.cache
+        cache, sched = config.cache, config.scheduler
         block_bytes = bytes_per_block(num_layers=model_cfg.num_layers, block_size=cache.block_size,
                                       num_kv_heads=model_cfg.num_kv_heads,
                                       head_dim=model_cfg.head_dim,
                                       dtype_bytes=torch.finfo(self.dtype).bits // 8)
-        budget = kv_budget_bytes(kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
-                                 memory_utilization=cache.gpu_memory_utilization,
-                                 available_bytes=available_memory_bytes(self.device),
-                                 on_gpu=self.device.type == "cuda")
+        self.graph_choice = choose_cuda_graphs(
+            device=self.device, enforce_eager=config.device.enforce_eager,
+            attention=self.backend.backend.attention.name,
+            fused_layers=loaded.model.layer_stack is not None, max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens)
+        self.memory_profile: MemoryProfile | None = None
+        if self.device.type == "cuda" and cache.kv_cache_memory_bytes is None:
+            self.memory_profile = self._profile_memory(loaded.model)
+            budget = profiled_kv_budget_bytes(self.memory_profile, cache.gpu_memory_utilization)
+        else:
+            budget = kv_budget_bytes(kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
+                                     memory_utilization=cache.gpu_memory_utilization,
+                                     available_bytes=available_memory_bytes(self.device),
+                                     on_gpu=self.device.type == "cuda")
         self.num_blocks = num_blocks_for_budget(budget_bytes=budget, block_bytes=block_bytes)
         capacity = self.num_blocks * cache.block_size
         if capacity < self.max_model_len:
@@ -107,10 +123,14 @@ class LLMEngine:
                                           model_cfg.num_kv_heads, model_cfg.head_dim),
                                          self.dtype, self.device)
                          for _ in range(model_cfg.num_layers)]
+        graphs = None
+        if self.graph_choice.enabled:
+            with progress(logger, f"Capturing CUDA graphs ({self.graph_choice.reason})"):
+                graphs = self._graph_decoder(loaded.model)
+                graphs.capture(kv_caches)
         self._kv_events = KVEventRecorder(medium=self.device.type)
         self._kv_cache_manager = KVCacheManager(self.num_blocks, cache.block_size,
                                                 cache.enable_prefix_caching, self._kv_events)
-        sched = config.scheduler
         self._scheduler = Scheduler(
             kv_cache_manager=self._kv_cache_manager,
             max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
@@ -118,7 +138,7 @@ class LLMEngine:
             long_prefill_token_threshold=sched.long_prefill_token_threshold)
         self.runner = ModelRunner(loaded.model, kv_caches, cache.block_size, self.device,
                                   model_cfg.vocab_size, self.tokenizer.eos_token_ids,
-                                  config.model.seed)
+                                  config.model.seed, graphs=graphs)
         self.input_processor = InputProcessor(
             self.tokenizer, max_model_len=self.max_model_len, kv_capacity_tokens=capacity,
             vocab_size=model_cfg.vocab_size, max_num_seqs=sched.max_num_seqs)
@@ -130,13 +150,52 @@ class LLMEngine:
                    start_summary(model=f"{model_dir.name} ({self.architecture})",
                                  device=self.device, dtype=self.dtype,
                                  num_threads=torch.get_num_threads(), backend=self.backend,
-                                 num_blocks=self.num_blocks, block_size=cache.block_size,
-                                 block_bytes=block_bytes, max_model_len=self.max_model_len,
-                                 elapsed_s=time.monotonic() - start))
+                                 cuda_graphs=self.cuda_graphs, num_blocks=self.num_blocks,
+                                 block_size=cache.block_size, block_bytes=block_bytes,
+                                 max_model_len=self.max_model_len,
+                                 elapsed_s=time.monotonic() - start,
+                                 memory=self._describe_memory(self.num_blocks * block_bytes)))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())
+
+    # ------------------------------------------------------------------- start-up
+    def _profile_memory(self, model) -> MemoryProfile:
+        """The device's memory before the KV cache is sized: a dummy step at the scheduler's
+        limits for the peak activations, then, where graphs will run, their memory, captured
+        once over a one-block scratch cache and freed. The real graphs are captured after the
+        cache is allocated (they hold its addresses) and take what was measured."""
+        cache, sched, cfg = self.config.cache, self.config.scheduler, model.cfg
+        with progress(logger, "Profiling memory at the largest step"):
+            profile = profile_memory(model, CudaMemory(self.device),
+                                     num_tokens=sched.max_num_batched_tokens,
+                                     num_seqs=sched.max_num_seqs,
+                                     max_model_len=self.max_model_len,
+                                     block_size=cache.block_size, device=self.device)
+        if not self.graph_choice.enabled:
+            return profile
+        scratch = torch.zeros(2, 1, cache.block_size, cfg.num_kv_heads, cfg.head_dim,
+                              dtype=self.dtype, device=self.device)
+        with progress(logger, "Measuring CUDA graph memory"):
+            graph_bytes = CudaGraphDecoder.measure_bytes(lambda: self._graph_decoder(model),
+                                                         [scratch] * cfg.num_layers)
+        return dataclasses.replace(profile, cuda_graph_bytes=graph_bytes)
+
+    def _graph_decoder(self, model) -> CudaGraphDecoder:
+        return build_graph_decoder(model, self.graph_choice.sizes, self.max_model_len,
+                                   self.config.cache.block_size, self.device)
+
+    def _describe_memory(self, kv_bytes: int) -> str | None:
+        if self.memory_profile is None:
+            return None
+        fraction = self.config.cache.gpu_memory_utilization or DEFAULT_GPU_FRACTION
+        return self.memory_profile.describe(fraction, kv_bytes)
+
+    @property
+    def cuda_graphs(self) -> str:
+        """Whether decode steps replay CUDA graphs, and why: ``on (...)`` or ``off (cpu)``."""
+        return self.graph_choice.describe()
 
     # -------------------------------------------------------------------- facts
     @property

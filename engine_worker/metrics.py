@@ -57,9 +57,11 @@ class EngineMetrics:
     last-seen totals of the cumulative counters.
     """
 
-    def __init__(self, model_name: str, *, backend: str, backend_reason: str) -> None:
+    def __init__(self, model_name: str, *, backend: str, backend_reason: str,
+                 cuda_graphs: str = "off") -> None:
         """``backend`` and ``backend_reason``: the kernel backend the engine runs and why (see
-        ``engine_worker.backends.BackendChoice``), exported as ``quire:backend_info``."""
+        ``engine_worker.backends.BackendChoice``), exported as ``quire:backend_info``;
+        ``cuda_graphs`` (``on (...)`` / ``off (cpu)``) as ``quire:cuda_graphs_info``."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self._lock = threading.Lock()
@@ -80,6 +82,9 @@ class EngineMetrics:
         Gauge("quire:backend_info", "Kernel backend the engine runs, and why (value 1).",
               ["model_name", "backend", "reason"], registry=r
               ).labels(model_name, backend, backend_reason).set(1)
+        Gauge("quire:cuda_graphs_info",
+              "Whether decode steps replay CUDA graphs, and why (value 1).",
+              ["model_name", "cuda_graphs"], registry=r).labels(model_name, cuda_graphs).set(1)
 
         # Scheduler state, sampled after every step.
         self._num_running = gauge("vllm:num_requests_running",

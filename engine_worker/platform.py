@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +61,29 @@ def available_memory_bytes(device: torch.device) -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without stalling the host on the GPU. A plain ``.to(cuda)``
+    from pageable memory synchronizes the stream, which waits out every kernel queued
+    before it; from pinned memory a ``non_blocking`` copy is queued in stream order instead.
+    On the CPU, ``t`` itself."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Device tensors on the host with one wait: every copy is queued into pinned memory,
+    then the stream is synchronized once. The one place a step reads the device; on the CPU
+    the tensors themselves."""
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    if not devices:
+        return list(tensors)
+    host = [t.to("cpu", non_blocking=True) for t in tensors]
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+    return host
 
 
 HUGE_PAGE_BYTES = 2 << 20

@@ -45,16 +45,23 @@ def progress(logger: logging.Logger, what: str, *, expect: str = "",
 
 
 def start_summary(*, model: str, device: torch.device, dtype: torch.dtype, num_threads: int,
-                  backend: BackendChoice, num_blocks: int, block_size: int, block_bytes: int,
-                  max_model_len: int, elapsed_s: float) -> str:
-    """The choices an engine made, as the short block it logs once at start."""
+                  backend: BackendChoice, cuda_graphs: str, num_blocks: int, block_size: int,
+                  block_bytes: int, max_model_len: int, elapsed_s: float,
+                  memory: str | None = None) -> str:
+    """The choices an engine made, as the short block it logs once at start. ``memory``: how
+    the device's memory was shared out, where the KV cache was sized from a profile."""
     capacity = num_blocks * block_size
     threads = f", {num_threads} threads" if device.type == "cpu" else ""
-    return "\n".join((
+    lines = [
         f"Engine ready in {elapsed_s:.1f} s: {model}",
         f"  Device: {device}{threads}, dtype {str(dtype).removeprefix('torch.')}",
         f"  Backend: {backend.describe()}",
+        f"  CUDA graphs: {cuda_graphs}",
         f"  KV cache: {num_blocks} blocks x {block_size} tokens = {capacity} tokens, "
         f"{num_blocks * block_bytes / 2**30:.2f} GiB ({block_bytes // block_size} bytes a token)",
-        f"  Max model len: {max_model_len} tokens ({capacity / max_model_len:.2f} full-length "
-        f"sequences fit at once)"))
+    ]
+    if memory is not None:
+        lines.append(f"  Memory: {memory}")
+    lines.append(f"  Max model len: {max_model_len} tokens ({capacity / max_model_len:.2f} "
+                 "full-length sequences fit at once)")
+    return "\n".join(lines)

@@ -5,14 +5,21 @@ then min_tokens masking, repetition / presence / frequency penalties, then greed
 argmax and random rows go through temperature, top-k, top-p, min-p and an exponential race
 (``argmax(p / q)``, ``q ~ Exp(1)``), which is equivalent to sampling from ``p``. Seeded rows
 draw their ``q`` from their own generator, so their tokens do not depend on the batch.
+
+The device part never reads a device value on the host: ``draw_noise`` (random kernels only)
+and ``sample_tokens`` (tensors in, tensors out) queue work and return; the caller copies the
+sampled ids, and the logprobs where asked for, to the host once per step
+(``platform.to_host``). ``sample`` and ``gather_logprobs`` are the same with the copy included.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from engine_worker.platform import to_device, to_host
 from engine_worker.step_types import SampledLogprobs
 
 
@@ -41,10 +48,51 @@ class SamplingMetadata:
     max_num_logprobs: int | None  # top-k logprobs to return; None: none
 
 
+class LogprobTensors(NamedTuple):
+    """Logprobs of one token per row, on the device: the chosen token first, then the top k."""
+
+    token_ids: torch.Tensor  # [num_rows, 1 + k] int64
+    logprobs: torch.Tensor  # [num_rows, 1 + k] fp32
+    ranks: torch.Tensor  # [num_rows] int64: the chosen token's 1-based rank
+
+    def to_python(self, first_k: int | None = None) -> SampledLogprobs:
+        """Plain Python data from host tensors; ``first_k``: keep the chosen token and the
+        top ``first_k - 1`` only."""
+        ids, lps = self.token_ids, self.logprobs
+        if first_k is not None:
+            ids, lps = ids[:, :first_k], lps[:, :first_k]
+        return SampledLogprobs(token_ids=tuple(map(tuple, ids.tolist())),
+                               logprobs=tuple(map(tuple, lps.tolist())),
+                               ranks=tuple(self.ranks.tolist()))
+
+
 def sample(logits: torch.Tensor, meta: SamplingMetadata,
            default_generator: torch.Generator | None) -> tuple[torch.Tensor,
                                                               SampledLogprobs | None]:
     """logits: [num_rows, vocab_size] fp32 -> token ids [num_rows] and optional logprobs."""
+    tokens, logprobs = sample_tokens(logits, meta, draw_noise(logits, meta, default_generator))
+    if logprobs is None:
+        return tokens, None
+    return tokens, LogprobTensors(*to_host(logprobs)).to_python()
+
+
+def draw_noise(logits: torch.Tensor, meta: SamplingMetadata,
+               default_generator: torch.Generator | None) -> torch.Tensor | None:
+    """The exponential race's ``q`` ([num_rows, vocab_size]), None when every row is greedy.
+    Every row draws from the engine's stream, then seeded rows redraw from their own."""
+    if meta.all_greedy:
+        return None
+    q = torch.empty_like(logits)
+    q.exponential_(generator=default_generator)
+    for row, generator in meta.generators.items():
+        q[row].exponential_(generator=generator)
+    return q
+
+
+def sample_tokens(logits: torch.Tensor, meta: SamplingMetadata, noise: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, LogprobTensors | None]:
+    """The device part: token ids [num_rows] and, where asked for, their logprobs, all left
+    on the device. ``noise`` is ``draw_noise``'s (None only when every row is greedy)."""
     raw_logprobs = None
     if meta.max_num_logprobs is not None:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -55,21 +103,22 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata,
     if meta.all_greedy:
         tokens = greedy
     else:
-        tokens = _sample_random(logits, meta, default_generator)
+        tokens = _sample_random(logits, meta, noise)
         tokens = torch.where(meta.temperature == 0, greedy, tokens)
     logprobs = None
     if raw_logprobs is not None:
-        logprobs = gather_logprobs(raw_logprobs, tokens, meta.max_num_logprobs)
+        logprobs = logprob_tensors(raw_logprobs, tokens, meta.max_num_logprobs)
     return tokens, logprobs
 
 
 def _apply_bans(logits: torch.Tensor, banned) -> torch.Tensor:
     if not banned:
         return logits
-    logits = logits.clone()
-    for row, token_ids in banned:  # rows below min_tokens only; one indexed write each
-        logits[row, list(token_ids)] = float("-inf")
-    return logits
+    # rows below min_tokens only: every (row, token) pair in one indexed write
+    pairs = torch.tensor([(row, t) for row, token_ids in banned for t in token_ids],
+                         dtype=torch.int64)
+    index = to_device(pairs.T.contiguous(), logits.device)  # [2, num_pairs]: rows, tokens
+    return logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))
 
 
 def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -92,7 +141,7 @@ def apply_penalties(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:
 
 
 def _sample_random(logits: torch.Tensor, meta: SamplingMetadata,
-                   default_generator: torch.Generator | None) -> torch.Tensor:
+                   q: torch.Tensor) -> torch.Tensor:
     temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
     logits = logits / temperature[:, None]
     if meta.top_k is not None or meta.top_p is not None:
@@ -101,10 +150,6 @@ def _sample_random(logits: torch.Tensor, meta: SamplingMetadata,
     if meta.min_p is not None:
         top = probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < meta.min_p[:, None] * top, 0.0)
-    q = torch.empty_like(probs)
-    q.exponential_(generator=default_generator)
-    for row, generator in meta.generators.items():
-        q[row].exponential_(generator=generator)
     return (probs / q).argmax(dim=-1)
 
 
@@ -124,8 +169,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> SampledLogprobs:
-    """Per row: the chosen token's logprob and rank, then the top-k (plain Python data)."""
+def logprob_tensors(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobTensors:
+    """Per row: the chosen token's logprob and rank, then the top-k (on the device)."""
     chosen_lp = logprobs.gather(1, chosen[:, None])  # [num_rows, 1]
     ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
     if k > 0:
@@ -134,6 +179,9 @@ def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> Sam
         lps = torch.cat([chosen_lp, top_lp], dim=1)
     else:
         ids, lps = chosen[:, None], chosen_lp
-    return SampledLogprobs(token_ids=tuple(map(tuple, ids.tolist())),
-                           logprobs=tuple(map(tuple, lps.tolist())),
-                           ranks=tuple(ranks.tolist()))
+    return LogprobTensors(ids, lps, ranks)
+
+
+def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> SampledLogprobs:
+    """``logprob_tensors`` as plain Python data (one copy to the host)."""
+    return LogprobTensors(*to_host(logprob_tensors(logprobs, chosen, k))).to_python()

@@ -25,6 +25,32 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
 
 
+def _is_bool_word(text: str) -> bool:
+    return text.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off")
+
+
+def explicit_bool_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with each bare boolean flag written ``--flag=true`` unless a boolean word
+    follows it, so ``--enforce-eager "a prompt"`` leaves the prompt to the positional that
+    follows (a boolean flag takes an optional value, which argparse would otherwise take)."""
+    flags: set[str] = set()
+    pending = [parser]
+    while pending:
+        current = pending.pop()
+        for action in current._actions:
+            if action.type is _parse_bool:
+                flags.update(action.option_strings)
+            if isinstance(action, argparse._SubParsersAction):
+                pending.extend(action.choices.values())
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--":
+            break
+        if arg in flags and (i + 1 == len(out) or not _is_bool_word(out[i + 1])):
+            out[i] = f"{arg}=true"
+    return out
+
+
 def _base_type(annotation) -> type:
     hints = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
     return hints[0]
@@ -41,7 +67,10 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str,
         env = os.environ.get(env_name(field.name))
         parse = _parse_bool if kind is bool else kind
         default = parse(env) if env is not None else field.default
-        group.add_argument(flag, dest=field.name, type=parse, default=default,
+        # a boolean flag alone means true (``--enforce-eager``), or takes a value
+        # (``--enable-prefix-caching false``); see explicit_bool_values
+        extra = {"nargs": "?", "const": True} if kind is bool else {}
+        group.add_argument(flag, dest=field.name, type=parse, default=default, **extra,
                            help=f"{(helps or {}).get(field.name, '')} [env {env_name(field.name)}]")
 
 

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from quire.config_args import explicit_bool_values
+
 
 @dataclass(frozen=True, slots=True)
 class Command:
@@ -99,7 +101,8 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    ns = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    ns = parser.parse_args(explicit_bool_values(parser, argv))
     logging.basicConfig(level=ns.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 EXAMPLE_QUESTION = "What is the capital of France?"
 
@@ -63,9 +64,10 @@ def changed_engine_flags(ns) -> list[str]:
     return flags
 
 
-def resolve_model_once(model: str | None) -> None:
+def resolve_model_once(model: str | None) -> Path:
     """Resolve (and on first use convert) the model once, in a child so torch stays out of
-    this process and the engines do not all convert it at once. ValueError if it fails."""
+    this process and the engines do not all convert it at once; returns its directory.
+    ValueError if it fails."""
     resolved = subprocess.run(
         [sys.executable, "-c", "import sys; from engine_worker.weights.resolve import "
          "resolve_model_dir; print(resolve_model_dir(sys.argv[1] or None))", model or ""],
@@ -73,6 +75,7 @@ def resolve_model_once(model: str | None) -> None:
     if resolved.returncode != 0:
         lines = resolved.stderr.strip().splitlines() or ["model resolution failed"]
         raise ValueError(lines[-1] if lines[-1].startswith("model") else f"model: {lines[-1]}")
+    return Path(resolved.stdout.strip().splitlines()[-1])
 
 
 def start_engines(cfg: StackConfig, engine_flags: list[str]) -> list[tuple[subprocess.Popen, str]]:

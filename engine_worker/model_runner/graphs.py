@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from engine_worker.attention.metadata import AttentionMetadata
+from engine_worker.model_runner.inputs import decode_arrays
 
 logger = logging.getLogger(__name__)
 
@@ -121,52 +122,120 @@ Forward = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMet
                    torch.Tensor]
 
 
+@dataclass(frozen=True, slots=True)
+class CudaGraphChoice:
+    """Whether decode steps replay CUDA graphs, and why (or why not), said at start."""
+
+    enabled: bool
+    reason: str
+    sizes: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        """``on (35 batch sizes, 1 to 256)`` or ``off (cpu)``."""
+        return f"{'on' if self.enabled else 'off'} ({self.reason})"
+
+
+def choose_cuda_graphs(*, device: torch.device, enforce_eager: bool, attention: str,
+                       fused_layers: bool, max_num_seqs: int,
+                       max_num_batched_tokens: int) -> CudaGraphChoice:
+    """Graphs need a GPU, a forward whose launches depend on tensor shapes only (the Triton
+    attention; the reference one sizes its decode gather from a host int, which a graph
+    would freeze) and no ``enforce_eager``. A decode batch holds at most ``max_num_seqs``
+    requests and ``max_num_batched_tokens`` tokens, so no larger size is captured."""
+    if device.type != "cuda":
+        return CudaGraphChoice(False, device.type)
+    if enforce_eager:
+        return CudaGraphChoice(False, "enforce_eager")
+    if attention != "triton" or fused_layers:
+        what = "a fused layer stack" if fused_layers else f"{attention} attention"
+        return CudaGraphChoice(False, f"{what} is not graph-ready; only triton attention is")
+    sizes = capture_sizes(min(max_num_seqs, max_num_batched_tokens))
+    return CudaGraphChoice(True, f"{len(sizes)} batch sizes, {sizes[0]} to {sizes[-1]}", sizes)
+
+
 class CudaGraphDecoder:
     """Decode-only forward passes replayed from CUDA graphs, one per capture size.
 
-    ``capture`` records ``forward`` (the model's, returning hidden states) once per size,
-    largest first, sharing one memory pool; ``run`` replays the graph of a step's padded size
-    and returns its hidden rows. The graphs hold the KV cache tensors' addresses, so they are
-    captured after the cache is allocated; ``measure_bytes`` captures against a throwaway
-    cache first, so the engine can count their memory before it sizes the real cache."""
+    ``prepare`` copies a decode-only step into the buffers (None when the step is not one,
+    or is larger than the largest size: it runs eagerly); ``capture`` records ``eager`` (the
+    model's forward on the buffers, returning hidden states) once per size, largest first,
+    sharing one memory pool; ``run`` replays the graph of a step's padded size and returns its
+    hidden rows. The graphs hold the KV cache tensors' addresses, so they are captured after
+    the cache is allocated; ``measure_bytes`` captures against a throwaway cache first, so the
+    engine can count their memory before it sizes the real cache."""
 
-    def __init__(self, forward: Forward, buffers: DecodeBuffers, sizes: Sequence[int]) -> None:
+    def __init__(self, forward: Forward, buffers: DecodeBuffers, sizes: Sequence[int],
+                 block_size: int) -> None:
         self.forward = forward
         self.buffers = buffers
         self.sizes = tuple(sorted(sizes))
+        self.block_size = block_size
+        self.kv_caches: list[torch.Tensor] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
+    def prepare(self, states: Sequence, counts: Sequence[int]) -> DecodeStep | None:
+        """``states`` (``token_ids``, ``block_ids``, ``num_computed_tokens``) in step order."""
+        if any(n != 1 for n in counts):
+            return None
+        padded = padded_batch_size(len(states), self.sizes)
+        if padded is None:
+            return None
+        token_ids, positions, tables = decode_arrays(states)
+        if tables.shape[1] > self.buffers.max_blocks_per_seq:
+            return None
+        return self.buffers.fill(token_ids, positions, tables, self.block_size, padded)
+
+    def eager(self, step: DecodeStep, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """The forward a graph records: hidden states [step.padded, hidden_size]."""
+        return self.forward(step.input_ids, step.positions, kv_caches, step.meta)
+
+    @torch.inference_mode()
     def capture(self, kv_caches: list[torch.Tensor]) -> None:
+        # the buffers hold padding rows (slot -1, one key of block 0): neither the warm-up
+        # nor the recording writes the cache
+        self.kv_caches = kv_caches
         pool = None
         for size in reversed(self.sizes):
             step = self.buffers.step(size, size, decode_max_seq_len=1)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up: autotuning and lazy init off the graph
-                self.forward(step.input_ids, step.positions, kv_caches, step.meta)
+                self.eager(step, kv_caches)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.forward(step.input_ids, step.positions, kv_caches,
-                                                  step.meta)
+                self.outputs[size] = self.eager(step, kv_caches)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
 
     def run(self, step: DecodeStep) -> torch.Tensor:
+        """Replay ``step``'s graph: hidden states [step.num_seqs, hidden_size]. The rows are
+        the graph's output buffer, valid until the next replay."""
         self.graphs[step.padded].replay()
         return self.outputs[step.padded][:step.num_seqs]
 
     @staticmethod
-    def measure_bytes(make: Callable[[list[torch.Tensor]], CudaGraphDecoder],
+    def measure_bytes(make: Callable[[], CudaGraphDecoder],
                       scratch_caches: list[torch.Tensor]) -> int:
-        """Device memory the graphs of ``make(caches)`` hold, captured over scratch caches."""
+        """Device memory the graphs of ``make()`` hold (their buffers included), captured
+        over scratch caches."""
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
-        decoder = make(scratch_caches)
+        decoder = make()
         decoder.capture(scratch_caches)
         used = torch.cuda.memory_reserved() - before
         del decoder
         torch.cuda.empty_cache()
         return max(0, used)
+
+
+def build_graph_decoder(model: Forward, sizes: Sequence[int], max_model_len: int,
+                        block_size: int, device: torch.device) -> CudaGraphDecoder:
+    """The decoder the engine wires into its runner: buffers for the largest size and the
+    longest sequence, over the model's forward."""
+    buffers = DecodeBuffers(max_batch=max(sizes),
+                            max_blocks_per_seq=-(-max_model_len // block_size), device=device)
+    return CudaGraphDecoder(model, buffers, sizes, block_size)

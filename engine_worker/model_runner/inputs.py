@@ -12,6 +12,24 @@ import numpy as np
 import torch
 
 from engine_worker.attention.metadata import AttentionMetadata, PrefillChunk
+from engine_worker.platform import to_device
+
+
+def block_tables(states: Sequence) -> np.ndarray:
+    """[num_seqs, max_num_blocks] int32: every request's block table, padded with block 0."""
+    tables = np.zeros((len(states), max(len(s.block_ids) for s in states)), dtype=np.int32)
+    for i, state in enumerate(states):
+        tables[i, :len(state.block_ids)] = state.block_ids
+    return tables
+
+
+def decode_arrays(states: Sequence) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A step of one token per request, as host arrays: each request's input token [n], its
+    position [n] and the block tables [n, max_num_blocks] (what ``DecodeBuffers.fill`` takes)."""
+    n = len(states)
+    positions = np.fromiter((s.num_computed_tokens for s in states), np.int64, n)
+    token_ids = np.fromiter((s.token_ids[s.num_computed_tokens] for s in states), np.int64, n)
+    return token_ids, positions, block_tables(states)
 
 
 def build_step_inputs(states: Sequence, counts: Sequence[int], block_size: int,
@@ -24,10 +42,7 @@ def build_step_inputs(states: Sequence, counts: Sequence[int], block_size: int,
     np.cumsum(counts, out=starts[1:])
     computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_seqs)
     seq_lens = computed + np.asarray(counts, dtype=np.int64)
-    # [num_seqs, max_num_blocks]: every request's block table, padded with block 0
-    tables = np.zeros((num_seqs, max(len(s.block_ids) for s in states)), dtype=np.int32)
-    for i, state in enumerate(states):
-        tables[i, :len(state.block_ids)] = state.block_ids
+    tables = block_tables(states)
     # the step's tokens: request i's positions computed[i] .. seq_lens[i] - 1
     rows = np.repeat(np.arange(num_seqs), counts)
     positions = np.arange(starts[-1]) - np.repeat(starts[:-1] - computed, counts)
@@ -36,18 +51,18 @@ def build_step_inputs(states: Sequence, counts: Sequence[int], block_size: int,
     ids = np.fromiter((t for s, n in zip(states, counts)
                        for t in s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n]),
                       np.int64, int(starts[-1]))
-    to_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)
+    to_dev = lambda a: to_device(torch.from_numpy(np.ascontiguousarray(a)), device)
     num_decodes = next((i for i, n in enumerate(counts) if n != 1), num_seqs)
-    block_tables = to_dev(tables)
+    tables_dev = to_dev(tables)
     prefills = tuple(
         PrefillChunk(query_start=int(starts[i]), query_len=counts[i],
                      context_len=int(computed[i]),
-                     block_table=block_tables[i, :len(states[i].block_ids)].long())
+                     block_table=tables_dev[i, :len(states[i].block_ids)].long())
         for i in range(num_decodes, num_seqs))
     decode_lens = to_dev(seq_lens[:num_decodes])
     meta = AttentionMetadata(
         slot_mapping=to_dev(slots), num_decode_tokens=num_decodes,
-        decode_block_tables=block_tables[:num_decodes].long(), decode_seq_lens=decode_lens,
+        decode_block_tables=tables_dev[:num_decodes].long(), decode_seq_lens=decode_lens,
         decode_max_seq_len=int(seq_lens[:num_decodes].max(initial=0)), prefills=prefills,
-        query_start_loc=to_dev(starts), seq_lens=to_dev(seq_lens), block_tables=block_tables)
+        query_start_loc=to_dev(starts), seq_lens=to_dev(seq_lens), block_tables=tables_dev)
     return to_dev(ids), to_dev(positions), meta, starts[:-1].tolist()

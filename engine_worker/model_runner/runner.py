@@ -3,6 +3,11 @@
 The runner keeps its own per-request state (token ids, block table, generator), updated from the
 scheduler's diffs; it shares no mutable object with the scheduler and decides nothing the
 scheduler has not sent (an n > 1 request forks exactly when ``SchedulerOutput.forks`` says).
+
+A step queues its device work (forward, logits, sampling, logprobs) without reading the device,
+then copies what the host needs (the sampled ids, logprobs where asked for) in one
+``platform.to_host``: one wait per step, whatever the batch. With a ``CudaGraphDecoder``,
+decode-only steps up to its largest size replay a captured graph instead of the eager forward.
 """
 
 from __future__ import annotations
@@ -11,9 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_worker.model_runner.graphs import CudaGraphDecoder
 from engine_worker.model_runner.inputs import build_step_inputs
 from engine_worker.model_runner.sampling_inputs import build_sampling_metadata
-from engine_worker.sampler import gather_logprobs, sample
+from engine_worker.platform import to_device, to_host
+from engine_worker.sampler import LogprobTensors, draw_noise, logprob_tensors, sample_tokens
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.step_types import (ForkedRequestData, ModelRunnerOutput, SampledLogprobs,
                                       SchedulerOutput)
@@ -31,13 +38,25 @@ class RunnerRequestState:
     prompt_logprobs_from: int = 0  # prompt positions before this already have logprobs
 
 
+@dataclass(frozen=True, slots=True)
+class _DeviceSamples:
+    """One step's samples, still on the device: row j of ``token_ids`` is ``states[j]``'s."""
+
+    states: list[RunnerRequestState]
+    token_ids: torch.Tensor  # [num_rows] int64
+    logprobs: LogprobTensors | None
+
+
 class ModelRunner:
     """Owns the model and the KV cache tensors of one engine."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, vocab_size: int, eos_token_ids: frozenset[int],
-                 seed: int) -> None:
+                 seed: int, graphs: CudaGraphDecoder | None = None) -> None:
+        """``graphs``: decode-only steps replayed from its captured graphs (captured over
+        ``kv_caches``); None runs every step eagerly."""
         self.model = model
+        self.graphs = graphs
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -73,8 +92,8 @@ class ModelRunner:
         """Copy-on-write: every layer's K/V of each src block into its dst block. All sources
         are read before any destination is written, so a freed source reused as a later
         destination in the same step is still copied correctly."""
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        src = to_device(torch.tensor([c[0] for c in copies]), self.device)
+        dst = to_device(torch.tensor([c[1] for c in copies]), self.device)
         for kv_cache in self.kv_caches:  # [2, num_blocks, block_size, kv_heads, head_dim]
             kv_cache[:, dst] = kv_cache[:, src]
 
@@ -91,25 +110,32 @@ class ModelRunner:
         order = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
         states = [self.requests[r] for r in order]
         counts = [out.num_scheduled_tokens[r] for r in order]
-        input_ids, positions, meta, query_starts = build_step_inputs(states, counts,
-                                                                     self.block_size, self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden, query_starts = self._forward(states, counts)
 
         sample_rows = [i for i, (s, n) in enumerate(zip(states, counts))
                        if s.num_computed_tokens + n >= len(s.token_ids)]
         prompt_logprobs = self._prompt_logprobs(states, counts, query_starts, hidden)
-        sampled: dict[str, tuple[int, ...]] = {}
-        logprobs: dict[str, SampledLogprobs] = {}
         forks = out.forks_by_parent()
+        samples = None
         if sample_rows:
-            sampled, logprobs = self._sample(states, counts, query_starts, sample_rows, hidden,
-                                             forks)
+            samples = self._sample(states, counts, query_starts, sample_rows, hidden, forks)
         assert not forks, f"forks of requests that sample nothing this step: {sorted(forks)}"
+        sampled, logprobs, prompt_logprobs = self._to_host(samples, prompt_logprobs)
         for state, n in zip(states, counts):
             state.num_computed_tokens += n
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
 
-    def _sample(self, states, counts, query_starts, rows, hidden, forks):
+    def _forward(self, states, counts) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states of the step's tokens [num_tokens, hidden_size] and each request's
+        first row: from a graph for a decode-only step that fits one, else eagerly."""
+        step = self.graphs.prepare(states, counts) if self.graphs is not None else None
+        if step is not None:
+            return self.graphs.run(step), list(range(len(states)))
+        input_ids, positions, meta, query_starts = build_step_inputs(states, counts,
+                                                                     self.block_size, self.device)
+        return self.model(input_ids, positions, self.kv_caches, meta), query_starts
+
+    def _sample(self, states, counts, query_starts, rows, hidden, forks) -> _DeviceSamples:
         """``forks`` (parent -> its forks) is consumed: each parent's forks are applied."""
         picked, logit_rows = [], []
         for j, i in enumerate(rows):
@@ -118,22 +144,46 @@ class ModelRunner:
             for child in self._fork(states[i], counts[i], forks.pop(states[i].req_id, ())):
                 picked.append(child)
                 logit_rows.append(j)  # the samples of one prompt share its logits
-        last = torch.tensor([query_starts[i] + counts[i] - 1 for i in rows], device=self.device)
+        last = self._index([query_starts[i] + counts[i] - 1 for i in rows])
         logits = self.model.compute_logits(hidden[last])
         if len(logit_rows) != len(rows):
-            logits = logits[torch.tensor(logit_rows, device=self.device)]
+            logits = logits[self._index(logit_rows)]
         meta = build_sampling_metadata(picked, self.vocab_size, self.eos_token_ids, self.device)
-        tokens, logprobs = sample(logits, meta, self.default_generator)
-        sampled, per_req_logprobs = {}, {}
-        for j, (state, token) in enumerate(zip(picked, tokens.tolist())):
-            state.token_ids.append(token)
-            sampled[state.req_id] = (token,)
-            if logprobs is not None and state.params.logprobs is not None:
-                k = state.params.logprobs + 1
-                per_req_logprobs[state.req_id] = SampledLogprobs(
-                    token_ids=(logprobs.token_ids[j][:k],), logprobs=(logprobs.logprobs[j][:k],),
-                    ranks=(logprobs.ranks[j],))
-        return sampled, per_req_logprobs
+        noise = draw_noise(logits, meta, self.default_generator)
+        token_ids, logprobs = sample_tokens(logits, meta, noise)
+        return _DeviceSamples(picked, token_ids, logprobs)
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return to_device(torch.tensor(rows, dtype=torch.int64), self.device)
+
+    def _to_host(self, samples: _DeviceSamples | None,
+                 prompt_logprobs: dict[str, LogprobTensors]):
+        """The one device read of a step: sampled ids, their logprobs, prompt logprobs."""
+        device_tensors: list[torch.Tensor] = []
+        if samples is not None:
+            device_tensors.append(samples.token_ids)
+            if samples.logprobs is not None:
+                device_tensors.extend(samples.logprobs)
+        for tensors in prompt_logprobs.values():
+            device_tensors.extend(tensors)
+        host = iter(to_host(device_tensors))
+        sampled: dict[str, tuple[int, ...]] = {}
+        logprobs: dict[str, SampledLogprobs] = {}
+        if samples is not None:
+            token_ids = next(host).tolist()
+            if samples.logprobs is not None:
+                top_ids, top_lps, ranks = (next(host).tolist() for _ in range(3))
+            for j, (state, token) in enumerate(zip(samples.states, token_ids)):
+                state.token_ids.append(token)
+                sampled[state.req_id] = (token,)
+                if samples.logprobs is not None and state.params.logprobs is not None:
+                    k = state.params.logprobs + 1  # the sampled token, then its top k
+                    logprobs[state.req_id] = SampledLogprobs(
+                        token_ids=(tuple(top_ids[j][:k]),), logprobs=(tuple(top_lps[j][:k]),),
+                        ranks=(ranks[j],))
+        prompt = {req_id: LogprobTensors(next(host), next(host), next(host)).to_python()
+                  for req_id in prompt_logprobs}
+        return sampled, logprobs, prompt
 
     def _fork(self, parent: RunnerRequestState, num_scheduled: int,
               forks: list[ForkedRequestData]) -> list[RunnerRequestState]:
@@ -151,8 +201,10 @@ class ModelRunner:
             children.append(child)
         return children
 
-    def _prompt_logprobs(self, states, counts, query_starts, hidden):
-        result: dict[str, SampledLogprobs] = {}
+    def _prompt_logprobs(self, states, counts, query_starts, hidden
+                         ) -> dict[str, LogprobTensors]:
+        """Per request asking for them: the step's prompt logprobs, on the device."""
+        result: dict[str, LogprobTensors] = {}
         for state, n, start in zip(states, counts, query_starts):
             k = state.params.prompt_logprobs
             first = max(state.num_computed_tokens, state.prompt_logprobs_from)
@@ -163,7 +215,7 @@ class ModelRunner:
             rows = torch.arange(start + first - state.num_computed_tokens,
                                 start + last - state.num_computed_tokens, device=self.device)
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
-            targets = torch.tensor(state.token_ids[first + 1:last + 1], device=self.device)
-            result[state.req_id] = gather_logprobs(logprobs, targets, k)
+            targets = self._index(state.token_ids[first + 1:last + 1])
+            result[state.req_id] = logprob_tensors(logprobs, targets, k)
             state.prompt_logprobs_from = last
         return result

@@ -1,9 +1,14 @@
-"""Turn the rows to sample into the sampler's batched tensors."""
+"""Turn the rows to sample into the sampler's batched tensors.
+
+Built on the host, then each moved with ``platform.to_device`` (queued copies from pinned
+memory on a GPU), so building a step's metadata never waits on the kernels before it.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from engine_worker.platform import to_device
 from engine_worker.sampler import PenaltyInputs, SamplingMetadata
 
 
@@ -13,24 +18,28 @@ def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tens
     for i, r in enumerate(rows):
         if r:
             out[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
-    return out.to(device)
+    return to_device(out, device)
+
+
+def _column(values: list, device: torch.device, dtype: torch.dtype | None = None
+            ) -> torch.Tensor:
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def build_sampling_metadata(states, vocab_size: int, eos_token_ids: frozenset[int],
                             device: torch.device) -> SamplingMetadata:
     """``states`` are runner request states (token_ids, num_prompt_tokens, params, generator)."""
     params = [s.params for s in states]
-    temperature = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params],
-                               dtype=torch.float32, device=device)
+    temperature = _column([0.0 if p.is_greedy else p.temperature for p in params], device,
+                          torch.float32)
     all_greedy = all(p.is_greedy for p in params)
     top_k = top_p = min_p = None
     if any(p.top_k > 0 for p in params):
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params],
-                             device=device)
+        top_k = _column([p.top_k if p.top_k > 0 else vocab_size for p in params], device)
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        top_p = _column([p.top_p for p in params], device, torch.float32)
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+        min_p = _column([p.min_p for p in params], device, torch.float32)
     penalties = None
     if any(p.uses_penalties for p in params):
         penalties = PenaltyInputs(
@@ -38,9 +47,9 @@ def build_sampling_metadata(states, vocab_size: int, eos_token_ids: frozenset[in
                                      vocab_size, device),
             output_token_ids=_padded([s.token_ids[s.num_prompt_tokens:] for s in states],
                                      vocab_size, device),
-            repetition=torch.tensor([p.repetition_penalty for p in params], device=device),
-            presence=torch.tensor([p.presence_penalty for p in params], device=device),
-            frequency=torch.tensor([p.frequency_penalty for p in params], device=device))
+            repetition=_column([p.repetition_penalty for p in params], device),
+            presence=_column([p.presence_penalty for p in params], device),
+            frequency=_column([p.frequency_penalty for p in params], device))
     banned = []
     for row, state in enumerate(states):
         p = state.params

@@ -47,7 +47,8 @@ class EngineServer:
         self.cfg = cfg
         model_name = cfg.model_name or engine.config.model.model or EMBEDDED_MODEL_ID
         self.metrics = (EngineMetrics(model_name, backend=engine.backend.name,
-                                      backend_reason=engine.backend.reason)
+                                      backend_reason=engine.backend.reason,
+                                      cuda_graphs=engine.cuda_graphs)
                         if cfg.metrics_port is not None else None)
         self.metrics_server: MetricsServer | None = None
         self.async_engine = AsyncEngine(

@@ -89,7 +89,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             tokenizer_digest=self._tokenizer_digest, vocab_size=engine.tokenizer.vocab_size,
             enable_prefix_caching=engine.enable_prefix_caching,
             num_kv_blocks=engine.num_blocks, backend=engine.backend.name,
-            backend_reason=engine.backend.reason, backend_fallback=engine.backend.fallback)
+            backend_reason=engine.backend.reason, backend_fallback=engine.backend.fallback,
+            cuda_graphs=engine.cuda_graphs)
 
     async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:
         files = {name: (self._tokenizer_dir / name).read_bytes() for name in TOKENIZER_FILES

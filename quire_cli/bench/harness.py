@@ -153,12 +153,15 @@ def running_engines(num_engines: int, flags: list[str], startup_timeout_s: float
 
 
 @contextlib.asynccontextmanager
-async def running_router(addresses: Sequence[str], policy: str, timeout_s: float):
-    """An in-process router (gRPC only) over ``addresses``, once every engine serves."""
+async def running_router(addresses: Sequence[str], policy: str, timeout_s: float, *,
+                         tokenizer: str | None = None, placement: dict | None = None):
+    """An in-process router (gRPC only) over ``addresses`` (engine list entries: ``host:port``
+    or ``vllm://...``), once every engine serves. vLLM engines need ``tokenizer`` (a
+    directory) and their block size in ``placement``."""
     from router.app import RouterServer
 
     router = RouterServer.static(addresses, policy=policy, host="127.0.0.1", port=0,
-                                 http_port=-1)
+                                 http_port=-1, tokenizer=tokenizer, placement=placement)
     await router.start()
     try:
         if not await router.wait_ready(len(addresses), timeout_s=timeout_s):

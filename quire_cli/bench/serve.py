@@ -1,8 +1,10 @@
 """``quire bench serve``: routing policies compared on real engine processes.
 
-For each workload and each policy, fresh ``quire engine`` subprocesses (cold caches, so runs
-are comparable) and an in-process router in front of them; requests arrive as a Poisson
-process at ``request_rate`` (``inf``: all at once) and stream back through the router.
+For each workload and each policy, cold engines (so runs are comparable) and an in-process
+router in front of them; requests arrive as a Poisson process at ``request_rate`` (``inf``: all
+at once) and stream back through the router. The engines are fresh ``quire engine``
+subprocesses, or vLLM servers whose prefix caches are reset before every run
+(``--engine-kind vllm``; ``quire_cli.bench.serve_engines``).
 
 Workloads are token ids drawn from ``seed`` (the engine flag ``--seed``, which also seeds the
 engines), so lengths are exact and every policy sees the same prompts in the same order at the
@@ -14,8 +16,8 @@ same times:
 
 Reported per run: TTFT, time per output token and inter-token latency (p50/p90/p99), request
 and output-token throughput, the cache hit rate the engines reported, requests and prompt
-tokens per engine, errors and the router's placement time; then prefix_aware against each
-other policy. Report and plots: ``quire_cli.bench.serve_report``.
+tokens per engine, errors and the router's placement time (vLLM engines: also vLLM's own
+prefix-cache counters); then prefix_aware against each other policy. Report and plots: ``quire_cli.bench.serve_report``.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ import grpc
 
 from quire.v1 import engine_pb2_grpc
 from quire_cli.bench.harness import (FIRST_SAFE_TOKEN_ID, RequestResult, describe_ms,
-                                     generate_request, machine_info, model_info, percentile,
-                                     running_engines, running_router, stream_request,
-                                     warm_up)
+                                     generate_request, machine_info, percentile,
+                                     running_router, stream_request)
 from quire_cli.bench.serve_config import WORKLOAD_NAMES, ServeBenchConfig
+from quire_cli.bench.serve_engines import ENGINE_KINDS, RunEngines, counter_deltas
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,19 +152,21 @@ def summarize(results: Sequence[RequestResult], addresses: Sequence[str],
     }
 
 
-async def measure(addresses: Sequence[str], policy: str, workload_name: str,
+async def measure(engines: RunEngines, counters: Callable, policy: str, workload_name: str,
                   cfg: ServeBenchConfig, seed: int) -> dict:
-    """One (policy, workload) run on fresh engines at ``addresses``."""
-    info = await model_info(addresses[0])
-    if cfg.prompt_len + cfg.output_len > info.max_model_len:
+    """One (policy, workload) run on cold, warmed-up ``engines``; ``counters()`` reads the
+    engines' own cache counters (None where usage already tells)."""
+    if cfg.prompt_len + cfg.output_len > engines.max_model_len:
         raise ValueError(f"system_prompt_len: prompt + output ({cfg.prompt_len} + "
-                         f"{cfg.output_len}) exceed max_model_len {info.max_model_len}")
-    workload = make_workload(workload_name, cfg, vocab_size=info.vocab_size, seed=seed)
-    await warm_up(addresses, cfg.prompt_len, 2, cfg.request_timeout_s)
-    async with running_router(addresses, policy, cfg.startup_timeout_s) as router:
+                         f"{cfg.output_len}) exceed max_model_len {engines.max_model_len}")
+    workload = make_workload(workload_name, cfg, vocab_size=engines.vocab_size, seed=seed)
+    ids = engines.engine_ids
+    async with running_router(engines.urls, policy, cfg.startup_timeout_s,
+                              **engines.router_options) as router:
         decisions = router.metrics.decisions
         # The log keeps only its latest placements: make room for every request of the run.
         decisions.capacity = max(decisions.capacity, 4 * len(workload.prompts))
+        before = await counters()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
             stub = engine_pb2_grpc.EngineServiceStub(channel)
             t0 = time.perf_counter()
@@ -170,12 +174,16 @@ async def measure(addresses: Sequence[str], policy: str, workload_name: str,
                                   max_concurrency=cfg.max_concurrency,
                                   timeout_s=cfg.request_timeout_s, t0=t0)
             duration_s = time.perf_counter() - t0
-        ids = {r.req_id for r in results}
+        engine_counters = counter_deltas(before, await counters(), ids)
+        req_ids = {r.req_id for r in results}
         placement_us = [d.placement_us for d in decisions.latest(decisions.capacity)
-                        if d.request_id in ids]
-    return {"policy": policy, "workload": workload_name,
-            **summarize(results, addresses, placement_us, duration_s),
-            "requests": [_request_row(r, addresses) for r in results]}
+                        if d.request_id in req_ids]
+    run = {"policy": policy, "workload": workload_name,
+           **summarize(results, ids, placement_us, duration_s),
+           "requests": [_request_row(r, ids) for r in results]}
+    if engine_counters is not None:
+        run["engine_cache_counters"] = engine_counters
+    return run
 
 
 def _request_row(r: RequestResult, addresses: Sequence[str]) -> dict:
@@ -187,14 +195,16 @@ def _request_row(r: RequestResult, addresses: Sequence[str]) -> dict:
             "error": r.error}
 
 
-async def run_all(cfg: ServeBenchConfig, flags: list[str], seed: int) -> list[dict]:
+async def run_all(cfg: ServeBenchConfig, engines, seed: int) -> list[dict]:
+    """Every (workload, policy) run on ``engines`` (a ``serve_engines`` kind, entered)."""
     runs = []
     for workload_name in cfg.workload_names:
         for policy in cfg.policy_names:
             # Other work on the machine skews a run; its load average is kept beside it.
             load_1m = os.getloadavg()[0]
-            with running_engines(cfg.num_engines, flags, cfg.startup_timeout_s) as addresses:
-                run = await measure(addresses, policy, workload_name, cfg, seed)
+            async with engines.fresh() as run_engines:
+                run = await measure(run_engines, engines.cache_counters, policy,
+                                    workload_name, cfg, seed)
             runs.append(dict(run, load_average_1m_before=load_1m))
             print(f"  {workload_name:<14}{policy:<14}{run['num_finished']}/"
                   f"{run['num_requests']} finished in {run['duration_s']:.1f}s", flush=True)
@@ -208,13 +218,15 @@ def run_from_args(ns: argparse.Namespace) -> int:
 
     cfg = dataclass_from_namespace(ServeBenchConfig, ns)
     flags = changed_engine_flags(ns)
-    resolve_model_once(ns.model)
+    model_dir = resolve_model_once(ns.model)
     machine_before = machine_info()
     print(f"bench serve: {len(cfg.workload_names)} workloads x {len(cfg.policy_names)} "
           f"policies, {cfg.num_requests} requests each at {cfg.request_rate} req/s, "
-          f"{cfg.num_engines} engines", flush=True)
-    runs = asyncio.run(run_all(cfg, flags, ns.seed))
-    report = build_report(cfg, seed=ns.seed, engine_flags=flags, runs=runs,
+          f"{cfg.num_engines} {cfg.engine_kind} engines", flush=True)
+    with ENGINE_KINDS[cfg.engine_kind](cfg, flags, model_dir) as engines:
+        runs = asyncio.run(run_all(cfg, engines, ns.seed))
+        described = engines.describe()
+    report = build_report(cfg, seed=ns.seed, engine_flags=flags, engines=described, runs=runs,
                           machine=dict(machine_before,
                                        load_average_after=machine_info()["load_average"]))
     print_summary(report)

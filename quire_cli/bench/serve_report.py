@@ -3,6 +3,8 @@
 JSON layout::
 
     {"config": {...}, "seed": int, "engine_flags": [...], "machine": {...},
+     "engines": {"kind", and for vLLM "started_here", "vllm_version", "dtype", "num_kv_blocks",
+                 "block_size", "urls"},
      "runs": [{"policy", "workload", "num_requests", "num_finished", "num_errors", "errors",
                "duration_s", "request_throughput", "output_token_throughput",
                "prompt_tokens", "cached_tokens", "output_tokens", "cache_hit_rate",
@@ -11,11 +13,15 @@ JSON layout::
                                              "prompt_tokens", "prompt_token_share",
                                              "cached_tokens"}},
                "load_spread", "placement_us": {"mean", "p50", "p99"}, "requests": [...],
-               "load_average_1m_before"}],
+               "load_average_1m_before",
+               "engine_cache_counters" (vLLM engines only: vLLM's prefix_cache_queries and
+               _hits counters over the run): {"queries", "hits", "hit_rate",
+                                              "per_engine": {"engine-<i>": {"queries", "hits"}}}}],
      "comparisons": {workload: {baseline: {"ttft_p50_speedup", "ttft_p90_speedup",
                                            "throughput_ratio", "cache_hit_rate_delta"}}}}
 
-Speedups are baseline / prefix_aware (above 1: prefix_aware is faster); the throughput ratio is
+``cache_hit_rate`` is cached / prompt tokens from the usage the engines returned. Speedups are
+baseline / prefix_aware (above 1: prefix_aware is faster); the throughput ratio is
 prefix_aware / baseline. JSON cannot hold infinity, so an infinite rate is written as "inf".
 """
 
@@ -59,11 +65,11 @@ def compare(runs: list[dict]) -> dict:
     return out
 
 
-def build_report(cfg, *, seed: int, engine_flags: list[str], runs: list[dict],
+def build_report(cfg, *, seed: int, engine_flags: list[str], engines: dict, runs: list[dict],
                  machine: dict) -> dict:
     config = {k: _json_safe(v) for k, v in dataclasses.asdict(cfg).items()}
-    return {"config": config, "seed": seed, "engine_flags": engine_flags, "machine": machine,
-            "runs": runs, "comparisons": compare(runs)}
+    return {"config": config, "seed": seed, "engine_flags": engine_flags, "engines": engines,
+            "machine": machine, "runs": runs, "comparisons": compare(runs)}
 
 
 def _fmt(value: float | None, spec: str = ".0f") -> str:
@@ -84,6 +90,12 @@ def print_summary(report: dict) -> None:
               f"{_fmt(r['request_throughput'], '.2f'):>7}"
               f"{_fmt(r['output_token_throughput'], '.1f'):>10}{r['cache_hit_rate']:>9.1%}"
               f"{spread:>12}{r['num_errors']:>5}{_fmt(r['placement_us']['mean']):>9}")
+    for r in report["runs"]:
+        counters = r.get("engine_cache_counters")
+        if counters:
+            print(f"{r['workload']}: {r['policy']}: vLLM's prefix-cache counters: "
+                  f"{counters['hits']:.0f} of {counters['queries']:.0f} prompt tokens hit "
+                  f"({counters['hit_rate']:.1%})")
     for workload, baselines in report["comparisons"].items():
         for policy, c in baselines.items():
             print(f"{workload}: {REFERENCE_POLICY} vs {policy}: TTFT p50 "
@@ -96,12 +108,15 @@ def print_summary(report: dict) -> None:
 def write_outputs(report: dict, json_path: str, png_path: str) -> None:
     json_path, png_path = write_json(report, json_path), Path(png_path)
     wrote = [str(json_path)]
-    if write_plot(png_path, report["runs"]):
+    engines = report.get("engines", {})
+    title = f"quire bench serve: {len(report['runs'][0]['per_engine'])} " \
+            f"{engines.get('kind', 'quire')} engines" if report["runs"] else None
+    if write_plot(png_path, report["runs"], title):
         wrote.append(str(png_path))
     print(f"wrote {' and '.join(wrote)}")
 
 
-def write_plot(path: Path, runs: list[dict]) -> bool:
+def write_plot(path: Path, runs: list[dict], title: str | None = None) -> bool:
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -111,6 +126,8 @@ def write_plot(path: Path, runs: list[dict]) -> bool:
     policies = list(dict.fromkeys(r["policy"] for r in runs))
     by_key = {(r["workload"], r["policy"]): r for r in runs}
     fig = Figure(figsize=(13, 8), layout="constrained")
+    if title:
+        fig.suptitle(title)
     (ax_ttft, ax_tp), (ax_hit, ax_share) = fig.subplots(2, 2)
     width = 0.8 / len(policies)
     for j, policy in enumerate(policies):

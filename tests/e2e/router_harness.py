@@ -76,6 +76,16 @@ def start_engine(model_dir, **engine_kwargs) -> RunningServer:
                          ServerConfig(host="127.0.0.1", port=0, **server_kwargs))
 
 
+def engine_fleet(model_dir, count: int = 2, **engine_kwargs):
+    """``count`` engines for a fixture: ``yield from engine_fleet(...)`` closes them after."""
+    running = [start_engine(model_dir, **engine_kwargs) for _ in range(count)]
+    try:
+        yield running
+    finally:
+        for engine in running:
+            engine.close()
+
+
 def address(engine: RunningServer) -> str:
     return f"127.0.0.1:{engine.port}"
 
@@ -95,10 +105,10 @@ def collect(stream):
     return tokens, last
 
 
-def wait_for(predicate, timeout_s=10.0) -> bool:
+def wait_for(predicate, timeout_s=10.0, interval_s=0.02) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
             return True
-        time.sleep(0.02)
+        time.sleep(interval_s)
     return False

@@ -190,6 +190,11 @@ def test_model_info_and_metrics_say_which_backend_runs_and_why(server):
     assert len(infos) == 1 and infos[0].value == 1
     assert infos[0].labels["backend"] == info.backend
     assert infos[0].labels["reason"] == info.backend_reason
+    # and that CUDA graphs are off on a CPU, in the same two places
+    assert info.cuda_graphs == "off (cpu)"
+    graphs = [s for family in text_string_to_metric_families(text) for s in family.samples
+              if s.name == "quire:cuda_graphs_info"]
+    assert [(g.labels["cuda_graphs"], g.value) for g in graphs] == [("off (cpu)", 1)]
 
 
 def test_load_reports_and_kv_event_feed(server):

@@ -302,6 +302,7 @@ def test_start_shows_progress_and_one_summary_of_the_choices(tiny_model_dir, cap
     assert summaries[0].getMessage().splitlines()[1:] == [
         "  Device: cpu, %d threads, dtype float32" % torch.get_num_threads(),
         "  Backend: torch (reference ops): requested (kernels=torch)",
+        "  CUDA graphs: off (cpu)",
         f"  KV cache: {engine.num_blocks} blocks x 16 tokens = {engine.num_blocks * 16} tokens, "
         f"{engine.num_blocks * block_bytes / 2**30:.2f} GiB ({block_bytes // 16} bytes a token)",
         f"  Max model len: 512 tokens ({engine.num_blocks * 16 / 512:.2f} full-length sequences "

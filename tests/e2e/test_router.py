@@ -14,18 +14,15 @@ import pytest
 
 from quire.block_hash import BLOCK_HASH_ALGORITHM, hash_block_tokens
 from quire.v1 import engine_pb2 as pb
-from tests.e2e.router_harness import (TIMEOUT_S, RunningRouter, address, collect, request,
-                                      start_engine, wait_for)
+from tests.e2e.router_harness import (TIMEOUT_S, RunningRouter, address, collect, engine_fleet,
+                                      request, start_engine, wait_for)
 
 _collect, _request, _wait_for, _start_engine = collect, request, wait_for, start_engine
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
-    running = [_start_engine(tiny_model_dir) for _ in range(2)]
-    yield running
-    for engine in running:
-        engine.close()
+    yield from engine_fleet(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from quire.v1 import engine_pb2 as pb
-from tests.e2e.router_harness import (TIMEOUT_S, RunningRouter, address, collect, request,
-                                      start_engine, wait_for)
+from tests.e2e.router_harness import (TIMEOUT_S, RunningRouter, address, collect, engine_fleet,
+                                      request, start_engine, wait_for)
 
 KEY = "sk-quire-test-key"
 MODEL = "tiny"
@@ -22,10 +22,7 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
-    running = [start_engine(tiny_model_dir) for _ in range(2)]
-    yield running
-    for engine in running:
-        engine.close()
+    yield from engine_fleet(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -10,17 +10,14 @@ import grpc
 import pytest
 
 from engine_worker.server.config import ServerConfig
-from tests.e2e.router_harness import (TIMEOUT_S, RunningRouter, address, collect, request,
-                                      start_engine, wait_for)
+from tests.e2e.router_harness import (TIMEOUT_S, RunningRouter, address, collect, engine_fleet,
+                                      request, wait_for)
 from tests.e2e.test_engine_server import RunningServer, _engine
 
 
 @pytest.fixture
 def pair(tiny_model_dir):
-    running = [start_engine(tiny_model_dir) for _ in range(2)]
-    yield running
-    for engine in running:
-        engine.close()
+    yield from engine_fleet(tiny_model_dir)
 
 
 def _drain_without_telling(engine) -> None:

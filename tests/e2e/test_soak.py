@@ -18,8 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from quire.v1 import engine_pb2 as pb
-from tests.e2e.router_harness import RunningRouter, address, request, start_engine, wait_for
+from tests.e2e.router_harness import RunningRouter, address, engine_fleet, request, wait_for
 
 pytestmark = pytest.mark.soak
 
@@ -30,10 +29,7 @@ PREFIXES = [" ".join(f"{word}{i}" for i in range(40)) for word in ("alpha", "bet
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
-    running = [start_engine(tiny_model_dir) for _ in range(2)]
-    yield running
-    for engine in running:
-        engine.close()
+    yield from engine_fleet(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

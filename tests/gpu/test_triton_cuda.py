@@ -67,7 +67,7 @@ def test_cuda_graph_replay_equals_eager():
         x = torch.nn.functional.one_hot(input_ids % 64, 64).float() @ weight
         return x + positions[:, None] + meta.seq_lens[:, None]
 
-    decoder = CudaGraphDecoder(forward, buffers, sizes=(1, 2, 4, 8, 16))
+    decoder = CudaGraphDecoder(forward, buffers, sizes=(1, 2, 4, 8, 16), block_size=16)
     decoder.capture([])
     tables = np.array([[1, 2], [3, 0], [0, 0]], np.int32)
     step = buffers.fill(np.array([5, 6, 7]), np.array([17, 3, 0]), tables, 16, padded=4)

@@ -169,6 +169,24 @@ def test_engine_args_defaults_match_config_defaults():
     assert EngineArgs().create_engine_config() == EngineConfig()
 
 
+def test_enforce_eager_is_a_validated_flag():
+    import argparse
+
+    from engine_worker.arg_utils import add_engine_args, engine_args_from_namespace
+
+    assert EngineArgs(enforce_eager=True).create_engine_config().device.enforce_eager is True
+    with raises_for("enforce_eager"):
+        DeviceConfig(enforce_eager=1)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    parse = lambda *argv: engine_args_from_namespace(parser.parse_args(argv))  # noqa: E731
+    assert parse().enforce_eager is False
+    assert parse("--enforce-eager").enforce_eager is True  # vLLM's spelling: the flag alone
+    assert parse("--enforce-eager", "false").enforce_eager is False
+    args = parse("--enable-prefix-caching", "false", "--enforce-eager", "--device", "cpu")
+    assert (args.enable_prefix_caching, args.enforce_eager, args.device) == (False, True, "cpu")
+
+
 def test_engine_args_errors_name_the_field():
     with raises_for("block_size"):
         EngineArgs(block_size=3).create_engine_config()
@@ -291,3 +309,16 @@ def test_sampling_params_reject_seeds_a_generator_cannot_take(seed):
 def test_stop_strings_need_detokenization():
     with raises_for("stop"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_a_bare_boolean_flag_leaves_the_next_positional_alone():
+    from quire.config_args import explicit_bool_values
+    from quire_cli.main import build_parser
+
+    argv = ["generate", "--enforce-eager", "Tell me a story", "--enable-prefix-caching", "no"]
+    parser = build_parser(argv)
+    ns = parser.parse_args(explicit_bool_values(parser, argv))
+    assert ns.enforce_eager is True and ns.enable_prefix_caching is False
+    assert "Tell me a story" in vars(ns).values()
+    with pytest.raises(SystemExit):  # without the rewrite argparse takes the prompt as the value
+        parser.parse_args(argv)

@@ -212,3 +212,4 @@ def test_backend_info_says_which_backend_runs_and_why(server: MetricsServer) -> 
         in text.splitlines()
     # one series: the engine runs one backend
     assert [name for name, _ in samples(text)].count("quire:backend_info") == 1
+    assert value(text, "quire:cuda_graphs_info", cuda_graphs="off") == 1

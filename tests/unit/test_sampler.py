@@ -85,3 +85,57 @@ def test_logprobs_ranks_and_top_k():
     assert got.token_ids == ((2, 3, 1),)
     assert got.ranks == (3,)
     assert got.logprobs[0][0] == pytest.approx(logprobs[0, 2].item())
+
+
+def _every_option(num_rows: int, vocab: int) -> SamplingMetadata:
+    """Greedy and random rows, seeded rows, top-k, top-p, min-p, penalties, bans, logprobs."""
+    greedy = torch.arange(num_rows) % 3 == 0
+    ids = torch.Generator().manual_seed(1)
+    return _meta(
+        num_rows, temperature=torch.where(greedy, 0.0, 0.8),
+        top_k=torch.full((num_rows,), 5), top_p=torch.full((num_rows,), 0.9),
+        min_p=torch.full((num_rows,), 0.05),
+        generators={1: torch.Generator().manual_seed(7), 2: torch.Generator().manual_seed(8)},
+        penalties=PenaltyInputs(
+            prompt_token_ids=torch.randint(0, vocab, (num_rows, 6), generator=ids),
+            output_token_ids=torch.randint(0, vocab, (num_rows, 3), generator=ids),
+            repetition=torch.full((num_rows,), 1.2), presence=torch.full((num_rows,), 0.3),
+            frequency=torch.full((num_rows,), 0.1)),
+        banned=((0, (1, 2)), (2, (3,))), max_num_logprobs=4)
+
+
+def test_the_device_part_never_reads_the_device():
+    """``sample_tokens`` with every option on runs under FakeTensorMode, which raises on any
+    data-dependent host read (``.item()``, ``.tolist()``, ``bool(t)``, a boolean mask): what
+    the runner copies to the host (ids, logprobs) is its only read, once a step."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    from engine_worker.sampler import draw_noise, sample_tokens
+
+    vocab = 50
+    torch.manual_seed(0)
+    logits = torch.randn(6, vocab)
+    meta = _every_option(6, vocab)
+    noise = draw_noise(logits, meta, torch.Generator().manual_seed(0))  # random kernels only
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        tokens, logprobs = sample_tokens(logits, meta, noise)
+        assert tokens.shape == (6,)
+        assert logprobs.token_ids.shape == (6, 5) and logprobs.ranks.shape == (6,)
+        with pytest.raises(DataDependentOutputException):
+            tokens.tolist()
+
+
+def test_sample_is_the_device_part_then_one_copy():
+    from engine_worker.sampler import draw_noise, sample_tokens
+
+    vocab = 50
+    torch.manual_seed(0)
+    logits = torch.randn(6, vocab)
+    tokens, logprobs = sample(logits, _every_option(6, vocab), torch.Generator().manual_seed(3))
+    meta = _every_option(6, vocab)
+    again, lp = sample_tokens(logits, meta, draw_noise(logits, meta,
+                                                       torch.Generator().manual_seed(3)))
+    assert tokens.tolist() == again.tolist()
+    assert logprobs == lp.to_python()
+    assert tokens[0].item() not in (1, 2) and tokens[2].item() != 3  # the bans hold
+    assert logprobs.token_ids[0][0] == tokens[0].item()

@@ -1,7 +1,9 @@
 """Graph-ready decode steps on the CPU: capture sizes and padding, fixed buffers whose padded
-rows change nothing, and a padded decode through the model under FakeTensorMode, which raises
-on any data-dependent host read (what a CUDA graph capture cannot contain). Capturing and
-replaying real CUDA graphs needs a GPU: tests/gpu/test_cuda_graphs.py."""
+rows change nothing, the function a graph records (``CudaGraphDecoder.eager`` of the decoder
+the engine builds) under FakeTensorMode, which raises on any data-dependent host read (what a
+CUDA graph capture cannot contain), and the runner's wiring: decode-only steps go through the
+decoder's buffers and ``run``, everything else eagerly. Capturing and replaying real CUDA
+graphs needs a GPU: tests/gpu/test_triton_cuda.py and tests/gpu/test_cuda_engine.py."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ pytest.importorskip("triton")
 
 from engine_worker.backends.reference import TorchAttentionBackend  # noqa: E402
 from engine_worker.backends import BACKENDS  # noqa: E402
-from engine_worker.model_runner.graphs import (DecodeBuffers, capture_sizes,  # noqa: E402
-                                               padded_batch_size)
+from engine_worker.model_runner.graphs import (CudaGraphDecoder, DecodeBuffers,  # noqa: E402
+                                               build_graph_decoder, capture_sizes,
+                                               choose_cuda_graphs, padded_batch_size)
 from engine_worker.model_runner.inputs import build_step_inputs  # noqa: E402
 from engine_worker.model_runner.runner import RunnerRequestState  # noqa: E402
 from engine_worker.weights.loader import load_model  # noqa: E402
@@ -106,16 +109,95 @@ def test_padded_decode_equals_unpadded_reference(triton_model):
         assert torch.equal(flat[:, untouched], orig[:, untouched])
 
 
-def test_decode_step_has_no_data_dependent_host_reads(triton_model):
-    buffers = DecodeBuffers(max_batch=8, max_blocks_per_seq=4, device=torch.device("cpu"))
-    step = buffers.fill(np.array([7, 8, 9]), np.array([17, 0, 31]),
-                        np.array([[3, 1], [2, 0], [5, 6]], np.int32), BLOCK_SIZE, padded=4)
+def test_the_recorded_decode_has_no_data_dependent_host_reads(triton_model):
+    """The decoder the engine wires in, on a step its ``prepare`` filled: ``eager`` is exactly
+    what ``capture`` records, and it runs under FakeTensorMode."""
+    decoder = build_graph_decoder(triton_model, capture_sizes(8), max_model_len=64,
+                                  block_size=BLOCK_SIZE, device=torch.device("cpu"))
+    states = [_state(list(range(1, 19)), [3, 1]), _state([5], [2]),
+              _state(list(range(40, 72)), [5, 6])]
+    step = decoder.prepare(states, [1, 1, 1])
+    assert (step.num_seqs, step.padded) == (3, 4)
     caches = _caches(triton_model)
     with torch.inference_mode(), FakeTensorMode(allow_non_fake_inputs=True):
-        hidden = triton_model(step.input_ids, step.positions, caches, step.meta)
+        hidden = decoder.eager(step, caches)
         logits = triton_model.compute_logits(hidden)
         tokens = logits.argmax(dim=-1)
         assert tokens.shape == (4,)
         # the check has teeth: a host read of a device value raises in this mode
         with pytest.raises(DataDependentOutputException):
             int(step.meta.seq_lens.max())
+
+
+def test_prepare_takes_decode_only_steps_that_fit():
+    decoder = build_graph_decoder(lambda *a: None, (1, 2, 4), max_model_len=64,
+                                  block_size=BLOCK_SIZE, device=torch.device("cpu"))
+    assert decoder.buffers.max_batch == 4 and decoder.buffers.max_blocks_per_seq == 4
+    decodes = [_state(list(range(1, 19)), [3, 1]), _state([5], [2])]
+    assert decoder.prepare(decodes, [1, 1]).padded == 2
+    assert decoder.prepare(decodes, [1, 2]) is None  # a prefill chunk: eager
+    assert decoder.prepare(decodes * 3, [1] * 6) is None  # above the largest size: eager
+    assert decoder.prepare([_state([1], [0, 1, 2, 3, 4])], [1]) is None  # wider than the buffers
+    step = decoder.prepare([decodes[0]], [1])
+    assert (step.input_ids.tolist(), step.positions.tolist()) == ([18], [17])
+
+
+def test_graphs_are_chosen_only_where_they_can_run():
+    cuda = torch.device("cuda")  # a device name only: nothing runs on it here
+    args = {"enforce_eager": False, "attention": "triton", "fused_layers": False,
+            "max_num_seqs": 256, "max_num_batched_tokens": 2048}
+    assert choose_cuda_graphs(device=torch.device("cpu"), **args).describe() == "off (cpu)"
+    assert choose_cuda_graphs(device=cuda, **args | {"enforce_eager": True}).describe() == \
+        "off (enforce_eager)"
+    off = choose_cuda_graphs(device=cuda, **args | {"attention": "torch"})
+    assert not off.enabled and "torch attention" in off.reason
+    on = choose_cuda_graphs(device=cuda, **args)
+    assert on.enabled and on.sizes == capture_sizes(256)
+    assert on.describe() == "on (35 batch sizes, 1 to 256)"
+    # a decode batch is at most max_num_batched_tokens rows
+    assert choose_cuda_graphs(device=cuda, **args | {"max_num_batched_tokens": 20}).sizes == \
+        (1, 2, 4, 8, 16, 20)
+
+
+class _EagerReplay(CudaGraphDecoder):
+    """A decoder whose "replay" runs the recorded function eagerly on the buffers: the
+    runner's graph path end to end on a CPU, graphs aside."""
+
+    def capture(self, kv_caches):
+        self.kv_caches = kv_caches
+        self.replayed: list[tuple[int, int]] = []
+
+    def run(self, step):
+        self.replayed.append((step.num_seqs, step.padded))
+        return self.eager(step, self.kv_caches)[:step.num_seqs]
+
+
+def test_the_runner_replays_decode_steps_and_runs_the_rest_eagerly(tiny_model_dir):
+    from engine_worker import LLM, SamplingParams
+
+    def generate(llm):
+        params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                  SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True,
+                                 logprobs=1),
+                  SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)]
+        prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (20, 7, 33)]
+        return [(o.outputs[0].token_ids, [tuple(lp) for lp in o.outputs[0].logprobs or []])
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    # the configuration graphs run in: Triton attention (the interpreter here), whose cache
+    # write skips the padding rows' slot -1
+    llm = LLM(str(tiny_model_dir), dtype="float32", kernels="torch", attention_backend="triton",
+              max_model_len=128, kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
+    eager = generate(llm)
+    runner = llm.engine.runner
+    decoder = _EagerReplay(runner.model, DecodeBuffers(4, 8, torch.device("cpu")), (1, 2, 4),
+                           BLOCK_SIZE)
+    decoder.capture(runner.kv_caches)
+    runner.graphs = decoder
+    got = generate(llm)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in eager]
+    for (_, lps), (_, want) in zip(got, eager):
+        assert [list(d) for d in lps] == [list(d) for d in want]  # same tokens ranked
+    # 3 decodes padded to 4, then 2 padded to 2 once the short request is done
+    assert (3, 4) in decoder.replayed and (2, 2) in decoder.replayed
+    assert len(decoder.replayed) == 7  # the prefill step (first tokens) ran eagerly

@@ -1,0 +1,81 @@
+"""A step reads the device once: every host read of a tensor in ``ModelRunner.execute`` falls
+inside ``_to_host``, which makes the one ``platform.to_host`` copy (then reads host tensors).
+
+On a GPU each host read outside it would be a sync that waits out the queued kernels; on
+the CPU there is no device, so the test counts the reads themselves with a TorchFunctionMode
+(``.tolist()``, ``.item()``, ``int(t)``, ``bool(t)``, ``.numpy()`` ...), with every sampling
+option on: seeds, greedy and random rows, top-k/p, min-p, penalties, min_tokens, logprobs,
+prompt logprobs and n > 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_worker import LLM, SamplingParams
+from engine_worker.model_runner import runner as runner_module
+
+HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy"}
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+        self.allowed = 0  # > 0 inside ModelRunner._to_host
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS and not self.allowed:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), dtype="float32", kernels="torch", max_model_len=256,
+               kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=64)
+
+
+def test_a_step_reads_the_device_once(llm, monkeypatch):
+    runner = llm.engine.runner
+    mode = _HostReads()
+    copies: list[int] = []
+    executed: list[bool] = []
+    execute, to_host_step = runner.execute, runner._to_host
+
+    def counted_execute(out):
+        executed.append(not out.is_empty)
+        with mode:
+            return execute(out)
+
+    def allowed_to_host(*args):
+        mode.allowed += 1
+        try:
+            return to_host_step(*args)
+        finally:
+            mode.allowed -= 1
+
+    real_to_host = runner_module.to_host
+
+    def counted_to_host(tensors):
+        copies.append(len(tensors))
+        return real_to_host(tensors)
+
+    monkeypatch.setattr(runner, "execute", counted_execute)
+    monkeypatch.setattr(runner, "_to_host", allowed_to_host)
+    monkeypatch.setattr(runner_module, "to_host", counted_to_host)
+    params = [SamplingParams(temperature=0, max_tokens=6, logprobs=2, prompt_logprobs=1),
+              SamplingParams(temperature=0.9, seed=3, top_k=20, top_p=0.9, min_p=0.01,
+                             repetition_penalty=1.2, presence_penalty=0.5,
+                             frequency_penalty=0.2, min_tokens=3, max_tokens=6, n=2),
+              SamplingParams(temperature=1.0, max_tokens=6, logprobs=0)]
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (70, 9, 3)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(c.token_ids) for o in outputs for c in o.outputs] == [6, 6, 6, 6]
+    assert outputs[0].outputs[0].logprobs and outputs[0].prompt_logprobs
+    assert mode.reads == []  # no host read outside the one copy
+    assert len(copies) == sum(executed) > 6  # one copy per step that ran the model
+    with mode:  # and the counter has teeth
+        torch.ones(2).sum().item()
+    assert mode.reads == ["item"]
