@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from engine_worker.arg_utils import add_bench_engine_args, engine_args_from_namespace
 from quire.config_args import dataclass_from_namespace, require_at_least
+from quire_cli.bench.limits import (decode_fraction, describe, limits_report, measure_limits,
+                                    weight_bytes)
 from quire_cli.bench.prompts import random_prompt
 from quire_cli.bench.report import write_json
 
@@ -78,17 +80,20 @@ def quire_latency(engine, cfg: LatencyConfig, rng: random.Random, vocab_size: in
             "decode_tokens_per_s": statistics.median(rates), "decode_runs": rates}
 
 
-def hf_latency(model_dir, dtype, cfg: LatencyConfig, rng: random.Random, vocab_size: int) -> dict:
+def hf_latency(model_dir, dtype, device, cfg: LatencyConfig, rng: random.Random,
+               vocab_size: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
     def generate(prompt, n) -> float:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=device)
         start = time.perf_counter()
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                        max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+        if ids.is_cuda:
+            torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
     with torch.inference_mode():
@@ -120,12 +125,17 @@ def run_from_args(ns: argparse.Namespace) -> int:
                               "cpu_count": os.cpu_count(),
                               "loadavg_1m_at_start": os.getloadavg()[0]},
               "quire": quire_latency(engine, cfg, rng, vocab_size)}
-    model_dir, dtype = engine.model_dir, engine.dtype
+    model_dir, dtype, device = engine.model_dir, engine.dtype, engine.device
+    model_bytes = weight_bytes(engine.runner.model)
     del llm, engine
     gc.collect()
+    limits = measure_limits(device)
+    fraction = decode_fraction(report["quire"]["decode_tokens_per_s"], model_bytes, limits)
+    report["machine"] = {**limits_report(limits), "weight_bytes": model_bytes,
+                         "decode_fraction_of_memory_bandwidth": fraction}
     if not cfg.skip_hf:
         print("transformers: one request at a time", file=sys.stderr)
-        report["hf"] = hf_latency(model_dir, dtype, cfg, rng, vocab_size)
+        report["hf"] = hf_latency(model_dir, dtype, device, cfg, rng, vocab_size)
         report["ratio_decode"] = (report["quire"]["decode_tokens_per_s"]
                                   / report["hf"]["decode_tokens_per_s"])
         report["ratio_ttft"] = report["hf"]["ttft_s"] / report["quire"]["ttft_s"]
@@ -137,5 +147,8 @@ def run_from_args(ns: argparse.Namespace) -> int:
             print(f"{system:<14}{r['decode_tokens_per_s']:>14.1f}{r['ttft_s']:>24.3f}")
     if "hf" in report:
         print(f"ratio: decode {report['ratio_decode']:.2f}x, TTFT {report['ratio_ttft']:.2f}x")
+    print(f"machine (measured in this run): {describe(limits)}; one request streams "
+          f"{model_bytes / 1e6:.0f} MB of weights a step, so its decode reaches "
+          f"{fraction:.0%} of the memory bandwidth")
     print(f"wrote {write_json(report, cfg.output_json)}")
     return 0

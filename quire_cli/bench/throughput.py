@@ -25,6 +25,8 @@ from pathlib import Path
 from engine_worker.arg_utils import add_bench_engine_args, engine_args_from_namespace
 from engine_worker.config import EngineArgs
 from quire.config_args import dataclass_from_namespace, require_at_least
+from quire_cli.bench.limits import (compute_fraction, describe, limits_report, measure_limits,
+                                    num_parameters)
 from quire_cli.bench.prompts import random_prompt
 from quire_cli.bench.report import write_json
 from quire_cli.bench.step_profile import PARTS, sweep_batch_sizes
@@ -343,8 +345,15 @@ def run_from_args(ns: argparse.Namespace) -> int:
     print(f"quire: {cfg.num_prompts} requests", file=sys.stderr)
     results = [time_quire(llm, workload, warmup, cfg.ignore_eos)]
     model_dir, dtype, device = engine.model_dir, engine.dtype, engine.device
+    parameters = num_parameters(engine.runner.model)
     del llm, engine  # free the KV cache before the baseline and the sweep
     gc.collect()
+    limits = measure_limits(device)
+    quire = results[0]
+    fraction = compute_fraction(quire.num_input_tokens + quire.num_output_tokens,
+                                quire.elapsed_s, parameters, limits)
+    env["machine"] = {**limits_report(limits), "parameters": parameters,
+                      "quire_fraction_of_matmul_peak": fraction}
     if not cfg.skip_hf:
         n = cfg.hf_num_prompts or cfg.num_prompts
         subset = Workload(workload.prompt_token_ids[:n], workload.output_lens[:n])
@@ -357,6 +366,8 @@ def run_from_args(ns: argparse.Namespace) -> int:
     ratio = (results[0].output_tokens_per_s / results[1].output_tokens_per_s
              if len(results) > 1 else None)
     _print_table(results, ratio)
+    print(f"machine (measured in this run): {describe(limits)}; Quire's run is "
+          f"{fraction:.0%} of the matmul peak (2 x {parameters / 1e6:.1f}M FLOPs a token)")
     if sweep:
         _print_sweep(sweep)
     _write_json(Path(cfg.output_json), cfg, engine_args, env, workload, results, ratio, sweep)

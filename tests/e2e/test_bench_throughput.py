@@ -46,6 +46,12 @@ def test_bench_throughput_counts_and_split(tiny_model_dir, tmp_path, ignore_eos)
     from engine_worker.backends import BACKENDS
 
     assert report["environment"]["kernels"] in BACKENDS
+    machine = report["environment"]["machine"]  # measured in the run, the fraction derived
+    assert machine["memory_gb_per_s"] > 0 and machine["matmul_tflops"]["float32"] > 0
+    total = quire["num_input_tokens"] + quire["num_output_tokens"]
+    assert machine["quire_fraction_of_matmul_peak"] == pytest.approx(
+        total * 2 * machine["parameters"] / quire["elapsed_s"]
+        / (max(machine["matmul_tflops"].values()) * 1e12), rel=1e-2)
     sweep = report["batch_size_sweep"]
     assert [p["batch_size"] for p in sweep] == [1, 4]
     for point in sweep:
@@ -71,3 +77,8 @@ def test_bench_latency_reports_both_systems(tiny_model_dir, tmp_path):
     assert report["ratio_decode"] == pytest.approx(
         report["quire"]["decode_tokens_per_s"] / report["hf"]["decode_tokens_per_s"])
     assert report["ratio_ttft"] == pytest.approx(report["hf"]["ttft_s"] / report["quire"]["ttft_s"])
+    machine = report["machine"]
+    assert machine["weight_bytes"] > 0 and machine["memory_gb_per_s"] > 0
+    assert machine["decode_fraction_of_memory_bandwidth"] == pytest.approx(
+        report["quire"]["decode_tokens_per_s"] * machine["weight_bytes"]
+        / (machine["memory_gb_per_s"] * 1e9), rel=1e-2)
