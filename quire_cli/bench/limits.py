@@ -49,6 +49,12 @@ def _best_seconds(fn, device: torch.device, repeats: int) -> float:
     return best
 
 
+def _copy_seconds(copy_bytes: int, device: torch.device, repeats: int) -> float:
+    src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    return _best_seconds(lambda: dst.copy_(src), device, repeats)
+
+
 def _native_dtypes(device: torch.device) -> list[torch.dtype]:
     if device.type == "cuda":
         return [torch.float32, torch.bfloat16]
@@ -62,11 +68,7 @@ def measure_limits(device: torch.device | str, *, copy_bytes: int | None = None,
     gpu = device.type == "cuda"
     copy_bytes = copy_bytes or (2 << 30 if gpu else 512 << 20)
     n = matmul_size or (8192 if gpu else 2048)
-    src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    seconds = _best_seconds(lambda: dst.copy_(src), device, repeats)
-    bandwidth = 2 * copy_bytes / seconds / 1e9
-    del src, dst
+    bandwidth = 2 * copy_bytes / _copy_seconds(copy_bytes, device, repeats) / 1e9
     tflops = {}
     for dtype in _native_dtypes(device):
         a = torch.randn(n, n, device=device).to(dtype)
