@@ -195,8 +195,11 @@ def kernels_unavailable_reason(isa: str, device: torch.device) -> str | None:
     first call compiles csrc/cpu into the cache; later ones load that build in ms."""
     if device.type != "cpu":
         return f"the compiled CPU kernels run on the CPU only, the device is {device}"
-    from engine_worker.ops import cpu_ops_unavailable_reason
+    from engine_worker.ops import cpu_flags, cpu_ops_unavailable_reason
+    from engine_worker.ops.cpu_isa import ISA_REQUIRED_FLAGS
 
+    if not ISA_REQUIRED_FLAGS[isa] <= cpu_flags():
+        return cpu_ops_unavailable_reason(isa)  # nothing to build or wait for: say only why
     with progress(logger, f"Loading the {isa} CPU kernels", expect="compiled on first start "
                   "only, one to two minutes"):
         return cpu_ops_unavailable_reason(isa)
