@@ -9,7 +9,7 @@ draw their ``q`` from their own generator, so their tokens do not depend on the 
 The device part never reads a device value on the host: ``draw_noise`` (random kernels only)
 and ``sample_tokens`` (tensors in, tensors out) queue work and return; the caller copies the
 sampled ids, and the logprobs where asked for, to the host once per step
-(``platform.to_host``). ``sample`` and ``gather_logprobs`` are the same with the copy included.
+(``platform.to_host``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine_worker.platform import to_device, to_host
+from engine_worker.platform import to_device
 from engine_worker.step_types import SampledLogprobs
 
 
@@ -64,16 +64,6 @@ class LogprobTensors(NamedTuple):
         return SampledLogprobs(token_ids=tuple(map(tuple, ids.tolist())),
                                logprobs=tuple(map(tuple, lps.tolist())),
                                ranks=tuple(self.ranks.tolist()))
-
-
-def sample(logits: torch.Tensor, meta: SamplingMetadata,
-           default_generator: torch.Generator | None) -> tuple[torch.Tensor,
-                                                              SampledLogprobs | None]:
-    """logits: [num_rows, vocab_size] fp32 -> token ids [num_rows] and optional logprobs."""
-    tokens, logprobs = sample_tokens(logits, meta, draw_noise(logits, meta, default_generator))
-    if logprobs is None:
-        return tokens, None
-    return tokens, LogprobTensors(*to_host(logprobs)).to_python()
 
 
 def draw_noise(logits: torch.Tensor, meta: SamplingMetadata,
@@ -181,7 +171,3 @@ def logprob_tensors(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> Log
         ids, lps = chosen[:, None], chosen_lp
     return LogprobTensors(ids, lps, ranks)
 
-
-def gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> SampledLogprobs:
-    """``logprob_tensors`` as plain Python data (one copy to the host)."""
-    return LogprobTensors(*to_host(logprob_tensors(logprobs, chosen, k))).to_python()
