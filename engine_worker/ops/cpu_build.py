@@ -108,12 +108,18 @@ def _simde_include() -> str:
     return simde_py.get_include()
 
 
+def _variant(name: str) -> tuple[CpuVariant, str] | None:
+    """The variant called ``name`` and the real variant whose flags the CPU needs to run it."""
+    if name in EMULATED_VARIANTS:
+        return EMULATED_VARIANTS[name]
+    return (VARIANTS[name], name) if name in VARIANTS else None
+
+
 def kernel_code(name: str) -> str | None:
     """The instruction set whose code the variant ``name`` runs (an emulated variant: the one
     it emulates)."""
-    if name in EMULATED_VARIANTS:
-        return EMULATED_VARIANTS[name][0].isa
-    return name if name in VARIANTS else None
+    found = _variant(name)
+    return found[0].isa if found is not None else None
 
 
 def _compiler() -> str:
@@ -151,8 +157,7 @@ def build_variant(variant: str | CpuVariant, *, retry_failed: bool = False,
     """Build (or find in the cache) one variant's library, whether or not this CPU runs it;
     raises ``BuildFailed`` with the reason."""
     if isinstance(variant, str):
-        variant = EMULATED_VARIANTS[variant][0] if variant in EMULATED_VARIANTS else \
-            VARIANTS[variant]
+        variant = _variant(variant)[0]
     sources = variant.sources()
     if not sources:
         raise BuildFailed(f"{variant.isa} kernels not present (no *.cpp in "
@@ -167,23 +172,24 @@ def build_variant(variant: str | CpuVariant, *, retry_failed: bool = False,
 @functools.cache
 def _load(isa: str) -> tuple[object | None, str | None]:
     """(the op namespace, None) once loaded, else (None, why not). Once per process."""
-    if isa not in VARIANTS and isa not in EMULATED_VARIANTS:
+    found = _variant(isa)
+    if found is None:
         known = ", ".join((*VARIANTS, *EMULATED_VARIANTS))
         return None, f"unknown CPU kernel variant {isa!r} (known: {known})"
-    host = EMULATED_VARIANTS[isa][1] if isa in EMULATED_VARIANTS else isa
+    variant, host = found
     flags = cpu_flags()
     if not ISA_REQUIRED_FLAGS[host] <= flags:
         return None, (f"this CPU cannot run the {isa} kernels (missing "
                       f"{', '.join(missing_flags(host, flags))})")
     try:
-        library = build_variant(isa)
+        library = build_variant(variant)
         torch.ops.load_library(str(library))
     except BuildFailed as exc:
         reason = str(exc)
         return None, reason if reason.startswith(isa) else f"building the {isa} kernels: {reason}"
     except OSError as exc:  # a library that does not load (a torch built differently)
         return None, f"{isa} kernels do not load: {exc}"
-    return getattr(torch.ops, f"quire_{isa}"), None
+    return getattr(torch.ops, variant.namespace), None
 
 
 _active_isa: str | None = None  # the variant cpu_ops() returns; set once per process
@@ -239,7 +245,7 @@ def load_cpu_ops(isa: str | None = None):
     if isa is None and _active_isa is None:
         _active_isa = resolved
         logger.info("CPU kernels: the %s variant (torch.ops.%s)", resolved,
-                    f"quire_{resolved}")
+                    _variant(resolved)[0].namespace)
     return ops
 
 
