@@ -100,26 +100,36 @@ def shown(value, limit: int = 64) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def body_key(name: str, position: int) -> str:
+    """How errors name a top-level field: by its key, or, where the key cannot name it (empty,
+    or not valid Unicode), by its place among the body's keys: ``"body key #2"`` (1-based, in the
+    order sent)."""
+    return name if name and _valid_unicode(name) else f"body key #{position}"
+
+
 def check_body(body: dict, *, chat: bool) -> None:
     """Before anything reads the body: every string is valid Unicode, and every field is one
-    this server implements (or accepts and ignores). RequestError naming the field."""
-    for name, value in body.items():
+    this server implements (or accepts and ignores). RequestError naming the field (as
+    ``body_key`` names it) in its message and ``param``."""
+    for position, (name, value) in enumerate(body.items(), 1):
         try:
             name.encode("utf-8")
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
-            field = name if _valid_unicode(name) else "body"
+            field = body_key(name, position)
             raise RequestError(f"{field}: contains a lone surrogate (\\ud800-\\udfff escape "
                                f"without its pair); strings must be valid Unicode",
                                field) from None
     known = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    for name, value in body.items():
+    for position, (name, value) in enumerate(body.items(), 1):
         if name in IGNORED_FIELDS:
             continue
         if name not in known:
             if _IDENTIFIER.fullmatch(name):
                 raise RequestError(f"{name}: unknown or unsupported field", name)
-            raise RequestError(f"body: unknown or unsupported field {shown(name)}", name)
+            field = body_key(name, position)  # the key itself, quoted under "body" if it can
+            where = "body" if field == name else field
+            raise RequestError(f"{where}: unknown or unsupported field {shown(name)}", field)
         off = _OFF_FORMS.get(name)
         if off is not None and not off(value, body):
             raise RequestError(f"{name}: is not supported by this server, got {shown(value)}",
