@@ -15,8 +15,6 @@ from engine_worker.sampling_params import SamplingParams
 from engine_worker.tokenizer import Tokenizer
 from quire.limits import check_n
 
-MAX_LOGPROBS = 20  # top-k logprobs a request may ask for (vLLM's default max_logprobs)
-
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": ...}.
 PromptType = Union[str, list[int], dict]
 
@@ -49,10 +47,6 @@ class InputProcessor:
             raise FieldError("request_id", "must be a non-empty string")
         if not isinstance(params, SamplingParams):
             raise FieldError("sampling_params", "must be a SamplingParams")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > MAX_LOGPROBS:
-                raise FieldError(name, f"at most {MAX_LOGPROBS} per token, got {value}")
         # the samples of one request run together: at most max_num_seqs of them
         check_n(params.n, self.max_num_seqs)
         if not isinstance(priority, int):

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from quire.errors import FieldError
 import enum
-import math
 from dataclasses import dataclass, field, replace
 
-from quire.limits import check_n
+from quire.errors import FieldError
+from quire.limits import SAMPLING_RANGES, check_min_tokens, check_n, check_sampling
 
 _GREEDY_EPS = 1e-5
+_OPTIONAL = frozenset({"max_tokens", "seed", "logprobs", "prompt_logprobs"})  # None: not set
 
 
 class RequestOutputKind(enum.Enum):
@@ -62,46 +62,13 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value):
-                _fail(name, f"must be a finite number, got {value!r}")
-        for name in ("n", "top_k", "min_tokens", "max_tokens", "seed", "logprobs",
-                     "prompt_logprobs"):
-            if isinstance(getattr(self, name), bool):
-                _fail(name, f"must be an integer, got {getattr(self, name)!r}")
+        # the ranges are quire.limits' (the router's HTTP front checks the same ones)
         check_n(self.n)
-        if self.temperature is None or self.temperature < 0:
-            _fail("temperature", f"must be non-negative, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            _fail("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            _fail("top_k", f"must be -1, 0 (disable) or at least 1, got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            _fail("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.repetition_penalty <= 0.0:
-            _fail("repetition_penalty", f"must be positive, got {self.repetition_penalty!r}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            _fail("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            _fail("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
-                                            or self.max_tokens < 1):
-            _fail("max_tokens", f"must be at least 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            _fail("min_tokens", f"must be non-negative, got {self.min_tokens!r}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            _fail("min_tokens", f"must not exceed max_tokens={self.max_tokens}, "
-                                f"got {self.min_tokens}")
-        if self.seed is not None and (not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 2**63):
-            _fail("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in SAMPLING_RANGES:
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
-                _fail(name, f"must be a non-negative integer, got {value!r}")
+            if value is not None or name not in _OPTIONAL:
+                check_sampling(name, value)
+        check_min_tokens(self.min_tokens, self.max_tokens)
         if any(not isinstance(s, str) or not s for s in self.stop):
             _fail("stop", "every stop string must be a non-empty string")
         if self.stop and not self.detokenize:

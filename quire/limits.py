@@ -1,18 +1,106 @@
 """Request checks that the router and the engine both apply, written once so both accept the
 same requests and name the same fields when they refuse one.
 
-Imports nothing: the router (whose image has no torch) and the engine both import it.
+Imports only ``quire.errors``: the router (whose image has no torch) and the engine both
+import it.
 """
 
 from __future__ import annotations
 
-from quire.errors import FieldError
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
+
+from quire.errors import FieldError
 
 if TYPE_CHECKING:
     from quire.v1 import engine_pb2 as pb
 
 DEFAULT_MAX_N = 16  # samples per request a server accepts unless configured otherwise
+MAX_LOGPROBS = 20  # top logprobs per token a request may ask for (vLLM's default max_logprobs)
+UINT32_MAX = 2 ** 32 - 1
+INT32_MAX = 2 ** 31 - 1
+SEED_MAX = 2 ** 63 - 1  # a torch generator takes seeds in [0, 2**63)
+FLOAT32_MAX = 3.4028234663852886e38  # the wire's floats are float32: nothing larger travels
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """The values a numeric sampling field accepts: an integer or a finite (float32) number in
+    [lo, hi] (``lo_open``: (lo, hi]); None: unbounded on that side."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    integer: bool = False
+    note: str = ""  # appended to the message, e.g. what a special value means
+
+    def contains(self, value: float) -> bool:
+        above = self.lo is None or (value > self.lo if self.lo_open else value >= self.lo)
+        return above and (self.hi is None or value <= self.hi)
+
+    def describe(self) -> str:
+        """What the range asks for, as an error message says it: "must be >= 0 and <= 2"."""
+        bounds = [f"{'>' if self.lo_open else '>='} {self.lo}" if self.lo is not None else "",
+                  f"<= {self.hi}" if self.hi is not None else ""]
+        return "must be " + " and ".join(b for b in bounds if b)
+
+
+# The sampling fields' ranges, by their engine (and quire.v1 SamplingOptions) name. The router's
+# HTTP front and the engine's SamplingParams both check with ``check_sampling``; the HTTP front
+# names the OpenAI field (``top_logprobs`` checks as ``logprobs``, ``max_completion_tokens`` as
+# ``max_tokens``). ``n`` has its own check (``check_n``): its bound is each server's setting.
+SAMPLING_RANGES: Mapping[str, Range] = {
+    "temperature": Range(0),  # 0: greedy; no upper bound (vLLM's rule)
+    "top_p": Range(0, 1, lo_open=True),
+    "top_k": Range(-1, INT32_MAX, integer=True, note=" (-1 and 0: off)"),
+    "min_p": Range(0, 1),
+    "repetition_penalty": Range(0, lo_open=True),
+    "presence_penalty": Range(-2, 2),
+    "frequency_penalty": Range(-2, 2),
+    "max_tokens": Range(1, UINT32_MAX, integer=True),
+    "min_tokens": Range(0, UINT32_MAX, integer=True),
+    "seed": Range(0, SEED_MAX, integer=True),
+    "logprobs": Range(0, MAX_LOGPROBS, integer=True),
+    "prompt_logprobs": Range(0, MAX_LOGPROBS, integer=True),
+}
+
+
+def _shown(value: object, limit: int = 64) -> str:
+    """A value as it was sent (JSON where it can be), cut short for messages."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_sampling(name: str, value: object, *, field: str | None = None,
+                   hi: float | None = None, why: str = "") -> int | float:
+    """``value`` of the sampling field ``name`` if ``SAMPLING_RANGES[name]`` accepts it, else
+    ``FieldError`` naming ``field`` (default ``name``: the caller's name for it) and echoing the
+    value. ``hi`` tightens the upper bound (a server's cap; ``why``, appended, says whose)."""
+    rule = SAMPLING_RANGES[name]
+    field = field or name
+    if isinstance(value, bool) or not isinstance(value, (int,) if rule.integer else (int, float)):
+        raise FieldError(field, f"must be {'an integer' if rule.integer else 'a number'}, "
+                         f"got {_shown(value)}")
+    if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+        raise FieldError(field, f"must be a finite number, got {_shown(value)}")
+    if hi is not None and (rule.hi is None or hi < rule.hi):
+        rule = replace(rule, hi=hi, note=why + rule.note)
+    if not rule.contains(value):
+        raise FieldError(field, f"{rule.describe()}{rule.note}, got {_shown(value)}")
+    return value
+
+
+def check_min_tokens(min_tokens: int, max_tokens: int | None,
+                     field: str = "min_tokens") -> None:
+    """At least ``min_tokens`` cannot be generated within ``max_tokens``."""
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise FieldError(field, f"must not exceed max_tokens={max_tokens}, got {min_tokens}")
 
 
 def check_n(n: object, max_n: int | None = None, field: str = "n") -> int:

@@ -25,7 +25,8 @@ from router.auth import ApiKeyInterceptor, ApiKeys
 from router.balancer import make_policy
 from router.config import DiscoveryConfig, EngineTLSConfig, PlacementConfig, RouterServerConfig
 from router.discovery import Discovery, make_discovery
-from router.engine_client import ENGINE_SERVICE, ClientOptions
+from router.connection import ClientOptions
+from router.engine_client import ENGINE_SERVICE
 from router.metrics import RouterMetrics
 from router.pool import EnginePool
 from router.server import RequestLimits, RouterServicer
@@ -53,11 +54,11 @@ class RouterServer:
             connect_timeout_s=placement.connect_timeout_s,
             max_backoff_s=placement.reconnect_max_backoff_s,
             prefill_tokens_per_s=placement.prefill_tokens_per_s,
-            credentials=tls.credentials(), server_name=tls.engine_tls_server_name)
+            credentials=tls.credentials(), server_name=tls.engine_tls_server_name,
+            assumed_block_size=placement.vllm_block_size)
         self.pool = EnginePool(discovery_impl or make_discovery(discovery), tokenizer=tokenizer,
                                options=options,
-                               approx_index_blocks=placement.approx_index_blocks,
-                               vllm_block_size=placement.vllm_block_size)
+                               approx_index_blocks=placement.approx_index_blocks)
         self.metrics = RouterMetrics(self.engine_states)
         self.tracing = tracing
         self.servicer = RouterServicer(

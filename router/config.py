@@ -98,10 +98,10 @@ class DiscoveryConfig:
         _check(self.dns_interval_s > 0, "dns_interval_s", f"must be > 0, got {self.dns_interval_s}")
         _check(self.k8s_watch_timeout_s >= 1, "k8s_watch_timeout_s",
                f"must be >= 1, got {self.k8s_watch_timeout_s}")
-        from router.endpoint import ENGINE_KINDS, parse_engine
+        from router.endpoint import ENGINE_KIND_NAMES, parse_engine
 
-        _check(self.engine_kind in ENGINE_KINDS, "engine_kind",
-               f"must be one of {ENGINE_KINDS}, got {self.engine_kind!r}")
+        _check(self.engine_kind in ENGINE_KIND_NAMES, "engine_kind",
+               f"must be one of {ENGINE_KIND_NAMES}, got {self.engine_kind!r}")
         for name in ("vllm_kv_events_port", "vllm_kv_replay_port"):
             value = getattr(self, name)
             _check(value is None or 0 < value < 65536, name, f"must be in (0, 65536), got {value}")

@@ -8,17 +8,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from router.engine_kinds import ENGINE_KINDS as _FACTORIES  # imports no kind module
+
 
 @dataclass(frozen=True, slots=True, order=True)
 class Endpoint:
     engine_id: str  # stable id: with Kubernetes the targetRef (pod) name, else the address
     address: str  # "host:port" ("[v6addr]:port" for IPv6)
-    kind: str = "quire"  # "quire" (gRPC engine) or "vllm" (vLLM's OpenAI HTTP server)
+    kind: str = "quire"  # a key of router.engine_kinds.ENGINE_KINDS ("quire", "vllm")
     kv_events: str | None = None  # vllm: its KV-event ZMQ PUB endpoint (None: events off)
     kv_replay: str | None = None  # vllm: its replay (ROUTER) endpoint
 
 
-ENGINE_KINDS = ("quire", "vllm")
+ENGINE_KIND_NAMES = tuple(_FACTORIES)  # router.engine_kinds.ENGINE_KINDS, by name
 
 
 def parse_engine(spec: str) -> Endpoint:
@@ -30,8 +32,8 @@ def parse_engine(spec: str) -> Endpoint:
     if "://" not in spec:
         return Endpoint(spec, spec)
     url = urlsplit(spec)
-    if url.scheme not in ENGINE_KINDS:
-        raise ValueError(f"engines: {spec!r}: the kind must be one of {ENGINE_KINDS}")
+    if url.scheme not in ENGINE_KIND_NAMES:
+        raise ValueError(f"engines: {spec!r}: the kind must be one of {ENGINE_KIND_NAMES}")
     query = {k: v[-1] for k, v in parse_qs(url.query).items()}
     unknown = set(query) - {"kv_events", "kv_replay"}
     if unknown:

@@ -1,15 +1,9 @@
-"""One engine as the router reaches it: a grpc.aio channel, the admission check, the feeds that
-keep the router's view fresh, and per-request Generate calls.
+"""A Quire engine as the router reaches it (``EngineConnection`` of kind ``quire``): a grpc.aio
+channel, the admission check, the feeds that keep the router's view fresh, and per-request
+Generate calls.
 
-A client supervises its engine for as long as discovery lists it:
-
-    UNREACHABLE --GetModelInfo ok, admitted--> (health watch) SERVING <--> NOT_SERVING
-         ^                 |                              |
-         |                 +--refused--> REFUSED (re-checked every refused_recheck_s)
-         +------------- health stream broke (engine gone, restarting) ----+
-
-- Admission (``EngineReports.admit``, the pool's) refuses an engine that would make the router's
-  block hashes wrong (another block size, hash algorithm, seed or tokenizer): routing on hashes
+- Admission (the pool's ``admit``, then ``check_identity``) refuses an engine that would make the
+  router's block hashes wrong (another hash algorithm, seed or tokenizer): routing on hashes
   the engine does not share would send every request to the wrong place while looking healthy.
   It runs again after every reconnect, since a restarted pod may serve something else.
 - ``grpc.health.v1`` Watch is the engine's own readiness: a draining or dead engine says
@@ -22,50 +16,25 @@ A client supervises its engine for as long as discovery lists it:
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from quire.kv_events import KVCacheSnapshot, KVEventBatch, batch_from_proto, snapshot_from_proto
+from quire.kv_events import batch_from_proto, snapshot_from_proto
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 from router.backoff import Backoff
+from router.connection import (ClientOptions, EngineMismatchError, EngineReports, EngineState,
+                               ModelExpectation, ModelIdentity, change_state)
+from router.endpoint import Endpoint
 
 logger = logging.getLogger(__name__)
 
 ENGINE_SERVICE = "quire.v1.EngineService"
 # Not the block size: the router hashes each prompt at every block size its engines use.
 _CHECKED_FIELDS = ("block_hash_algorithm", "block_hash_seed", "tokenizer_digest")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelExpectation:
-    """What the router hashes with; an engine must report exactly these in GetModelInfo."""
-
-    block_size: int
-    block_hash_algorithm: str
-    block_hash_seed: int
-    tokenizer_digest: str
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-
-
-class EngineMismatchError(RuntimeError):
-    """The engine hashes or tokenizes differently from the router; it is refused."""
-
-    def __init__(self, engine_id: str, differences: dict[str, tuple[object, object]]) -> None:
-        self.engine_id = engine_id
-        self.differences = differences  # field -> (router expects, engine reports)
-        detail = ", ".join(f"{name}: router expects {want!r}, engine reports {got!r}"
-                           for name, (want, got) in differences.items())
-        super().__init__(f"engine {engine_id} refused: {detail}")
 
 
 def compare_model_info(engine_id: str, expected: ModelExpectation, info: pb.ModelInfo) -> None:
@@ -76,61 +45,16 @@ def compare_model_info(engine_id: str, expected: ModelExpectation, info: pb.Mode
         raise EngineMismatchError(engine_id, differences)
 
 
-class EngineState(enum.Enum):
-    UNREACHABLE = "unreachable"
-    REFUSED = "refused"
-    NOT_SERVING = "not_serving"
-    SERVING = "serving"
-
-
-@dataclass(frozen=True, slots=True)
-class ClientOptions:
-    load_interval_ms: int = 100
-    connect_timeout_s: float = 10.0
-    min_backoff_s: float = 0.1
-    max_backoff_s: float = 5.0
-    refused_recheck_s: float = 30.0
-    prefill_tokens_per_s: float = 2000.0  # assumed prefill rate, for placement estimates
-    max_message_bytes: int = 64 << 20  # GetTokenizer answers can be tens of MB
-    credentials: grpc.ChannelCredentials | None = None  # None: plaintext
-    server_name: str | None = None  # TLS: name to check in the engine's certificate
-
-
-class EngineReports(Protocol):
-    """What a client tells its pool; the pool applies it to the routing state it owns. Every
-    call names the reporting client, so a pool can ignore one it has already replaced."""
-
-    async def admit(self, client: EngineClient, info: pb.ModelInfo) -> None:
-        """Called on every (re)connect; raises ``EngineMismatchError`` to refuse the engine."""
-        ...
-
-    def state_changed(self, client: EngineClient) -> None: ...
-
-    def kv_snapshot(self, client: EngineClient, snapshot: KVCacheSnapshot) -> None: ...
-
-    def kv_batch(self, client: EngineClient, batch: KVEventBatch) -> bool:
-        """Apply the next batch; False on a gap (the client then re-subscribes)."""
-        ...
-
-    def kv_feed_lost(self, client: EngineClient) -> None: ...
-
-    def load_report(self, client: EngineClient, report: pb.LoadReport | None) -> None:
-        """The engine's latest load; None while the load feed is down."""
-        ...
-
-
-def change_state(client, state: EngineState, what: str) -> None:
-    """Move ``client`` (any engine kind's client) to ``state``, log it, report it to its pool."""
-    if state is not client.state:
-        logger.log(logging.INFO if state is EngineState.SERVING else logging.WARNING,
-                   "%s %s at %s: %s -> %s", what, client.engine_id, client.address,
-                   client.state.value, state.value)
-        client.state = state
-        client.reports.state_changed(client)
-
-
 class EngineClient:
-    """The router's connection to one engine pod. ``start()`` it, ``await close()`` it."""
+    """The router's connection to one Quire engine pod. ``start()`` it, ``await close()`` it."""
+
+    kind = "quire"
+
+    @classmethod
+    def connect(cls, endpoint: Endpoint, reports: EngineReports,
+                options: ClientOptions) -> EngineClient:
+        """The ``ConnectionFactory`` of this kind (``router.engine_kinds``)."""
+        return cls(endpoint.engine_id, endpoint.address, reports=reports, options=options)
 
     def __init__(self, engine_id: str, address: str, *, reports: EngineReports,
                  options: ClientOptions = ClientOptions()) -> None:
@@ -178,7 +102,12 @@ class EngineClient:
         return self.state is EngineState.SERVING and not self._closed
 
     def _set_state(self, state: EngineState) -> None:
-        change_state(self, state, "engine")
+        change_state(self, self.reports, state, "engine", logger)
+
+    def check_identity(self, identity: ModelIdentity, info: pb.ModelInfo) -> None:
+        """Hashing fields and the tokenizer must be the router's (the block size may differ:
+        the router hashes each prompt at every block size its engines use)."""
+        compare_model_info(self.engine_id, identity.expected, info)
 
     async def _supervise(self) -> None:
         backoff = self._backoff()
@@ -227,6 +156,10 @@ class EngineClient:
         finally:
             if not call.done():
                 call.cancel()
+
+    async def fetch_tokenizer(self, timeout_s: float | None = None) -> pb.TokenizerFiles:
+        """The engine's tokenizer files (``GetTokenizer``)."""
+        return await self.stub.GetTokenizer(pb.GetTokenizerRequest(), timeout=timeout_s)
 
     # ---------------------------------------------------------------------- feeds
     def _start_feeds(self) -> None:

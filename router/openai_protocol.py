@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import time
 import uuid
@@ -17,8 +16,9 @@ from dataclasses import dataclass, field
 import grpc
 from aiohttp import web
 
-from quire.errors import field_of, http_status
-from quire.limits import DEFAULT_MAX_N, check_n
+from quire.errors import FieldError, field_of, http_status
+from quire.limits import (DEFAULT_MAX_N, UINT32_MAX, check_min_tokens, check_n,
+                          check_sampling)
 from quire.v1 import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,6 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
            pb.FINISH_REASON_ABORT: "abort"}
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
-MAX_LOGPROBS = 20
 
 
 class RequestError(ValueError):
@@ -61,11 +60,6 @@ def error_response(error: BaseException) -> web.Response:
 
 
 # ---- validation -------------------------------------------------------------------------------
-
-UINT32_MAX = 2 ** 32 - 1
-INT32_MAX = 2 ** 31 - 1
-SEED_MAX = 2 ** 63 - 1  # the engine's seed range is [0, 2**63)
-_FLOAT32_MAX = 3.4028234663852886e38
 
 # Fields every generation request may carry (each validated below).
 _SAMPLING_FIELDS = frozenset({
@@ -106,26 +100,36 @@ def shown(value, limit: int = 64) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def body_key(name: str, position: int) -> str:
+    """How errors name a top-level field: by its key, or, where the key cannot name it (empty,
+    or not valid Unicode), by its place among the body's keys: ``"body key #2"`` (1-based, in the
+    order sent)."""
+    return name if name and _valid_unicode(name) else f"body key #{position}"
+
+
 def check_body(body: dict, *, chat: bool) -> None:
     """Before anything reads the body: every string is valid Unicode, and every field is one
-    this server implements (or accepts and ignores). RequestError naming the field."""
-    for name, value in body.items():
+    this server implements (or accepts and ignores). RequestError naming the field (as
+    ``body_key`` names it) in its message and ``param``."""
+    for position, (name, value) in enumerate(body.items(), 1):
         try:
             name.encode("utf-8")
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
-            field = name if _valid_unicode(name) else "body"
+            field = body_key(name, position)
             raise RequestError(f"{field}: contains a lone surrogate (\\ud800-\\udfff escape "
                                f"without its pair); strings must be valid Unicode",
                                field) from None
     known = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    for name, value in body.items():
+    for position, (name, value) in enumerate(body.items(), 1):
         if name in IGNORED_FIELDS:
             continue
         if name not in known:
             if _IDENTIFIER.fullmatch(name):
                 raise RequestError(f"{name}: unknown or unsupported field", name)
-            raise RequestError(f"body: unknown or unsupported field {shown(name)}", name)
+            field = body_key(name, position)  # the key itself, quoted under "body" if it can
+            where = "body" if field == name else field
+            raise RequestError(f"{where}: unknown or unsupported field {shown(name)}", field)
         off = _OFF_FORMS.get(name)
         if off is not None and not off(value, body):
             raise RequestError(f"{name}: is not supported by this server, got {shown(value)}",
@@ -140,25 +144,17 @@ def _valid_unicode(text: str) -> bool:
     return True
 
 
-def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None, *,
-            integer: bool = False, lo_open: bool = False, why: str = ""):
-    """``body[name]`` checked against its type and range; errors echo the value as sent."""
+def _number(body: dict, name: str, *, rule: str | None = None, hi: int | None = None,
+            why: str = ""):
+    """``body[name]`` (None when absent) checked by the sampling range ``rule`` (default: the
+    field's own) of ``quire.limits``, the engine's own check: RequestError naming ``name``."""
     value = body.get(name)
     if value is None:
         return None
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise RequestError(f"{name}: must be {'an integer' if integer else 'a number'}, "
-                           f"got {shown(value)}", name)
-    if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
-        raise RequestError(f"{name}: must be a finite number, got {shown(value)}", name)
-    if (lo is not None and (value <= lo if lo_open else value < lo)) or (
-            hi is not None and value > hi):
-        bound = f"{'>' if lo_open else '>='} {lo}" if lo is not None else ""
-        upper = f"<= {hi}{why}" if hi is not None else ""
-        raise RequestError(f"{name}: must be {' and '.join(b for b in (bound, upper) if b)}, "
-                           f"got {shown(value)}", name)
-    return value
+    try:
+        return check_sampling(rule or name, value, field=name, hi=hi, why=why)
+    except FieldError as e:
+        raise RequestError(str(e), e.field) from None
 
 
 def _flag(body: dict, name: str) -> bool | None:
@@ -204,29 +200,29 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
             s.n = check_n(body["n"], max_n)
         except ValueError as e:
             raise RequestError(str(e), "n") from None
-    simple = {"temperature": _number(body, "temperature", 0, 2),
-              "top_p": _number(body, "top_p", 0, 1, lo_open=True),
-              "min_p": _number(body, "min_p", 0, 1),
-              "presence_penalty": _number(body, "presence_penalty", -2, 2),
-              "frequency_penalty": _number(body, "frequency_penalty", -2, 2),
-              "repetition_penalty": _number(body, "repetition_penalty", 0, lo_open=True),
-              "min_tokens": _number(body, "min_tokens", 0, UINT32_MAX, integer=True)}
-    for name, value in simple.items():
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_tokens"):
+        value = _number(body, name)
         if value is not None:
             setattr(s, name, value)
-    top_k = _number(body, "top_k", -1, INT32_MAX, integer=True)
+    top_k = _number(body, "top_k")
     if top_k is not None:
         s.top_k = max(top_k, 0)  # -1 (vLLM's "off") is 0 here
-    seed = _number(body, "seed", 0, SEED_MAX, integer=True)
+    seed = _number(body, "seed")
     if seed is not None:
         s.seed = seed
     cap, why = (max_tokens_limit, " (the server's --max-tokens-limit)") if max_tokens_limit \
-        else (UINT32_MAX, "")
+        else (None, "")
     names = ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)
     for name in names:  # chat: max_completion_tokens wins when both are set
-        max_tokens = _number(body, name, 1, cap, integer=True, why=why)
+        max_tokens = _number(body, name, rule="max_tokens", hi=cap, why=why)
         if max_tokens is not None:
             s.max_tokens = max_tokens
+    if s.HasField("min_tokens") and s.HasField("max_tokens"):
+        try:
+            check_min_tokens(s.min_tokens, s.max_tokens)
+        except FieldError as e:
+            raise RequestError(str(e), e.field) from None
     s.stop[:] = _stop(body, max_stop_strings, max_stop_string_len)
     if body.get("stop_token_ids") is not None:
         ids = token_list(body["stop_token_ids"])
@@ -235,13 +231,13 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
         s.stop_token_ids[:] = ids
     s.ignore_eos = bool(_flag(body, "ignore_eos"))
     if chat:
-        top = _number(body, "top_logprobs", 0, MAX_LOGPROBS, integer=True)
+        top = _number(body, "top_logprobs", rule="logprobs")
         if _flag(body, "logprobs"):
             s.logprobs = top or 0
         elif top is not None:
             raise RequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
     else:
-        logprobs = _number(body, "logprobs", 0, MAX_LOGPROBS, integer=True)
+        logprobs = _number(body, "logprobs")
         if logprobs is not None:
             s.logprobs = logprobs
     return s

@@ -3,16 +3,19 @@ discovery, admits engines, keeps the exact (KV-event) and approximate (routing h
 indexes, the engines' load and the router's in-flight work, and answers the balancer with
 ``candidates``: one ``EndpointSnapshot`` per engine.
 
-Discovery yields the full set of endpoints whenever it changes; the pool starts an
-``EngineClient`` for each new one and closes those that left (their routing state goes with
-them). Clients only *report* (``EngineReports``: KV events, load, state); the pool applies the
-reports, so nothing else writes the indexes. Membership and health are separate: a listed engine
-takes requests only while its own health says SERVING (see ``engine_client``).
+Discovery yields the full set of endpoints whenever it changes; the pool starts a connection
+of the endpoint's kind (``router.engine_kinds``) for each new one and closes those that left
+(their routing state goes with them). The pool speaks only ``EngineConnection``
+(``router.connection``), whatever the kind. Connections only *report* (``EngineReports``: KV
+events, load, state); the pool applies the reports, so nothing else writes the indexes.
+Membership and health are separate: a listed engine takes requests only while its own health
+says SERVING.
 
 The first engine admitted fixes the router's *model identity*: its block size, and (unless the
-router was given a tokenizer) its tokenizer, fetched with ``GetTokenizer``. Every later engine
-must match it, or it is refused with a log line naming each difference. The hash algorithm and
-seed must always be the router's own (``quire.block_hash``): it cannot hash any other way.
+router was given a tokenizer) its tokenizer, fetched from it. Every later engine must match it
+by its kind's rules (``EngineConnection.check_identity``), or it is refused with a log line
+naming each difference. The hash algorithm and seed must always be the router's own
+(``quire.block_hash``): it cannot hash any other way.
 """
 
 from __future__ import annotations
@@ -28,27 +31,14 @@ from quire.kv_events import KVCacheSnapshot, KVEventBatch
 from quire.tokenizer_digest import tokenizer_digest
 from quire.v1 import engine_pb2 as pb
 from router.balancer import EndpointSnapshot
+from router.connection import (ClientOptions, ConnectionFactory, EngineConnection,
+                               EngineMismatchError, EngineState, ModelExpectation, ModelIdentity)
 from router.endpoint import Discovery, Endpoint
-from router.engine_client import (ClientOptions, EngineClient, EngineMismatchError, EngineState,
-                                  ModelExpectation, compare_model_info)
-from router.vllm_client import VllmEngineClient, VllmOptions
+from router.engine_kinds import ENGINE_KINDS
 from router.prefix_index import ApproximateIndex, PrefixIndex
 from router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelIdentity:
-    """What every engine behind this router shares, fixed by the first one admitted."""
-
-    tokenizer: RouterTokenizer
-    expected: ModelExpectation
-    model_name: str
-
-    @property
-    def block_size(self) -> int:
-        return self.expected.block_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +57,7 @@ class PromptHashes:
 class _Member:
     """One engine's routing state; only the pool writes it."""
 
-    client: EngineClient
+    client: EngineConnection
     load: pb.LoadReport | None = None  # None: the load feed is down (load unknown)
     kv_feed_alive: bool = False  # False: place it by the approximate index
     inflight_tokens: int = 0  # prompt tokens sent whose prefill has not answered yet
@@ -78,9 +68,11 @@ class EnginePool:
 
     def __init__(self, discovery: Discovery, *, tokenizer: RouterTokenizer | None = None,
                  options: ClientOptions = ClientOptions(),
-                 approx_index_blocks: int = 65536, vllm_block_size: int = 16) -> None:
+                 approx_index_blocks: int = 65536,
+                 kinds: Mapping[str, ConnectionFactory] = ENGINE_KINDS) -> None:
+        """``kinds``: the engine kinds the pool can connect to, by ``Endpoint.kind``."""
         self.discovery = discovery
-        self.vllm_block_size = vllm_block_size  # vLLM does not report it (its CPU build: 128)
+        self.kinds = kinds
         self.given_tokenizer = tokenizer
         self.options = options
         self._exact = PrefixIndex()
@@ -128,20 +120,10 @@ class EnginePool:
         for engine_id, endpoint in sorted(wanted.items()):
             if engine_id not in self._members:
                 logger.info("engine %s at %s joined the pool", engine_id, endpoint.address)
-                client = self._client(endpoint)
+                client = self.kinds[endpoint.kind](endpoint, self, self.options)
                 self._members[engine_id] = _Member(client)
                 client.start()
         self._notify()
-
-    def _client(self, endpoint: Endpoint) -> EngineClient | VllmEngineClient:
-        """A client of the endpoint's engine kind (``quire`` gRPC or ``vllm`` HTTP)."""
-        if endpoint.kind == "vllm":
-            return VllmEngineClient(
-                endpoint.engine_id, endpoint.address, reports=self, options=self.options,
-                vllm=VllmOptions(block_size=self.vllm_block_size, kv_events=endpoint.kv_events,
-                                 kv_replay=endpoint.kv_replay))
-        return EngineClient(endpoint.engine_id, endpoint.address, reports=self,
-                            options=self.options)
 
     def _forget(self, engine_id: str) -> None:
         self._exact.remove_engine(engine_id)
@@ -152,36 +134,36 @@ class EnginePool:
         self.changed = asyncio.Event()
 
     # ------------------------------------------------------- reports (EngineReports)
-    def _member(self, client: EngineClient) -> _Member | None:
+    def _member(self, client: EngineConnection) -> _Member | None:
         """The client's member entry; None for a client the pool has already replaced."""
         member = self._members.get(client.engine_id)
         return member if member is not None and member.client is client else None
 
-    def state_changed(self, client: EngineClient) -> None:
+    def state_changed(self, client: EngineConnection) -> None:
         if self._member(client) is not None:
             self._notify()
 
-    def kv_snapshot(self, client: EngineClient, snapshot: KVCacheSnapshot) -> None:
+    def kv_snapshot(self, client: EngineConnection, snapshot: KVCacheSnapshot) -> None:
         if (member := self._member(client)) is not None:
             self._exact.reset_from_snapshot(client.engine_id, snapshot)
             member.kv_feed_alive = True
 
-    def kv_batch(self, client: EngineClient, batch: KVEventBatch) -> bool:
+    def kv_batch(self, client: EngineConnection, batch: KVEventBatch) -> bool:
         if self._member(client) is None:
             return False
         return self._exact.apply(client.engine_id, batch)
 
-    def kv_feed_lost(self, client: EngineClient) -> None:
+    def kv_feed_lost(self, client: EngineConnection) -> None:
         if (member := self._member(client)) is not None:
             member.kv_feed_alive = False
             self._exact.remove_engine(client.engine_id)
 
-    def load_report(self, client: EngineClient, report: pb.LoadReport | None) -> None:
+    def load_report(self, client: EngineConnection, report: pb.LoadReport | None) -> None:
         if (member := self._member(client)) is not None:
             member.load = report
 
     # ------------------------------------------------------------------ admission
-    async def admit(self, client: EngineClient, info: pb.ModelInfo) -> None:
+    async def admit(self, client: EngineConnection, info: pb.ModelInfo) -> None:
         """Refuse (``EngineMismatchError``) an engine that hashes or tokenizes differently;
         the first engine admitted fixes the model identity."""
         router_hash = {"block_hash_algorithm": (BLOCK_HASH_ALGORITHM, info.block_hash_algorithm),
@@ -192,22 +174,17 @@ class EnginePool:
         async with self._identity_lock:
             if self.identity is None:
                 self.identity = await self._establish(client, info)
-        if getattr(client, "kind", "quire") == "vllm":
-            if info.model_name != self.identity.model_name:
-                raise EngineMismatchError(client.engine_id, {"model_name": (
-                    self.identity.model_name, info.model_name)})
-        else:
-            compare_model_info(client.engine_id, self.identity.expected, info)
+        client.check_identity(self.identity, info)
         self._notify()
 
-    async def _establish(self, client: EngineClient, info: pb.ModelInfo) -> ModelIdentity:
+    async def _establish(self, client: EngineConnection, info: pb.ModelInfo) -> ModelIdentity:
         tokenizer = self.given_tokenizer
-        if tokenizer is None and getattr(client, "kind", "quire") == "vllm":
-            raise EngineMismatchError(client.engine_id, {"tokenizer": (
-                "the router's --tokenizer (a vLLM engine serves no tokenizer files)", None)})
         if tokenizer is None:
-            answer = await client.stub.GetTokenizer(pb.GetTokenizerRequest(),
-                                                    timeout=self.options.connect_timeout_s)
+            answer = await client.fetch_tokenizer(timeout_s=self.options.connect_timeout_s)
+            if answer is None:
+                raise EngineMismatchError(client.engine_id, {"tokenizer": (
+                    f"the router's --tokenizer (a {client.kind} engine serves no tokenizer "
+                    "files)", None)})
             files = dict(answer.files)
             if tokenizer_digest(files.get("tokenizer.json", b"")) != info.tokenizer_digest:
                 raise EngineMismatchError(client.engine_id, {"tokenizer_digest": (
@@ -225,11 +202,11 @@ class EnginePool:
 
     # -------------------------------------------------------------------- queries
     @property
-    def clients(self) -> Mapping[str, EngineClient]:
+    def clients(self) -> Mapping[str, EngineConnection]:
         """The members' connections, by engine id (read only)."""
         return {engine_id: m.client for engine_id, m in self._members.items()}
 
-    def serving(self) -> list[EngineClient]:
+    def serving(self) -> list[EngineConnection]:
         return [m.client for m in self._members.values() if m.client.healthy]
 
     def serving_loads(self) -> list[pb.LoadReport]:

@@ -264,10 +264,17 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
             num_kv_blocks=sum(i.num_kv_blocks for i in infos))
 
     async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:
+        """The first serving engine's tokenizer files (engines of a kind that serves none, such
+        as vLLM's, are skipped)."""
         serving = self.pool.serving()
         if not serving:
             await abort_with(context, NoEndpointError("no engine is serving"))
-        return await serving[0].stub.GetTokenizer(request, timeout=context.time_remaining())
+        for client in serving:
+            files = await client.fetch_tokenizer(timeout_s=context.time_remaining())
+            if files is not None:
+                return files
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            "no serving engine serves tokenizer files (vLLM engines do not)")
 
     async def StreamLoad(self, request: pb.StreamLoadRequest, context):
         """The pool's load: sums over serving engines, KV usage averaged."""

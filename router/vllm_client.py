@@ -1,6 +1,6 @@
-"""A vLLM engine (``vllm serve``'s OpenAI HTTP server) as the router reaches it: the same
-surface as ``router.engine_client.EngineClient``, so the pool, the balancer and both fronts
-treat it as any other engine.
+"""A vLLM engine (``vllm serve``'s OpenAI HTTP server) as the router reaches it: an
+``EngineConnection`` of kind ``vllm`` (``router.connection``), so the pool, the balancer and
+both fronts treat it as any other engine.
 
 - Requests go to ``/v1/completions`` with the prompt as token ids (the router tokenized and
   rendered the template once), streamed (``return_token_ids``, usage with cached tokens), and
@@ -12,6 +12,8 @@ treat it as any other engine.
   at vLLM's block size; without an event endpoint the pool's approximate index stands in.
 - Admission: ``/v1/models`` must serve the model the pool serves; the block size comes from
   the client's options (vLLM does not report it) and the hashing fields are the router's own.
+  vLLM serves no tokenizer files: a router whose first engine is a vLLM one needs its own
+  ``--tokenizer``.
 
 Upstream failures surface as ``grpc.aio.AioRpcError`` with the code a Quire engine would give,
 so retries and error mapping work unchanged: no connection -> UNAVAILABLE (retried on another
@@ -33,8 +35,9 @@ from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
 from quire.kv_events import BlockStored, KVCacheSnapshot, KVEventBatch
 from quire.v1 import engine_pb2 as pb
 from router.backoff import Backoff
-from router.engine_client import (ClientOptions, EngineMismatchError, EngineReports, EngineState,
-                                  change_state)
+from router.connection import (ClientOptions, EngineMismatchError, EngineReports, EngineState,
+                               ModelIdentity, change_state)
+from router.endpoint import Endpoint
 from router.vllm_events import VllmKVEventFeed
 
 logger = logging.getLogger(__name__)
@@ -50,7 +53,7 @@ _LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting",
 
 @dataclass(frozen=True, slots=True)
 class VllmOptions:
-    """What the router must be told about a vLLM engine (its API reports neither)."""
+    """What the router must be told about a vLLM engine (its API reports none of it)."""
 
     block_size: int = 128  # vLLM's KV block size (its CPU build's default: 128)
     kv_events: str | None = None  # the engine's ZMQ PUB endpoint, e.g. tcp://10.0.0.5:5557
@@ -133,6 +136,15 @@ class VllmEngineClient:
 
     kind = "vllm"
 
+    @classmethod
+    def connect(cls, endpoint: Endpoint, reports: EngineReports,
+                options: ClientOptions) -> VllmEngineClient:
+        """The ``ConnectionFactory`` of this kind (``router.engine_kinds``): the endpoint names
+        the KV-event endpoints, the options the block size vLLM does not report."""
+        return cls(endpoint.engine_id, endpoint.address, reports=reports, options=options,
+                   vllm=VllmOptions(block_size=options.assumed_block_size,
+                                    kv_events=endpoint.kv_events, kv_replay=endpoint.kv_replay))
+
     def __init__(self, engine_id: str, address: str, *, reports: EngineReports,
                  options: ClientOptions = ClientOptions(),
                  vllm: VllmOptions = VllmOptions()) -> None:
@@ -173,7 +185,18 @@ class VllmEngineClient:
         return self.state is EngineState.SERVING and not self._closed
 
     def _set_state(self, state: EngineState) -> None:
-        change_state(self, state, "vLLM engine")
+        change_state(self, self.reports, state, "vLLM engine", logger)
+
+    def check_identity(self, identity: ModelIdentity, info: pb.ModelInfo) -> None:
+        """It must serve the pool's model (its hashing fields are the router's own, and its
+        tokenizer cannot be checked: vLLM reports no digest)."""
+        if info.model_name != identity.model_name:
+            raise EngineMismatchError(self.engine_id, {"model_name": (
+                identity.model_name, info.model_name)})
+
+    async def fetch_tokenizer(self, timeout_s: float | None = None) -> None:
+        """None: vLLM serves no tokenizer files."""
+        return None
 
     async def _model_info(self) -> pb.ModelInfo:
         async with self._session.get(f"{self.base_url}/v1/models") as resp:

@@ -3,7 +3,10 @@ for /v1/completions and /v1/chat/completions, generated and garbage protobuf for
 the router and on the engine directly). For any client input: no 5xx, no INTERNAL / UNKNOWN,
 every error names a field or the limit, and a bystander's requests sent alongside are served.
 
-Bounded: a fixed number of examples each, small ``max_tokens``; about a minute on 2 cores."""
+Bounded and deterministic by default: a fixed number of examples each, the same on every run
+(the "deterministic" Hypothesis profile, tests/conftest.py), small ``max_tokens``; about a minute
+on 2 cores. ``QUIRE_FUZZ=explore`` draws new examples on every run, many more of them; what it
+finds is kept below as an explicit ``@example``."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import threading
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from quire.v1 import engine_pb2 as pb
@@ -23,11 +26,14 @@ from tests.e2e.router_harness import RunningRouter, address, start_engine
 pytestmark = pytest.mark.fuzz
 
 MODEL = "tiny"
-FUZZ = settings(max_examples=80, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow,
-                                       HealthCheck.function_scoped_fixture])
-# "field: message" or "field.sub[3].x: message", as every front's errors begin
-NAMES_A_FIELD = re.compile(r"^[A-Za-z_][\w.\[\]]*: .+", re.S)
+# The loaded profile decides randomness (tests/conftest.py); exploring also sets the count.
+EXPLORING = not settings.default.derandomize
+FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                      HealthCheck.function_scoped_fixture],
+                **({} if EXPLORING else {"max_examples": 80}))
+# "field: message", "field.sub[3].x: message", or "body key #2: message" (a key that cannot name
+# itself: empty or not valid Unicode), as every front's errors begin
+NAMES_A_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*|body key #\d+): .+", re.S)
 CLIENT_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
                 grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND}
 
@@ -160,7 +166,7 @@ def check_http(status: int, text: str, sent) -> None:
     assert status < 500, (status, text, sent)
     if status >= 400:
         error = json.loads(text)["error"]
-        assert error["param"] is not None or NAMES_A_FIELD.match(error["message"]), error
+        assert error["param"] is None or error["param"].strip(), error  # "" names nothing
         assert NAMES_A_FIELD.match(error["message"]), error
 
 
@@ -183,6 +189,10 @@ def test_http_front_answers_every_body_with_a_named_4xx_or_a_result(router, path
 
     @FUZZ
     @given(body=strategy)
+    @example(body={"": "\ud800"})  # found on Zen 5: the error named no field (param "")
+    @example(body={"\ud800": 1, "prompt": "hi"})  # a key that is not valid Unicode
+    @example(body={"max_tokens": 2, "": 1})  # an unknown empty key
+    @example(body={"max_tokens": 2, "a b": 1})  # an unknown key that is no identifier
     def run(body):
         raw = json.dumps(body).encode("utf-8", "surrogatepass")
         status, text = http_post(port, path, raw)

@@ -8,10 +8,13 @@ import json
 import urllib.error
 import urllib.request
 
+import pytest
+
 from router.auth import ApiKeys
 from router.config import RouterServerConfig
 from router.metrics import RouterMetrics
 from router.openai_api import FrontSeam, OpenAIFront
+from router.openai_protocol import RequestError, check_body
 
 
 def _get(port: int, path: str, key: str | None = None) -> tuple[int, dict]:
@@ -48,3 +51,18 @@ def test_health_models_and_keys_follow_the_seam():
         finally:
             await front.stop()
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("body, param, message", [
+    # a key that cannot name its field (empty, or not valid Unicode) is named by its place
+    ({"": "\ud800"}, "body key #1", "body key #1: contains a lone surrogate"),
+    ({"prompt": "hi", "\udc80": 1}, "body key #2", "body key #2: contains a lone surrogate"),
+    ({"prompt": "hi", "": 1}, "body key #2", 'body key #2: unknown or unsupported field ""'),
+    ({"prompt": "\ud800"}, "prompt", "prompt: contains a lone surrogate"),
+    ({"prompt": "hi", "a b": 1}, "a b", 'body: unknown or unsupported field "a b"'),
+    ({"prompt": "hi", "frob": 1}, "frob", "frob: unknown or unsupported field"),
+])
+def test_body_errors_name_the_field_or_the_place_of_its_key(body, param, message):
+    with pytest.raises(RequestError) as err:
+        check_body(body, chat=False)
+    assert err.value.param == param and str(err.value).startswith(message)

@@ -4,10 +4,17 @@ nothing here dials them."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
+from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
 from quire.kv_events import KVCacheSnapshot
+from quire.v1 import engine_pb2 as pb
+from router.connection import (ClientOptions, EngineConnection, EngineMismatchError, EngineState,
+                               ModelIdentity, change_state)
 from router.discovery import Endpoint, StaticDiscovery
+from router.engine_kinds import ENGINE_KINDS
 from router.pool import EnginePool
+from router.tokenizer import RouterTokenizer
 
 
 def _pool() -> EnginePool:
@@ -60,4 +67,121 @@ def test_no_engine_serves_before_admission():
         assert pool.serving() == [] and pool.identity is None
         assert not await pool.wait_serving(1, timeout_s=0.2)
         await pool.stop()
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------- a third engine kind, in-process
+
+class EchoConnection:
+    """An engine kind of the test's own (``EngineConnection``): admitted at start, its stream
+    echoes the prompt; it serves no tokenizer files and must serve the pool's model."""
+
+    kind = "echo"
+
+    def __init__(self, endpoint: Endpoint, reports, options: ClientOptions) -> None:
+        self.engine_id, self.address, self.reports = endpoint.engine_id, endpoint.address, reports
+        self.model_name = endpoint.kv_events or "m"  # the test's way to vary the model
+        self.state = EngineState.UNREACHABLE
+        self.info = None
+        self.refusal = None
+        self.closed = False
+        self._task = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.state is EngineState.SERVING and not self.closed
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._admit())
+
+    async def _admit(self) -> None:
+        info = pb.ModelInfo(model_name=self.model_name, block_size=4,
+                            block_hash_algorithm=BLOCK_HASH_ALGORITHM, block_hash_seed=ROOT_HASH)
+        try:
+            await self.reports.admit(self, info)
+        except EngineMismatchError as e:
+            self.refusal = e
+            change_state(self, self.reports, EngineState.REFUSED, "echo engine", LOG)
+            return
+        self.info = info
+        change_state(self, self.reports, EngineState.SERVING, "echo engine", LOG)
+
+    async def close(self) -> None:
+        self.closed = True
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def generate(self, request, *, timeout_s=None, metadata=()):
+        yield pb.GenerateResponse(request_id=request.request_id, outputs=[pb.CompletionDelta(
+            token_ids=list(request.token_ids.ids))], finished=True)
+
+    async def fetch_tokenizer(self, timeout_s=None):
+        return None
+
+    def check_identity(self, identity: ModelIdentity, info: pb.ModelInfo) -> None:
+        if info.model_name != identity.model_name:
+            raise EngineMismatchError(self.engine_id, {"model_name": (identity.model_name,
+                                                                      info.model_name)})
+
+
+async def _until(condition, timeout_s: float = 5.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+KINDS = {"echo": EchoConnection}
+LOG = logging.getLogger(__name__)
+
+
+def test_a_third_engine_kind_is_one_class_and_one_registry_entry(embedded_model_dir):
+    assert isinstance(EchoConnection(Endpoint("a", "h:1"), None, ClientOptions()),
+                      EngineConnection)
+
+    async def scenario():
+        tokenizer = RouterTokenizer.from_dir(embedded_model_dir)
+        pool = EnginePool(StaticDiscovery([]), tokenizer=tokenizer, kinds=KINDS)
+        await pool.reconcile(frozenset({Endpoint("a", "h:1", "echo"),
+                                        Endpoint("b", "h:2", "echo", kv_events="other")}))
+        assert await pool.wait_serving(1, timeout_s=5)
+        assert await _until(lambda: "b" in pool.refused())
+        assert [c.engine_id for c in pool.serving()] == ["a"]
+        # b serves another model: its kind's rule refuses it
+        assert pool.refused()["b"].differences == {"model_name": ("m", "other")}
+        assert pool.block_sizes() == {4}
+        request = pb.GenerateRequest(request_id="r", token_ids=pb.TokenIds(ids=[5, 6]))
+        replies = [m async for m in pool.generate("a", request, block_hashes=[1],
+                                                  num_uncached_tokens=2)]
+        assert [list(r.outputs[0].token_ids) for r in replies] == [[5, 6]]
+        await pool.stop()
+    asyncio.run(scenario())
+
+
+def test_a_kind_without_tokenizer_files_needs_the_routers_tokenizer():
+    async def scenario():
+        pool = EnginePool(StaticDiscovery([]), kinds=KINDS)
+        await pool.reconcile(frozenset({Endpoint("a", "h:1", "echo")}))
+        assert await _until(lambda: "a" in pool.refused())
+        assert list(pool.refused()["a"].differences) == ["tokenizer"]
+        assert "echo engine serves no tokenizer files" in str(pool.refused()["a"])
+        assert pool.identity is None
+        await pool.stop()
+    asyncio.run(scenario())
+
+
+def test_both_built_in_kinds_implement_the_connection_protocol():
+    from router.endpoint import ENGINE_KIND_NAMES
+
+    assert set(ENGINE_KINDS) == set(ENGINE_KIND_NAMES) == {"quire", "vllm"}
+
+    async def scenario():
+        for kind, factory in ENGINE_KINDS.items():
+            connection = factory(Endpoint("a", "127.0.0.1:9", kind), EnginePool(
+                StaticDiscovery([])), ClientOptions(assumed_block_size=32))
+            assert isinstance(connection, EngineConnection) and connection.kind == kind
+            assert connection.state is EngineState.UNREACHABLE and not connection.healthy
+            await connection.close()
     asyncio.run(scenario())
