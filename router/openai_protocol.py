@@ -238,7 +238,7 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
     if body.get("stop_token_ids") is not None:
         _check_length(body["stop_token_ids"], MAX_STOP_TOKEN_IDS, "stop_token_ids",
                       "stop token ids")
-        ids = token_list(body["stop_token_ids"])
+        ids = [] if body["stop_token_ids"] == [] else token_list(body["stop_token_ids"])
         if ids is None:
             raise RequestError("stop_token_ids: must be a list of token ids", "stop_token_ids")
         s.stop_token_ids[:] = ids
