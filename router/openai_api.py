@@ -237,7 +237,7 @@ class OpenAIFront:
         except TimeoutError:
             raise BodyError(f"body: not received within {self.cfg.http_body_timeout_s:g} s",
                             "body", 408) from None
-        except web.RequestPayloadError as e:  # a malformed chunk, a body cut short
+        except web.RequestPayloadError as e:  # aiohttp's error in the body: the client's
             detail = " ".join(str(e).split()).removeprefix("400, message: ")[:200]
             raise BodyError(f"body: malformed ({detail})", "body") from None
         try:
