@@ -14,9 +14,19 @@ from engine_worker.request import Request
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.tokenizer import Tokenizer
 from quire.limits import check_n
+from quire.list_limits import MAX_STOP_TOKEN_IDS, check_length, check_token_ids
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": ...}.
 PromptType = Union[str, list[int], dict]
+
+
+class DefaultMaxTokens(int):
+    """A ``max_tokens`` the server chose because the client set none (its output cap): cut to
+    the room the prompt leaves within max_model_len. A ``max_tokens`` the client set that does
+    not fit is refused instead, naming both lengths, as vLLM's server refuses it: a client
+    must learn why its answer would be short rather than receive it cut."""
+
+    __slots__ = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +65,9 @@ class InputProcessor:
             cache_salt = prompt["cache_salt"]
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise FieldError("cache_salt", "must be a non-empty string")
+        check_length(params.stop_token_ids, MAX_STOP_TOKEN_IDS, "stop_token_ids",
+                     "stop token ids")
+        check_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
         # n > 1 is one request until its prompt is computed; then it forks into the samples,
@@ -90,10 +103,7 @@ class InputProcessor:
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise FieldError("prompt_token_ids", "must not be empty")
-            for token_id in prompt:
-                if not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
-                    raise FieldError("prompt_token_ids", f"{token_id!r} is not a token id in "
-                                     f"[0, {self.vocab_size})")
+            check_token_ids(prompt, self.vocab_size, "prompt_token_ids")
             return None, list(prompt)
         raise FieldError("prompt", f"must be a string or a list of token ids, "
                          f"got {type(prompt).__name__}")
@@ -103,7 +113,13 @@ class InputProcessor:
             raise FieldError("prompt", f"{num_prompt_tokens} tokens leave no room to generate "
                              f"within max_model_len={self.max_model_len}")
         room = self.max_model_len - num_prompt_tokens
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.max_tokens is None or isinstance(params.max_tokens, DefaultMaxTokens):
+            max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        elif params.max_tokens > room:
+            raise FieldError("max_tokens", context_overflow(self.max_model_len,
+                                                            num_prompt_tokens, params.max_tokens))
+        else:
+            max_tokens = params.max_tokens
         # The cache never holds the last sampled token, hence the - 1.
         peak = num_prompt_tokens + max_tokens - 1
         if peak > self.kv_capacity_tokens:
@@ -111,3 +127,11 @@ class InputProcessor:
             raise FieldError(field_name, f"the request needs up to {peak} tokens of KV cache "
                              f"but the whole cache holds {self.kv_capacity_tokens}")
         return max_tokens
+
+
+def context_overflow(max_model_len: int, num_prompt_tokens: int, max_tokens: int) -> str:
+    """vLLM's words for a prompt and a completion that do not fit the model together."""
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"messages, {max_tokens} in the completion). Please reduce the length of the "
+            f"messages or completion.")

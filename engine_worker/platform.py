@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine_worker.host_memory import host_available_bytes
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -53,14 +55,12 @@ def select_dtype(name: str, device: torch.device, backend: str | None = None) ->
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """Free memory now: device memory on CUDA, MemAvailable of the host on CPU."""
+    """Free memory now: device memory on CUDA; on CPU, the host's MemAvailable or what the
+    process's cgroup still allows, whichever is smaller."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+    return host_available_bytes()
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

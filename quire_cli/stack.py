@@ -43,8 +43,9 @@ def _free_port() -> int:
 
 
 def _engine_argv(port: int, engine_flags: list[str], num_threads: int) -> list[str]:
+    # metrics on any free port: the engine prints it, and `quire up` repeats it
     argv = [sys.executable, "-m", "quire_cli", "engine", "--host", "127.0.0.1", "--port",
-            str(port)]
+            str(port), "--metrics-port", "0"]
     if "--num-threads" not in engine_flags:
         argv += ["--num-threads", str(num_threads)]
     return argv + engine_flags
@@ -78,33 +79,78 @@ def resolve_model_once(model: str | None) -> Path:
     return Path(resolved.stdout.strip().splitlines()[-1])
 
 
-def start_engines(cfg: StackConfig, engine_flags: list[str]) -> list[tuple[subprocess.Popen, str]]:
-    """Start the engines and wait until each prints that it listens."""
+@dataclass(frozen=True, slots=True)
+class EngineProcess:
+    proc: subprocess.Popen
+    address: str  # host:port of its gRPC server
+    metrics_url: str  # its Prometheus endpoint
+
+
+def kv_memory_flags(engine_flags: list[str], num_engines: int) -> list[str]:
+    """Engines on one host share its memory, and each alone would size its KV cache from all
+    of it (a fraction of what is available): on the CPU each gets its share of that fraction
+    as ``--kv-cache-memory-bytes``, and budgets given for them are checked together. ValueError
+    naming both numbers when they do not fit. On a GPU each engine sizes its cache from the
+    device's memory, profiled (nothing is passed)."""
+    from engine_worker.host_memory import host_available_bytes
+    from engine_worker.kv_cache.sizing import check_engines_fit, share_per_engine
+
+    flags = dict(zip(engine_flags[::2], engine_flags[1::2]))  # "--name value" pairs
+    device = flags.get("--device", "auto")
+    # No torch in this process: a GPU node has NVIDIA device files, as torch would see them.
+    on_gpu = device.startswith("cuda") or (
+        device == "auto" and any(Path("/dev").glob("nvidia[0-9]*")))
+    if on_gpu:
+        return []
+    available = host_available_bytes()
+    if "--kv-cache-memory-bytes" in flags:
+        check_engines_fit(kv_cache_memory_bytes=int(flags["--kv-cache-memory-bytes"]),
+                          num_engines=num_engines, available_bytes=available)
+        return []
+    if num_engines == 1:
+        return []  # the engine sizes its cache itself, after loading its weights
+    utilization = flags.get("--gpu-memory-utilization")
+    share = share_per_engine(available_bytes=available, num_engines=num_engines,
+                             memory_utilization=None if utilization is None
+                             else float(utilization))
+    print(f"{num_engines} engines share this host's memory "
+          f"({available / (1 << 30):.1f} GiB available): KV cache "
+          f"{share / (1 << 30):.2f} GiB each", flush=True)
+    return ["--kv-cache-memory-bytes", str(share)]
+
+
+def start_engines(cfg: StackConfig, engine_flags: list[str]) -> list[EngineProcess]:
+    """Start the engines, each with a metrics port, and wait until each prints that it
+    listens. ValueError (before any starts) when their KV caches would not fit together."""
     threads = max(1, (os.cpu_count() or 1) // cfg.num_engines)
-    engines = []
+    engine_flags = engine_flags + kv_memory_flags(engine_flags, cfg.num_engines)
+    started = []
     for _ in range(cfg.num_engines):
         port = _free_port()
         proc = subprocess.Popen(_engine_argv(port, engine_flags, threads),
                                 stdout=subprocess.PIPE, text=True)
-        engines.append((proc, f"127.0.0.1:{port}"))
+        started.append((proc, f"127.0.0.1:{port}"))
     deadline = time.monotonic() + cfg.startup_timeout_s
-    for proc, address in engines:
+    engines = []
+    for proc, address in started:
         line = proc.stdout.readline() if time.monotonic() < deadline else ""
-        if not re.search(r"listening on", line):
-            stop_engines(engines)
+        listening = re.search(r"listening on .*metrics on (\S+)", line)
+        if listening is None:
+            stop_engines([EngineProcess(p, a, "") for p, a in started])
             raise RuntimeError(f"engine {address} did not start (exit code {proc.poll()})")
+        engines.append(EngineProcess(proc, address, listening.group(1)))
     return engines
 
 
-def stop_engines(engines) -> None:
-    for proc, _ in engines:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # they drain, then exit 0
-    for proc, _ in engines:
+def stop_engines(engines: list[EngineProcess]) -> None:
+    for engine in engines:
+        if engine.proc.poll() is None:
+            engine.proc.send_signal(signal.SIGTERM)  # they drain, then exit 0
+    for engine in engines:
         try:
-            proc.wait(timeout=60)
+            engine.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            engine.proc.kill()
 
 
 async def _example(port: int, tokenizer) -> str:
@@ -134,7 +180,7 @@ async def run_stack(cfg: StackConfig, engines) -> int:
 
     # The engines inherit this environment, so OTEL_* variables trace the whole stack.
     tracing = make_tracing(TracingConfig.from_env(default_service_name="quire-router"))
-    router = RouterServer.static([a for _, a in engines], policy=cfg.policy,
+    router = RouterServer.static([e.address for e in engines], policy=cfg.policy,
                                  host=cfg.router_host, port=cfg.router_port,
                                  http_port=cfg.http_port, tracing=tracing)
     port = await router.start()
@@ -143,7 +189,9 @@ async def run_stack(cfg: StackConfig, engines) -> int:
             raise RuntimeError(f"engines not serving: {router.engine_states()}")
         print(f"quire up: router on {cfg.router_host}:{port} (quire.v1.EngineService) and "
               f"http://{cfg.router_host}:{router.http_port}/v1 (OpenAI API, model "
-              f"{router.model_name!r}), engines on {', '.join(a for _, a in engines)}",
+              f"{router.model_name!r}), engines on {', '.join(e.address for e in engines)}",
+              flush=True)
+        print(f"quire up: engine metrics on {', '.join(e.metrics_url for e in engines)}",
               flush=True)
         answer = await _example(port, router.pool.identity.tokenizer)
         print(f"example: {EXAMPLE_QUESTION!r} -> {answer!r}", flush=True)

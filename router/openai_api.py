@@ -28,7 +28,7 @@ from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 from router.auth import OPEN_HTTP_PATHS, ApiKeys
 from router.config import RouterServerConfig
-from router.http_guard import GuardedAppRunner, deadline_of
+from router.http_guard import GuardedAppRunner, RateLimitedLog, deadline_of
 from router.metrics import RouterMetrics
 from router.openai_protocol import (FINISH, RequestError, chat_messages, check_body,
                                     error_response, sampling_options, shown, sse, token_list,
@@ -40,6 +40,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _KEEPALIVE_TIMEOUT_S = 75.0  # an idle keep-alive connection is closed after this
+# After an answer sent before the whole body was read (415, 413, 408, a malformed body), what
+# the client still sends is read and dropped for at most this long, so that it sees the answer
+# rather than a connection reset; then the connection is closed.
+_LINGER_S = 2.0
+# Request bodies are read as sent: no compressed body is inflated (vLLM's server decodes
+# none either), so a gzip bomb is refused at the price of its headers.
+_ACCEPTED_ENCODINGS = frozenset({"", "identity"})
+
+
+class BodyError(RequestError):
+    """The body was refused before or while it was read; the connection is closed after the
+    answer, so nothing more of that body is received."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +82,7 @@ class OpenAIFront:
         self._channel: grpc.aio.Channel | None = None
         self._stub: engine_pb2_grpc.EngineServiceStub | None = None
         self._render_pool: ThreadPoolExecutor | None = None
+        self.client_errors = RateLimitedLog(logger)  # one line per client mistake, bounded
 
     @property
     def model_name(self) -> str:
@@ -103,7 +116,9 @@ class OpenAIFront:
         # cancels the gRPC call, which aborts the request on the engine (streaming or not).
         self._runner = GuardedAppRunner(app, access_log=None, handler_cancellation=True,
                                         keepalive_timeout=_KEEPALIVE_TIMEOUT_S,
-                                        header_timeout_s=self.cfg.http_header_timeout_s)
+                                        lingering_time=_LINGER_S,
+                                        header_timeout_s=self.cfg.http_header_timeout_s,
+                                        client_errors=self.client_errors)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         try:
@@ -192,6 +207,13 @@ class OpenAIFront:
             if req.stream:
                 return await self._stream(request, req, call, first)
             return await self._collect(req, call, first)
+        except BodyError as e:
+            self.client_errors(logging.INFO, "HTTP %d to %s: %s", e.status, request.remote, e)
+            response = error_response(e)
+            response.force_close()  # the rest of a body we refused is never parsed
+            if e.status == 415:
+                response.headers["Accept-Encoding"] = "identity"
+            return response
         except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
             return error_response(e)
         finally:
@@ -200,15 +222,24 @@ class OpenAIFront:
 
     async def _body(self, request: web.Request, *, chat: bool) -> dict:
         """The JSON object sent, checked (``check_body``) before anything reads it."""
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        if encoding not in _ACCEPTED_ENCODINGS:
+            raise BodyError(f"body: Content-Encoding {shown(encoding)} is not accepted; send "
+                            "the JSON body uncompressed", "body", 415)
+        too_large = f"body: larger than {self.cfg.max_body_bytes} bytes"
+        if (request.content_length or 0) > self.cfg.max_body_bytes:
+            raise BodyError(too_large, "body", 413)  # said up front: not one byte is read
         try:
             async with asyncio.timeout(self.cfg.http_body_timeout_s):
                 raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise RequestError(f"body: larger than {self.cfg.max_body_bytes} bytes", "body",
-                               413) from None
+            raise BodyError(too_large, "body", 413) from None
         except TimeoutError:
-            raise RequestError(f"body: not received within {self.cfg.http_body_timeout_s:g} s",
-                               "body", 408) from None
+            raise BodyError(f"body: not received within {self.cfg.http_body_timeout_s:g} s",
+                            "body", 408) from None
+        except web.RequestPayloadError as e:  # aiohttp's error in the body: the client's
+            detail = " ".join(str(e).split()).removeprefix("400, message: ")[:200]
+            raise BodyError(f"body: malformed ({detail})", "body") from None
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -19,6 +19,7 @@ from aiohttp import web
 from quire.errors import FieldError, field_of, http_status
 from quire.limits import (DEFAULT_MAX_N, UINT32_MAX, check_min_tokens, check_n,
                           check_sampling)
+from quire.list_limits import MAX_CHAT_MESSAGES, MAX_CONTENT_PARTS, MAX_STOP_TOKEN_IDS
 from quire.v1 import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -180,6 +181,12 @@ def _stop(body: dict, max_stop_strings: int, max_stop_string_len: int) -> list[s
     return stops
 
 
+def _check_length(value, limit: int, field: str, what: str, *, param: str | None = None) -> None:
+    """The shared list limits (``quire.list_limits``), checked before the list is walked."""
+    if isinstance(value, list) and len(value) > limit:
+        raise RequestError(f"{field}: at most {limit} {what}, got {len(value)}", param or field)
+
+
 def token_list(value) -> list[int] | None:
     if isinstance(value, list) and value and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32_MAX
@@ -225,7 +232,9 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
             raise RequestError(str(e), e.field) from None
     s.stop[:] = _stop(body, max_stop_strings, max_stop_string_len)
     if body.get("stop_token_ids") is not None:
-        ids = token_list(body["stop_token_ids"])
+        _check_length(body["stop_token_ids"], MAX_STOP_TOKEN_IDS, "stop_token_ids",
+                      "stop token ids")
+        ids = [] if body["stop_token_ids"] == [] else token_list(body["stop_token_ids"])
         if ids is None:
             raise RequestError("stop_token_ids: must be a list of token ids", "stop_token_ids")
         s.stop_token_ids[:] = ids
@@ -255,6 +264,7 @@ def chat_messages(body: dict, max_chars: int = 1 << 20) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages: a non-empty list of messages is required", "messages")
+    _check_length(messages, MAX_CHAT_MESSAGES, "messages", "messages")
     out = []
     num_chars = 0
     for i, message in enumerate(messages):
@@ -269,6 +279,8 @@ def chat_messages(body: dict, max_chars: int = 1 << 20) -> list[dict]:
             raise RequestError(f"messages[{i}].name: must be a string", "messages")
         content = message.get("content")
         if isinstance(content, list):  # content parts: only text is supported
+            _check_length(content, MAX_CONTENT_PARTS, f"messages[{i}].content", "parts",
+                          param="messages")
             if not all(isinstance(p, dict) and p.get("type") == "text" and
                        isinstance(p.get("text"), str) for p in content):
                 raise RequestError(f"messages[{i}].content: only text parts are supported",

@@ -27,6 +27,7 @@ import grpc
 
 from quire.load_stream import load_reports
 from quire.limits import DEFAULT_MAX_N, check_n, request_prompt
+from quire.list_limits import MAX_STOP_TOKEN_IDS, check_length
 from quire.tracing import traced_generate
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
@@ -79,6 +80,8 @@ class RequestLimits:
         if any(len(s) > self.max_stop_string_len for s in sampling.stop):
             raise FieldError("sampling.stop", f"each stop string at most "
                              f"{self.max_stop_string_len} characters")
+        check_length(sampling.stop_token_ids, MAX_STOP_TOKEN_IDS, "sampling.stop_token_ids",
+                     "stop token ids")
         if request.WhichOneof("prompt") == "text" and len(request.text) > self.max_prompt_chars:
             raise FieldError("text", f"at most {self.max_prompt_chars} characters, got "
                              f"{len(request.text)}")

@@ -20,6 +20,30 @@ DEFAULT_GPU_FRACTION = 0.9  # of the device's total memory, when no budget is gi
 GIB = 1 << 30
 
 
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.2f} GiB ({num_bytes} bytes)"
+
+
+def share_per_engine(*, available_bytes: int, memory_utilization: float | None,
+                     num_engines: int) -> int:
+    """Each engine's KV budget when ``num_engines`` share one host's CPU memory: the fraction
+    one engine would take, divided among them (each engine alone would take it all)."""
+    fraction = memory_utilization or DEFAULT_CPU_FRACTION
+    return int(available_bytes * fraction) // num_engines
+
+
+def check_engines_fit(*, kv_cache_memory_bytes: int, num_engines: int,
+                      available_bytes: int) -> None:
+    """ValueError naming both numbers when ``num_engines`` caches of ``kv_cache_memory_bytes``
+    each do not fit in what the host has available."""
+    total = kv_cache_memory_bytes * num_engines
+    if total > available_bytes:
+        raise ValueError(f"kv_cache_memory_bytes: {num_engines} engines x "
+                         f"{kv_cache_memory_bytes / GIB:.2f} GiB = {_gib(total)} is more than "
+                         f"this host (or its cgroup, in a container) has available: "
+                         f"{_gib(available_bytes)}")
+
+
 def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                     dtype_bytes: int) -> int:
     """K and V for ``block_size`` tokens in every layer."""
@@ -36,7 +60,15 @@ def num_blocks_for_budget(*, budget_bytes: int, block_bytes: int) -> int:
 
 def kv_budget_bytes(*, kv_cache_memory_bytes: int | None, memory_utilization: float | None,
                     available_bytes: int, on_gpu: bool) -> int:
+    """The budget given, or ``memory_utilization`` (default: by device) of what is available.
+    A budget given above what is available is refused (ValueError naming both numbers): the
+    cache is mapped lazily, so it would start and then run out of memory as it fills."""
     if kv_cache_memory_bytes is not None:
+        if kv_cache_memory_bytes > available_bytes:
+            where = "the GPU has free" if on_gpu else \
+                "this host (or its cgroup, in a container) has available"
+            raise ValueError(f"kv_cache_memory_bytes: {_gib(kv_cache_memory_bytes)} is more "
+                             f"than {where}: {_gib(available_bytes)}")
         return kv_cache_memory_bytes
     fraction = memory_utilization or (DEFAULT_GPU_FRACTION if on_gpu else DEFAULT_CPU_FRACTION)
     return int(available_bytes * fraction)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from quire.errors import FieldError
+from engine_worker.input_processor import DefaultMaxTokens
 from engine_worker.outputs import RequestOutput
 from engine_worker.sampling_params import SamplingParams
 from quire.limits import check_n, request_prompt
@@ -25,8 +26,8 @@ def request_from_proto(message: pb.GenerateRequest, limits: RequestLimits):
     sampling = message.sampling
     kwargs = {name: getattr(sampling, name) for name in _OPTIONAL if sampling.HasField(name)}
     if "max_tokens" not in kwargs:
-        # up to the output cap (then the model's length limit), as vLLM's server does
-        kwargs["max_tokens"] = limits.max_tokens or None
+        # up to the output cap, cut to the model's length limit, as vLLM's server does
+        kwargs["max_tokens"] = DefaultMaxTokens(limits.max_tokens) if limits.max_tokens else None
     params = SamplingParams(stop=list(sampling.stop),
                             stop_token_ids=list(sampling.stop_token_ids),
                             ignore_eos=sampling.ignore_eos,

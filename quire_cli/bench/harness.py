@@ -147,7 +147,7 @@ def running_engines(num_engines: int, flags: list[str], startup_timeout_s: float
     engines = start_engines(StackConfig(num_engines=num_engines,
                                         startup_timeout_s=startup_timeout_s), flags)
     try:
-        yield [address for _, address in engines]
+        yield [engine.address for engine in engines]
     finally:
         stop_engines(engines)
 

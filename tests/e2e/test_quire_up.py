@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 
 def _up(model_dir, *extra):
@@ -36,6 +37,14 @@ def test_up_stops_cleanly_on_ctrl_c(tiny_model_dir):
             break
     assert any("example:" in line for line in lines), lines
     engines = re.search(r"engines on (.+)$", "".join(lines), re.M).group(1)
+    # each engine has its metrics port (issue 32), printed at start
+    metrics = re.search(r"engine metrics on (.+)$", "".join(lines), re.M).group(1).split(", ")
+    assert len(metrics) == 2 and len(set(metrics)) == 2
+    for url in metrics:
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", url), url
+        with urllib.request.urlopen(url, timeout=30) as response:
+            text = response.read().decode()
+        assert "vllm:num_requests_running" in text and "vllm:kv_cache_usage_perc" in text
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) == 0
     for address in engines.split(", "):  # the engines are gone too

@@ -63,3 +63,43 @@ def test_cpu_budget_is_a_fraction_of_available_memory():
                            available_bytes=8 * GIB, on_gpu=False) == 4 * GIB
     assert kv_budget_bytes(kv_cache_memory_bytes=12345, memory_utilization=0.5,
                            available_bytes=8 * GIB, on_gpu=True) == 12345
+
+
+# ---- several engines on one host (issue 32) --------------------------------------------------
+
+def test_a_given_budget_above_what_is_available_is_refused_naming_both():
+    with pytest.raises(ValueError) as err:
+        kv_budget_bytes(kv_cache_memory_bytes=9 * GIB, memory_utilization=None,
+                        available_bytes=8 * GIB, on_gpu=False)
+    assert str(err.value) == (
+        "kv_cache_memory_bytes: 9.00 GiB (9663676416 bytes) is more than this host (or its "
+        "cgroup, in a container) has available: 8.00 GiB (8589934592 bytes)")
+    with pytest.raises(ValueError, match=r"^kv_cache_memory_bytes: 9.00 GiB .* the GPU has "
+                                         r"free: 8.00 GiB"):
+        kv_budget_bytes(kv_cache_memory_bytes=9 * GIB, memory_utilization=None,
+                        available_bytes=8 * GIB, on_gpu=True)
+    assert kv_budget_bytes(kv_cache_memory_bytes=8 * GIB, memory_utilization=None,
+                           available_bytes=8 * GIB, on_gpu=False) == 8 * GIB
+
+
+def test_engines_on_one_host_share_the_fraction_one_would_take():
+    from engine_worker.kv_cache.sizing import share_per_engine
+
+    # 24 GiB available: one engine alone takes 6 GiB (0.25); four take 1.5 GiB each
+    assert share_per_engine(available_bytes=24 * GIB, memory_utilization=None,
+                            num_engines=4) == 6 * GIB // 4
+    assert share_per_engine(available_bytes=24 * GIB, memory_utilization=0.5,
+                            num_engines=2) == 6 * GIB
+
+
+def test_budgets_given_for_several_engines_are_checked_together():
+    from engine_worker.kv_cache.sizing import check_engines_fit
+
+    check_engines_fit(kv_cache_memory_bytes=6 * GIB, num_engines=4, available_bytes=24 * GIB)
+    with pytest.raises(ValueError) as err:
+        check_engines_fit(kv_cache_memory_bytes=7 * GIB, num_engines=4,
+                          available_bytes=24 * GIB)
+    assert str(err.value) == (
+        "kv_cache_memory_bytes: 4 engines x 7.00 GiB = 28.00 GiB (30064771072 bytes) is more "
+        "than this host (or its cgroup, in a container) has available: 24.00 GiB "
+        "(25769803776 bytes)")

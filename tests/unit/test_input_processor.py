@@ -1,0 +1,64 @@
+"""The input processor's request checks (issue 32): a max_tokens the client set that does not fit
+beside the prompt is refused in vLLM's words, the server's own default is cut to fit, and stop
+token ids are bounded in number and checked against the vocabulary."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_worker.input_processor import DefaultMaxTokens, InputProcessor
+from engine_worker.sampling_params import SamplingParams
+from engine_worker.tokenizer import Tokenizer
+from quire.list_limits import MAX_STOP_TOKEN_IDS
+
+
+@pytest.fixture(scope="module")
+def processor(embedded_model_dir) -> InputProcessor:
+    return InputProcessor(Tokenizer(embedded_model_dir), max_model_len=64,
+                          kv_capacity_tokens=1024, vocab_size=49152, max_num_seqs=4)
+
+
+def _max_tokens(processor, num_prompt_tokens: int, max_tokens) -> int:
+    processed = processor.process("r", [5] * num_prompt_tokens,
+                                  SamplingParams(max_tokens=max_tokens), 0.0, 0)
+    return processed.request.max_tokens
+
+
+def test_a_max_tokens_that_does_not_fit_is_refused_naming_both_lengths(processor):
+    with pytest.raises(ValueError) as err:
+        _max_tokens(processor, 60, 10)
+    assert str(err.value) == (
+        "max_tokens: This model's maximum context length is 64 tokens. However, you requested "
+        "70 tokens (60 in the messages, 10 in the completion). Please reduce the length of the "
+        "messages or completion.")
+
+
+def test_what_fits_is_kept_and_what_the_server_chose_is_cut(processor):
+    assert _max_tokens(processor, 60, 4) == 4  # exactly fits
+    assert _max_tokens(processor, 60, None) == 4  # up to the model's length
+    assert _max_tokens(processor, 60, DefaultMaxTokens(4096)) == 4  # the server's cap, cut
+    assert _max_tokens(processor, 10, DefaultMaxTokens(16)) == 16
+
+
+def test_a_prompt_that_leaves_no_room_is_refused_as_before(processor):
+    with pytest.raises(ValueError, match=r"^prompt: 64 tokens leave no room"):
+        _max_tokens(processor, 64, None)
+
+
+@pytest.mark.parametrize("ids, message", [
+    ([5] * (MAX_STOP_TOKEN_IDS + 1),
+     f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} stop token ids, got "
+     f"{MAX_STOP_TOKEN_IDS + 1}"),
+    ([5, 49152], "stop_token_ids: 49152 is not a token id in [0, 49152)"),
+    ([True], "stop_token_ids: True is not a token id in [0, 49152)"),
+])
+def test_stop_token_ids_are_bounded_and_in_the_vocabulary(processor, ids, message):
+    with pytest.raises(ValueError) as err:
+        processor.process("r", [5], SamplingParams(stop_token_ids=ids), 0.0, 0)
+    assert str(err.value) == message
+
+
+def test_stop_token_ids_at_the_limit_pass(processor):
+    ids = list(range(49152 - MAX_STOP_TOKEN_IDS, 49152))
+    processed = processor.process("r", [5], SamplingParams(stop_token_ids=ids), 0.0, 0)
+    assert processed.request.sampling_params.stop_token_ids == ids
