@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -61,3 +64,13 @@ def test_a_variant_loads_into_an_object_holding_its_own_namespace():
         assert kernels.has("rms_norm", "paged_attention", "llama_layers")
         assert not kernels.has("no_such_op")
         assert load(VARIANTS[isa]) is kernels
+
+
+def test_no_module_state_chooses_kernels():
+    """Which variant runs is the backend registry's choice, handed on as an object: nothing in
+    the kernel or backend packages rebinds a module global at run time."""
+    root = Path(__file__).resolve().parents[3] / "engine_worker"
+    paths = [path for package in ("ops", "backends") for path in (root / package).glob("*.py")]
+    rebinding = [f"{path.relative_to(root)}:{node.lineno}" for path in sorted(paths)
+                 for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Global)]
+    assert rebinding == []
