@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -105,33 +103,15 @@ def _emulated_avx512():
                       extra_headers=(EMULATED_AVX512_PRELUDE,))
 
 
-@dataclass(frozen=True, slots=True)
-class KernelsUnderTest:
-    """One variant's loaded kernels (``engine_worker.ops.CpuKernels``) and the backend made
-    from them."""
-
-    kernels: Any
-    backend: Any
-
-    @property
-    def ops(self) -> Any:
-        """The variant's op namespace (``torch.ops.quire_<name>``)."""
-        return self.kernels.ops
-
-    @property
-    def isa(self) -> str:
-        """Whose code runs: ``avx512_emulated`` is ``avx512``."""
-        return self.kernels.isa
-
-
-def use_cpu_variant(monkeypatch, name: str) -> KernelsUnderTest:
-    """The kernels of the variant ``name`` (one of ``CPU_VARIANT_NAMES``); for the rest of the
-    test, an engine built with ``kernels=`` the backend of that variant's instruction set runs
-    them (the registry entry is swapped). Skips with the reason where they cannot run here."""
+def use_cpu_variant(monkeypatch, name: str):
+    """The kernels of the variant ``name`` (one of ``CPU_VARIANT_NAMES``; an
+    ``engine_worker.ops.CpuKernels``); for the rest of the test, the backend of that variant's
+    instruction set (``CPU_BACKEND_OF_ISA``), and so an engine built with that ``kernels=``,
+    runs them (the registry entry is swapped). Skips with the reason where they cannot run."""
     import pytest
 
     from engine_worker.backends import BACKENDS
-    from engine_worker.backends.cpu import cpu_backend_entry, make_cpu_backend
+    from engine_worker.backends.cpu import cpu_backend_entry
     from engine_worker.ops import VARIANTS, Unavailable, load
 
     if name == "avx512_emulated":
@@ -151,4 +131,4 @@ def use_cpu_variant(monkeypatch, name: str) -> KernelsUnderTest:
                                        else f" ({variant.name})")
     monkeypatch.setitem(BACKENDS, backend_name,
                         cpu_backend_entry(backend_name, description, variant))
-    return KernelsUnderTest(kernels, make_cpu_backend(kernels, backend_name, description))
+    return kernels

@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from engine_worker import LLM, SamplingParams
+from engine_worker.backends import BACKENDS
 from tests.conftest import CPU_BACKEND_OF_ISA, build_tiny_model, use_cpu_variant
 
 LOGPROB_ATOL = 1e-4  # fp32; differences come from summation order in attention and matmuls
@@ -115,5 +116,5 @@ def test_every_cpu_kernel_set_matches_transformers(variant, tmp_path, embedded_m
     backend = CPU_BACKEND_OF_ISA[kernels.isa]
     llm = LLM(str(model_dir), dtype="float32", kernels=backend, kv_cache_memory_bytes=1 << 26)
     assert llm.engine.backend.backend.name == backend
-    assert llm.engine.backend.backend.description == kernels.backend.description
+    assert llm.engine.backend.backend.description == BACKENDS[backend].description
     assert_matches_hf(llm, hf_model.eval(), TINY_PROMPTS, max_tokens=24)

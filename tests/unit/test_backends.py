@@ -88,13 +88,13 @@ def test_a_cpu_entry_makes_its_backend_from_the_variant_it_names(monkeypatch):
     kernels: swapping the entry's variant (as the kernel tests do) swaps what runs."""
     from tests.conftest import use_cpu_variant
 
-    under_test = use_cpu_variant(monkeypatch, "avx512_emulated")
+    kernels = use_cpu_variant(monkeypatch, "avx512_emulated")
     choice = select_backend("cpu", CPU)
     assert choice.backend.description == "compiled CPU kernels, AVX-512 (avx512_emulated)"
     x = torch.randn(3, 64)
     weight = torch.randn(64)
     assert torch.equal(choice.backend.rms_norm(x, weight, 1e-5),
-                       under_test.ops.rms_norm(x, weight, 1e-5))
+                       kernels.ops.rms_norm(x, weight, 1e-5))
     monkeypatch.undo()
     assert BACKENDS["cpu"].description == "compiled CPU kernels, AVX-512"
 

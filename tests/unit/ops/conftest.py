@@ -11,9 +11,33 @@ set has no exponent-coded skinny matmul, for one) skips it, naming what it lacks
 
 from __future__ import annotations
 
-import pytest
+from dataclasses import dataclass
+from typing import Any
 
-from tests.conftest import CPU_VARIANT_NAMES, use_cpu_variant
+import pytest
+import torch
+
+from engine_worker.backends import BACKENDS, Backend
+from engine_worker.ops import CpuKernels
+from tests.conftest import CPU_BACKEND_OF_ISA, CPU_VARIANT_NAMES, use_cpu_variant
+
+
+@dataclass(frozen=True, slots=True)
+class KernelsUnderTest:
+    """One variant's loaded kernels and the backend the registry makes from them."""
+
+    kernels: CpuKernels
+    backend: Backend
+
+    @property
+    def ops(self) -> Any:
+        """The variant's op namespace (``torch.ops.quire_<name>``)."""
+        return self.kernels.ops
+
+    @property
+    def isa(self) -> str:
+        """Whose code runs: ``avx512_emulated`` is ``avx512``."""
+        return self.kernels.isa
 
 
 def pytest_configure(config):
@@ -22,10 +46,11 @@ def pytest_configure(config):
 
 
 @pytest.fixture(params=CPU_VARIANT_NAMES)
-def cpu_kernels(request, monkeypatch):
-    under_test = use_cpu_variant(monkeypatch, request.param)
+def cpu_kernels(request, monkeypatch) -> KernelsUnderTest:
+    kernels = use_cpu_variant(monkeypatch, request.param)
     needed = [name for marker in request.node.iter_markers("cpu_ops") for name in marker.args]
-    missing = [name for name in needed if not under_test.kernels.has(name)]
+    missing = [name for name in needed if not kernels.has(name)]
     if missing:
         pytest.skip(f"the {request.param} kernels have no {', '.join(missing)}")
-    return under_test
+    backend = BACKENDS[CPU_BACKEND_OF_ISA[kernels.isa]].resolve(torch.device("cpu"))
+    return KernelsUnderTest(kernels, backend)
