@@ -115,3 +115,65 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: Path, *, arch: str = "llama",
 def tiny_model_dir(tmp_path_factory, embedded_model_dir) -> Path:
     """Llama with GQA (4 query heads on 2 KV heads), 3 layers, tied embeddings."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), embedded_model_dir)
+
+
+# ---------------------------------------------------------------- CPU kernel variants under test
+
+# For tests only, never chosen by the engine: the AVX-512 set's code compiled for an AVX2 CPU
+# with SIMDe's portable AVX-512 intrinsics, so a machine without AVX-512 checks that set's
+# numerics too (oneDNN's bf16 matmul, which checks the CPU itself, is not emulated).
+EMULATED_AVX512_PRELUDE = (Path(__file__).resolve().parents[1] / "csrc" / "cpu" / "emulated"
+                           / "avx512_on_avx2.h")
+CPU_VARIANT_NAMES = ("avx512", "avx512_emulated", "avx2")
+# the backend over each instruction set's kernels (what kernels= names)
+CPU_BACKEND_OF_ISA = {"avx512": "cpu", "avx2": "cpu-avx2"}
+
+
+def cpu_kernels_unavailable_reason(name: str) -> str | None:
+    """Why the engine's kernel variant ``name`` cannot run here, or None where it loads."""
+    from engine_worker.ops import Unavailable, load
+
+    loaded = load(name)
+    return loaded.reason if isinstance(loaded, Unavailable) else None
+
+
+def _emulated_avx512():
+    import simde_py
+
+    from engine_worker.ops import VARIANTS, CpuVariant
+
+    return CpuVariant("avx512_emulated", "avx512", VARIANTS["avx2"].isa_flags, host_isa="avx2",
+                      extra_cflags=(f"-I{simde_py.get_include()}", "-include",
+                                    str(EMULATED_AVX512_PRELUDE)),
+                      extra_headers=(EMULATED_AVX512_PRELUDE,))
+
+
+def use_cpu_variant(monkeypatch, name: str):
+    """The kernels of the variant ``name`` (one of ``CPU_VARIANT_NAMES``; an
+    ``engine_worker.ops.CpuKernels``); for the rest of the test, the backend of that variant's
+    instruction set (``CPU_BACKEND_OF_ISA``), and so an engine built with that ``kernels=``,
+    runs them (the registry entry is swapped). Skips with the reason where they cannot run."""
+    import pytest
+
+    from engine_worker.backends import BACKENDS
+    from engine_worker.backends.cpu import cpu_backend_entry
+    from engine_worker.ops import VARIANTS, Unavailable, load
+
+    if name == "avx512_emulated":
+        if cpu_kernels_unavailable_reason("avx512") is None:
+            pytest.skip("the real avx512 kernels run on this CPU")
+        pytest.importorskip("simde_py", reason="the emulated kernels need SIMDe's headers "
+                            "(simde-py, part of the dev extra)")
+        variant = _emulated_avx512()
+    else:
+        variant = VARIANTS[name]
+    kernels = load(variant)
+    if isinstance(kernels, Unavailable):
+        pytest.skip(f"CPU kernels: {kernels.reason}")
+    backend_name = CPU_BACKEND_OF_ISA[variant.isa]
+    entry = BACKENDS[backend_name]
+    description = entry.description + ("" if variant.name == variant.isa
+                                       else f" ({variant.name})")
+    monkeypatch.setitem(BACKENDS, backend_name,
+                        cpu_backend_entry(backend_name, description, variant))
+    return kernels

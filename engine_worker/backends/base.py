@@ -1,20 +1,24 @@
 """What a kernel backend is, and the data a model hands it.
 
 A backend is a bundle of functions over tensors: the per-op kernels the model's modules call
-(linear, RMSNorm, SwiGLU, RoPE, paged attention) and, where it has one, a fused implementation
-of a whole decoder stack. It is given weights as data (``LinearWeights``, ``LlamaLayerWeights``,
-exported by the model once after loading) and never walks the model's modules.
+(linear, RMSNorm, SwiGLU, RoPE, paged attention) and, where it has them, fused implementations
+of whole decoder stacks, keyed by the kind of stack a model exports (``LlamaStack.kind`` in
+``models/llama.py``: the model module describes its own stack as data). It is given weights as
+data (``LinearWeights``, and the stack, exported by the model once after loading) and never
+walks the model's modules. A model family with another layer layout adds its stack kind and
+the backends that can fuse it add an entry; ``Backend`` gets no new field.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from engine_worker.attention.metadata import AttentionMetadata
+from engine_worker.ops.cpu_build import Unavailable
 
 # (x, weight, bias, packed weight or None) -> x @ weight.T + bias
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Any], torch.Tensor]
@@ -45,40 +49,12 @@ class LinearWeights:
     packed: Any  # the backend's layout of ``weight`` (its PackFn's result), or None
 
 
-@dataclass(frozen=True, slots=True)
-class LlamaLayerWeights:
-    """One pre-norm decoder layer, QKV and gate/up fused as the model holds them."""
-
-    input_norm: torch.Tensor  # [hidden_size]
-    qkv_proj: LinearWeights  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden_size]
-    o_proj: LinearWeights  # [hidden_size, num_heads * head_dim]
-    post_attention_norm: torch.Tensor  # [hidden_size]
-    gate_up_proj: LinearWeights  # [2 * intermediate_size, hidden_size]
-    down_proj: LinearWeights  # [hidden_size, intermediate_size]
-
-    @property
-    def linears(self) -> tuple[LinearWeights, ...]:
-        return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
-
-
-@dataclass(frozen=True, slots=True)
-class LlamaStack:
-    """A Llama's decoder layers as data: what a fused implementation needs to run them all."""
-
-    layers: tuple[LlamaLayerWeights, ...]
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    attention_scale: float
-    rope_cos: torch.Tensor  # [max_position, head_dim] fp32
-    rope_sin: torch.Tensor  # [max_position, head_dim] fp32
-
-
 # (x, positions, kv_caches, meta, attention_ns=None) -> x after every layer. ``attention_ns``
 # (int64 [1]), where given, gets the fused call's cache-write and attention time added to it.
 LayersFn = Callable[..., torch.Tensor]
+# a model's exported stack (its weights and shapes as data) -> all its layers as one call, or
+# None where these weights or shapes need the per-layer path
+FuseFn = Callable[[Any], LayersFn | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +69,22 @@ class Backend:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]  # [n, 2 * w] -> [n, w]
     rope: RopeFn
     attention: AttentionBackend
-    # a loaded Llama's layers -> all of them as one call, or None where the backend has no
-    # fused stack for them (the model then runs its layers one by one through the ops above)
-    llama_layers: Callable[[LlamaStack], LayersFn | None]
-    # the device -> None where this backend runs there, else why not
-    unavailable_reason: Callable[[torch.device], str | None]
+    # stack kind -> its fused implementation; a kind not here (or a FuseFn's None) runs the
+    # model's layers one by one through the ops above
+    fused_stacks: Mapping[str, FuseFn] = field(default_factory=dict)
+
+    def fuse(self, stack: Any) -> LayersFn | None:
+        """A model's exported stack as one call a step, where this backend fuses it."""
+        fuse = self.fused_stacks.get(stack.kind)
+        return fuse(stack) if fuse is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class BackendEntry:
+    """A name in the backend registry: what it is (for the start-up line, also when it cannot
+    run), and ``resolve``: the backend on a device, or why there is none there. Resolving may
+    build and load compiled kernels; the registry does it once per engine."""
+
+    name: str
+    description: str
+    resolve: Callable[[torch.device], Backend | Unavailable]

@@ -106,5 +106,4 @@ class TorchAttentionBackend:
 REFERENCE = Backend(
     name="torch", description="reference ops", linear=torch_linear, pack_weight=no_packing,
     rms_norm=rms_norm, silu_and_mul=silu_and_mul, rope=apply_rope,
-    attention=TorchAttentionBackend(), llama_layers=lambda stack: None,
-    unavailable_reason=lambda device: None)
+    attention=TorchAttentionBackend())

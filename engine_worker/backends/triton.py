@@ -11,9 +11,10 @@ import torch
 
 from engine_worker.backends.base import Backend
 from engine_worker.backends.reference import REFERENCE
+from engine_worker.ops import Unavailable
 
 
-def unavailable_reason(device: torch.device) -> str | None:
+def triton_unavailable_reason(device: torch.device) -> str | None:
     from engine_worker.attention.triton_backend import interpreting
 
     try:
@@ -25,36 +26,29 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+DESCRIPTION = "Triton paged attention, reference ops elsewhere"
+
+
 def _attention():
+    # imported only once the backend is chosen: a CPU-only install may lack triton
     from engine_worker.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend()
 
 
-class _LazyTritonAttention:
-    """Imports triton only when the backend is used (a CPU-only install may lack it)."""
-
-    name = "triton"
-
-    def __init__(self) -> None:
-        self._impl = None
-
-    def forward(self, q, k, v, kv_cache, meta, scale):
-        if self._impl is None:
-            self._impl = _attention()
-        return self._impl.forward(q, k, v, kv_cache, meta, scale)
-
-
-TRITON = dataclasses.replace(REFERENCE, name="triton",
-                             description="Triton paged attention, reference ops elsewhere",
-                             attention=_LazyTritonAttention(),
-                             unavailable_reason=unavailable_reason)
+def resolve_triton(device: torch.device) -> Backend | Unavailable:
+    """The registry's entry: the backend, where Triton runs on ``device``."""
+    reason = triton_unavailable_reason(device)
+    if reason is not None:
+        return Unavailable(reason)
+    return dataclasses.replace(REFERENCE, name="triton", description=DESCRIPTION,
+                               attention=_attention())
 
 
 def with_attention(backend: Backend, attention_backend: str) -> Backend:
     """``backend`` with another attention implementation (``--attention-backend``); the fused
-    layer stack, which has its own attention inside, is then off."""
-    attention = {"torch": REFERENCE.attention, "triton": TRITON.attention}[attention_backend]
-    return dataclasses.replace(backend, attention=attention, llama_layers=lambda stack: None,
+    layer stacks, which have their own attention inside, are then off."""
+    attention = REFERENCE.attention if attention_backend == "torch" else _attention()
+    return dataclasses.replace(backend, attention=attention, fused_stacks={},
                                description=f"{backend.description}, {attention_backend} "
                                            "attention")

@@ -3,19 +3,21 @@
 Tokens are flat (``[num_tokens, ...]``) across the whole batch; where each token's K/V live in
 the paged cache comes from the attention metadata. Every op comes from the engine's backend
 (``engine_worker.backends``); once loaded, the model exports its weights as data
-(``LlamaStack``) and a backend with a fused implementation runs all layers in one call.
+(``LlamaStack``, described here, next to the model) and a backend with a fused implementation
+of that kind of stack runs all layers in one call.
 Checkpoint naming and layout quirks live in ``engine_worker.weights.loader``, never here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from engine_worker.attention.metadata import AttentionMetadata
-from engine_worker.backends.base import Backend, LayersFn, LlamaLayerWeights, LlamaStack
+from engine_worker.backends.base import Backend, LayersFn, LinearWeights
 from engine_worker.layers.linear import Linear
 from engine_worker.layers.norm import RMSNorm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding
@@ -44,6 +46,41 @@ class LlamaConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaLayerWeights:
+    """One pre-norm decoder layer, QKV and gate/up fused as the model holds them."""
+
+    input_norm: torch.Tensor  # [hidden_size]
+    qkv_proj: LinearWeights  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden_size]
+    o_proj: LinearWeights  # [hidden_size, num_heads * head_dim]
+    post_attention_norm: torch.Tensor  # [hidden_size]
+    gate_up_proj: LinearWeights  # [2 * intermediate_size, hidden_size]
+    down_proj: LinearWeights  # [hidden_size, intermediate_size]
+
+    @property
+    def linears(self) -> tuple[LinearWeights, ...]:
+        return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaStack:
+    """The decoder layers as data: what a fused implementation needs to run them all. Llama,
+    Mistral and Qwen2 (its q/k/v biases are ``LinearWeights.bias``) share this layout."""
+
+    # what backends key their fused implementation of this layout by (Backend.fused_stacks)
+    kind: ClassVar[str] = "llama"
+
+    layers: tuple[LlamaLayerWeights, ...]
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    attention_scale: float
+    rope_cos: torch.Tensor  # [max_position, head_dim] fp32
+    rope_sin: torch.Tensor  # [max_position, head_dim] fp32
 
 
 class LlamaAttention(nn.Module):
@@ -155,13 +192,14 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_weights(self) -> None:
         """Once the checkpoint is loaded: every linear weight into the backend's layout, then
-        the layers' weights handed to the backend as data for its fused stack, if it has one."""
+        the layers' weights handed to the backend as data for its fused implementation of
+        this stack, if it has one."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
         self.logits_packed = (self.backend.pack_weight(self.embed_tokens.weight)
                               if self.lm_head is None else self.lm_head.packed)
-        self.layer_stack = self.backend.llama_layers(self.export())
+        self.layer_stack = self.backend.fuse(self.export())
 
     def export(self) -> LlamaStack:
         """The decoder layers' loaded (and packed) weights and shapes, as plain data."""

@@ -121,11 +121,6 @@ def _paths(spec: LibrarySpec, root: Path, digest: str, cpu_key: str) -> CachePat
                   root / f"{stem}-{cpu_key or 'any'}.failed", f"{stem}.tmp-")
 
 
-def remembered_failure(spec: LibrarySpec, cache_root: Path, opts: BuildOptions) -> str | None:
-    """The reason an earlier build of exactly these inputs failed on this CPU, if one did."""
-    return _read_failure(cache_paths(spec, cache_root, opts).failed)
-
-
 def _read_failure(marker: Path) -> str | None:
     try:
         return json.loads(marker.read_text())["reason"]

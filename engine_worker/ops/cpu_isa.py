@@ -72,12 +72,3 @@ def cpu_isa() -> str | None:
 def available_isas() -> tuple[str, ...]:
     """Every variant this CPU runs, best first: what the kernel tests run over."""
     return runnable_isas(cpu_flags())
-
-
-def no_isa_reason() -> str:
-    flags = cpu_flags()
-    if not flags:
-        return (f"this CPU ({platform.machine()}) reports no x86 instruction-set flags; "
-                "the kernels need AVX2+FMA+F16C or AVX-512")
-    return ("this CPU has neither AVX-512 (missing " + ", ".join(missing_flags("avx512", flags))
-            + ") nor AVX2 (missing " + ", ".join(missing_flags("avx2", flags)) + ")")

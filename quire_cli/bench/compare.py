@@ -154,16 +154,15 @@ def make_requests(cfg: CompareConfig, vocab_size: int, model_dir: Path,
 
 def run_quire(engine_args, dtype: str, requests: dict) -> dict:
     from engine_worker import LLM, SamplingParams
-    from engine_worker.ops import cpu_kernel_choice
 
     start = time.perf_counter()
     llm = LLM(**{**dataclasses.asdict(engine_args), "dtype": dtype,
                  "model": requests["model_dir"]})
     load_s = time.perf_counter() - start
     result = measure(llm, SamplingParams, requests)
-    choice = cpu_kernel_choice()
+    # the engine's own choice: the backend (one kernel variant each) and why
     result.update(system="quire", dtype=dtype, load_s=load_s, kernels=llm.engine.kernels,
-                  cpu_kernel_isa=choice.isa, cpu_kernel_reason=choice.reason)
+                  kernels_reason=llm.engine.backend.reason)
     del llm
     gc.collect()
     return result
@@ -225,8 +224,7 @@ def _print_report(env: dict, runs: dict, best: dict, ratios: dict | None) -> Non
     print(f"CPU: {env['cpu_model']} ({env['cpu_count']} cores); flags: "
           f"{' '.join(env['isa_flags']) or 'none of ' + ', '.join(REPORTED_FLAGS[:3])}")
     quire0 = runs["quire"][0]
-    print(f"Quire kernels: {quire0['kernels']} (variant {quire0['cpu_kernel_isa']}"
-          + (f"; {quire0['cpu_kernel_reason']}" if quire0["cpu_kernel_reason"] else "") + ")")
+    print(f"Quire kernels: {quire0['kernels']} ({quire0['kernels_reason']})")
     print(f"{'system':<8}{'dtype':<10}{'out tok/s':>11}{'decode tok/s':>14}{'TTFT s':>9}"
           f"{'load before/after':>19}")
     for system, system_runs in runs.items():

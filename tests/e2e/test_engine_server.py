@@ -14,12 +14,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_worker import LLM, SamplingParams
 from engine_worker.config import EngineArgs
 from engine_worker.engine import LLMEngine
-from engine_worker.ops import cpu_ops_unavailable_reason
 from engine_worker.server.app import SERVICE_NAME, EngineServer
 from engine_worker.server.config import ServerConfig
 from quire.kv_events import KVCacheMirror, batch_from_proto, snapshot_from_proto
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
+from tests.conftest import cpu_kernels_unavailable_reason
 from tests.e2e.loop_thread import LoopThread
 
 
@@ -171,7 +171,8 @@ def test_model_info_health_and_reflection(server):
 def test_model_info_and_metrics_say_which_backend_runs_and_why(server):
     """kernels=auto: the AVX-512 kernels where they run here, else the AVX2 ones (the right set
     for such a CPU, with the reason AVX-512 was passed over), else a loud fallback."""
-    avx512, avx2 = cpu_ops_unavailable_reason("avx512"), cpu_ops_unavailable_reason("avx2")
+    avx512 = cpu_kernels_unavailable_reason("avx512")
+    avx2 = cpu_kernels_unavailable_reason("avx2")
     info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
     if avx512 is None:
         assert (info.backend, info.backend_fallback) == ("cpu", False)

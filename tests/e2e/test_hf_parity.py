@@ -8,7 +8,8 @@ import torch
 import transformers
 
 from engine_worker import LLM, SamplingParams
-from tests.conftest import build_tiny_model
+from engine_worker.backends import BACKENDS
+from tests.conftest import CPU_BACKEND_OF_ISA, build_tiny_model, use_cpu_variant
 
 LOGPROB_ATOL = 1e-4  # fp32; differences come from summation order in attention and matmuls
 
@@ -102,23 +103,18 @@ def test_triton_attention_matches_transformers(option, tiny_model_dir):
 
 
 @pytest.mark.parametrize("variant", ["avx512", "avx512_emulated", "avx2"])
-def test_every_cpu_kernel_set_matches_transformers(variant, tmp_path, embedded_model_dir):
+def test_every_cpu_kernel_set_matches_transformers(variant, tmp_path, embedded_model_dir,
+                                                   monkeypatch):
     """Each compiled kernel set behind its backend (``cpu``: the AVX-512 set, ``cpu-avx2``),
     whichever CPU runs the suite: without AVX-512, the AVX-512 set's code runs through SIMDe's
     portable intrinsics (``avx512_emulated``), so its kernels are checked token for token on
     either machine type. fp32: the dtype where both must equal Hugging Face's tokens."""
-    from engine_worker.ops import cpu_ops_unavailable_reason, kernel_code, use_cpu_isa
-
-    if variant == "avx512_emulated" and cpu_ops_unavailable_reason("avx512") is None:
-        pytest.skip("the real avx512 kernels run on this CPU")
-    reason = cpu_ops_unavailable_reason(variant)
-    if reason is not None:
-        pytest.skip(f"CPU kernels: {reason}")
+    kernels = use_cpu_variant(monkeypatch, variant)  # skips where the variant cannot run
     model_dir = build_tiny_model(tmp_path, embedded_model_dir, arch="llama", hidden_size=128,
                                  num_heads=2, num_kv_heads=1)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    backend = {"avx512": "cpu", "avx2": "cpu-avx2"}[kernel_code(variant)]
-    with use_cpu_isa(variant):
-        llm = LLM(str(model_dir), dtype="float32", kernels=backend, kv_cache_memory_bytes=1 << 26)
-        assert llm.engine.backend.backend.name == backend
-        assert_matches_hf(llm, hf_model.eval(), TINY_PROMPTS, max_tokens=24)
+    backend = CPU_BACKEND_OF_ISA[kernels.isa]
+    llm = LLM(str(model_dir), dtype="float32", kernels=backend, kv_cache_memory_bytes=1 << 26)
+    assert llm.engine.backend.backend.name == backend
+    assert llm.engine.backend.backend.description == BACKENDS[backend].description
+    assert_matches_hf(llm, hf_model.eval(), TINY_PROMPTS, max_tokens=24)

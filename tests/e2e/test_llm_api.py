@@ -269,19 +269,18 @@ def test_the_backend_is_said_once_at_start_and_loudly_when_a_fallback(tiny_model
     import subprocess
     import sys
 
-    from engine_worker.ops import cpu_ops_unavailable_reason
+    from engine_worker.backends import select_backend
 
     code = ("from engine_worker import LLM\n"
             f"LLM({str(tiny_model_dir)!r}, dtype='float32', kv_cache_memory_bytes=1 << 24)\n")
     stderr = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True, timeout=600).stderr
     lines = [line for line in stderr.splitlines() if "Backend: " in line]
-    reason = cpu_ops_unavailable_reason()
-    if reason is None:
+    choice = select_backend("auto", torch.device("cpu"))  # what the child chose
+    if not choice.fallback:
         assert lines == []
     else:
-        assert lines == [f"  Backend: torch (reference ops, about 5-10x slower): compiled CPU "
-                         f"kernels unavailable: {reason}"]
+        assert lines == [f"  Backend: {choice.describe()}"]
         assert stderr.count("Engine ready in ") == 1
 
 

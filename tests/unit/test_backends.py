@@ -11,7 +11,7 @@ import torch
 
 from engine_worker.backends import BACKENDS, PREFERENCE, select_backend
 from engine_worker.config import KERNEL_CHOICES
-from engine_worker.ops import cpu_ops_unavailable_reason
+from tests.conftest import cpu_kernels_unavailable_reason
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # only a name here: nothing runs on it
@@ -20,7 +20,7 @@ CUDA = torch.device("cuda")  # only a name here: nothing runs on it
 def test_every_kernels_choice_is_a_registered_backend():
     assert set(KERNEL_CHOICES) == set(BACKENDS) | {"auto"}
     assert all(name in BACKENDS for names in PREFERENCE.values() for name in names)
-    assert {name: backend.name for name, backend in BACKENDS.items()} == \
+    assert {name: entry.name for name, entry in BACKENDS.items()} == \
         {name: name for name in BACKENDS}
 
 
@@ -28,7 +28,8 @@ def test_auto_on_the_cpu_takes_the_kernels_where_they_build_and_says_why_not():
     """The AVX-512 set where it runs, else the AVX2 set (no costly fallback: it is the right
     set for such a CPU, and the reason says why AVX-512 was passed over), else the reference,
     loudly."""
-    avx512, avx2 = cpu_ops_unavailable_reason("avx512"), cpu_ops_unavailable_reason("avx2")
+    avx512 = cpu_kernels_unavailable_reason("avx512")
+    avx2 = cpu_kernels_unavailable_reason("avx2")
     choice = select_backend("auto", CPU)
     if avx512 is None:
         assert (choice.name, choice.fallback) == ("cpu", False)
@@ -53,7 +54,7 @@ def test_a_requested_backend_is_no_fallback_or_an_error_naming_the_field():
                                          r"compiled CPU kernels run on the CPU only"):
         select_backend("cpu", CUDA)
     for name, isa in (("cpu", "avx512"), ("cpu-avx2", "avx2")):
-        if cpu_ops_unavailable_reason(isa) is None:
+        if cpu_kernels_unavailable_reason(isa) is None:
             assert select_backend(name, CPU).name == name
         else:
             with pytest.raises(ValueError, match=f"^kernels: '{name}' requested but "
@@ -80,3 +81,33 @@ def test_attention_backend_swaps_only_the_attention():
     assert "attention: triton" in choice.reason
     assert select_backend("torch", CPU, attention_backend="torch").backend.attention.name == \
         "torch"
+
+
+def test_a_cpu_entry_makes_its_backend_from_the_variant_it_names(monkeypatch):
+    """The registry resolves an entry's kernel variant once and makes the backend from those
+    kernels: swapping the entry's variant (as the kernel tests do) swaps what runs."""
+    from tests.conftest import use_cpu_variant
+
+    kernels = use_cpu_variant(monkeypatch, "avx512_emulated")
+    choice = select_backend("cpu", CPU)
+    assert choice.backend.description == "compiled CPU kernels, AVX-512 (avx512_emulated)"
+    x = torch.randn(3, 64)
+    weight = torch.randn(64)
+    assert torch.equal(choice.backend.rms_norm(x, weight, 1e-5),
+                       kernels.ops.rms_norm(x, weight, 1e-5))
+    monkeypatch.undo()
+    assert BACKENDS["cpu"].description == "compiled CPU kernels, AVX-512"
+
+
+def test_fused_stacks_are_keyed_by_the_models_stack_kind():
+    from engine_worker.models.llama import LlamaStack
+
+    assert LlamaStack.kind == "llama"
+    assert select_backend("torch", CPU).backend.fused_stacks == {}
+    for name, isa in (("cpu", "avx512"), ("cpu-avx2", "avx2")):
+        if cpu_kernels_unavailable_reason(isa) is None:
+            backend = select_backend(name, CPU).backend
+            assert set(backend.fused_stacks) == {LlamaStack.kind}
+            # another attention implementation runs outside the fused stack: none then
+            assert select_backend(name, CPU, attention_backend="torch").backend.fused_stacks \
+                == {}

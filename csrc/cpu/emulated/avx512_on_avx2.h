@@ -2,8 +2,8 @@
 // SIMDe's portable implementation (https://github.com/simd-everywhere/simde, the simde-py
 // package), so the avx512 sources (csrc/cpu/*.cpp with avx512/*) run, slowly, on a CPU without
 // AVX-512 and the kernel tests check their numerics on either machine type. The build passes
-// this file with `-include` (engine_worker/ops/cpu_build.py, EMULATED_VARIANTS); the engine
-// never selects the result.
+// this file with `-include` (the `avx512_emulated` variant, defined in tests/conftest.py); the
+// engine never selects the result.
 //
 // Order matters: the compiler's own intrinsics first (their declarations must not be renamed),
 // then SIMDe with native aliases (`_mm512_add_ps` -> `simde_mm512_add_ps`, SIMDe seeing no

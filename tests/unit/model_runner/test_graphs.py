@@ -57,7 +57,8 @@ def test_fill_pads_with_rows_that_write_nothing():
 @pytest.fixture(scope="module")
 def triton_model(tiny_model_dir):
     return load_model(tiny_model_dir, dtype=torch.float32, device=torch.device("cpu"),
-                      backend=BACKENDS["triton"], max_model_len=256).model
+                      backend=BACKENDS["triton"].resolve(torch.device("cpu")),
+                      max_model_len=256).model
 
 
 def _caches(model, num_blocks=8):

@@ -1,10 +1,16 @@
-"""Which kernel variant a CPU gets, as a pure function of the flags it reports."""
+"""Which kernel variants a CPU runs, as a pure function of the flags it reports, and what
+``load`` gives for a variant: its kernels as an object, or why not."""
 
 from __future__ import annotations
 
-import pytest
+import ast
+from pathlib import Path
 
-from engine_worker.ops import VARIANTS, available_isas, cpu_ops_unavailable_reason, load_cpu_ops
+import pytest
+import torch
+
+from engine_worker.ops import (VARIANTS, CpuKernels, Unavailable, available_isas,
+                               cannot_run_reason, load)
 from engine_worker.ops.cpu_isa import isa_for_flags, runnable_isas
 
 ZEN3 = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}  # AVX2 only (this project's Zen 3)
@@ -33,11 +39,38 @@ def test_a_variant_this_cpu_cannot_run_is_refused_with_the_missing_flags():
     if not unrunnable:
         pytest.skip("this CPU runs every variant")
     isa = unrunnable[0]
-    assert load_cpu_ops(isa) is None
-    reason = cpu_ops_unavailable_reason(isa)
-    assert reason.startswith(f"this CPU cannot run the {isa} kernels (missing ")
+    loaded = load(isa)
+    assert isinstance(loaded, Unavailable)
+    assert loaded.reason.startswith(f"this CPU cannot run the {isa} kernels (missing ")
+    assert cannot_run_reason(VARIANTS[isa]) == loaded.reason
 
 
 def test_an_unknown_variant_is_refused():
-    assert load_cpu_ops("neon") is None
-    assert "unknown CPU kernel variant 'neon'" in cpu_ops_unavailable_reason("neon")
+    loaded = load("neon")
+    assert isinstance(loaded, Unavailable)
+    assert loaded.reason == "unknown CPU kernel variant 'neon' (known: avx512, avx2)"
+
+
+def test_a_variant_loads_into_an_object_holding_its_own_namespace():
+    """What the backends are made from: the variant's ops, in its own namespace, whatever
+    other variant the process holds; loading again gives the same kernels (no rebuild)."""
+    runnable = [isa for isa in available_isas() if not isinstance(load(isa), Unavailable)]
+    if not runnable:
+        pytest.skip("no CPU kernel variant runs here")
+    for isa in runnable:
+        kernels = load(isa)
+        assert isinstance(kernels, CpuKernels) and kernels.isa == isa
+        assert kernels.ops is getattr(torch.ops, f"quire_{isa}")
+        assert kernels.has("rms_norm", "paged_attention", "llama_layers")
+        assert not kernels.has("no_such_op")
+        assert load(VARIANTS[isa]) is kernels
+
+
+def test_no_module_state_chooses_kernels():
+    """Which variant runs is the backend registry's choice, handed on as an object: nothing in
+    the kernel or backend packages rebinds a module global at run time."""
+    root = Path(__file__).resolve().parents[3] / "engine_worker"
+    paths = [path for package in ("ops", "backends") for path in (root / package).glob("*.py")]
+    rebinding = [f"{path.relative_to(root)}:{node.lineno}" for path in sorted(paths)
+                 for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Global)]
+    assert rebinding == []

@@ -1,9 +1,10 @@
 """The compiled CPU kernels (csrc/cpu) against their PyTorch references.
 
-Each test runs once per instruction-set variant (``cpu_isa`` in conftest.py), on the ops of
-that variant (``cpu_ops()``); a variant this CPU cannot run, or that does not build here, is
-skipped with the reason, and the engine uses the references. The variants share their
-sources, so most tests are the same for both; the linear layers are each set's own
+Each test runs once per instruction-set variant (``cpu_kernels`` in conftest.py), on the ops
+of that variant (``cpu_kernels.ops``) and the backend made from them; a variant this CPU
+cannot run, or that does not build here, is skipped with the reason, and the engine uses the
+references. The variants share their sources, so most tests are the same for both; the linear
+layers are each set's own
 (``cpu_ops`` markers: AVX-512's skinny bf16 matmul, AVX2's bf16-weight fp32 matmul).
 """
 
@@ -15,14 +16,12 @@ import pytest
 import torch
 
 from tests.attention_steps import STEPS, make_step, nan_outside_requests, random_inputs
-from engine_worker.backends.cpu import CpuPagedAttentionBackend, cpu_linear, cpu_pack_weight
 from engine_worker.backends.reference import TorchAttentionBackend
 from engine_worker.layers.activation import silu_and_mul
 from engine_worker.layers.norm import rms_norm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding, apply_rope
-from engine_worker.ops import cpu_ops
 
-pytestmark = pytest.mark.usefixtures("cpu_isa")  # once per variant
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # once per variant
 
 NUM_BLOCKS = 96
 LANES = {"avx512": 16, "avx2": 8}  # fp32 lanes of a vector (csrc/cpu/<isa>/simd.h)
@@ -41,31 +40,31 @@ def _close(got, want, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("extra_vectors", [0, 1])  # hidden = 576 + one vector: an odd count
-def test_rms_norm_matches_reference(dtype, rows, extra_vectors, cpu_isa):
+def test_rms_norm_matches_reference(dtype, rows, extra_vectors, cpu_kernels):
     torch.manual_seed(rows)
-    hidden = 576 + extra_vectors * LANES[cpu_isa]
+    hidden = 576 + extra_vectors * LANES[cpu_kernels.isa]
     x = (torch.randn(rows, hidden) * 3).to(dtype)
     weight = (1 + torch.randn(hidden) / 4).to(dtype)
-    _close(cpu_ops().rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5), dtype)
+    _close(cpu_kernels.ops.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5), dtype)
 
 
-def test_rms_norm_reads_strided_rows():
+def test_rms_norm_reads_strided_rows(cpu_kernels):
     x = torch.randn(5, 2 * 576)[:, :576]  # rows of a wider tensor
     weight = torch.randn(576)
-    _close(cpu_ops().rms_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6), torch.float32)
+    _close(cpu_kernels.ops.rms_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 130])
-def test_silu_and_mul_matches_reference(dtype, rows):
+def test_silu_and_mul_matches_reference(dtype, rows, cpu_kernels):
     torch.manual_seed(rows)
     x = (torch.randn(rows, 2 * 1536) * 4).to(dtype)
     x[0, :4] = torch.tensor([-100.0, 100.0, -30.0, 0.0]).to(dtype)  # exp's clamped range
-    _close(cpu_ops().silu_and_mul(x), silu_and_mul(x), dtype)
+    _close(cpu_kernels.ops.silu_and_mul(x), silu_and_mul(x), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_embedding_matches_reference_in_place(dtype):
+def test_rotary_embedding_matches_reference_in_place(dtype, cpu_kernels):
     torch.manual_seed(0)
     rope = RotaryEmbedding(RopeConfig(head_dim=64, theta=10000.0, max_position_embeddings=2048),
                            2048, torch.device("cpu"))
@@ -76,12 +75,12 @@ def test_rotary_embedding_matches_reference_in_place(dtype):
     q, k = q.view(-1, 9, 64), k.view(-1, 3, 64)
     want_q, want_k = apply_rope(positions, q, k, rope.cos, rope.sin)
     untouched_v = qkv[:, 12 * 64:].clone()
-    cpu_ops().rotary_embedding(q, k, positions, rope.cos, rope.sin)  # where they lie
+    cpu_kernels.ops.rotary_embedding(q, k, positions, rope.cos, rope.sin)  # where they lie
     _close(q, want_q, dtype)
     _close(k, want_k, dtype)
     assert torch.equal(qkv[:, 12 * 64:], untouched_v)
     with pytest.raises(RuntimeError, match="position out of range"):
-        cpu_ops().rotary_embedding(q, k, torch.tensor([2048] * len(positions)), rope.cos,
+        cpu_kernels.ops.rotary_embedding(q, k, torch.tensor([2048] * len(positions)), rope.cos,
                                    rope.sin)
 
 
@@ -98,7 +97,7 @@ DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 128), (8, 1, 64), (4, 4, 32)],
                          ids=lambda h: "{}:{}-d{}".format(*h))
 @pytest.mark.parametrize("step", sorted(STEPS))
-def test_paged_attention_matches_reference(step, heads, block_size, dtypes):
+def test_paged_attention_matches_reference(step, heads, block_size, dtypes, cpu_kernels):
     q_dtype, cache_dtype = dtypes
     rng = random.Random(hash((step, heads, block_size)) & 0xFFFF)
     torch.manual_seed(rng.randrange(1 << 30))
@@ -111,25 +110,25 @@ def test_paged_attention_matches_reference(step, heads, block_size, dtypes):
     want = TorchAttentionBackend().forward(q, k.to(cache_dtype).to(q_dtype),
                                            v.to(cache_dtype).to(q_dtype), ref_cache, meta, scale)
     # what an attention backend runs a layer: the cache write, then one varlen call
-    got = CpuPagedAttentionBackend().forward(q, k, v, cache, meta, scale)
+    got = cpu_kernels.backend.attention.forward(q, k, v, cache, meta, scale)
 
     assert torch.equal(cache.to(q_dtype), ref_cache)  # the same K/V written to the same slots
     tol = 2e-2 if q_dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-def test_paged_attention_reads_only_its_own_blocks():
+def test_paged_attention_reads_only_its_own_blocks(cpu_kernels):
     """Garbage (NaN) everywhere outside the requests' blocks must not reach the output."""
     rng = random.Random(7)
     meta = make_step(rng, STEPS["mixed"], 16, NUM_BLOCKS)
     cache = nan_outside_requests(meta, NUM_BLOCKS, 16, 3, 64)
     q, k, v, _ = random_inputs(meta, (9, 3, 64), NUM_BLOCKS, 16, torch.float32)
-    out = CpuPagedAttentionBackend().forward(q, k, v, cache, meta, 0.125)
+    out = cpu_kernels.backend.attention.forward(q, k, v, cache, meta, 0.125)
     assert not out.isnan().any()
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
-def test_write_kv_narrows_as_torch_casts(cache_dtype):
+def test_write_kv_narrows_as_torch_casts(cache_dtype, cpu_kernels):
     """fp32 K/V into a narrower cache: torch's rounding (to nearest even), bit for bit, with
     ties, NaN, infinities, signed zeros and subnormals."""
     k = torch.randn(40, 3, 64) * 100
@@ -139,7 +138,7 @@ def test_write_kv_narrows_as_torch_casts(cache_dtype):
     v = -k
     cache = torch.zeros(2, 8, 16, 3, 64, dtype=cache_dtype)
     slots = torch.randperm(8 * 16)[:40]
-    cpu_ops().write_kv(cache, k, v, slots)
+    cpu_kernels.ops.write_kv(cache, k, v, slots)
     got_k = cache[0].view(-1, 3, 64)[slots]
     got_v = cache[1].view(-1, 3, 64)[slots]
     for got, want in ((got_k, k.to(cache_dtype)), (got_v, v.to(cache_dtype))):
@@ -150,11 +149,11 @@ def test_write_kv_narrows_as_torch_casts(cache_dtype):
                            want.nan_to_num(0.0, **keep_inf).view(torch.int16))
 
 
-def test_write_kv_rejects_out_of_range_slot():
+def test_write_kv_rejects_out_of_range_slot(cpu_kernels):
     cache = torch.zeros(2, 4, 16, 3, 64)
     k = torch.randn(1, 3, 64)
     with pytest.raises(RuntimeError, match="slot out of range"):
-        cpu_ops().write_kv(cache, k, k, torch.tensor([4 * 16]))
+        cpu_kernels.ops.write_kv(cache, k, k, torch.tensor([4 * 16]))
 
 
 # ---------------------------------------------------------------- AVX-512: bf16 skinny matmul
@@ -163,24 +162,25 @@ def test_write_kv_rejects_out_of_range_slot():
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 35)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.cpu_ops("skinny_linear")
-def test_skinny_linear_matches_torch(rows, shape, bias):
+def test_skinny_linear_matches_torch(rows, shape, bias, cpu_kernels):
     in_features, out_features = shape
     torch.manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features).bfloat16()
     w = (torch.randn(out_features, in_features) / in_features ** 0.5).bfloat16()
     b = torch.randn(out_features).bfloat16() if bias else None
-    got = cpu_ops().skinny_linear(x, w, b)
+    got = cpu_kernels.ops.skinny_linear(x, w, b)
     want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     # both accumulate in fp32 and round once; only the summation order differs
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
     # what the engine calls: the packed weight through the layer's kernel
-    packed = cpu_pack_weight(w)
+    packed = cpu_kernels.backend.pack_weight(w)
     assert (packed.skinny is not None) == (out_features % 4 == 0)
-    torch.testing.assert_close(cpu_linear(x, w, b, packed).float(), want, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(cpu_kernels.backend.linear(x, w, b, packed).float(), want,
+                               atol=2e-2, rtol=1e-2)
     # and more rows than the skinny kernel takes go through oneDNN's packed layout
     many = torch.randn(3 * rows + 9, in_features).bfloat16()
     torch.testing.assert_close(
-        cpu_linear(many, w, b, packed).float(),
+        cpu_kernels.backend.linear(many, w, b, packed).float(),
         torch.nn.functional.linear(many.float(), w.float(), None if b is None else b.float()),
         atol=2e-2, rtol=1e-2)
 
@@ -203,25 +203,26 @@ def _special_weights(out_features, in_features, seed):
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 36)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.cpu_ops("pack_coded", "pack_skinny", "skinny_linear_packed")
-def test_coded_layout_is_the_plain_layout_bit_for_bit(rows, shape, bias):
+def test_coded_layout_is_the_plain_layout_bit_for_bit(rows, shape, bias, cpu_kernels):
     """The exponent-coded weight decodes to the same bits in the same order: the products are
     the plain packed kernel's exactly, NaN and infinities included."""
     in_features, out_features = shape
     w = _special_weights(out_features, in_features, rows + out_features)
     x = torch.randn(rows, in_features).bfloat16()
     b = torch.randn(out_features).bfloat16() if bias else None
-    coded = cpu_ops().pack_coded(w)
+    coded = cpu_kernels.ops.pack_coded(w)
     assert coded.dtype == torch.uint8 and coded.numel() > 0
     # 12 bits a weight plus a 16-word table a row (three quarters of the bf16 bytes, plus 32
     # bytes a row)
     assert coded.numel() == out_features * (in_features * 12 // 8 + 32)
-    plain = cpu_ops().skinny_linear_packed(x, cpu_ops().pack_skinny(w), b)
-    got = cpu_ops().skinny_linear_packed(x, coded, b)
+    plain = cpu_kernels.ops.skinny_linear_packed(x, cpu_kernels.ops.pack_skinny(w), b)
+    got = cpu_kernels.ops.skinny_linear_packed(x, coded, b)
     assert torch.equal(got.view(torch.int16), plain.view(torch.int16))  # NaN's bits too
     # the engine packs this weight coded, and its linear layer gives the same bits
-    packed = cpu_pack_weight(w)
+    packed = cpu_kernels.backend.pack_weight(w)
     assert packed.skinny.dtype == torch.uint8
-    assert torch.equal(cpu_linear(x, w, b, packed).view(torch.int16), plain.view(torch.int16))
+    assert torch.equal(cpu_kernels.backend.linear(x, w, b, packed).view(torch.int16),
+                       plain.view(torch.int16))
 
 
 def _decode_coded(coded: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
@@ -244,34 +245,35 @@ def _decode_coded(coded: torch.Tensor, out_features: int, in_features: int) -> t
 
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 36)])
 @pytest.mark.cpu_ops("pack_coded")
-def test_coded_layout_holds_every_weight_bit(shape):
+def test_coded_layout_holds_every_weight_bit(shape, cpu_kernels):
     """Read back, the coded bytes are the weight's bits exactly: the products cannot show a
     lost subnormal (the dot product flushes them) or the sign of a zero."""
     in_features, out_features = shape
     w = _special_weights(out_features, in_features, out_features)
-    decoded = _decode_coded(cpu_ops().pack_coded(w), out_features, in_features)
+    decoded = _decode_coded(cpu_kernels.ops.pack_coded(w), out_features, in_features)
     assert torch.equal(decoded, w.view(torch.int16))
 
 
 @pytest.mark.cpu_ops("pack_coded", "pack_skinny", "skinny_linear_packed")
-def test_rows_with_more_than_16_exponents_stay_plain():
+def test_rows_with_more_than_16_exponents_stay_plain(cpu_kernels):
     w = (torch.randn(8, 64) / 8).bfloat16()
     w[5, :20] = torch.tensor([2.0 ** -e for e in range(20)]).bfloat16()  # 20 exponents in a row
-    assert cpu_ops().pack_coded(w).numel() == 0
-    packed = cpu_pack_weight(w)
+    assert cpu_kernels.ops.pack_coded(w).numel() == 0
+    packed = cpu_kernels.backend.pack_weight(w)
     assert packed.skinny.dtype == torch.bfloat16  # the plain streamed layout
     x = torch.randn(2, 64).bfloat16()
-    assert torch.equal(cpu_linear(x, w, None, packed),
-                       cpu_ops().skinny_linear_packed(x, cpu_ops().pack_skinny(w), None))
+    ops = cpu_kernels.ops
+    assert torch.equal(cpu_kernels.backend.linear(x, w, None, packed),
+                       ops.skinny_linear_packed(x, ops.pack_skinny(w), None))
 
 
 @pytest.mark.cpu_ops("skinny_linear")
-def test_skinny_linear_rejects_what_it_cannot_run():
+def test_skinny_linear_rejects_what_it_cannot_run(cpu_kernels):
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
-        cpu_ops().skinny_linear(torch.zeros(9, 64).bfloat16(), torch.zeros(8, 64).bfloat16(),
+        cpu_kernels.ops.skinny_linear(torch.zeros(9, 64).bfloat16(), torch.zeros(8, 64).bfloat16(),
                                 None)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        cpu_ops().skinny_linear(torch.zeros(1, 48).bfloat16(), torch.zeros(8, 48).bfloat16(),
+        cpu_kernels.ops.skinny_linear(torch.zeros(1, 48).bfloat16(), torch.zeros(8, 48).bfloat16(),
                                 None)
 
 
@@ -281,15 +283,15 @@ def test_skinny_linear_rejects_what_it_cannot_run():
 @pytest.mark.parametrize("shape", [(576, 1728), (1536, 576), (37, 48)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.cpu_ops("pack_bf16w", "linear_bf16w")
-def test_linear_bf16w_matches_fp32_matmul(rows, shape, bias):
+def test_linear_bf16w_matches_fp32_matmul(rows, shape, bias, cpu_kernels):
     in_features, out_features = shape
     torch.manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features)
     w = (torch.randn(out_features, in_features) / in_features ** 0.5).bfloat16()
     b = torch.randn(out_features) if bias else None
-    packed = cpu_ops().pack_bf16w(w)
+    packed = cpu_kernels.ops.pack_bf16w(w)
     assert packed.dtype == torch.bfloat16 and packed.numel() == w.numel()
-    got = cpu_ops().linear_bf16w(x, packed, b)
+    got = cpu_kernels.ops.linear_bf16w(x, packed, b)
     # the fp32 matmul of the bf16 weight's values: only the summation order differs
     want = torch.nn.functional.linear(x, w.float(), b)
     assert got.dtype == torch.float32 and got.shape == want.shape
@@ -297,19 +299,19 @@ def test_linear_bf16w_matches_fp32_matmul(rows, shape, bias):
 
 
 @pytest.mark.cpu_ops("pack_bf16w", "linear_bf16w")
-def test_linear_bf16w_reads_strided_rows():
+def test_linear_bf16w_reads_strided_rows(cpu_kernels):
     x = torch.randn(9, 2 * 64)[:, :64]  # rows of a wider tensor
     w = torch.randn(32, 64).bfloat16()
-    torch.testing.assert_close(cpu_ops().linear_bf16w(x, cpu_ops().pack_bf16w(w), None),
+    torch.testing.assert_close(cpu_kernels.ops.linear_bf16w(x, cpu_kernels.ops.pack_bf16w(w), None),
                                x @ w.float().T, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.cpu_ops("pack_bf16w", "linear_bf16w")
-def test_linear_bf16w_rejects_what_it_cannot_run():
+def test_linear_bf16w_rejects_what_it_cannot_run(cpu_kernels):
     with pytest.raises(RuntimeError, match="N a multiple of 16"):
-        cpu_ops().pack_bf16w(torch.zeros(24, 64).bfloat16())
-    packed = cpu_ops().pack_bf16w(torch.zeros(32, 64).bfloat16())
+        cpu_kernels.ops.pack_bf16w(torch.zeros(24, 64).bfloat16())
+    packed = cpu_kernels.ops.pack_bf16w(torch.zeros(32, 64).bfloat16())
     with pytest.raises(RuntimeError, match="fp32"):
-        cpu_ops().linear_bf16w(torch.zeros(2, 64).bfloat16(), packed, None)
+        cpu_kernels.ops.linear_bf16w(torch.zeros(2, 64).bfloat16(), packed, None)
     with pytest.raises(RuntimeError, match="K"):
-        cpu_ops().linear_bf16w(torch.zeros(2, 48), packed, None)
+        cpu_kernels.ops.linear_bf16w(torch.zeros(2, 48), packed, None)

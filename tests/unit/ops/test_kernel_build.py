@@ -132,7 +132,7 @@ def test_a_failed_build_is_remembered_and_retried_only_when_asked(tmp_path):
 
 
 def test_a_variant_without_sources_says_so(tmp_path):
-    empty = CpuVariant("avx2", tmp_path, VARIANTS["avx2"].isa_flags)
+    empty = CpuVariant("avx2", "avx2", VARIANTS["avx2"].isa_flags, source_dir=tmp_path)
     with pytest.raises(BuildFailed, match="avx2 kernels not present"):
         build_variant(empty, cache_root=tmp_path)
 

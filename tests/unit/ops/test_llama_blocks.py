@@ -12,21 +12,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_worker.backends import BACKENDS
-from engine_worker.backends.cpu import SKINNY_MAX_ROWS
+from engine_worker.backends.cpu_linear import SKINNY_MAX_ROWS
+from engine_worker.backends.reference import REFERENCE
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding
 from engine_worker.models.llama import LlamaConfig, LlamaDecoderLayer
-from engine_worker.ops import cpu_ops
 from tests.unit.ops.onednn import skip_without_onednn_bf16
 
-pytestmark = pytest.mark.usefixtures("cpu_isa")  # once per variant
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # once per variant
 # the AVX-512 packed-weight layouts the cpu backend's bf16 path streams (the AVX2 kernels pack
 # bf16 weights their own way)
 PACKED_BF16 = pytest.mark.cpu_ops("pack_coded", "pack_skinny", "skinny_linear_packed")
 
-CPU = BACKENDS["cpu"]
-# each variant's backend, the dtype its fused ops take, and its weights for few and many rows
-BACKEND = {"avx512": CPU, "avx2": BACKENDS["cpu-avx2"]}
+# the dtype each variant's fused ops take, and its weights for few and many rows
 ACTIVATIONS = {"avx512": torch.bfloat16, "avx2": torch.float32}
 FEW_AND_MANY = {"avx512": lambda packed: (packed.skinny, packed.onednn),
                 "avx2": lambda packed: (packed.panels, packed.panels)}
@@ -34,7 +31,7 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 576, 9, 3, 64, 1536
 MAX_POSITION = 4096
 
 
-def _layer(bias: bool, dtype=torch.bfloat16, backend=CPU) -> LlamaDecoderLayer:
+def _layer(backend, bias: bool, dtype=torch.bfloat16) -> LlamaDecoderLayer:
     """A decoder layer with random weights, loaded and packed as the engine does."""
     torch.manual_seed(int(bias))
     rope = RopeConfig(head_dim=HEAD_DIM, theta=10000.0, max_position_embeddings=MAX_POSITION)
@@ -78,16 +75,16 @@ def _every_row_count(test):
 
 
 @_every_row_count
-def test_norm_qkv_rope_is_the_composition_bit_for_bit(rows, bias):
+def test_norm_qkv_rope_is_the_composition_bit_for_bit(rows, bias, cpu_kernels):
     if rows > SKINNY_MAX_ROWS:
         skip_without_onednn_bf16()
-    layer = _layer(bias)
+    layer = _layer(cpu_kernels.backend, bias)
     w = layer.export()
     rotary = layer.self_attn.rotary
     x = (torch.randn(rows, HIDDEN) * 2).bfloat16()
     positions = torch.randint(0, MAX_POSITION, (rows,))
     want = layer.self_attn.qkv_rope(positions, layer.input_layernorm(x))
-    got = cpu_ops().norm_qkv_rope(
+    got = cpu_kernels.ops.norm_qkv_rope(
         x, w.input_norm, layer.input_layernorm.eps, w.qkv_proj.packed.skinny,
         w.qkv_proj.packed.onednn, w.qkv_proj.bias, positions, rotary.cos, rotary.sin, HEADS,
         KV_HEADS)
@@ -98,16 +95,16 @@ def test_norm_qkv_rope_is_the_composition_bit_for_bit(rows, bias):
 
 
 @_every_row_count
-def test_residual_mlp_is_the_composition_bit_for_bit(rows, bias):
+def test_residual_mlp_is_the_composition_bit_for_bit(rows, bias, cpu_kernels):
     if rows > SKINNY_MAX_ROWS:
         skip_without_onednn_bf16()
-    layer = _layer(bias)
+    layer = _layer(cpu_kernels.backend, bias)
     w = layer.export()
     x = (torch.randn(rows, HIDDEN) * 2).bfloat16()
     x_before = x.clone()
     attn = torch.randn(rows, HEADS * HEAD_DIM).bfloat16()
     want = _residual_mlp(layer, x, attn)
-    got = cpu_ops().residual_mlp(
+    got = cpu_kernels.ops.residual_mlp(
         x, attn, w.o_proj.packed.skinny, w.o_proj.packed.onednn, w.o_proj.bias,
         w.post_attention_norm, layer.post_attention_layernorm.eps,
         w.gate_up_proj.packed.skinny, w.gate_up_proj.packed.onednn, w.gate_up_proj.bias,
@@ -115,31 +112,31 @@ def test_residual_mlp_is_the_composition_bit_for_bit(rows, bias):
     assert torch.equal(got, want)
     assert torch.equal(x, x_before)  # the residual stream's input is not written to
     # and it is the layer's math, not only the same kernels: close to the reference backend
-    plain = _layer(bias, backend=BACKENDS["torch"])
+    plain = _layer(REFERENCE, bias)
     plain.load_state_dict(layer.state_dict())
     torch.testing.assert_close(got.float(), _residual_mlp(plain, x, attn).float(),
                                atol=0.1, rtol=0.05)
 
 
 @PACKED_BF16
-def test_fp32_layers_are_not_packed_for_the_fused_stack():
+def test_fp32_layers_are_not_packed_for_the_fused_stack(cpu_kernels):
     """The CPU layouts are bf16 only: an fp32 model runs its layers one by one."""
-    w = _layer(False, torch.float32).export()
-    assert all(lin.packed is None for lin in w.linears)
-    assert all(lin.packed is not None for lin in _layer(False).export().linears)
+    backend = cpu_kernels.backend
+    assert all(lin.packed is None for lin in _layer(backend, False, torch.float32).export().linears)
+    assert all(lin.packed is not None for lin in _layer(backend, False).export().linears)
 
 
-def test_fused_ops_name_what_is_wrong(cpu_isa):
-    layer = _layer(False, backend=BACKEND[cpu_isa])
+def test_fused_ops_name_what_is_wrong(cpu_kernels):
+    layer = _layer(cpu_kernels.backend, False)
     w, rotary = layer.export(), layer.self_attn.rotary
-    dtype = ACTIVATIONS[cpu_isa]
-    few, many = FEW_AND_MANY[cpu_isa](w.qkv_proj.packed)
+    dtype = ACTIVATIONS[cpu_kernels.isa]
+    few, many = FEW_AND_MANY[cpu_kernels.isa](w.qkv_proj.packed)
     norm = w.input_norm.to(dtype)
     wrong = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
     name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
 
     def call(x, qkv_few, qkv_many, heads=HEADS):
-        return cpu_ops().norm_qkv_rope(x, norm, 1e-5, qkv_few, qkv_many, None,
+        return cpu_kernels.ops.norm_qkv_rope(x, norm, 1e-5, qkv_few, qkv_many, None,
                                        torch.zeros(len(x), dtype=torch.long), rotary.cos,
                                        rotary.sin, heads, KV_HEADS)
 

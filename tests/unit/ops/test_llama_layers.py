@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from engine_worker import LLM, SamplingParams
-from engine_worker.backends import BACKENDS
+from engine_worker.backends.reference import REFERENCE
 from engine_worker.layers.rotary import RopeConfig
 from engine_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from tests.attention_steps import STEPS, make_step
 from tests.conftest import build_tiny_model
 from tests.unit.ops.onednn import skip_without_onednn_bf16
 
-pytestmark = pytest.mark.usefixtures("cpu_isa")  # once per variant this CPU runs
+pytestmark = pytest.mark.usefixtures("cpu_kernels")  # once per variant this CPU runs
 # bf16 through kernels.py's cpu path: the AVX-512 packed-weight layouts (the AVX2 kernels pack
 # bf16 weights their own way)
 PACKED_BF16 = pytest.mark.cpu_ops("pack_coded", "pack_skinny", "skinny_linear_packed")
@@ -76,8 +76,8 @@ def test_one_call_layers_are_the_per_layer_path_bit_for_bit(tmp_path_factory,
 
 @pytest.mark.parametrize("dtype, kernels", [("float32", "cpu"), ("bfloat16", "torch")])
 def test_layers_run_one_by_one_where_the_op_does_not_apply(stack_model_dir, dtype, kernels,
-                                                          cpu_isa):
-    if kernels == "cpu" and cpu_isa != "avx512":
+                                                          cpu_kernels):
+    if kernels == "cpu" and cpu_kernels.isa != "avx512":
         pytest.skip("the cpu backend is the AVX-512 set (cpu-avx2 fuses fp32 layers too)")
     llm = LLM(str(stack_model_dir), dtype=dtype, kernels=kernels, kv_cache_memory_bytes=1 << 24)
     assert llm.engine.runner.model.layer_stack is None
@@ -117,7 +117,6 @@ def test_step_profiler_reads_attention_time_from_the_one_call_layers(stack_model
 # ---------------------------------------------------------------- cpu-avx2: fp32 activations
 
 NUM_BLOCKS = 96
-AVX2 = BACKENDS["cpu-avx2"]
 
 
 def _tiny_llama(backend, bias: bool) -> LlamaForCausalLM:
@@ -138,12 +137,12 @@ def _run(model, meta, input_ids, positions, caches):
 
 @pytest.mark.cpu_ops("pack_bf16w", "linear_bf16w")
 @pytest.mark.parametrize("bias", [False, True])
-def test_llama_on_avx2_kernels(bias):
+def test_llama_on_avx2_kernels(bias, cpu_kernels):
     """A whole model on this set: in fp32 the one-call layers are the per-layer path bit for
     bit, and both the reference's result; a bf16 model (bf16 weights and cache, its layers'
     activations in fp32) is the fp32 model of its bf16 values up to the cache's rounding."""
     torch.manual_seed(3)
-    reference = _tiny_llama(BACKENDS["torch"], bias)
+    reference = _tiny_llama(REFERENCE, bias)
     with torch.no_grad():
         for p in reference.parameters():
             p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 + (1 if p.dim() == 1 else 0))
@@ -157,7 +156,7 @@ def test_llama_on_avx2_kernels(bias):
     reference.pack_weights()
     want, want_caches = _run(reference, meta, input_ids, positions, caches)
 
-    model = _tiny_llama(AVX2, bias)
+    model = _tiny_llama(cpu_kernels.backend, bias)
     model.load_state_dict(reference.state_dict())
     model.pack_weights()
     assert model.layer_stack is not None
@@ -176,7 +175,7 @@ def test_llama_on_avx2_kernels(bias):
     bf16_caches = [c.bfloat16() for c in caches]
     want, _ = _run(reference, meta, input_ids, positions,
                    [c.float() for c in bf16_caches])
-    model = _tiny_llama(AVX2, bias).to(torch.bfloat16)
+    model = _tiny_llama(cpu_kernels.backend, bias).to(torch.bfloat16)
     model.load_state_dict(reference.state_dict())
     model.pack_weights()
     assert model.layer_stack is not None

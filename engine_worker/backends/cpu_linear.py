@@ -1,0 +1,133 @@
+"""How each instruction set's kernels run a linear layer: the weight layout packed once at load,
+the call a step, and what the one-call decoder stack takes for the layer. The variants share
+every other op (``backends.cpu``); their linear layers are each set's own (``csrc/cpu/<isa>/``).
+
+- ``SKINNY_BF16`` (AVX-512 BF16): up to 8 rows through the skinny kernel, which streams a bf16
+  weight in row groups (exponent-coded where it can be, a quarter fewer bytes), more rows
+  through oneDNN's blocked bf16 layout; the stack's activations are bf16.
+- ``PANELS_BF16`` (AVX2): CPUs without bf16 arithmetic, where torch's bf16 matmul is emulated
+  and unusably slow, never call it: a bf16 weight is packed in panels of 16 output columns and
+  multiplied in fp32 by ``linear_bf16w`` (half the bytes of an fp32 weight, which is what a
+  decode step's time is made of); an fp32 weight stays with torch's fp32 matmul; the stack's
+  activations are fp32 whatever the weights (a bf16 model keeps its residual stream in fp32
+  there and its KV cache in bf16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine_worker.backends.base import LinearWeights
+from engine_worker.platform import to_huge_pages
+
+SKINNY_MAX_ROWS = 8  # up to here a linear layer is a weight stream: the bf16 kernel wins
+SKINNY_SLICE = 32  # the skinny kernel's input columns a step: in_features a multiple of this
+PANEL_COLUMNS = 16  # pack_bf16w's panels: output columns in multiples of this
+
+
+@dataclass(frozen=True, slots=True)
+class CpuPackedWeight:
+    """A bf16 weight in the two layouts the AVX-512 path streams: oneDNN's blocked one for many
+    rows, and for the skinny kernel (up to 8 rows) row groups interleaved per 32-wide slice,
+    one sequential stream per thread (~28 GB/s here against ~18 for the plain layout). The
+    skinny layout is exponent-coded where every row uses at most 16 exponents (12 bits a
+    weight, decoded losslessly in the kernel: a quarter fewer bytes a decode step; see
+    csrc/cpu/avx512/linear.cpp), else plain bf16."""
+
+    onednn: torch.Tensor | None
+    skinny: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class PanelPackedWeight:
+    """A bf16 weight as ``linear_bf16w`` streams it: bf16 [out / 16, in, 16]."""
+
+    panels: torch.Tensor
+
+
+class SkinnyBf16Linear:
+    """The AVX-512 set's linear layers (``skinny_linear_packed``, oneDNN)."""
+
+    activation_dtype = torch.bfloat16
+
+    @staticmethod
+    def pack(ops: Any, weight: torch.Tensor) -> CpuPackedWeight | None:
+        """Once per weight at load. oneDNN's layout: F.linear would re-lay the plain weight out
+        on every call (10-45 % of a decode-sized matmul here)."""
+        if weight.dtype != torch.bfloat16:
+            return None
+        # oneDNN's bf16 needs AVX-512 BW/VL/DQ (or AVX-NE-CONVERT) in the CPU itself; without
+        # it (the emulated AVX-512 kernels in the tests) more rows go through F.linear
+        onednn_bf16 = torch.backends.mkldnn.is_available() and \
+            torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None) if onednn_bf16 else None
+        out_features, in_features = weight.shape
+        skinny = None
+        if out_features % 4 == 0 and in_features % SKINNY_SLICE == 0:
+            skinny = ops.pack_coded(weight)
+            if skinny.numel() == 0:  # a row with more than 16 exponents
+                skinny = ops.pack_skinny(weight)
+            # what decode streams every step: on huge pages (platform.py)
+            skinny = to_huge_pages(skinny)
+        return CpuPackedWeight(onednn, skinny)
+
+    @staticmethod
+    def linear(ops: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               packed: CpuPackedWeight | None) -> torch.Tensor:
+        # x: [num_tokens, in_features]; more rows go to oneDNN, which reuses each weight load
+        if x.shape[0] <= SKINNY_MAX_ROWS and x.dtype == torch.bfloat16 \
+                and x.shape[1] % SKINNY_SLICE == 0:
+            if packed is not None and packed.skinny is not None:
+                return ops.skinny_linear_packed(x, packed.skinny, bias)
+            return ops.skinny_linear(x, weight, bias)
+        if packed is not None and packed.onednn is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def stack_weights(lin: LinearWeights) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's weights for up to 8 rows and for more: both packed layouts, or None (not
+        bf16, or a shape the skinny kernel does not take)."""
+        packed = lin.packed
+        if packed is None or packed.skinny is None or packed.onednn is None:
+            return None
+        return packed.skinny, packed.onednn
+
+
+class PanelBf16Linear:
+    """The AVX2 set's linear layers (``linear_bf16w`` on bf16 panels; fp32 through torch)."""
+
+    activation_dtype = torch.float32
+
+    @staticmethod
+    def pack(ops: Any, weight: torch.Tensor) -> PanelPackedWeight | None:
+        """Once per weight at load: bf16 weights whose output size the panels divide."""
+        if weight.dtype != torch.bfloat16 or weight.shape[0] % PANEL_COLUMNS:
+            return None
+        return PanelPackedWeight(to_huge_pages(ops.pack_bf16w(weight.detach())))
+
+    @staticmethod
+    def linear(ops: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               packed: PanelPackedWeight | None) -> torch.Tensor:
+        # x: [num_tokens, in_features] -> [num_tokens, out_features] in x's dtype
+        if packed is None:
+            return F.linear(x, weight, bias)
+        out = ops.linear_bf16w(x.float(), packed.panels, None if bias is None else bias.float())
+        return out.to(x.dtype)
+
+    @staticmethod
+    def stack_weights(lin: LinearWeights) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One tensor serves both row counts: the panels, or an fp32 weight; else None."""
+        if lin.packed is not None:
+            return lin.packed.panels, lin.packed.panels
+        if lin.weight.dtype == torch.float32:
+            return lin.weight.detach(), lin.weight.detach()
+        return None
+
+
+SKINNY_BF16 = SkinnyBf16Linear()
+PANELS_BF16 = PanelBf16Linear()
