@@ -162,7 +162,7 @@ def run_quire(engine_args, dtype: str, requests: dict) -> dict:
     load_s = time.perf_counter() - start
     result = measure(llm, SamplingParams, requests)
     choice = cpu_kernel_choice()
-    result.update(system="quire", dtype=dtype, load_s=load_s, kernels=llm.engine.kernels,
+    result.update(system="quire", dtype=dtype, load_s=load_s, kernels=llm.info.backend,
                   cpu_kernel_isa=choice.isa, cpu_kernel_reason=choice.reason)
     del llm
     gc.collect()

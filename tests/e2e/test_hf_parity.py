@@ -96,7 +96,7 @@ def test_triton_attention_matches_transformers(option, tiny_model_dir):
                                                                  dtype=torch.float32)
     llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=1 << 24,
               device="cpu", **{option: "triton"})
-    assert llm.engine.backend.backend.attention.name == "triton"
+    assert llm.info.attention == "triton"
     assert_matches_hf(llm, hf_model.eval(), [[7], [5, 100, 200, 300, 400],
                                              list(range(1000, 1040))], max_tokens=6)
 
@@ -120,5 +120,5 @@ def test_every_cpu_kernel_set_matches_transformers(variant, tmp_path, embedded_m
     backend = {"avx512": "cpu", "avx2": "cpu-avx2"}[kernel_code(variant)]
     with use_cpu_isa(variant):
         llm = LLM(str(model_dir), dtype="float32", kernels=backend, kv_cache_memory_bytes=1 << 26)
-        assert llm.engine.backend.backend.name == backend
+        assert llm.info.backend == backend
         assert_matches_hf(llm, hf_model.eval(), TINY_PROMPTS, max_tokens=24)

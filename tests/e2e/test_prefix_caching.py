@@ -100,7 +100,7 @@ def test_parallel_samples_hold_the_prompt_once(tiny_model_dir):
     assert peak_separate >= 8 * prompt_blocks
     # the prompt once, plus per sample at most its copied partial block and one new block
     assert peak_shared <= prompt_blocks + 8 * 2
-    assert shared.stats().kv_cache.num_free_blocks == shared.num_blocks
+    assert shared.stats().kv_cache.num_free_blocks == shared.info.num_kv_blocks
 
 
 def test_parallel_samples_match_separate_seeded_requests(tiny_model_dir):
