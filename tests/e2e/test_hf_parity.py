@@ -69,6 +69,7 @@ def test_tiny_models_match_transformers(variant, tmp_path, embedded_model_dir):
     assert_matches_hf(llm, hf_model.eval(), TINY_PROMPTS, max_tokens=40)
 
 
+@pytest.mark.slow  # loads the embedded SmolLM2 model
 def test_smollm2_matches_transformers(embedded_model_dir):
     """The embedded model, 8 prompts of mixed lengths (chat-templated and raw), 32 tokens."""
     llm = LLM(dtype="float32", kv_cache_memory_bytes=1 << 28)

@@ -263,6 +263,7 @@ def test_delta_outputs_of_parallel_samples_carry_only_news(llm):
     assert [pieces[i] for i in range(3)] == [c.token_ids for c in full.outputs]
 
 
+@pytest.mark.slow  # starts engine processes
 def test_the_backend_is_said_once_at_start_and_loudly_when_a_fallback(tiny_model_dir):
     """``LLM(...)`` with logging left unconfigured, as a user runs it: a fallback to the
     reference ops shows on stderr in one block, once; the fast path stays quiet."""
