@@ -3,7 +3,8 @@
 Synchronous and single-threaded; the gRPC server drives it from its own loop thread. One step:
 schedule -> run the model -> update the scheduler -> detokenize and build outputs. ``step()``
 returns a ``StepResult``: the outputs, the counts after the step and the KV events it sealed, so
-nothing outside reaches into the scheduler or the cache manager.
+nothing outside reaches into the scheduler or the cache manager. What was decided at start (the
+model, backend, dtype, KV cache size, ...) is one frozen ``EngineInfo``, ``engine.info``.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ import torch
 
 from engine_worker.backends import select_backend
 from engine_worker.config import EngineArgs, EngineConfig
+from engine_worker.engine_info import EngineInfo
 from engine_worker.input_processor import InputProcessor, PromptType
 from engine_worker.kv_cache.events import KVEventRecorder
 from engine_worker.kv_cache.manager import KVCacheManager, KVCacheStats
-from engine_worker.kv_cache.sizing import (DEFAULT_GPU_FRACTION, MemoryProfile, bytes_per_block,
-                                           kv_budget_bytes, num_blocks_for_budget,
-                                           profiled_kv_budget_bytes)
-from engine_worker.model_runner.graphs import (CudaGraphDecoder, build_graph_decoder,
-                                               choose_cuda_graphs)
+from engine_worker.kv_cache.sizing import (MemoryProfile, bytes_per_block, kv_budget_bytes,
+                                           num_blocks_for_budget, profiled_kv_budget_bytes)
+from engine_worker.model_runner.graphs import (CudaGraphChoice, CudaGraphDecoder,
+                                               build_graph_decoder, choose_cuda_graphs)
 from engine_worker.model_runner.profiling import CudaMemory, profile_memory
 from engine_worker.model_runner.runner import ModelRunner
 from engine_worker.output_processor import OutputProcessor
@@ -38,9 +39,11 @@ from engine_worker.sampling_params import SamplingParams
 from engine_worker.scheduler.scheduler import Scheduler
 from engine_worker.step_types import SchedulerStats
 from engine_worker.tokenizer import Tokenizer
-from engine_worker.weights.loader import load_model
-from engine_worker.weights.resolve import resolve_model_dir
+from engine_worker.weights.loader import LoadedModel, load_model
+from engine_worker.weights.resolve import EMBEDDED_MODEL_ID, resolve_model_dir
+from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
 from quire.kv_events import KVCacheSnapshot, KVEventBatch
+from quire.tokenizer_digest import tokenizer_dir_digest
 
 logger = logging.getLogger(__name__)
 
@@ -68,99 +71,90 @@ class StepResult:
     kv_event_batches: tuple[KVEventBatch, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class KVCacheSize:
+    """How large the KV cache was made and, on a GPU sized from a profile, the profile and
+    how the memory was shared out."""
+
+    num_blocks: int
+    block_bytes: int
+    memory_profile: MemoryProfile | None
+    memory: str | None
+
+
 class LLMEngine:
-    """One model, one KV cache, one scheduler."""
+    """One model, one KV cache, one scheduler; ``info`` holds the facts fixed at start."""
 
     def __init__(self, config: EngineConfig) -> None:
+        """Choose the device, kernels and dtype, load the model and tokenizer, size and
+        allocate the KV cache, build the collaborators, record the facts and announce them."""
         start = time.monotonic()
         self.config = config
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
-        self.device = select_device(config.device.device)
-        model_dir = resolve_model_dir(config.model.model)
-        tokenizer_dir = resolve_model_dir(config.model.tokenizer) if config.model.tokenizer \
-            else model_dir
-        self.model_dir = model_dir
-        self.backend = select_backend(config.device.kernels, self.device,
-                                      config.device.attention_backend)
-        self.dtype = select_dtype(config.model.dtype, self.device, self.backend.name)
-        self.kernels = self.backend.name
-        loaded = load_model(model_dir, dtype=self.dtype, device=self.device,
-                            backend=self.backend.backend,
-                            max_model_len=config.model.max_model_len)
-        with progress(logger, "Loading the tokenizer"):
-            self.tokenizer = Tokenizer(tokenizer_dir)
-        self.architecture = loaded.architecture
-        self.max_model_len = loaded.max_model_len
-        model_cfg = loaded.model.cfg
-
-        cache, sched = config.cache, config.scheduler
-        block_bytes = bytes_per_block(num_layers=model_cfg.num_layers, block_size=cache.block_size,
-                                      num_kv_heads=model_cfg.num_kv_heads,
-                                      head_dim=model_cfg.head_dim,
-                                      dtype_bytes=torch.finfo(self.dtype).bits // 8)
-        self.graph_choice = choose_cuda_graphs(
-            device=self.device, enforce_eager=config.device.enforce_eager,
-            attention=self.backend.backend.attention.name,
-            fused_layers=loaded.model.layer_stack is not None, max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens)
-        self.memory_profile: MemoryProfile | None = None
-        if self.device.type == "cuda" and cache.kv_cache_memory_bytes is None:
-            self.memory_profile = self._profile_memory(loaded.model)
-            budget = profiled_kv_budget_bytes(self.memory_profile, cache.gpu_memory_utilization)
-        else:
-            budget = kv_budget_bytes(kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
-                                     memory_utilization=cache.gpu_memory_utilization,
-                                     available_bytes=available_memory_bytes(self.device),
-                                     on_gpu=self.device.type == "cuda")
-        self.num_blocks = num_blocks_for_budget(budget_bytes=budget, block_bytes=block_bytes)
-        capacity = self.num_blocks * cache.block_size
-        if capacity < self.max_model_len:
-            logger.warning("KV cache holds %d tokens, less than max_model_len=%d: longer "
-                           "requests will be rejected", capacity, self.max_model_len)
-        with progress(logger, "Allocating the KV cache"):
-            kv_caches = [allocate_zeroed((2, self.num_blocks, cache.block_size,
-                                          model_cfg.num_kv_heads, model_cfg.head_dim),
-                                         self.dtype, self.device)
-                         for _ in range(model_cfg.num_layers)]
-        graphs = None
-        if self.graph_choice.enabled:
-            with progress(logger, f"Capturing CUDA graphs ({self.graph_choice.reason})"):
-                graphs = self._graph_decoder(loaded.model)
-                graphs.capture(kv_caches)
-        self._kv_events = KVEventRecorder(medium=self.device.type)
-        self._kv_cache_manager = KVCacheManager(self.num_blocks, cache.block_size,
-                                                cache.enable_prefix_caching, self._kv_events)
-        self._scheduler = Scheduler(
-            kv_cache_manager=self._kv_cache_manager,
-            max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
-            max_model_len=self.max_model_len, policy=sched.scheduling_policy,
-            long_prefill_token_threshold=sched.long_prefill_token_threshold)
-        self.runner = ModelRunner(loaded.model, kv_caches, cache.block_size, self.device,
-                                  model_cfg.vocab_size, self.tokenizer.eos_token_ids,
-                                  config.model.seed, graphs=graphs)
-        self.input_processor = InputProcessor(
-            self.tokenizer, max_model_len=self.max_model_len, kv_capacity_tokens=capacity,
-            vocab_size=model_cfg.vocab_size, max_num_seqs=sched.max_num_seqs)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self._device = select_device(config.device.device)
+        self._model_dir = resolve_model_dir(config.model.model)
+        self._tokenizer_dir = (resolve_model_dir(config.model.tokenizer)
+                               if config.model.tokenizer else self._model_dir)
+        self._backend = select_backend(config.device.kernels, self._device,
+                                       config.device.attention_backend)
+        self._dtype = select_dtype(config.model.dtype, self._device, self._backend.name)
+        loaded, self.tokenizer = self._load_model_and_tokenizer()
+        self._max_model_len = loaded.max_model_len
+        self._graph_choice = self._choose_cuda_graphs(loaded.model)
+        size = self._size_kv_cache(loaded.model)
+        kv_caches = self._allocate_kv_cache(loaded.model, size.num_blocks)
+        self._build(loaded.model, kv_caches, size.num_blocks)
+        self.info = self._facts(loaded, size)
         self._pending_outputs: list[RequestOutput] = []
         self.dead_reason: str | None = None  # set when a step failed; the engine is unusable
-        # the one place that says what runs: loud (WARNING) when the backend is a fallback
-        logger.log(logging.WARNING if self.backend.fallback else logging.INFO, "%s",
-                   start_summary(model=f"{model_dir.name} ({self.architecture})",
-                                 device=self.device, dtype=self.dtype,
-                                 num_threads=torch.get_num_threads(), backend=self.backend,
-                                 cuda_graphs=self.cuda_graphs, num_blocks=self.num_blocks,
-                                 block_size=cache.block_size, block_bytes=block_bytes,
-                                 max_model_len=self.max_model_len,
-                                 elapsed_s=time.monotonic() - start,
-                                 memory=self._describe_memory(self.num_blocks * block_bytes)))
+        self._announce(time.monotonic() - start)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())
 
     # ------------------------------------------------------------------- start-up
+    def _load_model_and_tokenizer(self) -> tuple[LoadedModel, Tokenizer]:
+        loaded = load_model(self._model_dir, dtype=self._dtype, device=self._device,
+                            backend=self._backend.backend,
+                            max_model_len=self.config.model.max_model_len)
+        with progress(logger, "Loading the tokenizer"):
+            return loaded, Tokenizer(self._tokenizer_dir)
+
+    def _choose_cuda_graphs(self, model) -> CudaGraphChoice:
+        sched = self.config.scheduler
+        return choose_cuda_graphs(
+            device=self._device, enforce_eager=self.config.device.enforce_eager,
+            attention=self._backend.backend.attention.name,
+            fused_layers=model.layer_stack is not None, max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens)
+
+    def _size_kv_cache(self, model) -> KVCacheSize:
+        """As many blocks as the budget holds: a profile's leftover on a GPU unless a size
+        was given, else the given size or a share of the available memory."""
+        cache, cfg = self.config.cache, model.cfg
+        block_bytes = bytes_per_block(num_layers=cfg.num_layers, block_size=cache.block_size,
+                                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                      dtype_bytes=torch.finfo(self._dtype).bits // 8)
+        profile = None
+        if self._device.type == "cuda" and cache.kv_cache_memory_bytes is None:
+            profile = self._profile_memory(model)
+            budget = profiled_kv_budget_bytes(profile, cache.gpu_memory_utilization)
+        else:
+            budget = kv_budget_bytes(kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
+                                     memory_utilization=cache.gpu_memory_utilization,
+                                     available_bytes=available_memory_bytes(self._device),
+                                     on_gpu=self._device.type == "cuda")
+        num_blocks = num_blocks_for_budget(budget_bytes=budget, block_bytes=block_bytes)
+        capacity = num_blocks * cache.block_size
+        if capacity < self._max_model_len:
+            logger.warning("KV cache holds %d tokens, less than max_model_len=%d: longer "
+                           "requests will be rejected", capacity, self._max_model_len)
+        return KVCacheSize(num_blocks=num_blocks, block_bytes=block_bytes, memory_profile=profile,
+                           memory=None if profile is None else profile.describe(
+                               cache.gpu_memory_utilization, num_blocks * block_bytes))
+
     def _profile_memory(self, model) -> MemoryProfile:
         """The device's memory before the KV cache is sized: a dummy step at the scheduler's
         limits for the peak activations, then, where graphs will run, their memory, captured
@@ -168,44 +162,79 @@ class LLMEngine:
         cache is allocated (they hold its addresses) and take what was measured."""
         cache, sched, cfg = self.config.cache, self.config.scheduler, model.cfg
         with progress(logger, "Profiling memory at the largest step"):
-            profile = profile_memory(model, CudaMemory(self.device),
+            profile = profile_memory(model, CudaMemory(self._device),
                                      num_tokens=sched.max_num_batched_tokens,
                                      num_seqs=sched.max_num_seqs,
-                                     max_model_len=self.max_model_len,
-                                     block_size=cache.block_size, device=self.device)
-        if not self.graph_choice.enabled:
+                                     max_model_len=self._max_model_len,
+                                     block_size=cache.block_size, device=self._device)
+        if not self._graph_choice.enabled:
             return profile
         scratch = torch.zeros(2, 1, cache.block_size, cfg.num_kv_heads, cfg.head_dim,
-                              dtype=self.dtype, device=self.device)
+                              dtype=self._dtype, device=self._device)
         with progress(logger, "Measuring CUDA graph memory"):
             graph_bytes = CudaGraphDecoder.measure_bytes(lambda: self._graph_decoder(model),
                                                          [scratch] * cfg.num_layers)
         return dataclasses.replace(profile, cuda_graph_bytes=graph_bytes)
 
     def _graph_decoder(self, model) -> CudaGraphDecoder:
-        return build_graph_decoder(model, self.graph_choice.sizes, self.max_model_len,
-                                   self.config.cache.block_size, self.device)
+        return build_graph_decoder(model, self._graph_choice.sizes, self._max_model_len,
+                                   self.config.cache.block_size, self._device)
 
-    def _describe_memory(self, kv_bytes: int) -> str | None:
-        if self.memory_profile is None:
-            return None
-        fraction = self.config.cache.gpu_memory_utilization or DEFAULT_GPU_FRACTION
-        return self.memory_profile.describe(fraction, kv_bytes)
+    def _allocate_kv_cache(self, model, num_blocks: int) -> list[torch.Tensor]:
+        cfg = model.cfg
+        with progress(logger, "Allocating the KV cache"):
+            # one tensor a layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+            return [allocate_zeroed((2, num_blocks, self.config.cache.block_size,
+                                     cfg.num_kv_heads, cfg.head_dim), self._dtype, self._device)
+                    for _ in range(cfg.num_layers)]
 
-    @property
-    def cuda_graphs(self) -> str:
-        """Whether decode steps replay CUDA graphs, and why: ``on (...)`` or ``off (cpu)``."""
-        return self.graph_choice.describe()
+    def _build(self, model, kv_caches: list[torch.Tensor], num_blocks: int) -> None:
+        """The collaborators: graphs (captured over the real cache), KV events, the cache
+        manager, the scheduler, the runner and the input and output processors."""
+        cache, sched = self.config.cache, self.config.scheduler
+        graphs = None
+        if self._graph_choice.enabled:
+            with progress(logger, f"Capturing CUDA graphs ({self._graph_choice.reason})"):
+                graphs = self._graph_decoder(model)
+                graphs.capture(kv_caches)
+        self._kv_events = KVEventRecorder(medium=self._device.type)
+        self._kv_cache_manager = KVCacheManager(num_blocks, cache.block_size,
+                                                cache.enable_prefix_caching, self._kv_events)
+        self._scheduler = Scheduler(
+            kv_cache_manager=self._kv_cache_manager,
+            max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
+            max_model_len=self._max_model_len, policy=sched.scheduling_policy,
+            long_prefill_token_threshold=sched.long_prefill_token_threshold)
+        self.runner = ModelRunner(model, kv_caches, cache.block_size, self._device,
+                                  model.cfg.vocab_size, self.tokenizer.eos_token_ids,
+                                  self.config.model.seed, graphs=graphs)
+        self.input_processor = InputProcessor(
+            self.tokenizer, max_model_len=self._max_model_len,
+            kv_capacity_tokens=num_blocks * cache.block_size, vocab_size=model.cfg.vocab_size,
+            max_num_seqs=sched.max_num_seqs)
+        self.output_processor = OutputProcessor(self.tokenizer)
 
-    # -------------------------------------------------------------------- facts
-    @property
-    def block_size(self) -> int:
-        """Tokens per KV block (the unit of prefix caching and of the block hashes)."""
-        return self.config.cache.block_size
+    def _facts(self, loaded: LoadedModel, size: KVCacheSize) -> EngineInfo:
+        cache, backend = self.config.cache, self._backend
+        return EngineInfo(
+            model=self.config.model.model or EMBEDDED_MODEL_ID, model_dir=self._model_dir,
+            tokenizer_dir=self._tokenizer_dir, architecture=loaded.architecture,
+            max_model_len=self._max_model_len, vocab_size=self.tokenizer.vocab_size,
+            device=self._device, dtype=self._dtype, num_threads=torch.get_num_threads(),
+            backend=backend.name, attention=backend.backend.attention.name,
+            backend_reason=backend.reason, backend_fallback=backend.fallback,
+            backend_summary=backend.describe(), cuda_graphs=self._graph_choice.describe(),
+            block_size=cache.block_size,
+            num_kv_blocks=size.num_blocks, kv_block_bytes=size.block_bytes,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            memory_profile=size.memory_profile, memory=size.memory,
+            block_hash_algorithm=BLOCK_HASH_ALGORITHM, block_hash_seed=ROOT_HASH,
+            tokenizer_digest=tokenizer_dir_digest(self._tokenizer_dir))
 
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return self.config.cache.enable_prefix_caching
+    def _announce(self, elapsed_s: float) -> None:
+        # the one place that says what runs: loud (WARNING) when the backend is a fallback
+        logger.log(logging.WARNING if self.info.backend_fallback else logging.INFO, "%s",
+                   start_summary(self.info, elapsed_s=elapsed_s))
 
     # -------------------------------------------------------------------- the step API
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -286,7 +315,7 @@ class LLMEngine:
     def kv_cache_snapshot(self) -> KVCacheSnapshot:
         """Every cached block hash, as of the last sealed event batch; the batches after it
         come with the following ``step()`` results."""
-        return self._kv_events.snapshot(self._kv_cache_manager.pool.cached)
+        return self._kv_events.snapshot(self._kv_cache_manager.cached_block_hashes())
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks (only when no request holds any); True if done. The

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from engine_worker.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from engine_worker.config import EngineArgs
 from engine_worker.engine import LLMEngine
+from engine_worker.engine_info import EngineInfo
 from engine_worker.input_processor import PromptType
 from engine_worker.outputs import RequestOutput
 from engine_worker.sampling_params import RequestOutputKind, SamplingParams
@@ -29,6 +30,12 @@ class LLM:
             raise ValueError(f"{unknown[0]}: not an engine argument (known: {sorted(known)})")
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._counter = itertools.count()
+
+    @property
+    def info(self) -> EngineInfo:
+        """What the engine runs, fixed at start: model, device, dtype, kernel backend, KV cache
+        size, max_model_len, ..."""
+        return self.engine.info
 
     def get_tokenizer(self):
         return self.engine.tokenizer.hf

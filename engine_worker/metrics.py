@@ -14,9 +14,13 @@ from __future__ import annotations
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+if TYPE_CHECKING:
+    from engine_worker.engine_info import EngineInfo
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -57,11 +61,10 @@ class EngineMetrics:
     last-seen totals of the cumulative counters.
     """
 
-    def __init__(self, model_name: str, *, backend: str, backend_reason: str,
-                 cuda_graphs: str = "off") -> None:
-        """``backend`` and ``backend_reason``: the kernel backend the engine runs and why (see
-        ``engine_worker.backends.BackendChoice``), exported as ``quire:backend_info``;
-        ``cuda_graphs`` (``on (...)`` / ``off (cpu)``) as ``quire:cuda_graphs_info``."""
+    def __init__(self, model_name: str, info: EngineInfo) -> None:
+        """``info``: the engine's facts; which kernel backend runs and why is exported as
+        ``quire:backend_info``, whether decode steps replay CUDA graphs (``on (...)`` /
+        ``off (cpu)``) as ``quire:cuda_graphs_info``."""
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self._lock = threading.Lock()
@@ -81,10 +84,11 @@ class EngineMetrics:
         # 5-10x and an alert can match on backend="torch" where "cpu" was expected.
         Gauge("quire:backend_info", "Kernel backend the engine runs, and why (value 1).",
               ["model_name", "backend", "reason"], registry=r
-              ).labels(model_name, backend, backend_reason).set(1)
+              ).labels(model_name, info.backend, info.backend_reason).set(1)
         Gauge("quire:cuda_graphs_info",
               "Whether decode steps replay CUDA graphs, and why (value 1).",
-              ["model_name", "cuda_graphs"], registry=r).labels(model_name, cuda_graphs).set(1)
+              ["model_name", "cuda_graphs"], registry=r
+              ).labels(model_name, info.cuda_graphs).set(1)
 
         # Scheduler state, sampled after every step.
         self._num_running = gauge("vllm:num_requests_running",

@@ -12,10 +12,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
-    from engine_worker.backends import BackendChoice
+    from engine_worker.engine_info import EngineInfo
 
 HEARTBEAT_S = 15.0
 
@@ -44,24 +42,22 @@ def progress(logger: logging.Logger, what: str, *, expect: str = "",
     logger.info("%s: done in %.1f s", what, time.monotonic() - start)
 
 
-def start_summary(*, model: str, device: torch.device, dtype: torch.dtype, num_threads: int,
-                  backend: BackendChoice, cuda_graphs: str, num_blocks: int, block_size: int,
-                  block_bytes: int, max_model_len: int, elapsed_s: float,
-                  memory: str | None = None) -> str:
-    """The choices an engine made, as the short block it logs once at start. ``memory``: how
-    the device's memory was shared out, where the KV cache was sized from a profile."""
-    capacity = num_blocks * block_size
-    threads = f", {num_threads} threads" if device.type == "cpu" else ""
+def start_summary(info: EngineInfo, *, elapsed_s: float) -> str:
+    """The choices an engine made, as the short block it logs once at start; a ``Memory``
+    line where the KV cache was sized from a profile of the device's memory."""
+    capacity = info.kv_capacity_tokens
+    threads = f", {info.num_threads} threads" if info.device.type == "cpu" else ""
     lines = [
-        f"Engine ready in {elapsed_s:.1f} s: {model}",
-        f"  Device: {device}{threads}, dtype {str(dtype).removeprefix('torch.')}",
-        f"  Backend: {backend.describe()}",
-        f"  CUDA graphs: {cuda_graphs}",
-        f"  KV cache: {num_blocks} blocks x {block_size} tokens = {capacity} tokens, "
-        f"{num_blocks * block_bytes / 2**30:.2f} GiB ({block_bytes // block_size} bytes a token)",
+        f"Engine ready in {elapsed_s:.1f} s: {info.model_dir.name} ({info.architecture})",
+        f"  Device: {info.device}{threads}, dtype {str(info.dtype).removeprefix('torch.')}",
+        f"  Backend: {info.backend_summary}",
+        f"  CUDA graphs: {info.cuda_graphs}",
+        f"  KV cache: {info.num_kv_blocks} blocks x {info.block_size} tokens = {capacity} "
+        f"tokens, {info.kv_cache_bytes / 2**30:.2f} GiB "
+        f"({info.kv_block_bytes // info.block_size} bytes a token)",
     ]
-    if memory is not None:
-        lines.append(f"  Memory: {memory}")
-    lines.append(f"  Max model len: {max_model_len} tokens ({capacity / max_model_len:.2f} "
-                 "full-length sequences fit at once)")
+    if info.memory is not None:
+        lines.append(f"  Memory: {info.memory}")
+    lines.append(f"  Max model len: {info.max_model_len} tokens "
+                 f"({capacity / info.max_model_len:.2f} full-length sequences fit at once)")
     return "\n".join(lines)

@@ -115,6 +115,11 @@ class KVCacheManager:
             return prefix.shortened()
         return prefix
 
+    def cached_block_hashes(self) -> frozenset[int]:
+        """Every block hash the prefix cache holds now (what a KV-event subscriber starts
+        from)."""
+        return frozenset(self.pool.cached)
+
     def _is_pending(self, block: KVBlock) -> bool:
         return block.block_id in self._pending_block_ids
 

@@ -90,9 +90,11 @@ class MemoryProfile:
         return (self.weights_bytes + self.peak_activation_bytes + self.non_torch_bytes
                 + self.cuda_graph_bytes)
 
-    def describe(self, memory_utilization: float, kv_bytes: int) -> str:
+    def describe(self, memory_utilization: float | None, kv_bytes: int) -> str:
         """``79.1 GiB x 0.90: weights 15.0, activations 2.1, CUDA graphs 0.4, other 0.6,
-        KV cache 53.1 GiB``."""
+        KV cache 53.1 GiB`` (``None``: the default fraction, as the budget takes it)."""
+        if memory_utilization is None:
+            memory_utilization = DEFAULT_GPU_FRACTION
         parts = (("weights", self.weights_bytes), ("activations", self.peak_activation_bytes),
                  ("CUDA graphs", self.cuda_graph_bytes), ("other", self.non_torch_bytes),
                  ("KV cache", kv_bytes))

@@ -14,7 +14,6 @@ from grpc_reflection.v1alpha import reflection
 
 from engine_worker.engine import EngineStats, LLMEngine
 from engine_worker.metrics import EngineMetrics, MetricsServer
-from engine_worker.weights.resolve import EMBEDDED_MODEL_ID
 from engine_worker.server.async_engine import AsyncEngine
 from engine_worker.server.config import ServerConfig
 from engine_worker.server.convert import RequestLimits
@@ -45,10 +44,8 @@ class EngineServer:
                  tracing: Tracing | None = None) -> None:
         """``tracing``: where request spans go (None: off; the owner shuts it down)."""
         self.cfg = cfg
-        model_name = cfg.model_name or engine.config.model.model or EMBEDDED_MODEL_ID
-        self.metrics = (EngineMetrics(model_name, backend=engine.backend.name,
-                                      backend_reason=engine.backend.reason,
-                                      cuda_graphs=engine.cuda_graphs)
+        model_name = cfg.model_name or engine.info.model
+        self.metrics = (EngineMetrics(model_name, engine.info)
                         if cfg.metrics_port is not None else None)
         self.metrics_server: MetricsServer | None = None
         self.async_engine = AsyncEngine(
@@ -60,8 +57,8 @@ class EngineServer:
                                max_stop_string_len=cfg.max_stop_string_len,
                                max_prompt_chars=cfg.max_prompt_chars,
                                max_tokens=cfg.max_tokens_limit)
-        self.servicer = EngineServicer(self.async_engine, model_name=model_name,
-                                       limits=limits, tokenizer_dir=engine.model_dir,
+        self.servicer = EngineServicer(self.async_engine, info=engine.info,
+                                       model_name=model_name, limits=limits,
                                        spans=_span_factory(tracing, model_name))
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None

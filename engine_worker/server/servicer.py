@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -17,8 +16,7 @@ import grpc
 from engine_worker.server.async_engine import AsyncEngine
 from engine_worker.server.convert import RequestLimits, request_from_proto, response_to_proto
 from engine_worker.server.errors import abort_with
-from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
-from quire.tokenizer_digest import TOKENIZER_FILES, tokenizer_dir_digest
+from quire.tokenizer_digest import TOKENIZER_FILES
 from quire.kv_events import batch_to_proto, snapshot_to_proto
 from quire.load_stream import load_reports
 from quire.tracing import traced_generate
@@ -26,24 +24,24 @@ from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 
 if TYPE_CHECKING:
+    from engine_worker.engine_info import EngineInfo
     from engine_worker.server.tracing import EngineSpan
 
 logger = logging.getLogger(__name__)
 
 
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
-    def __init__(self, engine: AsyncEngine, *, model_name: str, limits: RequestLimits,
-                 tokenizer_dir: Path,
+    def __init__(self, engine: AsyncEngine, *, info: EngineInfo, model_name: str,
+                 limits: RequestLimits,
                  spans: Callable[[pb.GenerateRequest, object], EngineSpan] | None = None
                  ) -> None:
-        """``spans`` (request, invocation metadata) -> an ``EngineSpan``: given when tracing
-        is on, None when off."""
+        """``info``: the engine's facts (GetModelInfo, GetTokenizer); ``spans`` (request,
+        invocation metadata) -> an ``EngineSpan``: given when tracing is on, None when off."""
         self.engine = engine
+        self.info = info
         self.spans = spans
         self.model_name = model_name
         self.limits = limits
-        self._tokenizer_dir = Path(tokenizer_dir)
-        self._tokenizer_digest = tokenizer_dir_digest(tokenizer_dir)
         self.draining = False
 
     @traced_generate
@@ -81,24 +79,26 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             await abort_with(context, e)
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        engine = self.engine.engine
+        """The engine's facts, fixed at start: what a router checks before it routes here."""
+        info = self.info
         return pb.ModelInfo(
-            model_name=self.model_name, max_model_len=engine.max_model_len,
-            block_size=engine.block_size,
-            block_hash_algorithm=BLOCK_HASH_ALGORITHM, block_hash_seed=ROOT_HASH,
-            tokenizer_digest=self._tokenizer_digest, vocab_size=engine.tokenizer.vocab_size,
-            enable_prefix_caching=engine.enable_prefix_caching,
-            num_kv_blocks=engine.num_blocks, backend=engine.backend.name,
-            backend_reason=engine.backend.reason, backend_fallback=engine.backend.fallback,
-            cuda_graphs=engine.cuda_graphs)
+            model_name=self.model_name, max_model_len=info.max_model_len,
+            block_size=info.block_size, block_hash_algorithm=info.block_hash_algorithm,
+            block_hash_seed=info.block_hash_seed, tokenizer_digest=info.tokenizer_digest,
+            vocab_size=info.vocab_size, enable_prefix_caching=info.enable_prefix_caching,
+            num_kv_blocks=info.num_kv_blocks, backend=info.backend,
+            backend_reason=info.backend_reason, backend_fallback=info.backend_fallback,
+            cuda_graphs=info.cuda_graphs)
 
     async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:
-        files = {name: (self._tokenizer_dir / name).read_bytes() for name in TOKENIZER_FILES
-                 if (self._tokenizer_dir / name).is_file()}
+        """The files a router needs to tokenize exactly as this engine does."""
+        directory = self.info.tokenizer_dir
+        files = {name: (directory / name).read_bytes() for name in TOKENIZER_FILES
+                 if (directory / name).is_file()}
         if "tokenizer.json" not in files:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 "this engine's tokenizer has no tokenizer.json")
-        return pb.TokenizerFiles(files=files, digest=self._tokenizer_digest)
+        return pb.TokenizerFiles(files=files, digest=self.info.tokenizer_digest)
 
     async def StreamLoad(self, request: pb.StreamLoadRequest, context):
         async for report in load_reports(request, self._load_report):

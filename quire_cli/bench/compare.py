@@ -161,8 +161,8 @@ def run_quire(engine_args, dtype: str, requests: dict) -> dict:
     load_s = time.perf_counter() - start
     result = measure(llm, SamplingParams, requests)
     # the engine's own choice: the backend (one kernel variant each) and why
-    result.update(system="quire", dtype=dtype, load_s=load_s, kernels=llm.engine.kernels,
-                  kernels_reason=llm.engine.backend.reason)
+    result.update(system="quire", dtype=dtype, load_s=load_s, kernels=llm.info.backend,
+                  kernels_reason=llm.info.backend_reason)
     del llm
     gc.collect()
     return result

@@ -121,11 +121,12 @@ def run_from_args(ns: argparse.Namespace) -> int:
     rng = random.Random(0)
     print("quire: one request at a time", file=sys.stderr)
     report = {"config": dataclasses.asdict(cfg), "engine": dataclasses.asdict(engine_args),
-              "environment": {"kernels": engine.kernels, "dtype": str(engine.dtype),
+              "environment": {"kernels": engine.info.backend, "dtype": str(engine.info.dtype),
                               "cpu_count": os.cpu_count(),
                               "loadavg_1m_at_start": os.getloadavg()[0]},
               "quire": quire_latency(engine, cfg, rng, vocab_size)}
-    model_dir, dtype, device = engine.model_dir, engine.dtype, engine.device
+    info = engine.info
+    model_dir, dtype, device = info.model_dir, info.dtype, info.device
     model_bytes = weight_bytes(engine.runner.model)
     del llm, engine
     gc.collect()

@@ -299,8 +299,9 @@ def _environment(engine) -> dict:
     import transformers
 
     # The load average shows whether something else shared the CPU during the run.
-    return {"model_dir": str(engine.model_dir), "device": str(engine.device),
-            "dtype": str(engine.dtype).removeprefix("torch."), "kernels": engine.kernels,
+    info = engine.info
+    return {"model_dir": str(info.model_dir), "device": str(info.device),
+            "dtype": str(info.dtype).removeprefix("torch."), "kernels": info.backend,
             "cpu_count": os.cpu_count(), "torch_num_threads": torch.get_num_threads(),
             "loadavg_1m_at_start": os.getloadavg()[0], "torch_version": torch.__version__,
             "transformers_version": transformers.__version__}
@@ -344,7 +345,8 @@ def run_from_args(ns: argparse.Namespace) -> int:
                            vocab_size=vocab_size, seed=cfg.workload_seed + 1)
     print(f"quire: {cfg.num_prompts} requests", file=sys.stderr)
     results = [time_quire(llm, workload, warmup, cfg.ignore_eos)]
-    model_dir, dtype, device = engine.model_dir, engine.dtype, engine.device
+    info = engine.info
+    model_dir, dtype, device = info.model_dir, info.dtype, info.device
     parameters = num_parameters(engine.runner.model)
     del llm, engine  # free the KV cache before the baseline and the sweep
     gc.collect()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -51,10 +50,7 @@ SALTS = [None, "tenant-a"]
 
 @pytest.fixture(scope="module")
 def router_tokenizer(embedded_model_dir: Path) -> RouterTokenizer:
-    start = time.perf_counter()
-    tok = RouterTokenizer.from_dir(embedded_model_dir)
-    print(f"\nRouterTokenizer.from_dir: {(time.perf_counter() - start) * 1000:.1f} ms")
-    return tok
+    return RouterTokenizer.from_dir(embedded_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -147,10 +143,3 @@ def test_router_tokenizer_imports_no_torch_or_transformers():
     repo_root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=repo_root)
 
-
-def test_from_dir_load_time(embedded_model_dir, capsys):
-    start = time.perf_counter()
-    RouterTokenizer.from_dir(embedded_model_dir)
-    elapsed = time.perf_counter() - start
-    with capsys.disabled():
-        print(f"\nRouterTokenizer.from_dir (warm): {elapsed * 1000:.1f} ms")

@@ -39,7 +39,7 @@ def test_same_tokens_alone_batched_chunked_and_preempted(tiny_model_dir, seeded)
     # 14 blocks of 16 tokens for 8 requests needing up to 7 blocks each: preemption is forced.
     block_bytes = 3 * 2 * 16 * 2 * 16 * 4  # layers * (K, V) * block * kv_heads * head_dim * fp32
     llm, preempted = _run(tiny_model_dir, PROMPTS, params, kv_cache_memory_bytes=14 * block_bytes)
-    assert llm.engine.num_blocks == 14
+    assert llm.info.num_kv_blocks == 14
     assert llm.engine.stats().scheduler.num_preemptions > 0
     assert preempted == alone
     assert llm.engine.stats().kv_cache.num_free_blocks == 14
@@ -48,7 +48,7 @@ def test_same_tokens_alone_batched_chunked_and_preempted(tiny_model_dir, seeded)
 def test_every_block_returns_after_finish_and_abort(tiny_model_dir):
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), dtype="float32",
                                                    kv_cache_memory_bytes=1 << 22))
-    total = engine.num_blocks
+    total = engine.info.num_kv_blocks
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"r{i}", {"prompt_token_ids": p},
                            SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))

@@ -8,6 +8,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each benchmark starts engine processes
+
 ENGINE_FLAGS = ("--dtype", "float32", "--kv-cache-memory-bytes", str(1 << 24))
 
 

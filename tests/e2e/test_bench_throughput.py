@@ -12,6 +12,8 @@ import pytest
 
 from quire_cli.bench.step_profile import PARTS
 
+pytestmark = pytest.mark.slow  # each benchmark runs in a process of its own that loads engines
+
 
 def _bench(model_dir, tmp_path, *args) -> dict:
     out = tmp_path / "throughput.json"

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from engine_worker import LLM, SamplingParams
 
 
@@ -16,6 +18,7 @@ def _quire(*args: str, stdin: str | None = None, env: dict | None = None):
                           env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow  # starts engine processes
 def test_generate_streams_the_same_text_as_the_api(tiny_model_dir):
     result = _quire("generate", "The weather today", "--no-chat-template", "--model",
                     str(tiny_model_dir), "--dtype", "float32", "--max-tokens", "12",
@@ -27,6 +30,7 @@ def test_generate_streams_the_same_text_as_the_api(tiny_model_dir):
     assert result.stdout == expected + "\n"
 
 
+@pytest.mark.slow  # starts engine processes
 def test_engine_flags_come_from_environment_and_bad_values_exit_2(tiny_model_dir):
     result = _quire("generate", "hi", "--model", str(tiny_model_dir), "--max-tokens", "2",
                     env={"QUIRE_MAX_NUM_SEQS": "0"})
@@ -37,6 +41,7 @@ def test_engine_flags_come_from_environment_and_bad_values_exit_2(tiny_model_dir
     assert result.returncode == 0, result.stderr  # the flag beats the environment
 
 
+@pytest.mark.slow  # starts engine processes
 def test_chat_keeps_history_and_ends_on_empty_line(tiny_model_dir):
     result = _quire("chat", "--model", str(tiny_model_dir), "--max-tokens", "4",
                     "--system", "Be brief.", stdin="hello\nand again\n\n")
@@ -45,6 +50,7 @@ def test_chat_keeps_history_and_ends_on_empty_line(tiny_model_dir):
     assert len(replies) == 2
 
 
+@pytest.mark.slow  # loads the embedded SmolLM2 model
 def test_gguf_path_and_hub_id_load_the_embedded_model(embedded_model_dir):
     from engine_worker.weights.resolve import embedded_gguf_path, resolve_model_dir
 

@@ -18,6 +18,8 @@ from quire.v1 import engine_pb2_grpc
 from tests.e2e.test_engine_server import RunningServer, _collect, _engine, _request
 from engine_worker.server.config import ServerConfig
 
+pytestmark = pytest.mark.slow  # starts engine processes
+
 
 def _start_engine(model_dir, *extra):
     proc = subprocess.Popen(

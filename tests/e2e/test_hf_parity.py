@@ -70,6 +70,7 @@ def test_tiny_models_match_transformers(variant, tmp_path, embedded_model_dir):
     assert_matches_hf(llm, hf_model.eval(), TINY_PROMPTS, max_tokens=40)
 
 
+@pytest.mark.slow  # loads the embedded SmolLM2 model
 def test_smollm2_matches_transformers(embedded_model_dir):
     """The embedded model, 8 prompts of mixed lengths (chat-templated and raw), 32 tokens."""
     llm = LLM(dtype="float32", kv_cache_memory_bytes=1 << 28)
@@ -97,7 +98,7 @@ def test_triton_attention_matches_transformers(option, tiny_model_dir):
                                                                  dtype=torch.float32)
     llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=1 << 24,
               device="cpu", **{option: "triton"})
-    assert llm.engine.backend.backend.attention.name == "triton"
+    assert llm.info.attention == "triton"
     assert_matches_hf(llm, hf_model.eval(), [[7], [5, 100, 200, 300, 400],
                                              list(range(1000, 1040))], max_tokens=6)
 
@@ -115,6 +116,6 @@ def test_every_cpu_kernel_set_matches_transformers(variant, tmp_path, embedded_m
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     backend = CPU_BACKEND_OF_ISA[kernels.isa]
     llm = LLM(str(model_dir), dtype="float32", kernels=backend, kv_cache_memory_bytes=1 << 26)
-    assert llm.engine.backend.backend.name == backend
-    assert llm.engine.backend.backend.description == BACKENDS[backend].description
+    assert llm.info.backend == backend
+    assert BACKENDS[backend].description in llm.info.backend_summary
     assert_matches_hf(llm, hf_model.eval(), TINY_PROMPTS, max_tokens=24)

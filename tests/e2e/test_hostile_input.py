@@ -268,6 +268,7 @@ def _cli(*argv, timeout_s=60) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("command", ["router-grpc", "router-http", "engine", "engine-metrics",
                                      "up-router", "up-http"])
+@pytest.mark.slow  # starts a process for each command
 def test_6_every_command_checks_its_ports_before_starting(command, tiny_model_dir):
     holder, port = _reuseport_holder()
     try:

@@ -198,7 +198,7 @@ def test_bad_prompts_name_the_field_and_spare_others(llm):
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.stats().kv_cache.num_free_blocks == llm.engine.num_blocks
+    assert llm.engine.stats().kv_cache.num_free_blocks == llm.info.num_kv_blocks
 
 
 def test_unknown_model_path_and_architecture(tmp_path):
@@ -238,7 +238,7 @@ def test_limits_on_logprobs_and_sample_ids(llm):
         engine.add_request("x", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(n=2))
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.stats().kv_cache.num_free_blocks == engine.num_blocks
+    assert engine.stats().kv_cache.num_free_blocks == engine.info.num_kv_blocks
 
 
 def test_delta_outputs_of_parallel_samples_carry_only_news(llm):
@@ -263,6 +263,7 @@ def test_delta_outputs_of_parallel_samples_carry_only_news(llm):
     assert [pieces[i] for i in range(3)] == [c.token_ids for c in full.outputs]
 
 
+@pytest.mark.slow  # starts engine processes
 def test_the_backend_is_said_once_at_start_and_loudly_when_a_fallback(tiny_model_dir):
     """``LLM(...)`` with logging left unconfigured, as a user runs it: a fallback to the
     reference ops shows on stderr in one block, once; the fast path stays quiet."""
@@ -296,13 +297,13 @@ def test_start_shows_progress_and_one_summary_of_the_choices(tiny_model_dir, cap
         assert any(m.startswith(step) and ": done in " in m for m in messages), step
     summaries = [r for r in caplog.records if r.getMessage().startswith("Engine ready in ")]
     assert len(summaries) == 1 and summaries[0].levelno == logging.INFO
-    engine = llm.engine
+    num_blocks = llm.info.num_kv_blocks
     block_bytes = 3 * 2 * 2 * 16 * 16 * 4  # layers, K and V, kv heads, head dim, tokens, fp32
     assert summaries[0].getMessage().splitlines()[1:] == [
         "  Device: cpu, %d threads, dtype float32" % torch.get_num_threads(),
         "  Backend: torch (reference ops): requested (kernels=torch)",
         "  CUDA graphs: off (cpu)",
-        f"  KV cache: {engine.num_blocks} blocks x 16 tokens = {engine.num_blocks * 16} tokens, "
-        f"{engine.num_blocks * block_bytes / 2**30:.2f} GiB ({block_bytes // 16} bytes a token)",
-        f"  Max model len: 512 tokens ({engine.num_blocks * 16 / 512:.2f} full-length sequences "
+        f"  KV cache: {num_blocks} blocks x 16 tokens = {num_blocks * 16} tokens, "
+        f"{num_blocks * block_bytes / 2**30:.2f} GiB ({block_bytes // 16} bytes a token)",
+        f"  Max model len: 512 tokens ({num_blocks * 16 / 512:.2f} full-length sequences "
         f"fit at once)"]

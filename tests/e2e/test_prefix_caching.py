@@ -49,9 +49,12 @@ def test_fully_cached_prompt_recomputes_only_its_last_token(tiny_model_dir):
     warm = _generate(llm, [prompt], params)[0]
     assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 47
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    # The warm run computes the last token alone, the cold one inside a 48-token prefill: other
+    # reduction orders, so fp32 logprobs agree to about 1e-5, not bit for bit (rounding both
+    # to 4 places failed across a rounding boundary: -8.2711 vs -8.271).
     for a, b in zip(cold.outputs[0].logprobs, warm.outputs[0].logprobs):
-        assert {t: round(x.logprob, 4) for t, x in a.items()} == \
-            {t: round(x.logprob, 4) for t, x in b.items()}
+        assert a.keys() == b.keys()
+        assert all(b[t].logprob == pytest.approx(a[t].logprob, abs=1e-4) for t in a)
     # the cached copy was not overwritten: a third run still hits and still agrees
     again = _generate(llm, [prompt], params)[0]
     assert again.num_cached_tokens == 47 and again.outputs[0].token_ids == cold.outputs[0].token_ids
@@ -100,7 +103,7 @@ def test_parallel_samples_hold_the_prompt_once(tiny_model_dir):
     assert peak_separate >= 8 * prompt_blocks
     # the prompt once, plus per sample at most its copied partial block and one new block
     assert peak_shared <= prompt_blocks + 8 * 2
-    assert shared.stats().kv_cache.num_free_blocks == shared.num_blocks
+    assert shared.stats().kv_cache.num_free_blocks == shared.info.num_kv_blocks
 
 
 def test_parallel_samples_match_separate_seeded_requests(tiny_model_dir):

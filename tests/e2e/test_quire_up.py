@@ -9,6 +9,10 @@ import sys
 import time
 import urllib.request
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts a router and engine processes
+
 
 def _up(model_dir, *extra):
     return [sys.executable, "-m", "quire_cli", "up", "--model", str(model_dir), "--dtype",

@@ -212,6 +212,7 @@ def test_text_is_on_spans_only_when_asked(tiny_model_dir, receiver):
     assert engine.attributes["gen_ai.completion"] == [completion]
 
 
+@pytest.mark.slow  # starts engine processes
 def test_quire_up_exports_one_trace_from_the_otel_variables(tiny_model_dir, receiver):
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.grpc_endpoint,

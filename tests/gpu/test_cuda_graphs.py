@@ -44,8 +44,8 @@ def _state(i: int, length: int, block_ids: list[int]) -> RunnerRequestState:
 
 def test_graphs_are_on_with_triton_attention(graphed):
     engine = graphed.engine
-    assert engine.backend.backend.attention.name == "triton"
-    assert engine.cuda_graphs == "on (5 batch sizes, 1 to 16)"
+    assert engine.info.attention == "triton"
+    assert engine.info.cuda_graphs == "on (5 batch sizes, 1 to 16)"
     assert sorted(engine.runner.graphs.graphs) == [1, 2, 4, 8, 16]
 
 
@@ -73,7 +73,7 @@ def test_enforce_eager_gives_the_same_tokens(tiny_model_dir, graphed, monkeypatc
                         lambda step: replays.append(step.padded) or run(step))
     eager = _llm(tiny_model_dir, kv_cache_memory_bytes=1 << 26, enable_prefix_caching=False,
                  enforce_eager=True)
-    assert eager.engine.cuda_graphs == "off (enforce_eager)"
+    assert eager.info.cuda_graphs == "off (enforce_eager)"
     assert eager.engine.runner.graphs is None
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=11, max_tokens=24, ignore_eos=True)]
@@ -123,7 +123,7 @@ def test_the_profiled_kv_cache_is_the_arithmetic_and_holds(tiny_model_dir):
     llm = _llm(tiny_model_dir, gpu_memory_utilization=0.5, max_num_batched_tokens=512,
                max_model_len=512)
     engine = llm.engine
-    profile = engine.memory_profile
+    profile = engine.info.memory_profile
     total = torch.cuda.mem_get_info()[1]
     assert profile.total_bytes == total
     weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
@@ -131,8 +131,8 @@ def test_the_profiled_kv_cache_is_the_arithmetic_and_holds(tiny_model_dir):
     assert 0 < profile.peak_activation_bytes < total // 4
     assert profile.cuda_graph_bytes > 0  # graphs are on, and counted
     block_bytes = engine.runner.kv_caches[0][:, :1].numel() * 4 * len(engine.runner.kv_caches)
-    assert engine.num_blocks == profiled_kv_budget_bytes(profile, 0.5) // block_bytes
-    kv_bytes = engine.num_blocks * block_bytes
+    assert engine.info.num_kv_blocks == profiled_kv_budget_bytes(profile, 0.5) // block_bytes
+    kv_bytes = engine.info.num_kv_blocks * block_bytes
     # what was counted holds: the largest steps stay within weights + KV + peak + graphs
     torch.cuda.reset_peak_memory_stats()
     long_prompts = [{"prompt_token_ids": list(range(1000 + i, 1000 + i + 200))}

@@ -14,13 +14,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_worker.metrics import EngineMetrics, MetricsServer
+from tests.unit.engine_infos import engine_info
 
 MODEL = "test-model"
 FALLBACK = "compiled CPU kernels unavailable: building csrc/cpu failed"
 
 
 def engine_metrics(model_name: str = MODEL) -> EngineMetrics:
-    return EngineMetrics(model_name, backend="torch", backend_reason=FALLBACK)
+    return EngineMetrics(model_name, engine_info(backend="torch", backend_reason=FALLBACK,
+                                                 backend_fallback=True))
 
 
 @pytest.fixture
@@ -212,4 +214,4 @@ def test_backend_info_says_which_backend_runs_and_why(server: MetricsServer) -> 
         in text.splitlines()
     # one series: the engine runs one backend
     assert [name for name, _ in samples(text)].count("quire:backend_info") == 1
-    assert value(text, "quire:cuda_graphs_info", cuda_graphs="off") == 1
+    assert value(text, "quire:cuda_graphs_info", cuda_graphs="off (cpu)") == 1

@@ -336,7 +336,7 @@ def test_mirror_from_a_mid_scenario_snapshot_tracks_the_cached_set():
     d = Driver()
     d.admit(Seq("A", TA))
     d.admit(Seq("B", TB))
-    snapshot = d.events.snapshot(d.kv.pool.cached)
+    snapshot = d.events.snapshot(d.kv.cached_block_hashes())
     assert snapshot.seq == 1
     assert snapshot.block_hashes == frozenset(HA[:2])
     seen = len(d.batches)
@@ -355,11 +355,11 @@ def test_mirror_from_a_mid_scenario_snapshot_tracks_the_cached_set():
     mirror = KVCacheMirror.from_snapshot(snapshot)
     for batch in d.batches[seen:]:
         assert mirror.apply(batch)
-    assert mirror.block_hashes == set(d.kv.pool.cached)
+    assert mirror.block_hashes == d.kv.cached_block_hashes()
     assert mirror.seq == d.events.seq
     # replaying an old batch is ignored
     assert mirror.apply(d.batches[0])
-    assert mirror.block_hashes == set(d.kv.pool.cached)
+    assert mirror.block_hashes == d.kv.cached_block_hashes()
 
 
 def test_mirror_reports_a_gap_and_stays_unchanged():
@@ -379,7 +379,7 @@ def test_snapshot_seals_pending_events_first():
     kv = KVCacheManager(num_blocks=8, block_size=BS, events=events)
     kv.allocate_slots("A", 0, 8, NO_PREFIX, block_hashes=HA)
     kv.cache_full_blocks("A", HA, 8, TA, None)
-    snapshot = events.snapshot(kv.pool.cached)
+    snapshot = events.snapshot(kv.cached_block_hashes())
     assert (snapshot.seq, snapshot.block_hashes) == (1, frozenset(HA[:2]))
     [batch] = events.take()
     assert batch.events == (stored(HA[:2], None, TA[:8]),)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from engine_worker.progress import progress
+from engine_worker.progress import progress, start_summary
 
 LOGGER = logging.getLogger("tests.progress")
 
@@ -34,3 +34,32 @@ def test_a_failing_step_stops_its_heartbeat_and_says_nothing_done(caplog):
     time.sleep(0.05)
     assert len(caplog.records) == count  # no ticker left running
     assert not any("done in" in r.getMessage() for r in caplog.records)
+
+
+def test_the_start_block_says_what_runs_from_the_engine_facts():
+    from tests.unit.engine_infos import engine_info
+
+    info = engine_info()
+    assert start_summary(info, elapsed_s=3.4).splitlines() == [
+        "Engine ready in 3.4 s: tiny-llama (LlamaForCausalLM)",
+        "  Device: cpu, 2 threads, dtype float32",
+        "  Backend: torch (reference ops): requested (kernels=torch)",
+        "  CUDA graphs: off (cpu)",
+        "  KV cache: 64 blocks x 16 tokens = 1024 tokens, 0.00 GiB (1536 bytes a token)",
+        "  Max model len: 512 tokens (2.00 full-length sequences fit at once)"]
+
+
+def test_the_start_block_on_a_profiled_gpu_shows_the_memory_and_no_threads():
+    import torch
+
+    from tests.unit.engine_infos import engine_info
+
+    info = engine_info(device=torch.device("cuda", 0), dtype=torch.bfloat16,
+                       num_kv_blocks=4096, kv_block_bytes=1 << 20, cuda_graphs="on (2 batch "
+                       "sizes, 1 to 2)", memory="80.0 GiB x 0.90: weights 16.00, KV cache 4.00 GiB")
+    lines = start_summary(info, elapsed_s=1.0).splitlines()
+    assert lines[1] == "  Device: cuda:0, dtype bfloat16"
+    assert lines[4] == ("  KV cache: 4096 blocks x 16 tokens = 65536 tokens, 4.00 GiB "
+                        "(65536 bytes a token)")
+    assert lines[5] == "  Memory: 80.0 GiB x 0.90: weights 16.00, KV cache 4.00 GiB"
+    assert lines[6] == "  Max model len: 512 tokens (128.00 full-length sequences fit at once)"

@@ -123,10 +123,8 @@ def test_the_engine_profiles_at_its_scheduler_limits(llm, monkeypatch):
     profile = engine._profile_memory(model)
     assert "forward 300" in events  # max_num_batched_tokens
     assert profile.cuda_graph_bytes == 0 and profile.peak_activation_bytes == 3 * GIB
-    engine.memory_profile = profile
-    try:
-        assert engine._describe_memory(10 * GIB) == (
-            "80.0 GiB x 0.90: weights 16.00, activations 3.00, CUDA graphs 0.00, other 2.00, "
-            "KV cache 10.00 GiB")
-    finally:
-        engine.memory_profile = None
+    # no gpu_memory_utilization given: described with the default share the budget takes
+    assert profile.describe(engine.config.cache.gpu_memory_utilization, 10 * GIB) == (
+        "80.0 GiB x 0.90: weights 16.00, activations 3.00, CUDA graphs 0.00, other 2.00, "
+        "KV cache 10.00 GiB")
+    assert engine.info.memory_profile is None and engine.info.memory is None  # sized on a CPU
