@@ -228,9 +228,9 @@ def test_stop_strings_wait_for_min_tokens(llm):
 
 
 def test_limits_on_logprobs_and_sample_ids(llm):
-    with pytest.raises(ValueError, match="^logprobs: at most 20"):
+    with pytest.raises(ValueError, match="^logprobs: must be >= 0 and <= 20"):
         llm.generate([[1, 2]], SamplingParams(logprobs=21))
-    with pytest.raises(ValueError, match="^prompt_logprobs: at most 20"):
+    with pytest.raises(ValueError, match="^prompt_logprobs: must be >= 0 and <= 20"):
         llm.generate([[1, 2]], SamplingParams(prompt_logprobs=1000))
     engine = llm.engine
     engine.add_request("1_x", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2))
