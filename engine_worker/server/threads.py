@@ -11,7 +11,9 @@ thread (or to the preempted member, which the kernel moves there) and the servin
 only its own CPU time; each parallel region pays a futex wake instead.
 
 Offline use (``LLM``) has no server threads and keeps libgomp's default; only ``quire engine``
-applies a plan, before torch (and libgomp with it) is loaded.
+applies a plan, before torch (and libgomp with it) is loaded. Its default is libgomp's own too:
+on a shared 2-core Zen 3 ``passive`` made no difference that the noise did not swamp; try it
+where the serving process has its cores to itself (``--omp-wait-policy passive``).
 """
 
 from __future__ import annotations
