@@ -16,9 +16,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(ns: argparse.Namespace) -> int:
     import asyncio
+    import logging
+    import os
 
     from engine_worker.server.app import serve
     from engine_worker.server.config import ServerConfig
+    from engine_worker.server.threads import ThreadPlan
     from quire.config_args import dataclass_from_namespace
     from quire.ports import check_ports_free
     from quire_cli.offline import build_engine
@@ -26,6 +29,12 @@ def main(ns: argparse.Namespace) -> int:
     cfg = dataclass_from_namespace(ServerConfig, ns)
     # before the model loads: a busy port is one line now, not a traceback minutes later
     check_ports_free([(cfg.host, cfg.port, "port"), (cfg.host, cfg.metrics_port, "metrics_port")])
+    plan = ThreadPlan(cfg.omp_wait_policy)
+    os.environ.update(plan.environment())  # libgomp reads these when torch loads it, below
     engine = build_engine(ns)
+    import torch
+
+    logging.getLogger("engine_worker.server.threads").info(
+        "Threads: %s", plan.describe(torch.get_num_threads()))
     asyncio.run(serve(engine, cfg))
     return 0

@@ -1,9 +1,12 @@
 """The engine loop in its own thread, and the asyncio side that gRPC handlers talk to.
 
 Handlers never run model work: they put commands (frozen dataclasses, below) on a queue that
-the loop thread drains between steps, and results come back to the event loop with
-``call_soon_threadsafe``. Only the loop thread touches the ``LLMEngine``; what the asyncio side
-reads of it (``load``) is a snapshot the loop thread publishes after each step.
+the loop thread drains between steps, and results come back to the event loop with one
+``call_soon_threadsafe`` per step, carrying every request's output of that step (one wake-up
+of the event loop, not one per request). Each request's outputs wait in an ``OutputCollector``,
+which merges them while its stream is behind. Only the loop thread touches the ``LLMEngine``;
+what the asyncio side reads of it (``load``) is a snapshot the loop thread publishes after each
+step.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from engine_worker.engine import EngineStats, LLMEngine
+from engine_worker.server.collector import OutputCollector
 from engine_worker.input_processor import PromptType
 from engine_worker.outputs import RequestOutput
 from engine_worker.sampling_params import RequestOutputKind, SamplingParams
@@ -44,9 +48,6 @@ class LoadSnapshot:
     timestamp_s: float
 
 
-_END = object()  # marks the end of a request's output queue
-
-
 # ------------------------------------------------------------ commands to the loop thread
 @dataclass(frozen=True, slots=True)
 class AddRequest:
@@ -58,7 +59,7 @@ class AddRequest:
     params: SamplingParams
     priority: int
     cache_salt: str | None
-    stream: asyncio.Queue
+    stream: OutputCollector
     added: Future
 
 
@@ -101,7 +102,7 @@ class AsyncEngine:
         self._on_step = on_step
         self._on_finished = on_finished
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}  # loop thread writes via the event loop
+        self._streams: dict[str, OutputCollector] = {}  # filled via the event loop
         self._num_generated: dict[str, int] = {}  # tokens streamed so far, per request
         self._subscribers: list[asyncio.Queue] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -141,7 +142,7 @@ class AsyncEngine:
             raise EngineUnavailableError(self.dead_reason or "the engine is shutting down")
         request_id = request_id or f"req-{next(self._ids)}"
         params = params.clone(output_kind=RequestOutputKind.DELTA)
-        stream: asyncio.Queue = asyncio.Queue()
+        stream = OutputCollector()
         added: Future = Future()
         self._commands.put(AddRequest(request_id, prompt, params, priority, cache_salt, stream,
                                       added))
@@ -153,15 +154,15 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                item = await stream.get()
-                if item is _END:
-                    finished = True
-                    return
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finished:
+                try:
+                    output = await stream.get()  # what came since the last turn, merged
+                except asyncio.CancelledError:
+                    raise
+                except BaseException:
+                    finished = True  # the engine ended the stream: nothing left to abort
+                    raise
+                yield output
+                if output.finished:
                     finished = True
                     return
         finally:
@@ -192,8 +193,7 @@ class AsyncEngine:
                 logger.exception("engine step failed; the engine stops serving")
                 self._die(f"{type(e).__name__}: {e}")
                 return
-            for output in result.outputs:
-                self._deliver(output)
+            self._deliver(result.outputs)
             self._after_step(result.stats, result.kv_event_batches)
         self._end_all(EngineUnavailableError("the engine is shutting down"))
 
@@ -249,19 +249,24 @@ class AsyncEngine:
         self._streams[command.request_id] = command.stream
         added.set_result(None)
 
-    def _deliver(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is None:
-            return
-        generated = self._num_generated.get(output.request_id, 0) + \
-            sum(len(c.token_ids) for c in output.outputs)
-        self._num_generated[output.request_id] = generated
-        if output.finished:
-            del self._streams[output.request_id]
-            del self._num_generated[output.request_id]
-            if self._on_finished is not None:
-                self._on_finished(output, generated)
-        self._loop.call_soon_threadsafe(stream.put_nowait, output)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to the event loop in one call (one wake-up per step)."""
+        batch = []
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            generated = self._num_generated.get(output.request_id, 0) + \
+                sum(len(c.token_ids) for c in output.outputs)
+            self._num_generated[output.request_id] = generated
+            if output.finished:
+                del self._streams[output.request_id]
+                del self._num_generated[output.request_id]
+                if self._on_finished is not None:
+                    self._on_finished(output, generated)
+            batch.append((stream, output))
+        if batch:
+            self._loop.call_soon_threadsafe(_put_all, batch)
 
     def _after_step(self, stats: EngineStats, batches: tuple[KVEventBatch, ...]) -> None:
         self.load = LoadSnapshot(num_running=stats.scheduler.num_running,
@@ -280,7 +285,7 @@ class AsyncEngine:
 
     def _end_all(self, error: BaseException) -> None:
         for stream in self._streams.values():
-            self._loop.call_soon_threadsafe(stream.put_nowait, error)
+            self._loop.call_soon_threadsafe(stream.fail, error)
         self._streams.clear()
         for sink in self._subscribers:
             self._loop.call_soon_threadsafe(sink.put_nowait, None)
@@ -294,3 +299,9 @@ class AsyncEngine:
                 case AddRequest(added=future) | SubscribeKVEvents(taken=future):
                     if future.set_running_or_notify_cancel():
                         future.set_exception(EngineUnavailableError(str(error)))
+
+
+def _put_all(batch: list[tuple[OutputCollector, RequestOutput]]) -> None:
+    """On the event loop: one step's outputs into their streams' collectors."""
+    for stream, output in batch:
+        stream.put(output)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine_worker.server.threads import check_wait_policy
 from quire.limits import DEFAULT_MAX_N
 
 
@@ -34,8 +35,13 @@ class ServerConfig:
     # e.g. tcp://POD_IP:5557 or ipc:///run/quire/events.sock; None: off
     kv_events_zmq: str | None = None
     kv_events_replay: str | None = None  # its replay (ROUTER) endpoint; None: no replay
+    # how idle OpenMP threads wait: default (libgomp's spin-then-sleep), passive (sleep at once,
+    # so server threads sharing the cores do not stall the whole team; each parallel region pays
+    # a wake-up) or active (spin); see engine_worker/server/threads.py
+    omp_wait_policy: str = "default"
 
     def __post_init__(self) -> None:
+        check_wait_policy(self.omp_wait_policy)
         for name in ("kv_events_zmq", "kv_events_replay"):
             value = getattr(self, name)
             if value is not None and not value.startswith(("tcp://", "ipc://")):
