@@ -8,9 +8,9 @@ A scenario is a dataset of the client's (``random``: unique prompts; ``prefix_re
 ``--temperature 0``). Every scenario draws its prompts from its own seed (``dataset_seed`` plus
 its index), so no scenario finds another's prompts in a prefix cache. For each system in turn
 (never both at once: they would share the cores) the server starts, the client runs every
-scenario against it (after an unrecorded warm-up pass), and the server stops. The client writes the requests it sends
-(``serving_client.py``); the report checks that both systems got the same ones, and Quire's
-``LLM.generate`` runs them offline last.
+scenario against it (after an unrecorded warm-up pass), and the server stops. The client
+writes the requests it sends (``serving_client.py``); the report checks that both systems got
+the same ones, and Quire's ``LLM.generate`` runs them offline last.
 
 Figures are the client's (output throughput, TTFT p50/p90, TPOT p50, ITL p50), kept with its
 whole result JSON, the load average around each run, the CPU, the dtypes and the git commit.
