@@ -39,6 +39,7 @@ class VllmServerSpec:
     num_kv_blocks: int = 0  # --num-gpu-blocks-override, honoured on CPU (0: sized by space)
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: serves POST /reset_prefix_cache
     seed: int = 0
+    kv_events: bool = True  # publish KV events (the router's prefix index reads them)
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks and self.num_kv_blocks * self.block_size <= self.max_model_len:
@@ -85,7 +86,9 @@ class VllmServer:
                 "--dtype", spec.dtype, "--max-model-len", str(spec.max_model_len),
                 "--block-size", str(spec.block_size), "--seed", str(spec.seed),
                 "--host", "127.0.0.1", "--port", str(self.port), "--enable-prefix-caching",
-                "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events)]
+                "--enable-prompt-tokens-details"]
+        if spec.kv_events:
+            argv += ["--kv-events-config", json.dumps(events)]
         if spec.num_kv_blocks:
             argv += ["--num-gpu-blocks-override", str(spec.num_kv_blocks)]
         with self.log.open("w") as log:

