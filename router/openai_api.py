@@ -167,7 +167,9 @@ class OpenAIFront:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "quire"}]})
+            # "root" as vLLM's server gives it: clients such as `vllm bench serve` read it
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "quire",
+             "root": self.model_name, "parent": None}]})
 
     async def _health(self, request: web.Request) -> web.Response:
         states = self.seam.engine_states()
