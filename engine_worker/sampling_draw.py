@@ -95,17 +95,38 @@ def _pivot_rounds(probs, weights, sums, budget, drawing, uniforms, rounds: Pivot
     """Returns (tokens, rows still drawing). ``weights``: ``probs`` above the pivot, 0 below;
     ``sums``: its block sums."""
     tokens = torch.zeros(probs.shape[0], dtype=torch.int64, device=probs.device)
+    if not rounds.stop_early:  # every row, every round: no host read
+        for r in range(rounds.max_rounds):
+            x, weights, sums, kept = _round(probs, weights, sums, budget, uniforms[:, r])
+            kept = drawing & kept
+            tokens = torch.where(kept, x, tokens)
+            drawing = drawing & ~kept
+        return tokens, drawing
+    # On the host (see pivot_rounds_for), each round takes only the rows still drawing: most
+    # rows are kept in the first round, and the slowest of 64 rows needs a few more.
+    rows = drawing.nonzero()[:, 0]
+    if len(rows) < len(drawing):
+        probs, weights, sums, budget = probs[rows], weights[rows], sums[rows], budget[rows]
     for r in range(rounds.max_rounds):
-        if rounds.stop_early and not drawing.any():  # a host read; see pivot_rounds_for
+        if len(rows) == 0:
             break
-        x = _inverse_cdf(weights, sums, uniforms[:, r])
-        # the tokens strictly more likely than x: the next round's pool if x is rejected
-        weights = torch.where(probs > probs.gather(1, x[:, None]), probs, 0.0)
-        sums = _block_sums(weights)
-        kept = drawing & (sums.sum(dim=-1) < budget)
-        tokens = torch.where(kept, x, tokens)
-        drawing = drawing & ~kept
+        x, weights, sums, kept = _round(probs, weights, sums, budget, uniforms[rows, r])
+        tokens[rows[kept]] = x[kept]
+        left = ~kept
+        rows, probs, weights, sums, budget = (rows[left], probs[left], weights[left],
+                                              sums[left], budget[left])
+    drawing = torch.zeros_like(drawing)
+    drawing[rows] = True
     return tokens, drawing
+
+
+def _round(probs, weights, sums, budget, u):
+    """One pivot round: x drawn from ``weights``, the tokens strictly more likely than x (the
+    next round's ``weights`` and ``sums`` if x is rejected), and whether top-p keeps x."""
+    x = _inverse_cdf(weights, sums, u)
+    above = torch.where(probs > probs.gather(1, x[:, None]), probs, 0.0)
+    above_sums = _block_sums(above)
+    return x, above, above_sums, above_sums.sum(dim=-1) < budget
 
 
 def _sorted_fallback(probs, floor, budget, drawing, tokens, u, rounds: PivotRounds):

@@ -312,3 +312,19 @@ def test_a_seeded_row_draws_the_same_tokens_alone_and_in_a_batch(rounds):
     alone = run(row[None], 0)
     assert run(torch.cat([others, row[None]]), 3) == alone
     assert run(torch.cat([others[:1], row[None], others[1:]]), 1) == alone
+
+
+def test_stopping_early_changes_no_token():
+    """The CPU's early stop (rounds over the rows still drawing only) draws what every round
+    over every row draws, from the same uniforms."""
+    num_rows, vocab = 64, 700
+    logits = torch.stack([_zipf_like_logits(vocab, seed=20 + i) * (0.2 + 0.05 * i)
+                          for i in range(num_rows)])
+    probs = torch.softmax(logits, dim=-1)
+    columns = dict(top_k=torch.full((num_rows,), 400), max_top_k=400,
+                   top_p=torch.linspace(0.3, 1.0, num_rows), min_p=None)
+    drawing = torch.arange(num_rows) % 5 != 0
+    u = torch.rand(num_rows, 33, dtype=torch.float64, generator=torch.Generator().manual_seed(30))
+    early = draw_tokens(probs, drawing, u, PivotRounds(32, True), **columns)
+    every = draw_tokens(probs, drawing, u, PivotRounds(32, False), **columns)
+    assert torch.equal(early[drawing], every[drawing])
