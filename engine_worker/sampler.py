@@ -2,14 +2,15 @@
 
 Order (as vLLM and Hugging Face apply them): logprobs of the raw distribution are taken first;
 then min_tokens masking, repetition / presence / frequency penalties, then greedy rows take the
-argmax and random rows go through temperature, top-k, top-p, min-p and an exponential race
-(``argmax(p / q)``, ``q ~ Exp(1)``), which is equivalent to sampling from ``p``. Seeded rows
-draw their ``q`` from their own generator, so their tokens do not depend on the batch.
+argmax and random rows go through temperature, then top-k, top-p and min-p with an exact draw
+of a few uniforms per row (``sampling_draw``). Seeded rows draw their uniforms from their own
+generator, the same number every step, so their tokens do not depend on the batch.
 
-The device part never reads a device value on the host: ``draw_noise`` (random kernels only)
+The device part never reads a device value on the host: ``draw_uniforms`` (random kernels only)
 and ``sample_tokens`` (tensors in, tensors out) queue work and return; the caller copies the
 sampled ids, and the logprobs where asked for, to the host once per step
-(``platform.to_host``).
+(``platform.to_host``). The one exception is the CPU's top-p draw, which reads one flag a
+round on the host, where it is no device read (``sampling_draw.pivot_rounds_for``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from engine_worker.platform import to_device
+from engine_worker.sampling_draw import PivotRounds, draw_tokens
 from engine_worker.step_types import SampledLogprobs
 
 
@@ -39,13 +41,16 @@ class SamplingMetadata:
 
     temperature: torch.Tensor  # [num_rows] fp32; 0 marks a greedy row
     all_greedy: bool
+    any_greedy: bool
     top_k: torch.Tensor | None  # [num_rows] int64, vocab_size where disabled
+    max_top_k: int  # the largest k below vocab_size; 0 when top_k is None
     top_p: torch.Tensor | None  # [num_rows] fp32
     min_p: torch.Tensor | None  # [num_rows] fp32
     generators: dict[int, torch.Generator]  # row -> per-request generator (seeded rows)
     penalties: PenaltyInputs | None
     banned: tuple[tuple[int, tuple[int, ...]], ...]  # (row, token ids) masked for min_tokens
     max_num_logprobs: int | None  # top-k logprobs to return; None: none
+    rounds: PivotRounds  # how top-p is drawn on this device
 
 
 class LogprobTensors(NamedTuple):
@@ -66,35 +71,35 @@ class LogprobTensors(NamedTuple):
                                ranks=tuple(self.ranks.tolist()))
 
 
-def draw_noise(logits: torch.Tensor, meta: SamplingMetadata,
-               default_generator: torch.Generator | None) -> torch.Tensor | None:
-    """The exponential race's ``q`` ([num_rows, vocab_size]), None when every row is greedy.
+def draw_uniforms(logits: torch.Tensor, meta: SamplingMetadata,
+                  default_generator: torch.Generator | None) -> torch.Tensor | None:
+    """[num_rows, meta.rounds.num_uniforms] float64 in [0, 1), None when every row is greedy.
     Every row draws from the engine's stream, then seeded rows redraw from their own."""
     if meta.all_greedy:
         return None
-    q = torch.empty_like(logits)
-    q.exponential_(generator=default_generator)
+    u = torch.rand(logits.shape[0], meta.rounds.num_uniforms, dtype=torch.float64,
+                   device=logits.device, generator=default_generator)
     for row, generator in meta.generators.items():
-        q[row].exponential_(generator=generator)
-    return q
+        u[row].uniform_(generator=generator)
+    return u
 
 
-def sample_tokens(logits: torch.Tensor, meta: SamplingMetadata, noise: torch.Tensor | None
+def sample_tokens(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.Tensor | None
                   ) -> tuple[torch.Tensor, LogprobTensors | None]:
     """The device part: token ids [num_rows] and, where asked for, their logprobs, all left
-    on the device. ``noise`` is ``draw_noise``'s (None only when every row is greedy)."""
+    on the device. ``uniforms`` are ``draw_uniforms``'s (None only when every row is greedy)."""
     raw_logprobs = None
     if meta.max_num_logprobs is not None:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     logits = _apply_bans(logits, meta.banned)
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
-    greedy = logits.argmax(dim=-1)
     if meta.all_greedy:
-        tokens = greedy
+        tokens = logits.argmax(dim=-1)
     else:
-        tokens = _sample_random(logits, meta, noise)
-        tokens = torch.where(meta.temperature == 0, greedy, tokens)
+        tokens = _sample_random(logits, meta, uniforms)
+        if meta.any_greedy:
+            tokens = torch.where(meta.temperature == 0, logits.argmax(dim=-1), tokens)
     logprobs = None
     if raw_logprobs is not None:
         logprobs = logprob_tensors(raw_logprobs, tokens, meta.max_num_logprobs)
@@ -131,32 +136,12 @@ def apply_penalties(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:
 
 
 def _sample_random(logits: torch.Tensor, meta: SamplingMetadata,
-                   q: torch.Tensor) -> torch.Tensor:
-    temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
-    logits = logits / temperature[:, None]
-    if meta.top_k is not None or meta.top_p is not None:
-        logits = _top_k_top_p(logits, meta.top_k, meta.top_p)
-    probs = torch.softmax(logits, dim=-1)
-    if meta.min_p is not None:
-        top = probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < meta.min_p[:, None] * top, 0.0)
-    return (probs / q).argmax(dim=-1)
-
-
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                 top_p: torch.Tensor | None) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
-    vocab_size = logits.shape[1]
-    if top_k is not None:
-        # keep the k largest: everything below sorted position vocab_size - k goes
-        cutoff = sorted_logits.gather(1, (vocab_size - top_k).clamp(0, vocab_size - 1)[:, None])
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < cutoff, float("-inf"))
-    if top_p is not None:
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= (1 - top_p[:, None])
-        drop[:, -1] = False  # always keep the most likely token
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+                   uniforms: torch.Tensor) -> torch.Tensor:
+    random_rows = meta.temperature > 0
+    temperature = torch.where(random_rows, meta.temperature, 1.0)
+    probs = torch.softmax(logits / temperature[:, None], dim=-1, dtype=torch.float32)
+    return draw_tokens(probs, random_rows, uniforms, meta.rounds, top_k=meta.top_k,
+                       max_top_k=meta.max_top_k, top_p=meta.top_p, min_p=meta.min_p)
 
 
 def logprob_tensors(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobTensors:

@@ -21,7 +21,7 @@ from engine_worker.kv_cache.sizing import MemoryProfile
 from engine_worker.model_runner.inputs import build_step_inputs
 from engine_worker.model_runner.runner import RunnerRequestState
 from engine_worker.model_runner.sampling_inputs import build_sampling_metadata
-from engine_worker.sampler import draw_noise, sample_tokens
+from engine_worker.sampler import draw_uniforms, sample_tokens
 from engine_worker.sampling_params import SamplingParams
 
 PROFILE_LOGPROBS = 20  # OpenAI's most top_logprobs
@@ -110,7 +110,7 @@ def run_dummy_step(model, *, num_tokens: int, num_seqs: int, max_model_len: int,
     picked = [states[0]] * num_seqs
     sampling = build_sampling_metadata(picked, cfg.vocab_size, frozenset({0}), device)
     generator = torch.Generator(device=device).manual_seed(0)
-    tokens, _ = sample_tokens(logits, sampling, draw_noise(logits, sampling, generator))
+    tokens, _ = sample_tokens(logits, sampling, draw_uniforms(logits, sampling, generator))
     return tokens
 
 

@@ -20,7 +20,7 @@ from engine_worker.model_runner.graphs import CudaGraphDecoder
 from engine_worker.model_runner.inputs import build_step_inputs
 from engine_worker.model_runner.sampling_inputs import build_sampling_metadata
 from engine_worker.platform import to_device, to_host
-from engine_worker.sampler import LogprobTensors, draw_noise, logprob_tensors, sample_tokens
+from engine_worker.sampler import LogprobTensors, draw_uniforms, logprob_tensors, sample_tokens
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.step_types import (ForkedRequestData, ModelRunnerOutput, SampledLogprobs,
                                       SchedulerOutput)
@@ -149,8 +149,8 @@ class ModelRunner:
         if len(logit_rows) != len(rows):
             logits = logits[self._index(logit_rows)]
         meta = build_sampling_metadata(picked, self.vocab_size, self.eos_token_ids, self.device)
-        noise = draw_noise(logits, meta, self.default_generator)
-        token_ids, logprobs = sample_tokens(logits, meta, noise)
+        uniforms = draw_uniforms(logits, meta, self.default_generator)
+        token_ids, logprobs = sample_tokens(logits, meta, uniforms)
         return _DeviceSamples(picked, token_ids, logprobs)
 
     def _index(self, rows: list[int]) -> torch.Tensor:

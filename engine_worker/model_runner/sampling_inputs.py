@@ -10,6 +10,7 @@ import torch
 
 from engine_worker.platform import to_device
 from engine_worker.sampler import PenaltyInputs, SamplingMetadata
+from engine_worker.sampling_draw import pivot_rounds_for
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -34,8 +35,11 @@ def build_sampling_metadata(states, vocab_size: int, eos_token_ids: frozenset[in
                           torch.float32)
     all_greedy = all(p.is_greedy for p in params)
     top_k = top_p = min_p = None
-    if any(p.top_k > 0 for p in params):
-        top_k = _column([p.top_k if p.top_k > 0 else vocab_size for p in params], device)
+    # k >= vocab_size keeps every token, as top-k off does
+    ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    max_top_k = max((k for k in ks if k < vocab_size), default=0)
+    if max_top_k:
+        top_k = _column(ks, device)
     if any(p.top_p < 1.0 for p in params):
         top_p = _column([p.top_p for p in params], device, torch.float32)
     if any(p.min_p > 0.0 for p in params):
@@ -60,8 +64,11 @@ def build_sampling_metadata(states, vocab_size: int, eos_token_ids: frozenset[in
                 banned.append((row, stop_ids))
     logprob_ks = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingMetadata(
-        temperature=temperature, all_greedy=all_greedy, top_k=top_k, top_p=top_p, min_p=min_p,
+        temperature=temperature, all_greedy=all_greedy,
+        any_greedy=any(p.is_greedy for p in params), top_k=top_k, max_top_k=max_top_k,
+        top_p=top_p, min_p=min_p,
         generators={i: s.generator for i, s in enumerate(states)
                     if s.generator is not None and not s.params.is_greedy},
         penalties=penalties, banned=tuple(banned),
-        max_num_logprobs=max(logprob_ks) if logprob_ks else None)
+        max_num_logprobs=max(logprob_ks) if logprob_ks else None,
+        rounds=pivot_rounds_for(device))

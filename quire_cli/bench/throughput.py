@@ -2,8 +2,8 @@
 ``generate`` with static batching, on one fixed long-tailed synthetic workload, plus decode
 throughput against batch size with each step's time split by part (``step_profile``).
 
-Both systems decode greedily and stop at EOS (unless ``--ignore-eos``) or at each request's own
-``max_tokens``. A static batch runs until its longest member finishes; only each request's own
+Both systems decode greedily (or sample, with ``--temperature`` and ``--top-p``) and stop at EOS
+(unless ``--ignore-eos``) or at each request's own ``max_tokens``. A static batch runs until its longest member finishes; only each request's own
 tokens (up to its EOS and its limit) count as useful, which is the cost continuous batching
 removes. torch and transformers are imported inside functions so ``quire --help`` stays cheap.
 """
@@ -87,6 +87,8 @@ class BenchConfig:
     max_output_len: int = 512
     workload_seed: int = 0
     ignore_eos: bool = False
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
     hf_batch_size: int = 32
     hf_num_prompts: int | None = None
     skip_hf: bool = False
@@ -99,6 +101,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         require_at_least(self, ("num_prompts", "min_input_len", "min_output_len",
                                 "hf_batch_size", "sweep_prompt_len", "sweep_output_len"))
+        _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         for kind in ("input", "output"):
             lo, hi = getattr(self, f"min_{kind}_len"), getattr(self, f"max_{kind}_len")
             _check(hi >= lo, f"max_{kind}_len", f"must be >= min_{kind}_len ({lo}), got {hi}")
@@ -155,6 +159,10 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
         g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     g.add_argument("--ignore-eos", action="store_true",
                    help="decode every request to its max_tokens (default: stop at EOS)")
+    g.add_argument("--temperature", type=float, default=d.temperature,
+                   help="sample at this temperature, in both systems (default: 0, greedy)")
+    g.add_argument("--top-p", type=float, default=d.top_p,
+                   help="sample from the top-p nucleus (with --temperature > 0)")
     h = parser.add_argument_group("transformers baseline")
     h.add_argument("--hf-batch-size", type=int, default=d.hf_batch_size, help="static batch size")
     h.add_argument("--hf-num-prompts", type=int, default=None,
@@ -171,18 +179,27 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     add_bench_engine_args(parser)
 
 
-def _requests(workload: Workload, ignore_eos: bool):
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """How both systems pick tokens: greedy at temperature 0."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+
+def _requests(workload: Workload, ignore_eos: bool, sampling: Sampling = Sampling()):
     from engine_worker import SamplingParams
 
     prompts = [{"prompt_token_ids": list(p)} for p in workload.prompt_token_ids]
-    return prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos)
+    return prompts, [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                                    max_tokens=n, ignore_eos=ignore_eos)
                      for n in workload.output_lens]
 
 
 def time_quire(llm, workload: Workload, warmup: Workload, ignore_eos: bool,
-               system: str = "quire") -> SystemResult:
-    llm.generate(*_requests(warmup, True), use_tqdm=False)
-    prompts, params = _requests(workload, ignore_eos)
+               system: str = "quire", sampling: Sampling = Sampling()) -> SystemResult:
+    llm.generate(*_requests(warmup, True, sampling), use_tqdm=False)
+    prompts, params = _requests(workload, ignore_eos, sampling)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -203,7 +220,7 @@ def _useful_tokens(generated, limit: int, eos_ids: frozenset[int] | None) -> int
 
 
 def _hf_batch(model, prompts, output_lens, pad_id: int, device,
-              eos_ids: frozenset[int] | None) -> tuple[int, int]:
+              eos_ids: frozenset[int] | None, sampling: Sampling) -> tuple[int, int]:
     """One static batch; returns (useful output tokens, tokens decoded in all). With
     ``eos_ids`` None, EOS is masked until the longest request's limit (ignore_eos)."""
     import torch
@@ -218,8 +235,11 @@ def _hf_batch(model, prompts, output_lens, pad_id: int, device,
     max_new = max(output_lens)
     # min_new_tokens masks EOS until max_new, so no row may stop before the longest one; with
     # EOS allowed the batch still runs until every row has stopped or reached max_new.
+    sample = ({"do_sample": True, "temperature": sampling.temperature,
+               "top_p": sampling.top_p, "top_k": 0} if sampling.temperature > 0
+              else {"do_sample": False})
     out = model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                         do_sample=False, max_new_tokens=max_new,
+                         **sample, max_new_tokens=max_new,
                          min_new_tokens=max_new if eos_ids is None else 0, pad_token_id=pad_id,
                          **({} if eos_ids is None else {"eos_token_id": sorted(eos_ids)}))
     generated = out[:, width:].tolist()
@@ -228,7 +248,8 @@ def _hf_batch(model, prompts, output_lens, pad_id: int, device,
 
 
 def time_hf(model_dir, dtype, device, workload: Workload, warmup: Workload,
-            batch_size: int, eos_ids: frozenset[int] | None) -> SystemResult:
+            batch_size: int, eos_ids: frozenset[int] | None,
+            sampling: Sampling = Sampling()) -> SystemResult:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -238,11 +259,13 @@ def time_hf(model_dir, dtype, device, workload: Workload, warmup: Workload,
     pad_id = pad_id[0] if isinstance(pad_id, list) else pad_id  # any id: padding is masked
     useful = decoded = 0
     with torch.inference_mode():
-        _hf_batch(model, warmup.prompt_token_ids, warmup.output_lens, pad_id, device, None)
+        _hf_batch(model, warmup.prompt_token_ids, warmup.output_lens, pad_id, device, None,
+                  sampling)
         start = time.perf_counter()
         for i in range(0, len(workload.output_lens), batch_size):
             u, d = _hf_batch(model, workload.prompt_token_ids[i:i + batch_size],
-                             workload.output_lens[i:i + batch_size], pad_id, device, eos_ids)
+                             workload.output_lens[i:i + batch_size], pad_id, device, eos_ids,
+                             sampling)
             useful, decoded = useful + u, decoded + d
         elapsed = time.perf_counter() - start
     return SystemResult.from_timing("transformers", workload, elapsed, useful, decoded)
@@ -344,7 +367,8 @@ def run_from_args(ns: argparse.Namespace) -> int:
                            input_lens=(cfg.min_input_len, cfg.max_input_len),
                            vocab_size=vocab_size, seed=cfg.workload_seed + 1)
     print(f"quire: {cfg.num_prompts} requests", file=sys.stderr)
-    results = [time_quire(llm, workload, warmup, cfg.ignore_eos)]
+    sampling = Sampling(cfg.temperature, cfg.top_p)
+    results = [time_quire(llm, workload, warmup, cfg.ignore_eos, sampling=sampling)]
     info = engine.info
     model_dir, dtype, device = info.model_dir, info.dtype, info.device
     parameters = num_parameters(engine.runner.model)
@@ -362,7 +386,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
         print(f"transformers: {n} requests in static batches of {cfg.hf_batch_size}",
               file=sys.stderr)
         results.append(time_hf(model_dir, dtype, device, subset, warmup, cfg.hf_batch_size,
-                               eos_ids))
+                               eos_ids, sampling))
     sweep = sweep_batch_sizes(engine_args, cfg.batch_sizes, prompt_len=cfg.sweep_prompt_len,
                               output_len=cfg.sweep_output_len, vocab_size=vocab_size)
     ratio = (results[0].output_tokens_per_s / results[1].output_tokens_per_s

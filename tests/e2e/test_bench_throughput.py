@@ -29,10 +29,13 @@ def _bench(model_dir, tmp_path, *args) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("ignore_eos", [True, False])
-def test_bench_throughput_counts_and_split(tiny_model_dir, tmp_path, ignore_eos):
+@pytest.mark.parametrize("ignore_eos, sampling", [
+    (True, ()), (False, ()), (True, ("--temperature", "1", "--top-p", "0.9"))],
+    ids=["ignore-eos", "eos", "sampled"])
+def test_bench_throughput_counts_and_split(tiny_model_dir, tmp_path, ignore_eos, sampling):
     report = _bench(tiny_model_dir, tmp_path, "--batch-sizes", "1,4", "--sweep-prompt-len",
-                    "16", "--sweep-output-len", "6", *(["--ignore-eos"] if ignore_eos else []))
+                    "16", "--sweep-output-len", "6", *(["--ignore-eos"] if ignore_eos else []),
+                    *sampling)
     requested = report["workload"]["num_output_tokens"]
     quire, hf = report["quire"], report["hf"]
     assert quire["num_requests"] == hf["num_requests"] == 6
@@ -48,6 +51,7 @@ def test_bench_throughput_counts_and_split(tiny_model_dir, tmp_path, ignore_eos)
     from engine_worker.backends import BACKENDS
 
     assert report["environment"]["kernels"] in BACKENDS
+    assert report["config"]["temperature"] == (1.0 if sampling else 0.0)
     machine = report["environment"]["machine"]  # measured in the run, the fraction derived
     assert machine["memory_gb_per_s"] > 0 and machine["matmul_tflops"]["float32"] > 0
     total = quire["num_input_tokens"] + quire["num_output_tokens"]

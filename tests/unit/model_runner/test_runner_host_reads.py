@@ -5,7 +5,11 @@ On a GPU each host read outside it would be a sync that waits out the queued ker
 the CPU there is no device, so the test counts the reads themselves with a TorchFunctionMode
 (``.tolist()``, ``.item()``, ``int(t)``, ``bool(t)``, ``.numpy()`` ...), with every sampling
 option on: seeds, greedy and random rows, top-k/p, min-p, penalties, min_tokens, logprobs,
-prompt logprobs and n > 1."""
+prompt logprobs and n > 1.
+
+The top-p draw runs as it does on a GPU (pivot rounds, then the sorted floor, no early stop):
+on the CPU it reads one flag a round on the host to stop early (``pivot_rounds_for``), which
+is no device read there."""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ import torch
 
 from engine_worker import LLM, SamplingParams
 from engine_worker.model_runner import runner as runner_module
+from engine_worker.model_runner import sampling_inputs
+from engine_worker.sampling_draw import PivotRounds
 
 HOST_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy"}
 
@@ -65,6 +71,8 @@ def test_a_step_reads_the_device_once(llm, monkeypatch):
     monkeypatch.setattr(runner, "execute", counted_execute)
     monkeypatch.setattr(runner, "_to_host", allowed_to_host)
     monkeypatch.setattr(runner_module, "to_host", counted_to_host)
+    monkeypatch.setattr(sampling_inputs, "pivot_rounds_for",
+                        lambda device: PivotRounds(max_rounds=4, stop_early=False))
     params = [SamplingParams(temperature=0, max_tokens=6, logprobs=2, prompt_logprobs=1),
               SamplingParams(temperature=0.9, seed=3, top_k=20, top_p=0.9, min_p=0.01,
                              repetition_penalty=1.2, presence_penalty=0.5,
