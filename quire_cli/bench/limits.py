@@ -101,8 +101,14 @@ def compute_fraction(tokens: int, seconds: float, parameters: int,
 
 
 def limits_report(limits: MachineLimits) -> dict:
-    return {"device": limits.device, "memory_gb_per_s": round(limits.memory_gb_per_s, 1),
-            "matmul_tflops": {k: round(v, 3) for k, v in limits.matmul_tflops.items()}}
+    # four significant digits, not a fixed number of places: a loaded 2-core machine measures
+    # ~0.02 TFLOP/s, where three places would lose 2-3 % of the figure the fractions divide by
+    return {"device": limits.device, "memory_gb_per_s": _significant(limits.memory_gb_per_s),
+            "matmul_tflops": {k: _significant(v) for k, v in limits.matmul_tflops.items()}}
+
+
+def _significant(value: float, digits: int = 4) -> float:
+    return float(f"{value:.{digits}g}")
 
 
 def describe(limits: MachineLimits) -> str:
