@@ -18,31 +18,17 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from quire.list_limits import MAX_CHAT_MESSAGES, MAX_CONTENT_PARTS, MAX_STOP_TOKEN_IDS
-from tests.e2e.router_harness import TIMEOUT_S, RunningRouter, address, start_engine
+from tests.e2e.fuzz_stack import MODEL, engine, router  # noqa: F401 (fixtures)
+from tests.e2e.router_harness import TIMEOUT_S
 
 pytestmark = pytest.mark.fuzz
 
-MODEL = "tiny"
 VOCAB_SIZE = 49152
 MAX_MODEL_LEN = 1024
 MAX_STOP_STRINGS = 16  # the router's default max_stop_strings
 FUZZ = settings(derandomize=True, max_examples=25, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow,
                                        HealthCheck.function_scoped_fixture])
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    running = start_engine(tiny_model_dir)
-    yield running
-    running.close()
-
-
-@pytest.fixture(scope="module")
-def router(engine):
-    running = RunningRouter([address(engine)], http_port=0, model_name=MODEL)
-    yield running
-    running.close()
 
 
 def post(port: int, path: str, raw: bytes, headers: dict | None = None):

@@ -21,11 +21,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from quire.v1 import engine_pb2 as pb
-from tests.e2e.router_harness import RunningRouter, address, start_engine
+from tests.e2e.fuzz_stack import MODEL, engine, router  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.fuzz
 
-MODEL = "tiny"
 # The loaded profile decides randomness (tests/conftest.py); exploring also sets the count.
 EXPLORING = not settings.default.derandomize
 FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -36,20 +35,6 @@ FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow,
 NAMES_A_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*|body key #\d+): .+", re.S)
 CLIENT_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
                 grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    running = start_engine(tiny_model_dir)
-    yield running
-    running.close()
-
-
-@pytest.fixture(scope="module")
-def router(engine):
-    running = RunningRouter([address(engine)], http_port=0, model_name=MODEL)
-    yield running
-    running.close()
 
 
 class Bystander:

@@ -1,0 +1,25 @@
+"""The stack both fuzz suites run against: one tiny-model engine and a router with its HTTP
+front, one of each per test module. A module imports ``engine`` and ``router`` from here, and
+pytest finds them as that module's fixtures."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.router_harness import RunningRouter, address, start_engine
+
+MODEL = "tiny"  # the name the router serves
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    running = start_engine(tiny_model_dir)
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="module")
+def router(engine):
+    running = RunningRouter([address(engine)], http_port=0, model_name=MODEL)
+    yield running
+    running.close()
