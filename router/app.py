@@ -119,7 +119,7 @@ class RouterServer:
         if self.cfg.http_port >= 0:
             from router.openai_api import FrontSeam, OpenAIFront
 
-            seam = FrontSeam(grpc_port=self.port, keys=self.keys,
+            seam = FrontSeam(generate=self.servicer.Generate, keys=self.keys,
                              session_header=self.placement.session_header,
                              model_name=lambda: self.model_name, tokenizer=self._tokenizer,
                              engine_states=self.pool.engine_states,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,10 +25,10 @@ from aiohttp import web
 from quire.ports import PortInUseError
 from quire.tracing import TRACE_HEADERS
 from quire.v1 import engine_pb2 as pb
-from quire.v1 import engine_pb2_grpc
 from router.auth import OPEN_HTTP_PATHS, ApiKeys
 from router.config import RouterServerConfig
 from router.http_guard import GuardedAppRunner, RateLimitedLog, deadline_of
+from router.local_call import LocalCall
 from router.metrics import RouterMetrics
 from router.openai_protocol import (FINISH, RequestError, chat_messages, check_body,
                                     error_response, sampling_options, shown, sse, token_list,
@@ -60,7 +60,9 @@ class FrontSeam:
 
     The callables are read on every request: they answer for the router's state *now*."""
 
-    grpc_port: int  # the router's own gRPC port, on loopback: every generation goes through it
+    # The router servicer's Generate(request, context): every generation goes through it, in
+    # this process (router.local_call), with the statuses a gRPC client would see.
+    generate: Callable[..., AsyncIterator]
     keys: ApiKeys
     session_header: str  # the HTTP header forwarded as the gRPC session metadata
     model_name: Callable[[], str | None]  # None: no engine has fixed the model yet
@@ -79,8 +81,6 @@ class OpenAIFront:
         self.host, self.port = host, port
         self.metrics = metrics
         self._runner: web.AppRunner | None = None
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: engine_pb2_grpc.EngineServiceStub | None = None
         self._render_pool: ThreadPoolExecutor | None = None
         self.client_errors = RateLimitedLog(logger)  # one line per client mistake, bounded
 
@@ -99,10 +99,6 @@ class OpenAIFront:
         return self.tokenizer.backend.decode([token_id], skip_special_tokens=False)
 
     async def start(self) -> int:
-        self._channel = grpc.aio.insecure_channel(
-            f"127.0.0.1:{self.seam.grpc_port}",
-            options=[("grpc.max_send_message_length", self.cfg.max_message_bytes)])
-        self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._render_pool = ThreadPoolExecutor(self.cfg.tokenizer_threads,
                                                thread_name_prefix="openai-render")
         app = web.Application(middlewares=[self._guard],
@@ -113,7 +109,7 @@ class OpenAIFront:
                         web.get("/metrics", self._metrics),
                         web.get("/debug/decisions", self._decisions)])
         # handler_cancellation: a client that disconnects cancels its handler, whose finally
-        # cancels the gRPC call, which aborts the request on the engine (streaming or not).
+        # closes the local call, which aborts the request on the engine (streaming or not).
         self._runner = GuardedAppRunner(app, access_log=None, handler_cancellation=True,
                                         keepalive_timeout=_KEEPALIVE_TIMEOUT_S,
                                         lingering_time=_LINGER_S,
@@ -134,8 +130,6 @@ class OpenAIFront:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._channel is not None:
-            await self._channel.close()
         if self._render_pool is not None:
             self._render_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -202,9 +196,9 @@ class OpenAIFront:
             body = await self._body(request, chat=chat)
             req = OpenAIRequest(body, chat=chat, model_name=self.model_name,
                                 token_text=self.token_text)
-            call = self._stub.Generate(await self._generate_request(req),
-                                       timeout=self.cfg.request_timeout_s,
-                                       metadata=self._forwarded_metadata(request))
+            call = LocalCall(self.seam.generate, await self._generate_request(req),
+                             timeout_s=self.cfg.request_timeout_s,
+                             metadata=self._forwarded_metadata(request))
             first = await call.read()  # errors before any output keep their HTTP status
             if req.stream:
                 return await self._stream(request, req, call, first)
@@ -220,7 +214,7 @@ class OpenAIFront:
             return error_response(e)
         finally:
             if call is not None:
-                call.cancel()  # no-op once finished; aborts the engine request otherwise
+                await call.aclose()  # no-op once finished; aborts the engine request otherwise
 
     async def _body(self, request: web.Request, *, chat: bool) -> dict:
         """The JSON object sent, checked (``check_body``) before anything reads it."""

@@ -27,10 +27,15 @@ def _get(port: int, path: str, key: str | None = None) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+async def _no_generate(request, context):
+    raise AssertionError("these routes never generate")
+    yield  # an async generator, like the servicer's Generate
+
+
 def test_health_models_and_keys_follow_the_seam():
     states = {"serving": 0, "not_serving": 0, "unreachable": 1, "refused": 0}
     draining = [False]
-    seam = FrontSeam(grpc_port=1, keys=ApiKeys(["k1"]), session_header="x-session-id",
+    seam = FrontSeam(generate=_no_generate, keys=ApiKeys(["k1"]), session_header="x-session-id",
                      model_name=lambda: "m", tokenizer=lambda: None,
                      engine_states=lambda: dict(states), draining=lambda: draining[0])
 

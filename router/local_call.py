@@ -1,0 +1,131 @@
+"""A streaming ``Generate`` call made inside the router's process, shaped like a grpc.aio call.
+
+The HTTP front used to reach the router's placement through the router's own gRPC port on
+loopback. Every message was then serialised and parsed twice more in this process (client and
+server side of that channel) and crossed the gRPC core's completion queue twice: about 0.4 ms of
+router CPU per streamed message on a 2-core Zen 3, taken from the engine that shares the cores.
+``LocalCall`` runs the servicer's handler (the same decorated ``Generate``: tracing, retries,
+limits and statuses unchanged) directly, and answers ``read()`` as the grpc.aio call did (``aclose()``
+replaces ``cancel()``), so the front's error mapping stays the one for gRPC statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+
+Metadata = Sequence[tuple[str, str]]
+
+
+class LocalContext:
+    """The part of ``grpc.aio.ServicerContext`` a servicer's ``Generate`` uses, for a local call.
+
+    ``abort`` raises ``grpc.aio.AbortError`` as the real one does, after recording the status;
+    ``LocalCall`` turns it into the ``AioRpcError`` a remote caller would have seen."""
+
+    __slots__ = ("_metadata", "_deadline", "_code", "_details", "_trailing", "_initial")
+
+    def __init__(self, metadata: Metadata, timeout_s: float | None) -> None:
+        self._metadata = tuple(metadata)
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+        self._trailing: tuple[tuple[str, str], ...] = ()
+        self._initial: tuple[tuple[str, str], ...] = ()
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    @property
+    def deadline(self) -> float | None:
+        """The call's deadline on ``time.monotonic``'s clock (None: none)."""
+        return self._deadline
+
+    async def send_initial_metadata(self, metadata: Metadata) -> None:
+        self._initial = tuple(metadata)
+
+    def initial_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._initial
+
+    def set_trailing_metadata(self, metadata: Metadata) -> None:
+        self._trailing = tuple(metadata)
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def peer(self) -> str:
+        return "local:http-front"
+
+    async def abort(self, code: grpc.StatusCode, details: str = "",
+                    trailing_metadata: Metadata = ()) -> None:
+        self._code, self._details = code, details
+        if trailing_metadata:
+            self._trailing = tuple(trailing_metadata)
+        raise grpc.aio.AbortError()
+
+    def error(self, code: grpc.StatusCode | None = None, details: str | None = None
+              ) -> grpc.aio.AioRpcError:
+        """The status this call ended with, as the error a grpc.aio client raises."""
+        return grpc.aio.AioRpcError(
+            code or self._code or grpc.StatusCode.UNKNOWN, grpc.aio.Metadata(*self._initial),
+            grpc.aio.Metadata(*self._trailing),
+            details=self._details if details is None else details)
+
+
+class LocalCall:
+    """``handler(request, context)`` (an async generator) read like a grpc.aio stream call.
+
+    ``read()`` returns the next message or ``grpc.aio.EOF`` and raises ``AioRpcError`` for a
+    status other than OK (DEADLINE_EXCEEDED when ``timeout_s`` passes); ``aclose()`` closes
+    the handler, whose cleanup aborts the request on its engine."""
+
+    def __init__(self, handler: Callable[[object, LocalContext], AsyncIterator], request,
+                 *, metadata: Metadata = (), timeout_s: float | None = None) -> None:
+        self.context = LocalContext(metadata, timeout_s)
+        self._stream = handler(request, self.context)
+        self._done = False
+
+    async def read(self):
+        if self._done:
+            return grpc.aio.EOF
+        deadline = self.context.deadline
+        try:
+            if deadline is None:
+                return await anext(self._stream)
+            # Same clock as the context; asyncio's loop clock is monotonic too.
+            loop_deadline = asyncio.get_running_loop().time() + (deadline - time.monotonic())
+            async with asyncio.timeout_at(loop_deadline):
+                return await anext(self._stream)
+        except StopAsyncIteration:
+            self._done = True
+            if self.context.code() not in (None, grpc.StatusCode.OK):
+                raise self.context.error() from None  # set_code without abort
+            return grpc.aio.EOF
+        except grpc.aio.AbortError:
+            self._done = True
+            raise self.context.error() from None
+        except TimeoutError:
+            self._done = True
+            await self._stream.aclose()
+            raise self.context.error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     "Deadline Exceeded") from None
+
+    async def aclose(self) -> None:
+        """Close the handler (no-op once it finished): its cleanup aborts the engine request."""
+        self._done = True
+        await self._stream.aclose()

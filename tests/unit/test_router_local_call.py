@@ -1,0 +1,156 @@
+"""The HTTP front's in-process Generate call answers as a grpc.aio stream call would: messages,
+EOF, the handler's abort status with its trailing metadata, the deadline, and cleanup on close."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from quire.errors import FIELD_METADATA, field_of
+from router.local_call import LocalCall
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_messages_then_eof_and_context_metadata():
+    seen = {}
+
+    async def handler(request, context):
+        seen["metadata"] = context.invocation_metadata()
+        seen["remaining"] = context.time_remaining()
+        await context.send_initial_metadata((("x-engine", "e1"),))
+        for i in range(request):
+            yield i
+
+    async def scenario():
+        call = LocalCall(handler, 3, metadata=(("authorization", "Bearer k"),), timeout_s=30)
+        got = []
+        while (message := await call.read()) is not grpc.aio.EOF:
+            got.append(message)
+        assert await call.read() is grpc.aio.EOF  # stays at EOF
+        return got, call.context.initial_metadata()
+
+    got, initial = _run(scenario())
+    assert got == [0, 1, 2]
+    assert initial == (("x-engine", "e1"),)
+    assert seen["metadata"] == (("authorization", "Bearer k"),)
+    assert 0 < seen["remaining"] <= 30
+
+
+def test_abort_becomes_the_error_a_grpc_client_sees():
+    async def handler(request, context):
+        yield "first"
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "top_k: too large",
+                            trailing_metadata=((FIELD_METADATA, "sampling.top_k"),))
+
+    async def scenario():
+        call = LocalCall(handler, None)
+        assert await call.read() == "first"
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call.read()
+        return raised.value, call.context
+
+    error, context = _run(scenario())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == "top_k: too large"
+    assert field_of(error) == "sampling.top_k"
+    assert context.code() == grpc.StatusCode.INVALID_ARGUMENT  # what a tracing span reads
+
+
+def test_set_code_without_abort_is_an_error_at_the_end():
+    async def handler(request, context):
+        context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        context.set_details("queue full")
+        context.set_trailing_metadata((("retry-after", "2"),))
+        return
+        yield
+
+    async def scenario():
+        call = LocalCall(handler, None)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call.read()
+        return raised.value
+
+    error = _run(scenario())
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error.details() == "queue full"
+    assert list(error.trailing_metadata()) == [("retry-after", "2")]
+
+
+def test_deadline_exceeded_closes_the_handler():
+    cleaned = asyncio.Event()
+
+    async def handler(request, context):
+        try:
+            yield "first"
+            await asyncio.sleep(60)
+            yield "never"
+        finally:
+            cleaned.set()
+
+    async def scenario():
+        call = LocalCall(handler, None, timeout_s=0.2)
+        assert await call.read() == "first"
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call.read()
+        return raised.value, cleaned.is_set()
+
+    error, was_cleaned = _run(scenario())
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert was_cleaned
+
+
+def test_aclose_runs_the_handlers_cleanup_once():
+    closed = []
+
+    async def handler(request, context):
+        try:
+            while True:
+                yield "token"
+                await asyncio.sleep(0)
+        finally:
+            closed.append(True)
+
+    async def scenario():
+        call = LocalCall(handler, None)
+        assert await call.read() == "token"
+        await call.aclose()
+        await call.aclose()  # a second close is a no-op
+        return await call.read()
+
+    assert _run(scenario()) is grpc.aio.EOF
+    assert closed == [True]
+
+
+def test_a_cancelled_reader_stops_the_handler():
+    """A client that leaves cancels the HTTP handler's task while it waits in read()."""
+    closed = asyncio.Event()
+
+    async def handler(request, context):
+        try:
+            yield "first"
+            await asyncio.sleep(60)
+            yield "never"
+        finally:
+            closed.set()
+
+    async def scenario():
+        call = LocalCall(handler, None)
+
+        async def reader():
+            await call.read()
+            await call.read()
+
+        task = asyncio.create_task(reader())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await call.aclose()
+        return closed.is_set()
+
+    assert _run(scenario())
