@@ -197,7 +197,7 @@ class OpenAIFront:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        call = None
+        call = req = None
         try:
             body = await self._body(request, chat=chat)
             req = OpenAIRequest(body, chat=chat, model_name=self.model_name,
@@ -217,7 +217,7 @@ class OpenAIFront:
                 response.headers["Accept-Encoding"] = "identity"
             return response
         except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
-            return error_response(e)
+            return error_response(e, None if req is None else req.field_aliases)
         finally:
             if call is not None:
                 call.cancel()  # no-op once finished; aborts the engine request otherwise
