@@ -22,6 +22,7 @@ from quire.limits import (DEFAULT_MAX_N, UINT32_MAX, check_min_tokens, check_n,
 from quire.list_limits import MAX_CHAT_MESSAGES, MAX_CONTENT_PARTS, MAX_STOP_TOKEN_IDS
 from quire.structured_outputs import check_logit_bias, structured_outputs_kind
 from quire.v1 import engine_pb2 as pb
+from router.tool_calls import ToolCallStream, ToolChoice, tool_choice_of
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,6 @@ _OFF_FORMS: dict[str, Callable[[object, dict], bool]] = {
     "best_of": lambda v, body: v is None or v == 1 or v == body.get("n", 1),
     "suffix": lambda v, body: v is None or v == "",
     "echo": lambda v, body: v is None or v is False,
-    "tools": lambda v, body: v is None or v == [],
-    "tool_choice": lambda v, body: v is None or v == "none",
     "functions": lambda v, body: v is None or v == [],
     "function_call": lambda v, body: v is None or v == "none",
 }
@@ -311,10 +310,10 @@ def _response_format_spec(fmt) -> dict | None:
     return {"json": schema["schema"]}
 
 
-_MESSAGE_KEYS = frozenset({"role", "content", "name"})
-# Echoed back by clients from earlier responses; accepted while empty (no tool calling here).
-_EMPTY_MESSAGE_KEYS = frozenset({"tool_calls", "function_call", "refusal", "audio",
-                                 "annotations", "tool_call_id", "reasoning_content"})
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+# Echoed back by clients from earlier responses; accepted while empty.
+_EMPTY_MESSAGE_KEYS = frozenset({"function_call", "refusal", "audio", "annotations",
+                                 "reasoning_content"})
 
 
 def chat_messages(body: dict, max_chars: int = 1 << 20) -> list[dict]:
@@ -351,8 +350,38 @@ def chat_messages(body: dict, max_chars: int = 1 << 20) -> list[dict]:
         if num_chars > max_chars:
             raise RequestError(f"messages: at most {max_chars} characters of content in all",
                                "messages")
-        out.append({"role": message["role"], "content": content or ""} |
-                   ({"name": message["name"]} if message.get("name") is not None else {}))
+        entry = {"role": message["role"], "content": content or ""} | (
+            {"name": message["name"]} if message.get("name") is not None else {})
+        if message.get("tool_calls") not in (None, []):
+            if message["role"] != "assistant":
+                raise RequestError(f"messages[{i}].tool_calls: only assistant messages carry "
+                                   "tool calls", "messages")
+            entry["tool_calls"] = _tool_calls(message["tool_calls"], i)
+        if message.get("tool_call_id") is not None:
+            if not isinstance(message["tool_call_id"], str):
+                raise RequestError(f"messages[{i}].tool_call_id: must be a string", "messages")
+            entry["tool_call_id"] = message["tool_call_id"]
+        out.append(entry)
+    return out
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's earlier calls, as OpenAI sends them back."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise RequestError(f"{where}: must be a list", "messages")
+    _check_length(calls, MAX_CONTENT_PARTS, where, "calls", param="messages")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or \
+                not isinstance(function.get("arguments", ""), (str, dict)):
+            raise RequestError(f"{where}[{j}]: must be {{\"type\": \"function\", \"id\": "
+                               "..., \"function\": {\"name\": ..., \"arguments\": ...}}",
+                               "messages")
+        out.append({"id": str(call.get("id") or ""), "type": "function",
+                    "function": {"name": function["name"],
+                                 "arguments": function.get("arguments", "")}})
     return out
 
 
@@ -387,6 +416,20 @@ class OpenAIRequest:
         self.field_aliases: dict[str, str] = {}
         if body.get("response_format") is not None:
             self.field_aliases["structured_outputs.json"] = "response_format"
+        self.tools: ToolChoice | None = None
+        if chat:
+            try:
+                self.tools = tool_choice_of(body)
+            except FieldError as e:
+                raise RequestError(str(e), e.field) from None
+        if self.tools is not None and self.tools.schema() is not None:
+            if body.get("response_format") is not None or \
+                    body.get("structured_outputs") is not None:
+                raise RequestError("tool_choice: required or a named function cannot be "
+                                   "combined with response_format or structured_outputs",
+                                   "tool_choice")
+            self.field_aliases["structured_outputs.json"] = "tools"
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     def envelope(self, choices: list[dict], *, chunk: bool = False) -> dict:
         obj = self.object + (".chunk" if chunk and self.chat else "")
@@ -413,15 +456,28 @@ class OpenAIRequest:
 
     def choice(self, index: int, text: str, entries, finish: str | None, *,
                chunk: bool, first: bool = False) -> dict:
+        calls: list = []
+        if self.tools is not None:  # the calls in the text, parsed out of it
+            if chunk:
+                stream = self._tool_streams.setdefault(index, ToolCallStream(self.tools))
+                text, calls = stream.feed(text, finished=finish is not None)
+                finish = self.tools.finish_reason(stream.calls, finish)
+            else:
+                text, calls = self.tools.parse(text)
+                finish = self.tools.finish_reason(calls, finish)
         body: dict = {"index": index, "logprobs": self.logprobs(entries),
                       "finish_reason": finish}
         if not self.chat:
             body["text"] = text
         elif chunk:
             body["delta"] = ({"role": "assistant"} if first else {}) | (
-                {"content": text} if text or first else {})
+                {"content": text} if text or first else {}) | (
+                {"tool_calls": [c.as_json(n) for n, c in enumerate(
+                    calls, len(self._tool_streams[index].calls) - len(calls))]}
+                if calls else {})
         else:
-            body["message"] = {"role": "assistant", "content": text}
+            body["message"] = {"role": "assistant", "content": text} | (
+                {"tool_calls": [c.as_json() for c in calls]} if calls else {})
         return body
 
 
