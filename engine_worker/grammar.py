@@ -30,6 +30,7 @@ from engine_worker.sampling_params import StructuredOutputsParams
 from quire.errors import FieldError
 
 _MAX_CACHED_GRAMMARS = 256
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +172,8 @@ class GrammarCompilerCache:
                 return compiler.compile_grammar(choice_grammar(json.loads(spec)))
             return compiler.compile_grammar(spec)
         except (RuntimeError, ValueError, TypeError) as e:
-            reason = " ".join(str(e).split())[:500] or type(e).__name__
+            # xgrammar's messages start "[hh:mm:ss] /path/file.cc:123: ": not the client's concern
+            reason = _LOG_PREFIX.sub("", " ".join(str(e).split()))[:500] or type(e).__name__
             raise FieldError(field, f"cannot be compiled: {reason}") from None
 
     def close(self) -> None:

@@ -134,3 +134,46 @@ def test_bad_logit_bias_is_refused(bias, vocab):
 
 def test_logit_bias_accepts_json_keys():
     assert check_logit_bias({"3": 100, 4: -100, "5": 0.5}, 6) == {3: 100.0, 4: -100.0, 5: 0.5}
+
+
+def test_vllm_engines_get_the_fields_under_vllms_names():
+    from quire.v1 import engine_pb2 as pb
+    from router.vllm_client import completion_body
+
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling=pb.SamplingOptions(
+        logit_bias={7: -100.0}, structured_outputs=pb.StructuredOutputs(
+            json='{"type": "object"}')))
+    body = completion_body("m", request)
+    assert body["logit_bias"] == {"7": -100.0}
+    assert body["structured_outputs"] == {"json": {"type": "object"}}
+    request.sampling.structured_outputs.choice.choices[:] = ["a", "b"]
+    assert completion_body("m", request)["structured_outputs"] == {"choice": ["a", "b"]}
+
+
+def test_compiled_grammars_are_cached_and_compiled_off_the_callers_thread(embedded_model_dir):
+    import asyncio
+    import threading
+
+    from engine_worker.grammar import GrammarCompilerCache
+    from engine_worker.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(embedded_model_dir)
+    cache = GrammarCompilerCache(tokenizer.hf, 49152, tokenizer.eos_token_ids)
+    threads = []
+    compile_one = cache._compile
+
+    def recording(*args):
+        threads.append(threading.current_thread().name)
+        return compile_one(*args)
+
+    cache._compile = recording
+    params = StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"type": "integer"}}})
+    first = asyncio.run(cache.compile_async(params))
+    again = cache.compile(StructuredOutputsParams(json='{"type":"object","properties":'
+                                                       '{"a":{"type":"integer"}}}'))
+    assert again is first and len(threads) == 1 and threads[0].startswith("grammar-compile")
+    with pytest.raises(FieldError) as e:
+        asyncio.run(cache.compile_async(StructuredOutputsParams(regex="[z-a]")))
+    assert e.value.field == "structured_outputs.regex"
+    cache.close()
