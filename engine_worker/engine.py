@@ -20,6 +20,7 @@ import torch
 from engine_worker.backends import select_backend
 from engine_worker.config import EngineArgs, EngineConfig
 from engine_worker.engine_info import EngineInfo
+from engine_worker.grammar import GrammarCompilerCache
 from engine_worker.input_processor import InputProcessor, PromptType
 from engine_worker.kv_cache.events import KVEventRecorder
 from engine_worker.kv_cache.manager import KVCacheManager, KVCacheStats
@@ -213,6 +214,9 @@ class LLMEngine:
             kv_capacity_tokens=num_blocks * cache.block_size, vocab_size=model.cfg.vocab_size,
             max_num_seqs=sched.max_num_seqs)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # structured outputs: xgrammar needs the logits' width, which may exceed the tokenizer's
+        self.grammars = GrammarCompilerCache(self.tokenizer.hf, model.cfg.vocab_size,
+                                             self.tokenizer.eos_token_ids)
 
     def _facts(self, loaded: LoadedModel, size: KVCacheSize) -> EngineInfo:
         cache, backend = self.config.cache, self._backend
@@ -249,6 +253,8 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         processed = self.input_processor.process(request_id, prompt, params, arrival, priority,
                                                  cache_salt)
+        if params.structured_outputs is not None:  # compiled already when the server sent it
+            processed.request.grammar = self.grammars.matcher(params.structured_outputs)
         clash = [s for s in processed.sample_ids if self.output_processor.is_live_sample(s)]
         if clash:
             raise ValueError(f"request_id: {request_id!r} would reuse the live sample id "

@@ -14,6 +14,7 @@ from engine_worker.request import Request
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.tokenizer import Tokenizer
 from quire.limits import check_n
+from quire.structured_outputs import check_logit_bias
 from quire.list_limits import MAX_STOP_TOKEN_IDS, check_length, check_token_ids
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": ...}.
@@ -68,6 +69,8 @@ class InputProcessor:
         check_length(params.stop_token_ids, MAX_STOP_TOKEN_IDS, "stop_token_ids",
                      "stop token ids")
         check_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
+        if params.logit_bias:
+            check_logit_bias(params.logit_bias, self.vocab_size)
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
         # n > 1 is one request until its prompt is computed; then it forks into the samples,

@@ -5,7 +5,12 @@ from __future__ import annotations
 import enum
 import time
 
+from typing import TYPE_CHECKING
+
 from engine_worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_worker.grammar import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -43,13 +48,15 @@ class Request:
     __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "sampling_params",
                  "eos_token_ids", "max_tokens", "arrival_time", "priority", "status",
                  "num_computed_tokens", "stop_reason", "num_preemptions", "admit_seq",
-                 "cache_salt", "block_hashes", "num_cached_tokens", "fork_children")
+                 "cache_salt", "block_hashes", "num_cached_tokens", "fork_children",
+                 "grammar")
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: frozenset[int], max_tokens: int,
                  arrival_time: float | None = None, priority: int = 0,
                  cache_salt: str | None = None,
-                 fork_children: tuple[tuple[str, SamplingParams], ...] = ()) -> None:
+                 fork_children: tuple[tuple[str, SamplingParams], ...] = (),
+                 grammar: RequestGrammar | None = None) -> None:
         self.req_id = req_id
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
@@ -68,12 +75,15 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
         # n > 1: the other samples, created by forking this request once its prompt is done
         self.fork_children = fork_children
+        # structured outputs: the matcher of this sequence's grammar (advanced by the scheduler)
+        self.grammar = grammar
 
     def fork(self, req_id: str, params: SamplingParams) -> Request:
         """A sibling sample sharing this request's computed prompt (and, in the cache, its
         blocks), taken before the first sampled token is appended."""
         child = Request(req_id, self.prompt_token_ids, params, self.eos_token_ids,
-                        self.max_tokens, self.arrival_time, self.priority, self.cache_salt)
+                        self.max_tokens, self.arrival_time, self.priority, self.cache_salt,
+                        grammar=None if self.grammar is None else self.grammar.fork())
         child.num_computed_tokens = self.num_computed_tokens
         child.block_hashes = list(self.block_hashes)
         child.num_cached_tokens = self.num_cached_tokens
@@ -100,6 +110,10 @@ class Request:
         """The finished status implied by the last token, or None if it goes on."""
         params = self.sampling_params
         last = self.output_token_ids[-1]
+        if self.grammar is not None and (not self.grammar.accept(last)
+                                         or self.grammar.is_terminated):
+            # the grammar is complete (or, never expected, refused what its mask allowed)
+            return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED

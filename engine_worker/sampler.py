@@ -1,7 +1,8 @@
 """Batched sampling: one set of tensor ops for every row, no Python loop over the vocabulary.
 
-Order (as vLLM and Hugging Face apply them): logprobs of the raw distribution are taken first;
-then min_tokens masking, repetition / presence / frequency penalties, then greedy rows take the
+Order (as vLLM and Hugging Face apply them): a structured output's grammar masks the logits
+(tokens it does not allow get -inf), then logprobs of that distribution are taken; then
+min_tokens masking, logit_bias, repetition / presence / frequency penalties, then greedy rows take the
 argmax and random rows go through temperature, then top-k, top-p and min-p with an exact draw
 of a few uniforms per row (``sampling_draw``). Seeded rows draw their uniforms from their own
 generator, the same number every step, so their tokens do not depend on the batch.
@@ -51,6 +52,10 @@ class SamplingMetadata:
     banned: tuple[tuple[int, tuple[int, ...]], ...]  # (row, token ids) masked for min_tokens
     max_num_logprobs: int | None  # top-k logprobs to return; None: none
     rounds: PivotRounds  # how top-p is drawn on this device
+    # structured outputs: int32 [num_rows, ceil(vocab / 32)], bit b of word w allows token
+    # 32 w + b (-1: every token); None when no row has a grammar
+    token_bitmask: torch.Tensor | None = None
+    logit_bias: tuple[tuple[int, int, float], ...] = ()  # (row, token id, bias)
 
 
 class LogprobTensors(NamedTuple):
@@ -88,10 +93,14 @@ def sample_tokens(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.
                   ) -> tuple[torch.Tensor, LogprobTensors | None]:
     """The device part: token ids [num_rows] and, where asked for, their logprobs, all left
     on the device. ``uniforms`` are ``draw_uniforms``'s (None only when every row is greedy)."""
+    if meta.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, meta.token_bitmask)
     raw_logprobs = None
     if meta.max_num_logprobs is not None:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     logits = _apply_bans(logits, meta.banned)
+    if meta.logit_bias:
+        logits = _apply_logit_bias(logits, meta.logit_bias)
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
     if meta.all_greedy:
@@ -114,6 +123,26 @@ def _apply_bans(logits: torch.Tensor, banned) -> torch.Tensor:
                          dtype=torch.int64)
     index = to_device(pairs.T.contiguous(), logits.device)  # [2, num_pairs]: rows, tokens
     return logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf where the row's bit is clear (tokens past the bitmask's width are masked)."""
+    num_rows, vocab_size = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).reshape(num_rows, -1).bool()
+    if allowed.shape[1] >= vocab_size:
+        allowed = allowed[:, :vocab_size]
+    else:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def _apply_logit_bias(logits: torch.Tensor, biases) -> torch.Tensor:
+    rows, tokens, values = zip(*biases)
+    index = (to_device(torch.tensor(rows, dtype=torch.int64), logits.device),
+             to_device(torch.tensor(tokens, dtype=torch.int64), logits.device))
+    values = to_device(torch.tensor(values, dtype=logits.dtype), logits.device)
+    return logits.index_put(index, values, accumulate=True)
 
 
 def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

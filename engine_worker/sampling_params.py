@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
+import json as json_module
 from dataclasses import dataclass, field, replace
 
 from quire.errors import FieldError
 from quire.limits import SAMPLING_RANGES, check_min_tokens, check_n, check_sampling
+from quire.structured_outputs import check_logit_bias, structured_outputs_kind
 
 _GREEDY_EPS = 1e-5
 _OPTIONAL = frozenset({"max_tokens", "seed", "logprobs", "prompt_logprobs"})  # None: not set
@@ -22,6 +24,34 @@ class RequestOutputKind(enum.Enum):
 
 def _fail(name: str, message: str) -> None:
     raise FieldError(name, f"{message}")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """Constrain a completion to a grammar, as vLLM's ``StructuredOutputsParams``: exactly one
+    of ``json`` (a JSON schema, as a dict or its JSON text), ``regex``, ``choice`` (the output
+    is one of these strings), ``grammar`` (EBNF, xgrammar's dialect of GBNF) or
+    ``json_object=True`` (any JSON object). The completion ends when the grammar does."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        self.spec()  # FieldError naming structured_outputs.<kind> if malformed
+
+    def spec(self) -> tuple[str, str]:
+        """(kind, canonical text): the key compiled grammars are cached under."""
+        kind, value = structured_outputs_kind(
+            {k: getattr(self, k) for k in ("json", "regex", "choice", "grammar",
+                                           "json_object")})
+        if kind == "json":
+            return kind, json_module.dumps(value, separators=(",", ":"))  # order matters
+        if kind == "choice":
+            return kind, json_module.dumps(list(value))
+        return kind, "" if kind == "json_object" else value
 
 
 @dataclass(slots=True)
@@ -52,6 +82,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +107,16 @@ class SamplingParams:
             _fail("stop", "stop strings need detokenize=True")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", "every stop token id must be a non-negative integer")
+        if self.logit_bias:
+            self.logit_bias = check_logit_bias(self.logit_bias)
+        else:
+            self.logit_bias = None
+        if self.structured_outputs is not None and \
+                not isinstance(self.structured_outputs, StructuredOutputsParams):
+            if not isinstance(self.structured_outputs, dict):
+                _fail("structured_outputs", "must be a StructuredOutputsParams")
+            structured_outputs_kind(self.structured_outputs)  # unknown keys name themselves
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
     @property
     def is_greedy(self) -> bool:
@@ -87,4 +129,5 @@ class SamplingParams:
 
     def clone(self, **changes) -> SamplingParams:
         return replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+                       logit_bias=dict(self.logit_bias) if self.logit_bias else None,
                        **changes)

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine_worker.request import RequestStatus
 from engine_worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_worker.grammar import GrammarBitmask
 
 
 # ------------------------------------------------------------------ scheduler -> runner
@@ -68,6 +72,9 @@ class SchedulerOutput:
     block_copies: tuple[tuple[int, int], ...] = ()
     # n > 1 forks, in sampling order: each parent's children follow one another
     forks: tuple[ForkedRequestData, ...] = ()
+    # structured outputs: allowed tokens of the sequences that sample under a grammar
+    # (a fork samples its first token under its parent's row)
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -30,6 +30,7 @@ from router.config import RouterServerConfig
 from router.http_guard import GuardedAppRunner, RateLimitedLog, deadline_of
 from router.local_call import LocalCall
 from router.metrics import RouterMetrics
+from router.tool_calls import ToolChoice, render_inputs
 from router.openai_protocol import (FINISH, RequestError, chat_messages, check_body,
                                     error_response, sampling_options, shown, sse, token_list,
                                     usage_json, Choice, OpenAIRequest)
@@ -191,7 +192,7 @@ class OpenAIFront:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        call = None
+        call = req = None
         try:
             body = await self._body(request, chat=chat)
             req = OpenAIRequest(body, chat=chat, model_name=self.model_name,
@@ -211,7 +212,7 @@ class OpenAIFront:
                 response.headers["Accept-Encoding"] = "identity"
             return response
         except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
-            return error_response(e)
+            return error_response(e, None if req is None else req.field_aliases)
         finally:
             if call is not None:
                 await call.aclose()  # no-op once finished; aborts the engine request otherwise
@@ -274,8 +275,11 @@ class OpenAIFront:
             max_stop_strings=cfg.max_stop_strings, max_stop_string_len=cfg.max_stop_string_len))
         if req.chat:
             messages = chat_messages(body, cfg.max_prompt_chars)
+            schema = req.tools.schema() if req.tools is not None else None
+            if schema is not None:  # required / named: arguments that always parse
+                out.sampling.structured_outputs.json = json.dumps(schema)
             ids = await asyncio.get_running_loop().run_in_executor(
-                self._render_pool, self._render_chat, messages)
+                self._render_pool, self._render_chat, messages, req.tools)
             out.token_ids.ids[:] = ids
             return out
         prompt = body.get("prompt")
@@ -293,9 +297,11 @@ class OpenAIFront:
                                "(batches of several prompts are not supported)", "prompt")
         return out
 
-    def _render_chat(self, messages: list[dict]) -> list[int]:
+    def _render_chat(self, messages: list[dict], tools: ToolChoice | None) -> list[int]:
         tokenizer = self.tokenizer
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        messages, template_tools = render_inputs(messages, tools, tokenizer.chat_template)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tools=template_tools)
         return tokenizer.encode(text, add_special_tokens=False)
 
     def _account(self, usage: pb.Usage) -> None:
@@ -338,10 +344,12 @@ class OpenAIFront:
                 for delta in message.outputs:
                     finish = FINISH.get(delta.finish_reason) if delta.finish_reason else None
                     if delta.text or finish or delta.logprobs or delta.index not in started:
-                        choices.append(req.choice(delta.index, delta.text, delta.logprobs,
-                                                  finish, chunk=True,
-                                                  first=delta.index not in started))
+                        choice = req.choice(delta.index, delta.text, delta.logprobs, finish,
+                                            chunk=True, first=delta.index not in started)
                         started.add(delta.index)
+                        if choice.get("delta") or choice["finish_reason"] or \
+                                choice["logprobs"]:  # empty while a tool call is held back
+                            choices.append(choice)
                 if choices:
                     await response.write(sse(req.envelope(choices, chunk=True)))
                 if message.HasField("usage"):

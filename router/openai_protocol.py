@@ -20,7 +20,9 @@ from quire.errors import FieldError, field_of, http_status
 from quire.limits import (DEFAULT_MAX_N, UINT32_MAX, check_min_tokens, check_n,
                           check_sampling)
 from quire.list_limits import MAX_CHAT_MESSAGES, MAX_CONTENT_PARTS, MAX_STOP_TOKEN_IDS
+from quire.structured_outputs import check_logit_bias, structured_outputs_kind
 from quire.v1 import engine_pb2 as pb
+from router.tool_calls import ToolCallStream, ToolChoice, tool_choice_of
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +43,11 @@ class RequestError(ValueError):
         self.status = status
 
 
-def error_response(error: BaseException) -> web.Response:
-    """The one place request errors and gRPC statuses become HTTP errors."""
+def error_response(error: BaseException, aliases: dict[str, str] | None = None
+                   ) -> web.Response:
+    """The one place request errors and gRPC statuses become HTTP errors. ``aliases``: the
+    request's own name of a field the engine names otherwise (``response_format`` for the
+    ``structured_outputs.json`` it became)."""
     param = None
     if isinstance(error, RequestError):
         status, message, param = error.status, str(error), error.param
@@ -51,6 +56,9 @@ def error_response(error: BaseException) -> web.Response:
         message = message or error.code().name
         field = field_of(error)  # named by the router or the engine, never parsed from text
         param = field.removeprefix("sampling.") if field else None
+        if aliases and param in aliases:
+            message = aliases[param] + message.removeprefix(param)
+            param = aliases[param]
     else:
         logger.exception("internal error in the OpenAI front", exc_info=error)
         status, message = 500, f"internal error: {type(error).__name__}"
@@ -66,7 +74,8 @@ def error_response(error: BaseException) -> web.Response:
 _SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
     "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p", "repetition_penalty",
-    "min_tokens", "stop_token_ids", "ignore_eos"})
+    "min_tokens", "stop_token_ids", "ignore_eos", "logit_bias", "response_format",
+    "structured_outputs"})
 # Accepted and ignored: they change nothing about what is generated.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 # Accepted only in the form that means "off" (the feature is not implemented): any other value is
@@ -75,18 +84,13 @@ _OFF_FORMS: dict[str, Callable[[object, dict], bool]] = {
     "best_of": lambda v, body: v is None or v == 1 or v == body.get("n", 1),
     "suffix": lambda v, body: v is None or v == "",
     "echo": lambda v, body: v is None or v is False,
-    "logit_bias": lambda v, body: v is None or v == {},
-    "tools": lambda v, body: v is None or v == [],
-    "tool_choice": lambda v, body: v is None or v == "none",
     "functions": lambda v, body: v is None or v == [],
     "function_call": lambda v, body: v is None or v == "none",
-    "response_format": lambda v, body: v is None or v == {"type": "text"},
 }
-COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs", "best_of", "suffix", "echo",
-                                        "logit_bias"}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs", "best_of", "suffix", "echo"}
 CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs",
-                                  "top_logprobs", "logit_bias", "tools", "tool_choice",
-                                  "functions", "function_call", "response_format"}
+                                  "top_logprobs", "tools", "tool_choice",
+                                  "functions", "function_call"}
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w{0,63}", re.ASCII)
@@ -239,6 +243,14 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
             raise RequestError("stop_token_ids: must be a list of token ids", "stop_token_ids")
         s.stop_token_ids[:] = ids
     s.ignore_eos = bool(_flag(body, "ignore_eos"))
+    if body.get("logit_bias") is not None:
+        try:
+            s.logit_bias.update(check_logit_bias(body["logit_bias"]))
+        except FieldError as e:
+            raise RequestError(str(e), e.field) from None
+    structured = structured_outputs_of(body)
+    if structured is not None:
+        s.structured_outputs.CopyFrom(structured)
     if chat:
         top = _number(body, "top_logprobs", rule="logprobs")
         if _flag(body, "logprobs"):
@@ -252,10 +264,56 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
     return s
 
 
-_MESSAGE_KEYS = frozenset({"role", "content", "name"})
-# Echoed back by clients from earlier responses; accepted while empty (no tool calling here).
-_EMPTY_MESSAGE_KEYS = frozenset({"tool_calls", "function_call", "refusal", "audio",
-                                 "annotations", "tool_call_id", "reasoning_content"})
+def structured_outputs_of(body: dict) -> pb.StructuredOutputs | None:
+    """OpenAI's ``response_format`` or vLLM's extra-body ``structured_outputs`` as the wire's
+    ``StructuredOutputs`` (None: unconstrained); RequestError naming the field."""
+    fmt, extra = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and extra is not None:
+        raise RequestError("response_format: cannot be combined with structured_outputs",
+                           "response_format")
+    spec, field = None, "structured_outputs"
+    if fmt is not None:
+        spec, field = _response_format_spec(fmt), "response_format"
+    elif extra is not None:
+        if not isinstance(extra, dict):
+            raise RequestError("structured_outputs: must be an object", "structured_outputs")
+        spec = {k: v for k, v in extra.items() if v is not None}
+    if spec is None:
+        return None
+    try:
+        kind, value = structured_outputs_kind(spec, field)
+    except FieldError as e:
+        raise RequestError(str(e), e.field) from None
+    out = pb.StructuredOutputs()
+    if kind == "choice":
+        out.choice.choices[:] = value
+    elif kind == "json":
+        setattr(out, kind, json.dumps(value))
+    else:
+        setattr(out, kind, value)
+    return out
+
+
+def _response_format_spec(fmt) -> dict | None:
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object",
+                                                            "json_schema"):
+        raise RequestError("response_format: must be an object whose type is text, json_object "
+                           f"or json_schema, got {shown(fmt)}", "response_format")
+    if fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return {"json_object": True}
+    schema = fmt.get("json_schema")
+    if not isinstance(schema, dict) or not isinstance(schema.get("schema"), (dict, bool)):
+        raise RequestError("response_format.json_schema.schema: a JSON schema (an object) is "
+                           "required", "response_format")
+    return {"json": schema["schema"]}
+
+
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+# Echoed back by clients from earlier responses; accepted while empty.
+_EMPTY_MESSAGE_KEYS = frozenset({"function_call", "refusal", "audio", "annotations",
+                                 "reasoning_content"})
 
 
 def chat_messages(body: dict, max_chars: int = 1 << 20) -> list[dict]:
@@ -292,8 +350,38 @@ def chat_messages(body: dict, max_chars: int = 1 << 20) -> list[dict]:
         if num_chars > max_chars:
             raise RequestError(f"messages: at most {max_chars} characters of content in all",
                                "messages")
-        out.append({"role": message["role"], "content": content or ""} |
-                   ({"name": message["name"]} if message.get("name") is not None else {}))
+        entry = {"role": message["role"], "content": content or ""} | (
+            {"name": message["name"]} if message.get("name") is not None else {})
+        if message.get("tool_calls") not in (None, []):
+            if message["role"] != "assistant":
+                raise RequestError(f"messages[{i}].tool_calls: only assistant messages carry "
+                                   "tool calls", "messages")
+            entry["tool_calls"] = _tool_calls(message["tool_calls"], i)
+        if message.get("tool_call_id") is not None:
+            if not isinstance(message["tool_call_id"], str):
+                raise RequestError(f"messages[{i}].tool_call_id: must be a string", "messages")
+            entry["tool_call_id"] = message["tool_call_id"]
+        out.append(entry)
+    return out
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's earlier calls, as OpenAI sends them back."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise RequestError(f"{where}: must be a list", "messages")
+    _check_length(calls, MAX_CONTENT_PARTS, where, "calls", param="messages")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or \
+                not isinstance(function.get("arguments", ""), (str, dict)):
+            raise RequestError(f"{where}[{j}]: must be {{\"type\": \"function\", \"id\": "
+                               "..., \"function\": {\"name\": ..., \"arguments\": ...}}",
+                               "messages")
+        out.append({"id": str(call.get("id") or ""), "type": "function",
+                    "function": {"name": function["name"],
+                                 "arguments": function.get("arguments", "")}})
     return out
 
 
@@ -324,6 +412,24 @@ class OpenAIRequest:
         self.include_usage = bool(_flag(options, "include_usage"))
         self.want_logprobs = bool(_flag(body, "logprobs")) if chat else (
             body.get("logprobs") is not None)
+        # fields the engine names by their wire name, named as this request sent them
+        self.field_aliases: dict[str, str] = {}
+        if body.get("response_format") is not None:
+            self.field_aliases["structured_outputs.json"] = "response_format"
+        self.tools: ToolChoice | None = None
+        if chat:
+            try:
+                self.tools = tool_choice_of(body)
+            except FieldError as e:
+                raise RequestError(str(e), e.field) from None
+        if self.tools is not None and self.tools.schema() is not None:
+            if body.get("response_format") is not None or \
+                    body.get("structured_outputs") is not None:
+                raise RequestError("tool_choice: required or a named function cannot be "
+                                   "combined with response_format or structured_outputs",
+                                   "tool_choice")
+            self.field_aliases["structured_outputs.json"] = "tools"
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     def envelope(self, choices: list[dict], *, chunk: bool = False) -> dict:
         obj = self.object + (".chunk" if chunk and self.chat else "")
@@ -350,15 +456,28 @@ class OpenAIRequest:
 
     def choice(self, index: int, text: str, entries, finish: str | None, *,
                chunk: bool, first: bool = False) -> dict:
+        calls: list = []
+        if self.tools is not None:  # the calls in the text, parsed out of it
+            if chunk:
+                stream = self._tool_streams.setdefault(index, ToolCallStream(self.tools))
+                text, calls = stream.feed(text, finished=finish is not None)
+                finish = self.tools.finish_reason(stream.calls, finish)
+            else:
+                text, calls = self.tools.parse(text)
+                finish = self.tools.finish_reason(calls, finish)
         body: dict = {"index": index, "logprobs": self.logprobs(entries),
                       "finish_reason": finish}
         if not self.chat:
             body["text"] = text
         elif chunk:
             body["delta"] = ({"role": "assistant"} if first else {}) | (
-                {"content": text} if text or first else {})
+                {"content": text} if text or first else {}) | (
+                {"tool_calls": [c.as_json(n) for n, c in enumerate(
+                    calls, len(self._tool_streams[index].calls) - len(calls))]}
+                if calls else {})
         else:
-            body["message"] = {"role": "assistant", "content": text}
+            body["message"] = {"role": "assistant", "content": text} | (
+                {"tool_calls": [c.as_json() for c in calls]} if calls else {})
         return body
 
 

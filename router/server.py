@@ -28,6 +28,7 @@ import grpc
 from quire.load_stream import load_reports
 from quire.limits import DEFAULT_MAX_N, check_n, request_prompt
 from quire.list_limits import MAX_STOP_TOKEN_IDS, check_length
+from quire.structured_outputs import check_logit_bias, spec_from_proto, structured_outputs_kind
 from quire.tracing import traced_generate
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
@@ -82,6 +83,14 @@ class RequestLimits:
                              f"{self.max_stop_string_len} characters")
         check_length(sampling.stop_token_ids, MAX_STOP_TOKEN_IDS, "sampling.stop_token_ids",
                      "stop token ids")
+        if sampling.HasField("structured_outputs"):  # its shape; the engine compiles it
+            spec = spec_from_proto(sampling.structured_outputs)
+            if spec is None:
+                raise FieldError("sampling.structured_outputs", "set one kind (json, regex, "
+                                 "choice, grammar or json_object)")
+            structured_outputs_kind(spec, field="sampling.structured_outputs")
+        if sampling.logit_bias:
+            check_logit_bias(sampling.logit_bias, field="sampling.logit_bias")
         if request.WhichOneof("prompt") == "text" and len(request.text) > self.max_prompt_chars:
             raise FieldError("text", f"at most {self.max_prompt_chars} characters, got "
                              f"{len(request.text)}")

@@ -84,12 +84,13 @@ class RouterTokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs) -> str:
-        """The prompt text, rendered as transformers' ``apply_chat_template(tokenize=False)``."""
+                            tools: list[dict] | None = None, **kwargs) -> str:
+        """The prompt text, rendered as transformers' ``apply_chat_template(tokenize=False)``
+        (``tools``: OpenAI's function tools, for templates that read them)."""
         if self._template is None:
             raise ValueError("messages: this model's tokenizer has no chat template")
         variables = {**self.special_tokens, **kwargs}  # kwargs override special tokens
-        return self._template.render(messages=messages, tools=None, documents=None,
+        return self._template.render(messages=messages, tools=tools or None, documents=None,
                                      add_generation_prompt=add_generation_prompt, **variables)
 
     def block_hashes(self, token_ids: Sequence[int], block_size: int,

@@ -33,6 +33,7 @@ import grpc
 
 from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
 from quire.kv_events import BlockStored, KVCacheSnapshot, KVEventBatch
+from quire.structured_outputs import spec_from_proto
 from quire.v1 import engine_pb2 as pb
 from router.backoff import Backoff
 from router.connection import (ClientOptions, EngineMismatchError, EngineReports, EngineState,
@@ -98,6 +99,13 @@ def completion_body(model: str, request: pb.GenerateRequest) -> dict:
         body["stop"] = list(s.stop)
     if s.stop_token_ids:
         body["stop_token_ids"] = list(s.stop_token_ids)
+    if s.logit_bias:
+        body["logit_bias"] = {str(token_id): bias for token_id, bias in s.logit_bias.items()}
+    if s.HasField("structured_outputs"):  # vLLM's extra-body field of the same shape
+        spec = spec_from_proto(s.structured_outputs) or {}
+        if "json" in spec:
+            spec["json"] = json.loads(spec["json"])
+        body["structured_outputs"] = spec
     if request.cache_salt:
         body["cache_salt"] = request.cache_salt
     if request.priority:

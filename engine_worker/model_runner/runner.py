@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_worker.grammar import GrammarBitmask
 from engine_worker.model_runner.graphs import CudaGraphDecoder
 from engine_worker.model_runner.inputs import build_step_inputs
 from engine_worker.model_runner.sampling_inputs import build_sampling_metadata
@@ -118,7 +119,8 @@ class ModelRunner:
         forks = out.forks_by_parent()
         samples = None
         if sample_rows:
-            samples = self._sample(states, counts, query_starts, sample_rows, hidden, forks)
+            samples = self._sample(states, counts, query_starts, sample_rows, hidden, forks,
+                                   out.grammar_bitmask)
         assert not forks, f"forks of requests that sample nothing this step: {sorted(forks)}"
         sampled, logprobs, prompt_logprobs = self._to_host(samples, prompt_logprobs)
         for state, n in zip(states, counts):
@@ -135,20 +137,27 @@ class ModelRunner:
                                                                      self.block_size, self.device)
         return self.model(input_ids, positions, self.kv_caches, meta), query_starts
 
-    def _sample(self, states, counts, query_starts, rows, hidden, forks) -> _DeviceSamples:
+    def _sample(self, states, counts, query_starts, rows, hidden, forks,
+                grammar_bitmask: GrammarBitmask | None) -> _DeviceSamples:
         """``forks`` (parent -> its forks) is consumed: each parent's forks are applied."""
-        picked, logit_rows = [], []
+        picked, logit_rows, mask_keys = [], [], []
         for j, i in enumerate(rows):
             picked.append(states[i])
             logit_rows.append(j)
+            mask_keys.append(states[i].req_id)
             for child in self._fork(states[i], counts[i], forks.pop(states[i].req_id, ())):
                 picked.append(child)
                 logit_rows.append(j)  # the samples of one prompt share its logits
+                mask_keys.append(states[i].req_id)  # and its grammar's first mask
         last = self._index([query_starts[i] + counts[i] - 1 for i in rows])
         logits = self.model.compute_logits(hidden[last])
         if len(logit_rows) != len(rows):
             logits = logits[self._index(logit_rows)]
-        meta = build_sampling_metadata(picked, self.vocab_size, self.eos_token_ids, self.device)
+        bitmask = None
+        if grammar_bitmask is not None:
+            bitmask = grammar_bitmask.rows_for(mask_keys)
+        meta = build_sampling_metadata(picked, self.vocab_size, self.eos_token_ids, self.device,
+                                       token_bitmask=bitmask)
         uniforms = draw_uniforms(logits, meta, self.default_generator)
         token_ids, logprobs = sample_tokens(logits, meta, uniforms)
         return _DeviceSamples(picked, token_ids, logprobs)

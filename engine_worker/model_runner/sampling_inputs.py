@@ -6,6 +6,7 @@ memory on a GPU), so building a step's metadata never waits on the kernels befor
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine_worker.platform import to_device
@@ -28,8 +29,10 @@ def _column(values: list, device: torch.device, dtype: torch.dtype | None = None
 
 
 def build_sampling_metadata(states, vocab_size: int, eos_token_ids: frozenset[int],
-                            device: torch.device) -> SamplingMetadata:
-    """``states`` are runner request states (token_ids, num_prompt_tokens, params, generator)."""
+                            device: torch.device, token_bitmask: np.ndarray | None = None
+                            ) -> SamplingMetadata:
+    """``states`` are runner request states (token_ids, num_prompt_tokens, params, generator);
+    ``token_bitmask`` (int32 [num_rows, words]) the grammars' allowed tokens, row by row."""
     params = [s.params for s in states]
     temperature = _column([0.0 if p.is_greedy else p.temperature for p in params], device,
                           torch.float32)
@@ -57,11 +60,15 @@ def build_sampling_metadata(states, vocab_size: int, eos_token_ids: frozenset[in
     banned = []
     for row, state in enumerate(states):
         p = state.params
-        if len(state.token_ids) - state.num_prompt_tokens < p.min_tokens:
+        # a grammar decides when its output may end: min_tokens does not ban its stop tokens
+        if p.structured_outputs is None and \
+                len(state.token_ids) - state.num_prompt_tokens < p.min_tokens:
             stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             stop_ids = tuple(t for t in stop_ids if t < vocab_size)
             if stop_ids:
                 banned.append((row, stop_ids))
+    biases = tuple((row, token_id, bias) for row, p in enumerate(params) if p.logit_bias
+                   for token_id, bias in p.logit_bias.items() if token_id < vocab_size)
     logprob_ks = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingMetadata(
         temperature=temperature, all_greedy=all_greedy,
@@ -70,5 +77,8 @@ def build_sampling_metadata(states, vocab_size: int, eos_token_ids: frozenset[in
         generators={i: s.generator for i, s in enumerate(states)
                     if s.generator is not None and not s.params.is_greedy},
         penalties=penalties, banned=tuple(banned),
+        token_bitmask=None if token_bitmask is None else to_device(
+            torch.from_numpy(token_bitmask), device),
+        logit_bias=biases,
         max_num_logprobs=max(logprob_ks) if logprob_ks else None,
         rounds=pivot_rounds_for(device))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 
+from engine_worker.grammar import grammar_bitmask
 from engine_worker.kv_cache.manager import NO_PREFIX, Allocation, KVCacheManager
 from engine_worker.request import Request, RequestStatus
 from engine_worker.scheduler.queue import QUEUE_POLICIES
@@ -195,11 +196,14 @@ class Scheduler:
 
     def _build_output(self, num_scheduled: dict[str, int], allocations: dict[str, Allocation],
                       preempted: list[Request]) -> SchedulerOutput:
-        new_reqs, cached_reqs, copies, forks = [], [], [], []
+        new_reqs, cached_reqs, copies, forks, grammars = [], [], [], [], []
         for req_id, num_new in num_scheduled.items():
             request = self.requests[req_id]
             allocation = allocations[req_id]
             copies.extend(allocation.copies)
+            if request.grammar is not None and \
+                    request.num_computed_tokens + num_new >= request.num_tokens:
+                grammars.append((req_id, request.grammar))  # it samples this step
             if request.fork_children and \
                     request.num_computed_tokens + num_new >= request.num_tokens:
                 # the step completes the prompt: the parent samples, and its samples fork
@@ -228,7 +232,8 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             preempted_req_ids=frozenset(r.req_id for r in preempted),
-            finished_req_ids=finished, block_copies=tuple(copies), forks=tuple(forks))
+            finished_req_ids=finished, block_copies=tuple(copies), forks=tuple(forks),
+            grammar_bitmask=grammar_bitmask(grammars))
         self._in_flight_forks = {parent: tuple(f.req_id for f in group)
                                  for parent, group in out.forks_by_parent().items()}
         return out

@@ -142,6 +142,10 @@ class AsyncEngine:
             raise EngineUnavailableError(self.dead_reason or "the engine is shutting down")
         request_id = request_id or f"req-{next(self._ids)}"
         params = params.clone(output_kind=RequestOutputKind.DELTA)
+        if params.structured_outputs is not None:
+            # compiled on the grammar cache's thread, never the loop's: only this request waits
+            # (a spec xgrammar refuses raises FieldError here, before anything is queued)
+            await self.engine.grammars.compile_async(params.structured_outputs)
         stream = OutputCollector()
         added: Future = Future()
         self._commands.put(AddRequest(request_id, prompt, params, priority, cache_salt, stream,

@@ -5,8 +5,9 @@ from __future__ import annotations
 from quire.errors import FieldError
 from engine_worker.input_processor import DefaultMaxTokens
 from engine_worker.outputs import RequestOutput
-from engine_worker.sampling_params import SamplingParams
+from engine_worker.sampling_params import SamplingParams, StructuredOutputsParams
 from quire.limits import check_n, request_prompt
+from quire.structured_outputs import spec_from_proto, structured_outputs_kind
 from quire.v1 import engine_pb2 as pb
 
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
@@ -28,7 +29,17 @@ def request_from_proto(message: pb.GenerateRequest, limits: RequestLimits):
     if "max_tokens" not in kwargs:
         # up to the output cap, cut to the model's length limit, as vLLM's server does
         kwargs["max_tokens"] = DefaultMaxTokens(limits.max_tokens) if limits.max_tokens else None
+    structured = None
+    if sampling.HasField("structured_outputs"):
+        spec = spec_from_proto(sampling.structured_outputs)
+        if spec is None:
+            raise FieldError("structured_outputs", "set one kind (json, regex, choice, grammar "
+                             "or json_object)")
+        structured_outputs_kind(spec)  # names the field before the dataclass sees it
+        structured = StructuredOutputsParams(**spec)
     params = SamplingParams(stop=list(sampling.stop),
+                            structured_outputs=structured,
+                            logit_bias=dict(sampling.logit_bias) or None,
                             stop_token_ids=list(sampling.stop_token_ids),
                             ignore_eos=sampling.ignore_eos,
                             include_stop_str_in_output=sampling.include_stop_str_in_output,

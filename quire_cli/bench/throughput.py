@@ -71,6 +71,20 @@ def make_workload(*, num_prompts: int, input_lens: tuple[int, int], output_lens:
     return Workload(prompts, tuple(n_out for _, n_out in lens))
 
 
+def _load_schema(path: str | None) -> dict | None:
+    """The ``--json-schema`` file's schema (ValueError naming json_schema)."""
+    import json
+
+    if path is None:
+        return None
+    try:
+        schema = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"json_schema: cannot read a JSON schema from {path}: {e}") from None
+    _check(isinstance(schema, dict), "json_schema", f"{path} must hold a JSON object")
+    return schema
+
+
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name}: {message}")
@@ -97,6 +111,7 @@ class BenchConfig:
     sweep_output_len: int = 64
     output_json: str = "bench_results/throughput.json"
     output_plot: str | None = None
+    json_schema: str | None = None  # a JSON schema file: also run with it on every request
 
     def __post_init__(self) -> None:
         require_at_least(self, ("num_prompts", "min_input_len", "min_output_len",
@@ -176,6 +191,10 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--sweep-output-len", type=int, default=d.sweep_output_len)
     o.add_argument("--output-json", default=d.output_json)
     o.add_argument("--output-plot", default=None, help="PNG (default: beside the JSON)")
+    o.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="also run Quire's workload with this JSON schema as every request's "
+                        "structured output (vLLM's structured_outputs.json) and report its "
+                        "throughput against the run without one")
     add_bench_engine_args(parser)
 
 
@@ -187,24 +206,31 @@ class Sampling:
     top_p: float = 1.0
 
 
-def _requests(workload: Workload, ignore_eos: bool, sampling: Sampling = Sampling()):
+def _requests(workload: Workload, ignore_eos: bool, sampling: Sampling = Sampling(),
+              json_schema: dict | None = None):
     from engine_worker import SamplingParams
+    from engine_worker.sampling_params import StructuredOutputsParams
 
+    structured = None if json_schema is None else StructuredOutputsParams(json=json_schema)
     prompts = [{"prompt_token_ids": list(p)} for p in workload.prompt_token_ids]
     return prompts, [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                                    max_tokens=n, ignore_eos=ignore_eos)
+                                    max_tokens=n, ignore_eos=ignore_eos,
+                                    structured_outputs=structured)
                      for n in workload.output_lens]
 
 
 def time_quire(llm, workload: Workload, warmup: Workload, ignore_eos: bool,
-               system: str = "quire", sampling: Sampling = Sampling()) -> SystemResult:
-    llm.generate(*_requests(warmup, True, sampling), use_tqdm=False)
-    prompts, params = _requests(workload, ignore_eos, sampling)
+               system: str = "quire", sampling: Sampling = Sampling(),
+               json_schema: dict | None = None) -> SystemResult:
+    """``json_schema``: every request's structured output (its grammar, compiled in the
+    warm-up, may end a request before its max_tokens, even with ``ignore_eos``)."""
+    llm.generate(*_requests(warmup, True, sampling, json_schema), use_tqdm=False)
+    prompts, params = _requests(workload, ignore_eos, sampling, json_schema)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     got = [len(o.outputs[0].token_ids) for o in outputs]
-    if ignore_eos and got != list(workload.output_lens):
+    if ignore_eos and json_schema is None and got != list(workload.output_lens):
         print(f"warning: {system} produced {sum(got)} output tokens, "
               f"{sum(workload.output_lens)} requested", file=sys.stderr)
     return SystemResult.from_timing(system, workload, elapsed, sum(got), sum(got))
@@ -331,13 +357,18 @@ def _environment(engine) -> dict:
 
 
 def _write_json(path: Path, cfg: BenchConfig, engine_args: EngineArgs, env: dict,
-                workload: Workload, results: list[SystemResult], ratio, sweep) -> None:
+                workload: Workload, results: list[SystemResult], ratio, sweep,
+                with_schema: SystemResult | None = None) -> None:
     by_system = {r.system: dataclasses.asdict(r) for r in results}
     report = {"config": {**dataclasses.asdict(cfg), "engine": dataclasses.asdict(engine_args)},
               "environment": {**env, "loadavg_1m_at_end": os.getloadavg()[0]},
               "workload": workload.summary(), "quire": by_system["quire"],
               "hf": by_system.get("transformers"), "ratio_output_tokens_per_s": ratio,
               "batch_size_sweep": [dataclasses.asdict(p) for p in sweep]}
+    if with_schema is not None:  # the same workload, a JSON schema on every request
+        report["json_schema"] = dataclasses.asdict(with_schema) | {
+            "ratio_output_tokens_per_s_vs_plain":
+                with_schema.output_tokens_per_s / results[0].output_tokens_per_s}
     print(f"wrote {write_json(report, path)}")
 
 
@@ -368,7 +399,14 @@ def run_from_args(ns: argparse.Namespace) -> int:
                            vocab_size=vocab_size, seed=cfg.workload_seed + 1)
     print(f"quire: {cfg.num_prompts} requests", file=sys.stderr)
     sampling = Sampling(cfg.temperature, cfg.top_p)
+    schema = _load_schema(cfg.json_schema)
     results = [time_quire(llm, workload, warmup, cfg.ignore_eos, sampling=sampling)]
+    with_schema = None
+    if schema is not None:
+        print(f"quire: {cfg.num_prompts} requests with the JSON schema", file=sys.stderr)
+        with_schema = time_quire(llm, workload, warmup, cfg.ignore_eos,
+                                 system="quire+json-schema", sampling=sampling,
+                                 json_schema=schema)
     info = engine.info
     model_dir, dtype, device = info.model_dir, info.dtype, info.device
     parameters = num_parameters(engine.runner.model)
@@ -396,7 +434,14 @@ def run_from_args(ns: argparse.Namespace) -> int:
           f"{fraction:.0%} of the matmul peak (2 x {parameters / 1e6:.1f}M FLOPs a token)")
     if sweep:
         _print_sweep(sweep)
-    _write_json(Path(cfg.output_json), cfg, engine_args, env, workload, results, ratio, sweep)
+    if with_schema is not None:
+        schema_ratio = with_schema.output_tokens_per_s / results[0].output_tokens_per_s
+        print(f"with the JSON schema: {with_schema.output_tokens_per_s:.1f} output tok/s "
+              f"({with_schema.num_output_tokens} tokens) against "
+              f"{results[0].output_tokens_per_s:.1f} ({results[0].num_output_tokens}) "
+              f"without: {schema_ratio:.2f}x")
+    _write_json(Path(cfg.output_json), cfg, engine_args, env, workload, results, ratio, sweep,
+                with_schema)
     if _write_plot(cfg.plot_path, results, sweep):
         print(f"wrote {cfg.plot_path}")
     return 0

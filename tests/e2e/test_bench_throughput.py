@@ -88,3 +88,15 @@ def test_bench_latency_reports_both_systems(tiny_model_dir, tmp_path):
     assert machine["decode_fraction_of_memory_bandwidth"] == pytest.approx(
         report["quire"]["decode_tokens_per_s"] * machine["weight_bytes"]
         / (machine["memory_gb_per_s"] * 1e9), rel=1e-2)
+
+
+def test_bench_throughput_with_a_json_schema(tiny_model_dir, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "required": ["a"], "properties": {
+        "a": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}}}}))
+    report = _bench(tiny_model_dir, tmp_path, "--skip-hf", "--json-schema", str(schema))
+    plain, structured = report["quire"], report["json_schema"]
+    assert structured["system"] == "quire+json-schema" and structured["num_requests"] == 6
+    assert 6 <= structured["num_output_tokens"] <= report["workload"]["num_output_tokens"]
+    assert structured["ratio_output_tokens_per_s_vs_plain"] == pytest.approx(
+        structured["output_tokens_per_s"] / plain["output_tokens_per_s"])

@@ -357,12 +357,12 @@ def test_garbage_protobuf_is_invalid_argument_in_one_log_line(router, engine, ca
 
 @pytest.mark.parametrize("path,field,value", [
     ("/v1/completions", "best_of", 3), ("/v1/completions", "suffix", "tail"),
-    ("/v1/completions", "echo", True), ("/v1/completions", "logit_bias", {"1": 5}),
+    ("/v1/completions", "echo", True), ("/v1/completions", "logit_bias", {"1": 500}),
     ("/v1/completions", "frobnicate", 1),
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("/v1/chat/completions", "tools", [{"type": "retrieval"}]),
     ("/v1/chat/completions", "tool_choice", "auto"),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "response_format", {"type": "xml"}),
     ("/v1/chat/completions", "top_logprobs", 50),
     ("/v1/completions", "n", 10 ** 30), ("/v1/completions", "logprobs", True),
 ])

@@ -1,0 +1,104 @@
+"""Checks of structured-output specs and logit biases that the router and the engine share, so
+both refuse the same requests and name the same fields.
+
+What can be known without a grammar engine is checked here (the shape of a spec, JSON that
+parses, bias ranges); whether xgrammar can compile a spec is only known on the engine, which
+names the field and xgrammar's reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+
+from quire.errors import FieldError
+
+# vLLM's StructuredOutputsParams fields, in the order a spec is described.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+LOGIT_BIAS_MAX = 100.0  # OpenAI's bound, either sign
+MAX_LOGIT_BIAS_ENTRIES = 1024  # tokens one request may bias
+MAX_CHOICES = 1024
+MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar of at most this many characters
+
+
+def structured_outputs_kind(spec: Mapping[str, object], field: str = "structured_outputs"
+                            ) -> tuple[str, object]:
+    """(kind, value) of the one kind ``spec`` sets (None, False and absent are unset);
+    FieldError naming ``field.<kind>`` (or ``field``) otherwise."""
+    set_kinds = [k for k in STRUCTURED_OUTPUT_KINDS if spec.get(k) not in (None, False)]
+    unknown = sorted(set(spec) - set(STRUCTURED_OUTPUT_KINDS))
+    if unknown:
+        raise FieldError(f"{field}.{unknown[0]}", "unknown structured output kind (one of "
+                         f"{', '.join(STRUCTURED_OUTPUT_KINDS)})")
+    if len(set_kinds) != 1:
+        raise FieldError(field, "exactly one of json, regex, choice, grammar, json_object must "
+                         f"be set, got {len(set_kinds)}" +
+                         (f" ({', '.join(set_kinds)})" if set_kinds else ""))
+    kind = set_kinds[0]
+    value = spec[kind]
+    name = f"{field}.{kind}"
+    if kind == "json":
+        if isinstance(value, str):
+            _check_size(value, name)
+            try:
+                value = json.loads(value)
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise FieldError(name, f"not valid JSON ({e})") from None
+        if not isinstance(value, (dict, bool)):
+            raise FieldError(name, "must be a JSON schema (an object)")
+    elif kind in ("regex", "grammar"):
+        if not isinstance(value, str) or not value:
+            raise FieldError(name, "must be a non-empty string")
+        _check_size(value, name)
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or \
+                not all(isinstance(c, str) and c for c in value):
+            raise FieldError(name, "must be a non-empty list of non-empty strings")
+        if len(value) > MAX_CHOICES:
+            raise FieldError(name, f"at most {MAX_CHOICES} choices, got {len(value)}")
+        _check_size("".join(value), name)
+    elif value is not True:  # json_object
+        raise FieldError(name, "must be true when set")
+    return kind, value
+
+
+def spec_from_proto(message) -> dict | None:
+    """A ``quire.v1.StructuredOutputs`` as ``{kind: value}`` (None when no kind is set); the
+    JSON schema stays text (``structured_outputs_kind`` parses it)."""
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return {"choice": list(message.choice.choices)}
+    return {kind: getattr(message, kind)}
+
+
+def _check_size(text: str, field: str) -> None:
+    if len(text) > MAX_SPEC_CHARS:
+        raise FieldError(field, f"at most {MAX_SPEC_CHARS} characters, got {len(text)}")
+
+
+def check_logit_bias(bias: Mapping, vocab_size: int | None = None, field: str = "logit_bias"
+                     ) -> dict[int, float]:
+    """``{token id: bias}`` with integer ids (in [0, vocab_size) when given) and finite biases
+    in [-100, 100]: FieldError naming ``field`` otherwise. Keys may be digit strings (JSON)."""
+    if not isinstance(bias, Mapping):
+        raise FieldError(field, "must be an object mapping token ids to biases")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise FieldError(field, f"at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(bias)}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token_id = key
+        if isinstance(key, str):
+            token_id = int(key) if key.isascii() and key.isdigit() else None
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0 or \
+                (vocab_size is not None and token_id >= vocab_size):
+            where = f" in [0, {vocab_size})" if vocab_size is not None else ""
+            raise FieldError(field, f"{key!r} is not a token id{where}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value) or abs(value) > LOGIT_BIAS_MAX:
+            raise FieldError(field, f"the bias of token {token_id} must be a number in "
+                             f"[-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], got {value!r}")
+        out[token_id] = float(value)
+    return out

@@ -1,0 +1,255 @@
+"""Structured outputs and logit_bias end to end: the official ``openai`` client through the
+router's HTTP front to an engine serving the embedded model (SmolLM2), gRPC directly, and the
+offline ``LLM``. Every sampled output (temperature 1, fixed seeds) must parse and validate.
+
+Samples per schema: ``SAMPLES`` (8 here, to keep the run short on 2 cores; the grammar makes
+every one valid by construction, so more samples test the same thing for longer).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from engine_worker import LLM, SamplingParams
+from engine_worker.beam_search import BeamSearchParams
+from engine_worker.sampling_params import StructuredOutputsParams
+from quire.v1 import engine_pb2 as pb
+from tests.e2e.router_harness import (TIMEOUT_S, RunningRouter, address, collect,
+                                      engine_fleet)
+
+MODEL = "smollm2"
+SAMPLES = 8
+
+SCHEMAS = {
+    "nested": {
+        "type": "object", "additionalProperties": False, "required": ["person"],
+        "properties": {"person": {
+            "type": "object", "additionalProperties": False, "required": ["name", "address"],
+            "properties": {
+                "name": {"type": "string", "maxLength": 20},
+                "address": {"type": "object", "additionalProperties": False,
+                            "required": ["city", "zip"],
+                            "properties": {"city": {"type": "string", "maxLength": 20},
+                                           "zip": {"type": "string",
+                                                   "pattern": "^[0-9]{5}$"}}}}}}},
+    "array": {
+        "type": "object", "additionalProperties": False, "required": ["tags"],
+        "properties": {"tags": {"type": "array", "minItems": 1, "maxItems": 4,
+                                "items": {"type": "string", "maxLength": 12}}}},
+    "enum": {
+        "type": "object", "additionalProperties": False, "required": ["color", "size"],
+        "properties": {"color": {"enum": ["red", "green", "blue"]},
+                       "size": {"type": "string", "enum": ["S", "M", "L", "XL"]}}},
+    "bounded_numbers": {
+        "type": "object", "additionalProperties": False, "required": ["age", "rating"],
+        "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
+                       "rating": {"type": "integer", "minimum": -5, "maximum": 5}}},
+    "any_of": {
+        "type": "object", "additionalProperties": False, "required": ["value"],
+        "properties": {"value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999},
+                                           {"type": "string", "maxLength": 10},
+                                           {"type": "boolean"}]}}},
+}
+MESSAGES = [{"role": "user", "content": "Describe a person as a JSON object."}]
+
+
+@pytest.fixture(scope="module")
+def engines(embedded_model_dir):
+    yield from engine_fleet(embedded_model_dir, count=1, kv_cache_memory_bytes=1 << 27)
+
+
+@pytest.fixture(scope="module")
+def router(engines):
+    running = RunningRouter([address(e) for e in engines], http_port=0, model_name=MODEL)
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="module")
+def client(router):
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{router.server.front.port}/v1",
+                       api_key="x", max_retries=0, timeout=TIMEOUT_S) as c:
+        yield c
+
+
+def _json_format(schema):
+    return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema,
+                                                   "strict": True}}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_sampled_json_validates_against_its_schema(client, name):
+    schema = SCHEMAS[name]
+    result = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=SAMPLES, temperature=1.0, seed=11, max_tokens=160,
+        response_format=_json_format(schema))
+    assert len(result.choices) == SAMPLES
+    for choice in result.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    assert len({c.message.content for c in result.choices}) > 1  # sampled, not one answer
+
+
+def test_streamed_json_validates(client):
+    schema = SCHEMAS["nested"]
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=2, temperature=1.0, seed=5, max_tokens=160,
+        response_format=_json_format(schema), stream=True))
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    for text in texts.values():
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_regex_and_choice(client):
+    # an open-ended object may run past max_tokens at temperature 1: those that end are objects
+    result = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Reply with a JSON object whose "
+                                "key ok is true."}], n=2, temperature=1.0, seed=3,
+        max_tokens=200, response_format={"type": "json_object"})
+    done = [c for c in result.choices if c.finish_reason == "stop"]
+    assert done and all(isinstance(json.loads(c.message.content), dict) for c in done)
+    result = client.completions.create(
+        model=MODEL, prompt="Call me at", n=SAMPLES, temperature=1.0, seed=4, max_tokens=20,
+        extra_body={"structured_outputs": {"regex": r"\(\d{3}\) \d{3}-\d{4}"}})
+    for choice in result.choices:
+        assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", choice.text), choice.text
+    choices = ["positive", "negative", "neutral \"quoted\""]
+    result = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is this good?"}], n=SAMPLES,
+        temperature=1.0, seed=6, max_tokens=20,
+        extra_body={"structured_outputs": {"choice": choices}})
+    assert all(c.message.content in choices for c in result.choices)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is this good?"}], temperature=1.0,
+        seed=6, max_tokens=20, stream=True,
+        extra_body={"structured_outputs": {"choice": choices}})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) in choices
+
+
+def test_grpc_structured_outputs_with_n(engines, router):
+    schema = SCHEMAS["enum"]
+    for stub in (engines[0].stub, router.stub):
+        request = pb.GenerateRequest(text="Pick a color and a size:", sampling=pb.SamplingOptions(
+            n=4, temperature=1.0, seed=9, max_tokens=60,
+            structured_outputs=pb.StructuredOutputs(json=json.dumps(schema))))
+        texts = {}
+        for message in stub.Generate(request, timeout=TIMEOUT_S):
+            for delta in message.outputs:
+                texts[delta.index] = texts.get(delta.index, "") + delta.text
+        assert sorted(texts) == [0, 1, 2, 3]
+        for text in texts.values():
+            jsonschema.validate(json.loads(text), schema)
+        grammar = pb.GenerateRequest(text="Answer:", sampling=pb.SamplingOptions(
+            temperature=1.0, seed=2, max_tokens=20, structured_outputs=pb.StructuredOutputs(
+                grammar='root ::= "yes" | "no" | "maybe"')))
+        text = "".join(d.text for m in stub.Generate(grammar, timeout=TIMEOUT_S)
+                       for d in m.outputs)
+        assert text in ("yes", "no", "maybe")
+
+
+def test_logit_bias_forces_and_bans_tokens(client, router, engines):
+    tokenizer = engines[0].server.async_engine.engine.tokenizer
+    forced = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    result = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                       max_tokens=4, temperature=0,
+                                       logit_bias={str(forced): 100})
+    assert result.choices[0].text == " banana" * 4
+    plain = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                      max_tokens=1, temperature=0)
+    first = tokenizer.encode(plain.choices[0].text, add_special_tokens=False)[0]
+    banned = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                       max_tokens=1, temperature=0,
+                                       logit_bias={str(first): -100})
+    assert banned.choices[0].text != plain.choices[0].text
+    request = pb.GenerateRequest(text="The capital of France is", sampling=pb.SamplingOptions(
+        temperature=0, max_tokens=3, logit_bias={forced: 100.0}))
+    tokens, _ = collect(router.stub.Generate(request, timeout=TIMEOUT_S))
+    assert tokens == [forced] * 3
+
+
+def _error(client, **kwargs):
+    kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5} | kwargs
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kwargs)
+    return e.value.body
+
+
+@pytest.mark.parametrize("kwargs, param, words", [
+    ({"response_format": _json_format({"type": "object", "properties": {
+        "a": {"type": "string", "minLength": 5, "maxLength": 2}}})},
+     "response_format", "cannot be compiled"),
+    ({"response_format": _json_format({"type": "frobnicate"})}, "response_format",
+     "cannot be compiled"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "schema"),
+    ({"response_format": {"type": "xml"}}, "response_format", "type"),
+    ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}},
+     "structured_outputs.regex", "cannot be compiled"),
+    ({"extra_body": {"structured_outputs": {"grammar": "root ::= undefined_rule"}}},
+     "structured_outputs.grammar", "cannot be compiled"),
+    ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}},
+     "structured_outputs", "exactly one"),
+    ({"extra_body": {"structured_outputs": {"choice": []}}}, "structured_outputs.choice",
+     "non-empty"),
+    ({"response_format": {"type": "json_object"},
+      "extra_body": {"structured_outputs": {"regex": "a"}}}, "response_format", "combined"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "token id"),
+    ({"logit_bias": {"49152": 1}}, "logit_bias", "token id"),
+    ({"logit_bias": {"4000000000": 1}}, "logit_bias", "token id"),
+])
+def test_bad_input_is_a_400_naming_the_field(client, kwargs, param, words):
+    body = _error(client, **kwargs)
+    assert body["param"] == param and words in body["message"], body
+    # and the engine keeps serving
+    ok = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                        temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_grpc_bad_schema_is_invalid_argument(engines, router):
+    import grpc
+    for stub in (engines[0].stub, router.stub):
+        request = pb.GenerateRequest(text="x", sampling=pb.SamplingOptions(
+            max_tokens=4, structured_outputs=pb.StructuredOutputs(regex="[z-a]")))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request, timeout=TIMEOUT_S))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "structured_outputs.regex" in e.value.details()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir) -> LLM:
+    return LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=1 << 24)
+
+
+def test_offline_llm_structured_outputs(llm):
+    """Random weights: the grammar alone makes the output match, with n > 1 and a batch."""
+    params = [SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=30,
+                             structured_outputs=StructuredOutputsParams(regex=r"[a-c]{2}-\d{2}")),
+              SamplingParams(temperature=1.0, seed=2, max_tokens=30,
+                             structured_outputs=StructuredOutputsParams(choice=["up", "down"])),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=8)]
+    outs = llm.generate(["one", "two", "three"], params, use_tqdm=False)
+    assert len(outs[0].outputs) == 3
+    for c in outs[0].outputs:
+        assert re.fullmatch(r"[a-c]{2}-\d{2}", c.text) and c.finish_reason == "stop"
+    assert outs[1].outputs[0].text in ("up", "down")
+    assert len(outs[2].outputs[0].token_ids) == 8  # unconstrained beside them
+    with pytest.raises(ValueError, match="structured_outputs.regex"):
+        llm.generate("x", SamplingParams(structured_outputs={"regex": "(("}), use_tqdm=False)
+
+
+def test_beam_search_refuses_structured_outputs(llm):
+    with pytest.raises(ValueError, match="structured_outputs: beam search"):
+        llm.beam_search(["x"], BeamSearchParams(beam_width=2, max_tokens=4,
+                                                structured_outputs=StructuredOutputsParams(
+                                                    choice=["a"])))

@@ -1,0 +1,179 @@
+"""The grammar bitmask and logit_bias in the sampler, and the shared checks of their specs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine_worker.grammar import GrammarBitmask, choice_grammar
+from engine_worker.sampler import apply_token_bitmask
+from engine_worker.sampling_params import SamplingParams, StructuredOutputsParams
+from quire.errors import FieldError
+from quire.structured_outputs import check_logit_bias, structured_outputs_kind
+from tests.unit.test_sampler import DEVICE_ROUNDS, _meta, sample
+
+VOCAB = 300  # not a multiple of 32: the last word is partly past the vocabulary
+
+
+def _bitmask(allowed: np.ndarray) -> torch.Tensor:
+    """int32 words [rows, ceil(vocab / 32)] from a bool [rows, vocab] array."""
+    rows, vocab = allowed.shape
+    padded = np.zeros((rows, -(-vocab // 32) * 32), dtype=bool)
+    padded[:, :vocab] = allowed
+    bits = padded.reshape(rows, -1, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)
+    return torch.from_numpy(bits.sum(axis=-1).astype(np.uint32).view(np.int32))
+
+
+def test_bitmask_unpacks_bit_by_bit():
+    rng = np.random.default_rng(0)
+    allowed = rng.random((3, VOCAB)) < 0.3
+    allowed[:, 31] = allowed[:, 32] = True  # the sign bit of word 0, bit 0 of word 1
+    logits = torch.randn(3, VOCAB)
+    masked = apply_token_bitmask(logits, _bitmask(allowed))
+    assert torch.equal(torch.isfinite(masked), torch.from_numpy(allowed))
+    assert torch.equal(masked[torch.from_numpy(allowed)], logits[torch.from_numpy(allowed)])
+
+
+@pytest.mark.parametrize("case", ["plain", "top_k", "top_p", "min_p", "device_rounds"])
+def test_masked_sampler_never_picks_a_masked_token(case):
+    """Masks that leave few, unlikely tokens (the likeliest always masked) at temperature 1
+    and above: over many draws every token drawn is allowed."""
+    rng = np.random.default_rng(1)
+    rows, draws = 8, 400
+    allowed = np.zeros((rows, VOCAB), dtype=bool)
+    for r in range(rows):
+        allowed[r, rng.choice(VOCAB, size=r + 1, replace=False)] = True
+    logits = torch.randn(rows, VOCAB) * 3
+    top = logits.argmax(dim=-1)
+    allowed[np.arange(rows), top.numpy()] = False
+    allowed[np.arange(rows), (top.numpy() + 1) % VOCAB] = True  # at least one left
+    extra = {"plain": {}, "top_k": {"top_k": torch.full((rows,), 5)},
+             "top_p": {"top_p": torch.full((rows,), 0.5)},
+             "min_p": {"min_p": torch.full((rows,), 0.2)},
+             "device_rounds": {"top_p": torch.full((rows,), 0.7), "rounds": DEVICE_ROUNDS}}[case]
+    meta = _meta(rows, temperature=torch.full((rows,), 1.5), token_bitmask=_bitmask(allowed),
+                 **extra)
+    generator = torch.Generator().manual_seed(3)
+    seen = np.zeros_like(allowed)
+    for _ in range(draws):
+        tokens, _ = sample(logits, meta, generator)
+        seen[np.arange(rows), tokens.numpy()] = True
+    assert not (seen & ~allowed).any()
+    assert seen.sum() > rows  # the draws were random, not one token a row
+
+
+def test_greedy_rows_take_the_best_allowed_token():
+    logits = torch.randn(2, VOCAB)
+    allowed = np.ones((2, VOCAB), dtype=bool)
+    allowed[0, logits[0].argmax()] = False
+    meta = _meta(2, temperature=torch.zeros(2), all_greedy=True, any_greedy=True,
+                 token_bitmask=_bitmask(allowed))
+    tokens, _ = sample(logits, meta, None)
+    assert tokens[0] == logits[0].topk(2).indices[1] and tokens[1] == logits[1].argmax()
+
+
+def test_logit_bias_moves_and_bans_tokens():
+    logits = torch.randn(2, VOCAB)
+    best = int(logits[0].argmax())
+    meta = _meta(2, temperature=torch.zeros(2), all_greedy=True, any_greedy=True,
+                 logit_bias=((0, best, -100.0), (1, 7, 100.0)))
+    tokens, _ = sample(logits, meta, None)
+    assert tokens[0] == logits[0].topk(2).indices[1] and tokens[1] == 7
+
+
+def test_bitmask_rows_follow_request_ids():
+    words = np.arange(6, dtype=np.int32).reshape(2, 3)
+    mask = GrammarBitmask(("a", "b"), words)
+    rows = mask.rows_for(["x", "b", "a", "a"])  # a fork takes its parent's row
+    assert rows.tolist() == [[-1, -1, -1], [3, 4, 5], [0, 1, 2], [0, 1, 2]]
+    assert mask.rows_for(["x"]) is None
+
+
+def test_choice_grammar_escapes_quotes_and_backslashes():
+    assert choice_grammar(['a"b', "c\\d"]) == 'root ::= "a\\"b" | "c\\\\d"'
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({}, "structured_outputs"),
+    ({"regex": "a", "choice": ["a"]}, "structured_outputs"),
+    ({"json": "{not json"}, "structured_outputs.json"),
+    ({"json": [1]}, "structured_outputs.json"),
+    ({"choice": []}, "structured_outputs.choice"),
+    ({"choice": ["a", ""]}, "structured_outputs.choice"),
+    ({"regex": ""}, "structured_outputs.regex"),
+    ({"json_object": "yes"}, "structured_outputs.json_object"),
+    ({"jsonschema": {}}, "structured_outputs.jsonschema"),
+])
+def test_malformed_specs_name_their_field(spec, field):
+    with pytest.raises(FieldError) as e:
+        structured_outputs_kind(spec)
+    assert e.value.field == field
+    with pytest.raises(FieldError) as e:
+        SamplingParams(structured_outputs=spec)
+    assert e.value.field == field
+
+
+def test_spec_keys_keep_property_order():
+    a = StructuredOutputsParams(json={"properties": {"b": {}, "a": {}}})
+    b = StructuredOutputsParams(json='{"properties": {"a": {}, "b": {}}}')
+    assert a.spec() != b.spec() and a.spec()[0] == "json"
+    assert StructuredOutputsParams(json='{"type": "object"}').spec() == \
+        StructuredOutputsParams(json={"type": "object"}).spec()
+
+
+@pytest.mark.parametrize("bias, vocab", [
+    ({"1": 101}, None), ({1: -100.5}, None), ({"x": 1}, None), ({-1: 1}, None),
+    ({"1": float("nan")}, None), ({"1": True}, None), ({5: 1}, 5), ([1], None),
+])
+def test_bad_logit_bias_is_refused(bias, vocab):
+    with pytest.raises(FieldError) as e:
+        check_logit_bias(bias, vocab)
+    assert e.value.field == "logit_bias"
+
+
+def test_logit_bias_accepts_json_keys():
+    assert check_logit_bias({"3": 100, 4: -100, "5": 0.5}, 6) == {3: 100.0, 4: -100.0, 5: 0.5}
+
+
+def test_vllm_engines_get_the_fields_under_vllms_names():
+    from quire.v1 import engine_pb2 as pb
+    from router.vllm_client import completion_body
+
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling=pb.SamplingOptions(
+        logit_bias={7: -100.0}, structured_outputs=pb.StructuredOutputs(
+            json='{"type": "object"}')))
+    body = completion_body("m", request)
+    assert body["logit_bias"] == {"7": -100.0}
+    assert body["structured_outputs"] == {"json": {"type": "object"}}
+    request.sampling.structured_outputs.choice.choices[:] = ["a", "b"]
+    assert completion_body("m", request)["structured_outputs"] == {"choice": ["a", "b"]}
+
+
+def test_compiled_grammars_are_cached_and_compiled_off_the_callers_thread(embedded_model_dir):
+    import asyncio
+    import threading
+
+    from engine_worker.grammar import GrammarCompilerCache
+    from engine_worker.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(embedded_model_dir)
+    cache = GrammarCompilerCache(tokenizer.hf, 49152, tokenizer.eos_token_ids)
+    threads = []
+    compile_one = cache._compile
+
+    def recording(*args):
+        threads.append(threading.current_thread().name)
+        return compile_one(*args)
+
+    cache._compile = recording
+    params = StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"type": "integer"}}})
+    first = asyncio.run(cache.compile_async(params))
+    again = cache.compile(StructuredOutputsParams(json='{"type":"object","properties":'
+                                                       '{"a":{"type":"integer"}}}'))
+    assert again is first and len(threads) == 1 and threads[0].startswith("grammar-compile")
+    with pytest.raises(FieldError) as e:
+        asyncio.run(cache.compile_async(StructuredOutputsParams(regex="[z-a]")))
+    assert e.value.field == "structured_outputs.regex"
+    cache.close()
