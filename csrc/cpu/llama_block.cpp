@@ -9,7 +9,9 @@
 //   a weight in a layout this instruction set packs (<isa>/linear.h: AVX-512's pack_skinny /
 //   pack_coded for few bf16 rows, AVX2's pack_bf16w panels under fp32 rows);
 //   a oneDNN-packed weight (MkldnnCPU): oneDNN's matmul;
-//   a plain fp32 weight [N, K]: torch's fp32 matmul.
+//   a plain fp32 weight [N, K]: torch's fp32 matmul;
+//   a GGUF block-quantized weight (uint8 [N, K / 32, block bytes]): quant_linear.cpp, the same
+//   weight for few rows and for more.
 // The activations are in the dtype the set's linear kernels take (kActivationType: bf16 on
 // AVX-512, fp32 on AVX2). The ops run the same kernels the per-op path runs, in the same order
 // with the same roundings, so their results are bit-identical to it; what goes is the Python
@@ -53,6 +55,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& few, const at::Tensor& 
                   const std::optional<at::Tensor>& bias) {
   const at::Tensor& w = x.size(0) <= kFewRows ? few : many;
   if (w.is_mkldnn()) return onednn_linear(x, w, bias);
+  if (is_quantized_weight(w)) return quant_linear(x, w, bias);
   if (std::optional<at::Tensor> out = packed_linear(x, w, bias)) return *std::move(out);
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "a linear weight must be ",
               kPackedWeights, ", fp32 [N, K] or oneDNN-packed, for ", x.size(0), " rows");

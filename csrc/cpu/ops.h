@@ -4,7 +4,8 @@
 //
 // Shared sources (this directory): RMSNorm, SwiGLU and RoPE (elementwise.cpp), varlen paged
 // attention and the cache write (paged_attention.cpp), the fused layer halves and the layer
-// stack (llama_block.cpp). Each instruction set adds, in its own directory, what only it can
+// stack (llama_block.cpp), GGUF block-quantized linear layers (quant_linear.cpp). Each
+// instruction set adds, in its own directory, what only it can
 // do: its linear layers (<isa>/linear.h) and its attention dot products and kernels
 // (<isa>/attention.h).
 #pragma once
@@ -49,5 +50,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
 // each token's k, v [tokens, kv_heads, head_dim] into its cache slot (narrowed to its dtype)
 void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& slot_mapping);
+// GGUF block-quantized weights (quant_linear.cpp): uint8 [N, K / 32, block bytes], the block
+// bytes naming the type (Q4_0 18, Q4_1 20, Q8_0 34)
+bool is_quantized_weight(const at::Tensor& w);
+// x fp32 / bf16 [M, K] @ dequant(w)^T (+ bias) -> [M, N] in x's dtype
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
+                        const std::optional<at::Tensor>& bias);
+// the weight's values [N, K] in fp32 or bf16
+at::Tensor dequantize_weight(const at::Tensor& w, at::ScalarType dtype);
 
 }  // namespace QUIRE_NS

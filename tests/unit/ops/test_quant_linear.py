@@ -1,0 +1,107 @@
+"""GGUF block-quantized linear layers (csrc/cpu/quant_linear.cpp) on every CPU variant, against
+de-quantize-then-matmul in fp32, the weights quantized by the ``gguf`` package itself and
+de-quantized by its reference (``gguf.quants.dequantize``).
+
+Few rows (decode) quantize x to int8 per block of 32 (ggml's Q8_0): the result differs from the
+fp32 reference by at most sum_k |w_k| * d_x(k) / 2, d_x = max|x_block| / 127 (x's rounding), plus
+fp32 summation noise; that bound (times 1.01, + 1e-4) is what is asserted, row by row. More rows
+de-quantize the weight exactly and run a float matmul: fp32 tolerance (bf16 where x is bf16).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+TYPES = (QT.Q4_0, QT.Q4_1, QT.Q8_0)
+
+
+def quantized(n: int, k: int, qtype: QT, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random [n, k] weight as gguf quantizes it: (blocks uint8 [n, k / 32, bytes], the
+    reference de-quantized values fp32 [n, k])."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    raw = quantize(w, qtype)  # [n, k / 32 * bytes]
+    ref = dequantize(raw, qtype).astype(np.float32)
+    block_bytes = raw.shape[1] * 32 // k
+    return torch.from_numpy(raw.reshape(n, k // 32, block_bytes).copy()), torch.from_numpy(ref)
+
+
+def x_rounding_bound(x: torch.Tensor, w_ref: torch.Tensor) -> torch.Tensor:
+    """[M, N]: sum_k |w[n, k]| * d_x(m, k) / 2, the error x's int8 rounding can make."""
+    m, k = x.shape
+    d = x.float().abs().view(m, k // 32, 32).amax(-1) / 127  # [M, K / 32]
+    half_step = d.repeat_interleave(32, dim=1) / 2  # [M, K]
+    return half_step @ w_ref.abs().T
+
+
+@pytest.mark.cpu_ops("quant_linear", "dequantize_weight")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_matches_gguf(cpu_kernels, qtype):
+    blocks, ref = quantized(40, 96, qtype)
+    out = cpu_kernels.ops.dequantize_weight(blocks, torch.float32)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    out_bf16 = cpu_kernels.ops.dequantize_weight(blocks, torch.bfloat16)
+    torch.testing.assert_close(out_bf16, ref.bfloat16(), rtol=0, atol=0)
+
+
+@pytest.mark.cpu_ops("quant_linear")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [64, 37])  # 37: rows past the last group of four
+def test_decode_within_the_int8_rounding_bound(cpu_kernels, qtype, rows, n):
+    blocks, ref = quantized(n, 160, qtype, seed=rows)
+    x = torch.randn(rows, 160)
+    x[0, :32] *= 20  # one block with a large scale
+    bias = torch.randn(n)
+    out = cpu_kernels.ops.quant_linear(x, blocks, bias)
+    expected = x @ ref.T + bias
+    bound = x_rounding_bound(x, ref) * 1.01 + 1e-4
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    assert ((out - expected).abs() <= bound).all(), (out - expected).abs().max()
+    # the bound is tight enough to mean something: far below the output's own size
+    assert bound.mean() < 0.1 * expected.abs().mean()
+
+
+@pytest.mark.cpu_ops("quant_linear")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_zero_rows_of_x_give_exact_zero(cpu_kernels, qtype):
+    blocks, _ = quantized(16, 64, qtype)
+    out = cpu_kernels.ops.quant_linear(torch.zeros(1, 64), blocks, None)
+    assert torch.equal(out, torch.zeros(1, 16))
+
+
+@pytest.mark.cpu_ops("quant_linear")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [5, 33])
+def test_prefill_matches_dequantize_then_matmul(cpu_kernels, qtype, rows):
+    blocks, ref = quantized(48, 128, qtype)
+    x = torch.randn(rows, 128)
+    out = cpu_kernels.ops.quant_linear(x, blocks, None)
+    torch.testing.assert_close(out, x @ ref.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cpu_ops("quant_linear")
+@pytest.mark.parametrize("rows", [1, 9])
+def test_bf16_activations_come_back_in_bf16(cpu_kernels, rows):
+    blocks, ref = quantized(32, 64, QT.Q4_1)
+    x = torch.randn(rows, 64).bfloat16()
+    out = cpu_kernels.ops.quant_linear(x, blocks, None)
+    assert out.dtype == torch.bfloat16
+    expected = x.float() @ ref.T
+    bound = x_rounding_bound(x, ref) * 1.01 + 1e-4
+    # one rounding to bf16 on top (relative 2^-8), and bf16 weights in the prefill matmul
+    slack = bound + expected.abs() * 2 ** -7 + 1e-2 * (rows > 4)
+    assert ((out.float() - expected).abs() <= slack).all()
+
+
+@pytest.mark.cpu_ops("quant_linear")
+def test_bad_block_size_names_the_types(cpu_kernels):
+    with pytest.raises(RuntimeError, match=r"Q4_0 \(18\), Q4_1 \(20\), Q8_0 \(34\)"):
+        cpu_kernels.ops.quant_linear(torch.randn(1, 64), torch.zeros(4, 2, 19, dtype=torch.uint8),
+                                     None)
