@@ -347,8 +347,8 @@ class OpenAIFront:
                         choice = req.choice(delta.index, delta.text, delta.logprobs, finish,
                                             chunk=True, first=delta.index not in started)
                         started.add(delta.index)
-                        if choice.get("delta") or choice["finish_reason"] or \
-                                choice["logprobs"]:  # empty while a tool call is held back
+                        if req.tools is None or choice["delta"] or choice["finish_reason"] \
+                                or choice["logprobs"]:  # empty while a tool call is held back
                             choices.append(choice)
                 if choices:
                     await response.write(sse(req.envelope(choices, chunk=True)))
