@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATION_NAMES = ("auto", "gguf", "dequantize")  # weights.quantization says what each does
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                   "float": "float32"}
 
@@ -51,9 +52,12 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        _check(self.quantization in QUANTIZATION_NAMES, "quantization",
+               f"must be one of {QUANTIZATION_NAMES}, got {self.quantization!r}")
         if self.max_model_len is not None:
             _check(_is_int(self.max_model_len) and self.max_model_len > 0,
                    "max_model_len", f"must be a positive integer, got {self.max_model_len!r}")
@@ -166,6 +170,7 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str = "auto"
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
@@ -185,7 +190,8 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
-                              max_model_len=self.max_model_len, seed=self.seed),
+                              max_model_len=self.max_model_len, seed=self.seed,
+                              quantization=self.quantization),
             cache=CacheConfig(block_size=self.block_size,
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization,

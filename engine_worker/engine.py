@@ -41,7 +41,9 @@ from engine_worker.scheduler.scheduler import Scheduler
 from engine_worker.step_types import SchedulerStats
 from engine_worker.tokenizer import Tokenizer
 from engine_worker.weights.loader import LoadedModel, load_model
-from engine_worker.weights.resolve import EMBEDDED_MODEL_ID, resolve_model_dir
+from engine_worker.weights.quantization import choose_quantization
+from engine_worker.weights.resolve import (EMBEDDED_MODEL_ID, gguf_path_of, resolve_model,
+                                           resolve_model_dir)
 from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
 from quire.kv_events import KVCacheSnapshot, KVEventBatch
 from quire.tokenizer_digest import tokenizer_dir_digest
@@ -94,11 +96,16 @@ class LLMEngine:
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
         self._device = select_device(config.device.device)
-        self._model_dir = resolve_model_dir(config.model.model)
-        self._tokenizer_dir = (resolve_model_dir(config.model.tokenizer)
-                               if config.model.tokenizer else self._model_dir)
         self._backend = select_backend(config.device.kernels, self._device,
                                        config.device.attention_backend)
+        self._quantization = choose_quantization(
+            config.model.quantization,
+            checkpoint_format="gguf" if gguf_path_of(config.model.model) else None,
+            backend=self._backend.name, native_types=self._backend.backend.quantized_types)
+        self._source = resolve_model(config.model.model, native_gguf=self._quantization.native)
+        self._model_dir = self._source.model_dir
+        self._tokenizer_dir = (resolve_model_dir(config.model.tokenizer)
+                               if config.model.tokenizer else self._model_dir)
         self._dtype = select_dtype(config.model.dtype, self._device, self._backend.name)
         loaded, self.tokenizer = self._load_model_and_tokenizer()
         self._max_model_len = loaded.max_model_len
@@ -119,7 +126,8 @@ class LLMEngine:
     def _load_model_and_tokenizer(self) -> tuple[LoadedModel, Tokenizer]:
         loaded = load_model(self._model_dir, dtype=self._dtype, device=self._device,
                             backend=self._backend.backend,
-                            max_model_len=self.config.model.max_model_len)
+                            max_model_len=self.config.model.max_model_len,
+                            gguf=self._source.gguf, strict_quantization=self._quantization.strict)
         with progress(logger, "Loading the tokenizer"):
             return loaded, Tokenizer(self._tokenizer_dir)
 
@@ -228,6 +236,11 @@ class LLMEngine:
             backend=backend.name, attention=backend.backend.attention.name,
             backend_reason=backend.reason, backend_fallback=backend.fallback,
             backend_summary=backend.describe(), cuda_graphs=self._graph_choice.describe(),
+            quantization=self._quantization.method,
+            quantization_summary=self._quantization.describe() + (
+                f" ({loaded.weights_summary})" if loaded.weights_summary else ""),
+            quantization_loud=self._quantization.loud or bool(
+                self._source.gguf and "de-quantized" in loaded.weights_summary),
             block_size=cache.block_size,
             num_kv_blocks=size.num_blocks, kv_block_bytes=size.block_bytes,
             enable_prefix_caching=cache.enable_prefix_caching,
@@ -237,7 +250,8 @@ class LLMEngine:
 
     def _announce(self, elapsed_s: float) -> None:
         # the one place that says what runs: loud (WARNING) when the backend is a fallback
-        logger.log(logging.WARNING if self.info.backend_fallback else logging.INFO, "%s",
+        loud = self.info.backend_fallback or self.info.quantization_loud
+        logger.log(logging.WARNING if loud else logging.INFO, "%s",
                    start_summary(self.info, elapsed_s=elapsed_s))
 
     # -------------------------------------------------------------------- the step API

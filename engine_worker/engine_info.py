@@ -42,6 +42,12 @@ class EngineInfo:
     backend_fallback: bool  # a faster backend was preferred but cannot run here
     backend_summary: str  # one line for the log: name (what it is): reason
     cuda_graphs: str  # "on (35 batch sizes, 1 to 256)", "off (cpu)", "off (enforce_eager)"
+    # how the weights are held (weights.quantization): "gguf" (blocks multiplied natively),
+    # "dequantize" (a quantized checkpoint widened to dtype) or "none" (a float checkpoint);
+    # part of the cache identity: K/V differ between a 4-bit and a 16-bit engine
+    quantization: str
+    quantization_summary: str  # one line for the start block: method: why (tensor types)
+    quantization_loud: bool  # a quantized format not run natively (all or some of it)
 
     # ---- the KV cache
     block_size: int  # tokens per block, the unit of prefix caching and of the block hashes

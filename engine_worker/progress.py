@@ -56,6 +56,8 @@ def start_summary(info: EngineInfo, *, elapsed_s: float) -> str:
         f"tokens, {info.kv_cache_bytes / 2**30:.2f} GiB "
         f"({info.kv_block_bytes // info.block_size} bytes a token)",
     ]
+    if info.quantization != "none":  # a quantized checkpoint: how its weights run
+        lines.insert(3, f"  Quantization: {info.quantization_summary}")
     if info.memory is not None:
         lines.append(f"  Memory: {info.memory}")
     lines.append(f"  Max model len: {info.max_model_len} tokens "

@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 ENGINE_SERVICE = "quire.v1.EngineService"
 # Not the block size: the router hashes each prompt at every block size its engines use.
-_CHECKED_FIELDS = ("block_hash_algorithm", "block_hash_seed", "tokenizer_digest")
+_CHECKED_FIELDS = ("block_hash_algorithm", "block_hash_seed", "tokenizer_digest",
+                   "quantization")
 
 
 def compare_model_info(engine_id: str, expected: ModelExpectation, info: pb.ModelInfo) -> None:

@@ -195,7 +195,8 @@ class EnginePool:
         expected = ModelExpectation(block_size=info.block_size,
                                     block_hash_algorithm=BLOCK_HASH_ALGORITHM,
                                     block_hash_seed=ROOT_HASH,
-                                    tokenizer_digest=tokenizer.digest)
+                                    tokenizer_digest=tokenizer.digest,
+                                    quantization=info.quantization)
         logger.info("model identity fixed by engine %s: %s, block size %d", client.engine_id,
                     info.model_name, info.block_size)
         return ModelIdentity(tokenizer=tokenizer, expected=expected, model_name=info.model_name)

@@ -72,6 +72,9 @@ class Backend:
     # stack kind -> its fused implementation; a kind not here (or a FuseFn's None) runs the
     # model's layers one by one through the ops above
     fused_stacks: Mapping[str, FuseFn] = field(default_factory=dict)
+    # GGUF block types (``"Q4_1"``...) whose weights linear / pack_weight take as they are
+    # stored (uint8 [N, K / 32, block bytes]); the loader de-quantizes any other
+    quantized_types: frozenset[str] = frozenset()
 
     def fuse(self, stack: Any) -> LayersFn | None:
         """A model's exported stack as one call a step, where this backend fuses it."""

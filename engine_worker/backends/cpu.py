@@ -21,7 +21,8 @@ import torch
 
 from engine_worker.attention.metadata import AttentionMetadata
 from engine_worker.backends.base import Backend, BackendEntry, LayersFn
-from engine_worker.backends.cpu_linear import PANELS_BF16, SKINNY_BF16
+from engine_worker.backends.cpu_linear import (GGUF_NATIVE_TYPES, PANELS_BF16, SKINNY_BF16,
+                                               GgufBlocks, is_gguf_blocks)
 from engine_worker.backends.reference import TorchAttentionBackend
 from engine_worker.layers.activation import silu_and_mul
 from engine_worker.layers.norm import rms_norm
@@ -66,10 +67,19 @@ class CpuOps:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: Any) -> torch.Tensor:
+        if isinstance(packed, GgufBlocks):  # every set runs them (csrc/cpu/quant_linear.cpp)
+            return self.ops.quant_linear(x, packed.blocks, bias)
         return self._linear.linear(self.ops, x, weight, bias, packed)
 
     def pack_weight(self, weight: torch.Tensor) -> Any:
+        if is_gguf_blocks(weight):
+            return GgufBlocks.of(weight)
         return self._linear.pack(self.ops, weight)
+
+    def _stack_weights(self, lin) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if isinstance(lin.packed, GgufBlocks):  # one tensor for few rows and many
+            return lin.packed.blocks, lin.packed.blocks
+        return self._linear.stack_weights(lin)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() == 2 and x.shape[-1] % self.lanes == 0 and x.stride(1) == 1 \
@@ -108,7 +118,7 @@ class CpuOps:
         weights: list[torch.Tensor] = []
         biases: list[torch.Tensor | None] = []
         for layer in stack.layers:
-            pairs = [self._linear.stack_weights(lin) for lin in layer.linears]
+            pairs = [self._stack_weights(lin) for lin in layer.linears]
             if any(pair is None for pair in pairs):
                 return None
             (qkv_few, qkv_many), (o_few, o_many), (gate_up_few, gate_up_many), \
@@ -172,7 +182,9 @@ def make_cpu_backend(kernels: CpuKernels, name: str, description: str) -> Backen
                    pack_weight=ops.pack_weight, rms_norm=ops.rms_norm,
                    silu_and_mul=ops.silu_and_mul, rope=ops.rope,
                    attention=CpuPagedAttentionBackend(name, kernels.ops),
-                   fused_stacks={"llama": ops.fuse_llama})
+                   fused_stacks={"llama": ops.fuse_llama},
+                   quantized_types=GGUF_NATIVE_TYPES if kernels.has("quant_linear")
+                   else frozenset())
 
 
 def cpu_backend_entry(name: str, description: str, variant: CpuVariant) -> BackendEntry:

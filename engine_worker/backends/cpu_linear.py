@@ -24,6 +24,10 @@ import torch.nn.functional as F
 from engine_worker.backends.base import LinearWeights
 from engine_worker.platform import to_huge_pages
 
+# GGUF block types csrc/cpu/quant_linear.cpp multiplies as stored, by their block bytes
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+GGUF_NATIVE_TYPES = frozenset(GGUF_BLOCK_BYTES)
+
 SKINNY_MAX_ROWS = 8  # up to here a linear layer is a weight stream: the bf16 kernel wins
 SKINNY_SLICE = 32  # the skinny kernel's input columns a step: in_features a multiple of this
 PANEL_COLUMNS = 16  # pack_bf16w's panels: output columns in multiples of this
@@ -47,6 +51,24 @@ class PanelPackedWeight:
     """A bf16 weight as ``linear_bf16w`` streams it: bf16 [out / 16, in, 16]."""
 
     panels: torch.Tensor
+
+
+def is_gguf_blocks(weight: torch.Tensor) -> bool:
+    """A GGUF block-quantized weight as the loader keeps it: uint8 [N, K / 32, block bytes]."""
+    return weight.dtype == torch.uint8 and weight.dim() == 3 and \
+        weight.shape[2] in GGUF_BLOCK_BYTES.values()
+
+
+@dataclass(frozen=True, slots=True)
+class GgufBlocks:
+    """A GGUF block-quantized weight as every CPU set's ``quant_linear`` streams it: the file's
+    blocks, row by row (4.5 to 8.5 bits a weight), on huge pages."""
+
+    blocks: torch.Tensor  # uint8 [out_features, in_features / 32, block bytes]
+
+    @staticmethod
+    def of(weight: torch.Tensor) -> GgufBlocks:
+        return GgufBlocks(to_huge_pages(weight.detach().contiguous()))
 
 
 class SkinnyBf16Linear:

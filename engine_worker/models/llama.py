@@ -167,6 +167,8 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.backend = backend
         self.logits_packed = None
+        # the loader's other form of a tied embedding for the logits (a GGUF's blocks), if any
+        self.tied_logits_weight: torch.Tensor | None = None
         self.layer_stack: LayersFn | None = None  # every layer in one call, where the backend can
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.rope, max_position, device, backend.rope)
@@ -197,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        self.logits_packed = (self.backend.pack_weight(self.embed_tokens.weight)
+        self.logits_packed = (self.backend.pack_weight(self._logits_weight())
                               if self.lm_head is None else self.lm_head.packed)
         self.layer_stack = self.backend.fuse(self.export())
 
@@ -211,7 +213,11 @@ class LlamaForCausalLM(nn.Module):
             rope_cos=self.rotary.cos, rope_sin=self.rotary.sin)
 
     def _logits_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        if self.tied_logits_weight is not None:
+            return self.tied_logits_weight
+        return self.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden_size] -> fp32 logits [num_rows, vocab_size]

@@ -88,7 +88,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             vocab_size=info.vocab_size, enable_prefix_caching=info.enable_prefix_caching,
             num_kv_blocks=info.num_kv_blocks, backend=info.backend,
             backend_reason=info.backend_reason, backend_fallback=info.backend_fallback,
-            cuda_graphs=info.cuda_graphs)
+            cuda_graphs=info.cuda_graphs, quantization=info.quantization)
 
     async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:
         """The files a router needs to tokenize exactly as this engine does."""

@@ -1,4 +1,5 @@
-"""Build a model from a local Hugging Face directory: config.json plus safetensors.
+"""Build a model from a local Hugging Face directory: config.json plus safetensors, or
+config.json beside a GGUF file whose tensors are read natively (``weights.gguf_weights``).
 
 Checkpoint quirks live here: Hugging Face names (``model.layers.N.self_attn.q_proj``...) are
 mapped onto our module tree, and separate Q/K/V and gate/up projections are fused on load.
@@ -18,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine_worker.backends.base import Backend
+from engine_worker.weights.gguf_weights import dequantize_blocks, read_gguf_state
 from engine_worker.models.registry import lookup_architecture
 from engine_worker.progress import progress
 
@@ -37,6 +39,7 @@ class LoadedModel:
     architecture: str
     hf_config: dict[str, Any]
     max_model_len: int
+    weights_summary: str = ""  # a GGUF's tensor types as loaded (empty for safetensors)
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
@@ -58,17 +61,32 @@ def derive_max_model_len(hf_config: dict[str, Any], requested: int | None) -> in
 
 
 def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, backend: Backend,
-               max_model_len: int | None) -> LoadedModel:
+               max_model_len: int | None, gguf: Path | None = None,
+               strict_quantization: bool = False) -> LoadedModel:
     """Build the model on the meta device, load the checkpoint into it (cast to ``dtype`` on
-    ``device``), then let ``backend`` pack the weights its way."""
+    ``device``), then let ``backend`` pack the weights its way. With ``gguf``, the weights come
+    from that file, the block types ``backend`` multiplies natively kept as blocks
+    (``strict_quantization``: another block type in a linear layer is an error, not widened)."""
     hf_config = read_hf_config(model_dir)
     arch_name, arch = lookup_architecture(hf_config)
     cfg = arch.parse_config(hf_config)
     max_len = derive_max_model_len(hf_config, max_model_len)
     with torch.device("meta"):
         model = arch.model_cls(cfg, backend, max_len, device)
-    with progress(logger, f"Loading weights from {model_dir.name}"):
-        state = _read_state_dict(model_dir, dtype=dtype, device=device)
+    summary = ""
+    if gguf is not None:
+        with progress(logger, f"Loading weights from {gguf.name} (native GGUF blocks)"):
+            gstate = read_gguf_state(gguf, dtype=dtype, native_types=backend.quantized_types,
+                                     strict=strict_quantization, num_heads=cfg.num_heads,
+                                     num_kv_heads=cfg.num_kv_heads)
+            state = _fused_state(gstate.tensors, dtype=dtype, device=device)
+        summary = gstate.summary()
+        _assign_blocks(model, state)
+        if gstate.tied_logits is not None and getattr(cfg, "tie_word_embeddings", False):
+            model.tied_logits_weight = gstate.tied_logits  # the logits stream blocks too
+    else:
+        with progress(logger, f"Loading weights from {model_dir.name}"):
+            state = _read_state_dict(model_dir, dtype=dtype, device=device)
     expected = set(model.state_dict())
     missing = expected - state.keys()
     unexpected = state.keys() - expected
@@ -83,7 +101,17 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, bac
     with progress(logger, f"Packing weights for the {backend.name} backend"):
         model.pack_weights()
     return LoadedModel(model=model, architecture=arch_name, hf_config=hf_config,
-                       max_model_len=max_len)
+                       max_model_len=max_len, weights_summary=summary)
+
+
+def _assign_blocks(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Block-quantized weights (uint8 [N, K / 32, bytes]) replace their float parameters
+    first, so that ``load_state_dict`` finds the shapes equal and assigns them as they are."""
+    for name, tensor in state.items():
+        if tensor.dtype == torch.uint8:
+            module_name, _, param = name.rpartition(".")
+            setattr(model.get_submodule(module_name), param,
+                    nn.Parameter(tensor, requires_grad=False))
 
 
 def _read_state_dict(model_dir: Path, *, dtype: torch.dtype,
@@ -99,17 +127,35 @@ def _read_state_dict(model_dir: Path, *, dtype: torch.dtype,
             for name in f.keys():
                 if not _IGNORED.search(name):
                     raw[name.removeprefix("model.")] = f.get_tensor(name)
+    return _fused_state(raw, dtype=dtype, device=device)
+
+
+def _fused_state(raw: dict[str, torch.Tensor], *, dtype: torch.dtype,
+                 device: torch.device) -> dict[str, torch.Tensor]:
+    """Q/K/V and gate/up fused; float tensors cast to ``dtype``, block-quantized ones kept."""
     state: dict[str, torch.Tensor] = {}
     for name in list(raw):
         if name not in raw:
             continue  # consumed by a fusion
-        fused = _fuse(name, raw)
+        fused = _fuse(name, raw, dtype)
         target, tensor = fused if fused else (name, raw.pop(name))
-        state[target] = tensor.to(device=device, dtype=dtype).contiguous()
+        if tensor.dtype != torch.uint8:
+            tensor = tensor.to(dtype=dtype)
+        state[target] = tensor.to(device=device).contiguous()
     return state
 
 
-def _fuse(name: str, raw: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor] | None:
+def _cat_rows(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Parts stacked along the output rows: blocks of one type as blocks, else as values (a
+    mix of types, as GGUF's Q4_K_M gives V another type than Q and K, is de-quantized)."""
+    if all(p.dtype == torch.uint8 for p in parts) and len({p.shape[1:] for p in parts}) == 1:
+        return torch.cat(parts, dim=0)
+    return torch.cat([dequantize_blocks(p, dtype) if p.dtype == torch.uint8 else p.to(dtype)
+                      for p in parts], dim=0)
+
+
+def _fuse(name: str, raw: dict[str, torch.Tensor],
+          dtype: torch.dtype) -> tuple[str, torch.Tensor] | None:
     for target, parts in _FUSED.items():
         for part in parts:
             marker = f".{part}."
@@ -119,5 +165,5 @@ def _fuse(name: str, raw: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor] |
             names = [f"{prefix}.{p}.{suffix}" for p in parts]
             if not all(n in raw for n in names):
                 raise ValueError(f"model: checkpoint has {name} but not all of {names}")
-            return f"{prefix}.{target}.{suffix}", torch.cat([raw.pop(n) for n in names], dim=0)
+            return f"{prefix}.{target}.{suffix}", _cat_rows([raw.pop(n) for n in names], dtype)
     return None

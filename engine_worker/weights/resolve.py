@@ -4,6 +4,9 @@
   converted once into a cached safetensors directory.
 - A local directory with ``config.json`` -> used as is.
 - A ``.gguf`` file -> converted once (keyed by path, size and mtime) into the cache.
+Where a GGUF runs natively (``resolve_model`` with ``native_gguf``), nothing is converted: the
+cache gets only its config.json and tokenizer (a directory beside the converted one), and the
+weights are read from the file itself at every start.
 Nothing here ever reaches a model hub.
 """
 
@@ -15,6 +18,8 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine_worker.config import quire_cache_dir
@@ -40,6 +45,36 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where a model's files are: ``model_dir`` holds config.json and the tokenizer (and the
+    safetensors, unless ``gguf`` is set: then the weights are that file's, read natively)."""
+
+    model_dir: Path
+    gguf: Path | None = None
+
+
+def gguf_path_of(model: str | None) -> Path | None:
+    """The GGUF file ``model`` names (the embedded model is one), or None."""
+    if model is None or model == EMBEDDED_MODEL_ID:
+        return embedded_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def resolve_model(model: str | None, *, native_gguf: bool) -> ModelSource:
+    """``resolve_model_dir``, except that a GGUF to run natively is not converted."""
+    gguf = gguf_path_of(model) if native_gguf else None
+    if gguf is None:
+        return ModelSource(resolve_model_dir(model))
+    converted = _cache_target(gguf)
+    if (converted / "config.json").is_file():  # an earlier conversion has what we need
+        return ModelSource(converted, gguf)
+    return ModelSource(_cached_dir(gguf, converted.with_name(converted.name + "-meta"),
+                                   _write_gguf_metadata, "Reading the config and tokenizer of",
+                                   "first start only, about 20 s"), gguf)
+
+
 def resolve_model_dir(model: str | None) -> Path:
     """Return a local directory holding config.json, safetensors and tokenizer files."""
     if model is None or model == EMBEDDED_MODEL_ID:
@@ -56,19 +91,31 @@ def resolve_model_dir(model: str | None) -> Path:
         f"(only {EMBEDDED_MODEL_ID!r} resolves offline without a path)")
 
 
-def _converted_gguf_dir(gguf: Path) -> Path:
-    name = gguf.stem
+def _cache_target(gguf: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    target = quire_cache_dir() / "models" / f"{name}-{key.hexdigest()[:12]}"
+    return quire_cache_dir() / "models" / f"{gguf.stem}-{key.hexdigest()[:12]}"
+
+
+def _converted_gguf_dir(gguf: Path) -> Path:
+    target = _cache_target(gguf)
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
+    return _cached_dir(gguf, target, _convert_gguf, "Converting to safetensors:",
+                       "first start only, about 1-3 min; later starts reuse it")
+
+
+def _cached_dir(gguf: Path, target: Path, write: Callable[[Path, Path], None], what: str,
+                expect: str) -> Path:
+    """``target``, written by ``write(gguf, dir)`` into a private directory and renamed into
+    place whole (a reader never sees half of it), unless it is there already."""
+    if (target / "config.json").is_file():
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{gguf.stem}-", dir=target.parent))
     try:
-        with progress(logger, f"Converting {gguf.name} to safetensors in {target}",
-                      expect="first start only, about 1-3 min; later starts reuse it"):
-            _convert_gguf(gguf, tmp)
+        with progress(logger, f"{what} {gguf.name} into {target}", expect=expect):
+            write(gguf, tmp)
         try:
             os.replace(tmp, target)
         except OSError:  # another process won the race: keep theirs
@@ -96,3 +143,17 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(out_dir)
+
+
+def _write_gguf_metadata(gguf: Path, out_dir: Path) -> None:
+    """config.json, generation_config.json and the tokenizer of a GGUF, through transformers;
+    the weights stay in the file."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)

@@ -72,8 +72,9 @@ def test_tiny_models_match_transformers(variant, tmp_path, embedded_model_dir):
 
 @pytest.mark.slow  # loads the embedded SmolLM2 model
 def test_smollm2_matches_transformers(embedded_model_dir):
-    """The embedded model, 8 prompts of mixed lengths (chat-templated and raw), 32 tokens."""
-    llm = LLM(dtype="float32", kv_cache_memory_bytes=1 << 28)
+    """The embedded model, 8 prompts of mixed lengths (chat-templated and raw), 32 tokens, on the
+    weights transformers runs (its GGUF de-quantized; native 4-bit is test_quantization.py's)."""
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=1 << 28, quantization="dequantize")
     tokenizer = llm.engine.tokenizer
     questions = ["What is the capital of France?", "Write a haiku about the sea.",
                  "Explain what a KV cache is in one paragraph, for a software engineer who "

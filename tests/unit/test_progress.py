@@ -49,6 +49,14 @@ def test_the_start_block_says_what_runs_from_the_engine_facts():
         "  Max model len: 512 tokens (2.00 full-length sequences fit at once)"]
 
 
+def test_the_start_block_says_how_a_quantized_checkpoint_runs():
+    from tests.unit.engine_infos import engine_info
+
+    summary = "gguf: the checkpoint's own format runs natively (61 F32, 210 Q4_1, 1 Q8_0)"
+    info = engine_info(quantization="gguf", quantization_summary=summary)
+    assert start_summary(info, elapsed_s=1.0).splitlines()[3] == f"  Quantization: {summary}"
+
+
 def test_the_start_block_on_a_profiled_gpu_shows_the_memory_and_no_threads():
     import torch
 

@@ -185,3 +185,24 @@ def test_both_built_in_kinds_implement_the_connection_protocol():
             assert connection.state is EngineState.UNREACHABLE and not connection.healthy
             await connection.close()
     asyncio.run(scenario())
+
+
+def test_a_4bit_and_a_16bit_engine_of_one_model_are_not_one_prefix_domain():
+    """The quantization is part of the cache identity: the same tokens give other K/V."""
+    import pytest
+
+    from router.connection import ModelExpectation
+    from router.engine_client import compare_model_info
+
+    expected = ModelExpectation(block_size=16, block_hash_algorithm=BLOCK_HASH_ALGORITHM,
+                                block_hash_seed=ROOT_HASH, tokenizer_digest="d" * 64,
+                                quantization="gguf")
+    same = pb.ModelInfo(model_name="m", block_size=16, block_hash_algorithm=BLOCK_HASH_ALGORITHM,
+                        block_hash_seed=ROOT_HASH, tokenizer_digest="d" * 64, quantization="gguf")
+    compare_model_info("a", expected, same)
+    widened = pb.ModelInfo()
+    widened.CopyFrom(same)
+    widened.quantization = "dequantize"
+    with pytest.raises(EngineMismatchError) as refused:
+        compare_model_info("b", expected, widened)
+    assert refused.value.differences == {"quantization": ("gguf", "dequantize")}

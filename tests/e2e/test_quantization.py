@@ -1,0 +1,62 @@
+"""The embedded SmolLM2 (a Q4_1 GGUF) run natively 4-bit against the same checkpoint widened at
+load (``quantization="dequantize"``), on each CPU kernel variant that runs here.
+
+- Teacher-forced perplexity of a fixed English text (data/perplexity_text.txt) through
+  ``prompt_logprobs``: within 1 % of the de-quantized path. Prefill de-quantizes each block
+  exactly, so the two differ only by the dtype the de-quantized path rounds weights to.
+- Greedy continuations (the decode path: activations rounded to int8 per block of 32): equal
+  on most prompts. A prompt that differs does so where two candidate tokens are near-equal;
+  the test prints which differ.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from engine_worker.llm import LLM
+from engine_worker.sampling_params import SamplingParams
+from tests.conftest import CPU_BACKEND_OF_ISA, use_cpu_variant
+
+TEXT = (Path(__file__).parent / "data" / "perplexity_text.txt").read_text()
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village,",
+           "def fibonacci(n):", "The three primary colours are", "Water boils at",
+           "The best way to learn a new language is", "In 1969, the first person to walk on",
+           "A list of fruits: apple, banana,"]
+
+
+def _perplexity(llm: LLM, token_ids: list[int]) -> float:
+    out = llm.generate([{"prompt_token_ids": token_ids}],
+                       SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0))[0]
+    logprobs = [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:],
+                                                             token_ids[1:])]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def _greedy(llm: LLM) -> list[list[int]]:
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.slow  # loads the embedded model twice
+@pytest.mark.parametrize("variant", ["avx512", "avx512_emulated", "avx2"])
+def test_native_4bit_matches_the_dequantized_checkpoint(variant, monkeypatch):
+    kernels = use_cpu_variant(monkeypatch, variant)  # skips where the variant cannot run
+    backend = CPU_BACKEND_OF_ISA[kernels.isa]
+    native = LLM(kernels=backend, kv_cache_memory_bytes=1 << 27)
+    assert native.info.quantization == "gguf"  # the default (auto) on a GGUF
+    token_ids = native.engine.tokenizer.encode(TEXT)
+    assert len(token_ids) > 300
+    ppl_native, greedy_native = _perplexity(native, token_ids), _greedy(native)
+    del native
+    widened = LLM(kernels=backend, kv_cache_memory_bytes=1 << 27, quantization="dequantize")
+    assert widened.info.quantization == "dequantize"
+    ppl_widened, greedy_widened = _perplexity(widened, token_ids), _greedy(widened)
+    print(f"{variant}: perplexity native {ppl_native:.4f}, dequantized {ppl_widened:.4f}")
+    assert 5 < ppl_widened < 50  # a real text under a real model
+    assert abs(ppl_native / ppl_widened - 1) < 0.01
+    differ = [p for p, a, b in zip(PROMPTS, greedy_native, greedy_widened) if a != b]
+    print(f"{variant}: greedy continuations that differ: {differ}")
+    assert len(differ) <= 2
