@@ -27,7 +27,7 @@ from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 from router.backoff import Backoff
 from router.connection import (ClientOptions, EngineMismatchError, EngineReports, EngineState,
-                               ModelExpectation, ModelIdentity, change_state)
+                               ModelExpectation, ModelIdentity, change_state, refuse)
 from router.endpoint import Endpoint
 
 logger = logging.getLogger(__name__)
@@ -118,11 +118,8 @@ class EngineClient:
                                                     timeout=self.options.connect_timeout_s)
                 await self.reports.admit(self, info)
             except EngineMismatchError as e:
-                if self.state is not EngineState.REFUSED:
-                    logger.error("refusing %s", e)
-                self.refusal = e
                 self._stop_feeds()
-                self._set_state(EngineState.REFUSED)
+                refuse(self, self.reports, e, "engine", logger)
                 await asyncio.sleep(self.options.refused_recheck_s)
                 continue
             except grpc.aio.AioRpcError as e:

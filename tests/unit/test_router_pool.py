@@ -10,7 +10,7 @@ from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
 from quire.kv_events import KVCacheSnapshot
 from quire.v1 import engine_pb2 as pb
 from router.connection import (ClientOptions, EngineConnection, EngineMismatchError, EngineState,
-                               ModelIdentity, change_state)
+                               ModelIdentity, change_state, refuse)
 from router.discovery import Endpoint, StaticDiscovery
 from router.engine_kinds import ENGINE_KINDS
 from router.pool import EnginePool
@@ -100,8 +100,7 @@ class EchoConnection:
         try:
             await self.reports.admit(self, info)
         except EngineMismatchError as e:
-            self.refusal = e
-            change_state(self, self.reports, EngineState.REFUSED, "echo engine", LOG)
+            refuse(self, self.reports, e, "echo engine", LOG)
             return
         self.info = info
         change_state(self, self.reports, EngineState.SERVING, "echo engine", LOG)
@@ -170,6 +169,27 @@ def test_a_kind_without_tokenizer_files_needs_the_routers_tokenizer():
         assert pool.identity is None
         await pool.stop()
     asyncio.run(scenario())
+
+
+def test_a_refusal_is_logged_with_its_reason_once_per_change(caplog):
+    """A refused engine is re-checked every refused_recheck_s: the log names the reason when
+    the state changes and when the reason changes, never on every re-check."""
+    caplog.set_level(logging.INFO, logger=LOG.name)
+    pool = EnginePool(StaticDiscovery([]), kinds=KINDS)
+    client = EchoConnection(Endpoint("a", "h:1", "echo"), pool, ClientOptions())
+    missing = EngineMismatchError("a", {"tokenizer": ("the router's --tokenizer", None)})
+    for _ in range(3):
+        refuse(client, pool, missing, "echo engine", LOG)
+    other = EngineMismatchError("a", {"model_name": ("m", "other")})
+    refuse(client, pool, other, "echo engine", LOG)
+    refuse(client, pool, other, "echo engine", LOG)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "echo engine a at h:1: unreachable -> refused: engine a refused: tokenizer: router "
+        "expects \"the router's --tokenizer\", engine reports None",
+        "echo engine a at h:1: still refused, now: engine a refused: model_name: router "
+        "expects 'm', engine reports 'other'"], lines
+    assert client.state is EngineState.REFUSED and client.refusal is other
 
 
 def test_both_built_in_kinds_implement_the_connection_protocol():
