@@ -159,7 +159,10 @@ class EngineReports(Protocol):
 
     def state_changed(self, client: EngineConnection) -> None: ...
 
-    def kv_snapshot(self, client: EngineConnection, snapshot: KVCacheSnapshot) -> None: ...
+    def kv_snapshot(self, client: EngineConnection, snapshot: KVCacheSnapshot) -> bool:
+        """Start the engine's index entry from ``snapshot``; False when it comes from another
+        engine process than the one admitted (the connection then re-subscribes)."""
+        ...
 
     def kv_batch(self, client: EngineConnection, batch: KVEventBatch) -> bool:
         """Apply the next batch; False on a gap (the connection then re-subscribes)."""

@@ -127,6 +127,8 @@ class EngineClient:
                 self._set_state(EngineState.UNREACHABLE)
                 await backoff.sleep()
                 continue
+            if self.info is not None and self.info.incarnation_id != info.incarnation_id:
+                self._stop_feeds()  # another process: subscribe to it now, not after backoff
             self.info, self.refusal = info, None
             self._start_feeds()
             try:
@@ -183,7 +185,7 @@ class EngineClient:
             try:
                 async for message in call:
                     if not on_message(message):
-                        logger.warning("engine %s: %s gap, re-subscribing", self.engine_id, what)
+                        logger.warning("engine %s: %s gap (or another engine process), re-subscribing", self.engine_id, what)
                         break
                     backoff.reset()
             except grpc.aio.AioRpcError as e:
@@ -197,8 +199,7 @@ class EngineClient:
     async def _follow_kv_events(self) -> None:
         def on_message(message: pb.KVEventsMessage) -> bool:
             if message.HasField("snapshot"):
-                self.reports.kv_snapshot(self, snapshot_from_proto(message.snapshot))
-                return True
+                return self.reports.kv_snapshot(self, snapshot_from_proto(message.snapshot))
             return self.reports.kv_batch(self, batch_from_proto(message.batch))
 
         await self._follow(lambda: self.stub.StreamKVEvents(pb.StreamKVEventsRequest()),

@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
-from quire.kv_events import KVCacheSnapshot
+from quire.kv_events import BlockRemoved, KVCacheSnapshot, KVEventBatch
 from quire.v1 import engine_pb2 as pb
 from router.connection import (ClientOptions, EngineConnection, EngineMismatchError, EngineState,
                                ModelIdentity, change_state, refuse)
@@ -50,8 +50,13 @@ def test_match_uses_the_kv_feed_where_alive_and_routing_history_elsewhere():
         await pool.reconcile(frozenset({Endpoint("live", "h:1"), Endpoint("blind", "h:2")}))
         live = pool.clients["live"]
         pool.kv_snapshot(live, KVCacheSnapshot(seq=1, block_hashes=frozenset({11, 12})))
-        pool.record("live", [11, 12, 13])  # history never overrides a live feed
         pool.record("blind", [11, 12, 13])
+        assert _cached(pool, [11, 12, 13, 14]) == {"live": 2, "blind": 3}
+        # a placement on a live engine counts at once, unconfirmed (speculative indexing)
+        pool.record("live", [11, 12, 13])
+        assert _cached(pool, [11, 12, 13, 14]) == {"live": 3, "blind": 3}
+        live_batch = KVEventBatch(seq=2, timestamp_s=0.0, events=(BlockRemoved((13,)),))
+        assert pool.kv_batch(live, live_batch)  # the engine says block 13 is not there
         assert _cached(pool, [11, 12, 13, 14]) == {"live": 2, "blind": 3}
         pool.kv_feed_lost(live)  # its feed broke: history takes over
         assert _cached(pool, [11, 12, 13, 14]) == {"live": 3, "blind": 3}
@@ -155,6 +160,39 @@ def test_a_third_engine_kind_is_one_class_and_one_registry_entry(embedded_model_
         replies = [m async for m in pool.generate("a", request, block_hashes=[1],
                                                   num_uncached_tokens=2)]
         assert [list(r.outputs[0].token_ids) for r in replies] == [[5, 6]]
+        await pool.stop()
+    asyncio.run(scenario())
+
+
+def test_a_new_incarnation_starts_with_an_empty_index_entry(embedded_model_dir):
+    """A restarted engine (another incarnation id at the same address) holds nothing: its
+    precise and approximate entries go; the same process re-admitted keeps them; a snapshot
+    from the dead process, arriving late, is ignored."""
+    def info(incarnation_id: str) -> pb.ModelInfo:
+        return pb.ModelInfo(model_name="m", block_size=4, block_hash_algorithm=BLOCK_HASH_ALGORITHM,
+                            block_hash_seed=ROOT_HASH, incarnation_id=incarnation_id)
+
+    async def scenario():
+        tokenizer = RouterTokenizer.from_dir(embedded_model_dir)
+        pool = EnginePool(StaticDiscovery([]), tokenizer=tokenizer, kinds=KINDS)
+        await pool.reconcile(frozenset({Endpoint("a", "h:1", "echo")}))
+        assert await pool.wait_serving(1, timeout_s=5)
+        client = pool.clients["a"]
+        await pool.admit(client, info("one"))
+        assert pool.kv_snapshot(client, KVCacheSnapshot(0, frozenset({1, 2}), "one"))
+        pool.record("a", [7, 8])  # what the approximate index would place by
+        cached = lambda hashes: pool.candidates(hashes)[0].cached_blocks  # noqa: E731
+        assert cached([1, 2]) == 2
+        await pool.admit(client, info("one"))  # the same process, re-admitted after a blip
+        assert cached([1, 2]) == 2
+        await pool.admit(client, info("two"))  # restarted
+        assert cached([1, 2]) == 0 and pool.cached_blocks() == {}
+        pool.kv_feed_lost(client)
+        assert cached([7, 8]) == 0  # the approximate index forgot the dead process too
+        assert not pool.kv_snapshot(client, KVCacheSnapshot(0, frozenset({1, 2}), "one"))
+        assert cached([1, 2]) == 0
+        assert pool.kv_snapshot(client, KVCacheSnapshot(0, frozenset({3}), "two"))
+        assert cached([3]) == 1
         await pool.stop()
     asyncio.run(scenario())
 
