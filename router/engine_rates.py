@@ -13,11 +13,18 @@ observes already includes the engine's batch mix, its hardware and its queue dis
 Both are ratios of decayed sums (every new sample multiplies the old sums by ``DECAY``), so a
 long sample weighs more than a short one and the estimate follows a change of load within a
 few dozen requests. Before any sample the prefill rate is the configured prior
-(``--prefill-tokens-per-s``), weighted as ``PRIOR_S`` seconds of observation.
+(``--prefill-tokens-per-s``), weighted as ``PRIOR_S`` seconds of observation; the pool prefers
+the engine's measured peers to that prior.
+
+A request still waiting for its first token is evidence too, before it completes: ``W``
+tokens not done after ``e`` seconds bound the rate by ``W / e`` (``bounded_prefill_rate``). So
+an engine that has slowed down (or a fresh one that is slower than the prior) stops drawing
+requests while its first slow prefill is still running, not only after it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 # Each sample multiplies the older ones' weight by this: the last ~16 requests dominate. On
@@ -50,6 +57,7 @@ class EngineRates:
 
     prefill: DecayedRatio  # tokens / seconds
     decode: DecayedRatio  # seconds / tokens (one stream's)
+    observed: bool = False  # a prefill sample was taken (False: the rate is the prior)
 
     @classmethod
     def with_prior(cls, prefill_tokens_per_s: float) -> EngineRates:
@@ -70,8 +78,45 @@ class EngineRates:
         after the request was sent, one decode step included."""
         if num_tokens > 0 and ttft_s > 0:
             self.prefill.observe(num_tokens, max(ttft_s - self.decode_step_s, 0.0))
+            self.observed = True
 
     def observe_decode(self, num_tokens: int, elapsed_s: float) -> None:
         """A stream gave ``num_tokens`` more tokens in ``elapsed_s`` after its first."""
         if num_tokens > 0 and elapsed_s >= 0:
             self.decode.observe(elapsed_s, num_tokens)
+
+
+def bounded_prefill_rate(rate: float, waiting: Iterable[tuple[float, int]],
+                         now_s: float) -> float:
+    """``rate``, lowered to what the requests still waiting for their first token allow:
+    each ``(sent_s, num_tokens)`` has not done its ``num_tokens`` (work ahead + its own
+    prefill) in ``now_s - sent_s`` seconds."""
+    for sent_s, num_tokens in waiting:
+        elapsed_s = now_s - sent_s
+        if elapsed_s > 0 and num_tokens > 0:
+            rate = min(rate, num_tokens / elapsed_s)
+    return rate
+
+
+Waiting = Collection[tuple[float, int]]  # (sent_s, num_tokens) of requests without a first token
+
+
+def _evidence(rates: EngineRates, waiting: Waiting, now_s: float) -> float | None:
+    """What an engine's own requests say of its prefill rate: measured, bounded by those
+    still waiting (None: nothing yet, only the configured prior)."""
+    prior = rates.prefill_tokens_per_s
+    rate = bounded_prefill_rate(prior, waiting, now_s)
+    return rate if rates.observed or rate < prior else None
+
+
+def prefill_rate(rates: EngineRates, waiting: Waiting,
+                 peers: Sequence[tuple[EngineRates, Waiting]], now_s: float) -> float:
+    """An engine's prefill rate as far as the router can tell: its own evidence, else its
+    peers' mean (engines of one pool are alike: a peer found slow says more about this one
+    than the configured prior does), bounded by its own waiting requests."""
+    own = _evidence(rates, waiting, now_s)
+    if own is not None:
+        return own
+    found = [rate for peer in peers if (rate := _evidence(*peer, now_s)) is not None]
+    rate = sum(found) / len(found) if found else rates.prefill_tokens_per_s
+    return bounded_prefill_rate(rate, waiting, now_s)

@@ -25,7 +25,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
 from quire.kv_events import KVCacheSnapshot, KVEventBatch
@@ -36,7 +36,7 @@ from router.connection import (ClientOptions, ConnectionFactory, EngineConnectio
                                EngineMismatchError, EngineState, ModelExpectation, ModelIdentity)
 from router.endpoint import Discovery, Endpoint
 from router.engine_kinds import ENGINE_KINDS
-from router.engine_rates import EngineRates
+from router.engine_rates import EngineRates, prefill_rate
 from router.prefix_index import ApproximateIndex, PrefixIndex
 from router.tokenizer import RouterTokenizer
 
@@ -64,6 +64,8 @@ class _Member:
     load: pb.LoadReport | None = None  # None: the load feed is down (load unknown)
     kv_feed_alive: bool = False  # False: place it by the approximate index
     inflight_tokens: int = 0  # prompt tokens sent whose prefill has not answered yet
+    # requests waiting for their first token: key -> (sent at, work ahead + own prefill)
+    waiting: dict[object, tuple[float, int]] = field(default_factory=dict)
     # The engine process last admitted at this address (None: never admitted; "": its kind
     # reports none, so every re-admission after a lost connection counts as a restart).
     incarnation_id: str | None = None
@@ -294,7 +296,8 @@ class EnginePool:
                       else block_hashes)
             found = self._match(hashes)
             matches.update({eid: found[eid] for eid in engine_ids if eid in found})
-        return [self._snapshot(member, matches.get(engine_id, 0))
+        now_s = time.monotonic()
+        return [self._snapshot(member, matches.get(engine_id, 0), now_s)
                 for engine_id, member in members.items()]
 
     def _block_size(self, member: _Member) -> int:
@@ -312,7 +315,12 @@ class EnginePool:
                     precise[engine_id] = approx[engine_id]
         return precise
 
-    def _snapshot(self, member: _Member, cached_blocks: int) -> EndpointSnapshot:
+    def _prefill_rate(self, member: _Member, now_s: float) -> float:
+        return prefill_rate(member.rates, member.waiting.values(),
+                            [(m.rates, m.waiting.values()) for m in self._members.values()
+                             if m is not member], now_s)
+
+    def _snapshot(self, member: _Member, cached_blocks: int, now_s: float) -> EndpointSnapshot:
         client = member.client
         load = member.load if member.load is not None else pb.LoadReport()
         return EndpointSnapshot(
@@ -322,7 +330,7 @@ class EnginePool:
             num_queued_tokens=load.num_queued_tokens,
             kv_cache_usage=min(max(load.kv_cache_usage, 0.0), 1.0),
             inflight_tokens=member.inflight_tokens,
-            prefill_tokens_per_s=member.rates.prefill_tokens_per_s,
+            prefill_tokens_per_s=self._prefill_rate(member, now_s),
             decode_step_s=member.rates.decode_step_s)
 
     # ------------------------------------------------------------------- placement
@@ -353,6 +361,8 @@ class EnginePool:
         ahead = member.inflight_tokens + (member.load.num_queued_tokens if member.load else 0)
         member.inflight_tokens += num_tokens
         sent = time.monotonic()
+        key = object()
+        member.waiting[key] = (sent, ahead + num_uncached_tokens)
         first_at = last_at = None
         num_later_tokens = 0
         stream = member.client.generate(request, timeout_s=timeout_s, metadata=metadata)
@@ -360,6 +370,7 @@ class EnginePool:
             async for message in stream:
                 if first_at is None:
                     first_at = time.monotonic()
+                    member.waiting.pop(key, None)
                     member.inflight_tokens -= num_tokens  # prefill done: the load report has it
                     num_tokens = 0
                     member.rates.observe_first_token(ahead + num_uncached_tokens,
@@ -373,6 +384,7 @@ class EnginePool:
                 yield message
         finally:
             member.inflight_tokens -= num_tokens
+            member.waiting.pop(key, None)
             if last_at is not None:
                 member.rates.observe_decode(num_later_tokens, last_at - first_at)
             await stream.aclose()

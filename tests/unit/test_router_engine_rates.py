@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.engine_rates import DECAY, PRIOR_S, EngineRates
+from router.engine_rates import DECAY, PRIOR_S, EngineRates, bounded_prefill_rate
 
 
 def test_the_prior_stands_until_samples_outweigh_it():
@@ -37,3 +37,11 @@ def test_empty_samples_change_nothing_and_the_prior_must_be_positive():
     assert rates.prefill_tokens_per_s == pytest.approx(1000.0) and rates.decode_step_s == 0.0
     with pytest.raises(ValueError, match="prefill_tokens_per_s"):
         EngineRates.with_prior(0.0)
+
+
+def test_requests_still_waiting_bound_the_rate_from_above():
+    # 600 tokens sent 2 s ago and still no first token: at most 300 tokens/s there
+    assert bounded_prefill_rate(2000.0, [(8.0, 600), (9.9, 50)], now_s=10.0) == 300.0
+    assert bounded_prefill_rate(2000.0, [(10.0, 600)], now_s=10.0) == 2000.0  # just sent
+    assert bounded_prefill_rate(100.0, [(8.0, 600)], now_s=10.0) == 100.0  # already lower
+    assert bounded_prefill_rate(2000.0, [], now_s=10.0) == 2000.0

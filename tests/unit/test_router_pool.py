@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
 from quire.kv_events import BlockRemoved, KVCacheSnapshot, KVEventBatch
@@ -61,6 +62,25 @@ def test_match_uses_the_kv_feed_where_alive_and_routing_history_elsewhere():
         pool.kv_feed_lost(live)  # its feed broke: history takes over
         assert _cached(pool, [11, 12, 13, 14]) == {"live": 3, "blind": 3}
         assert [s.engine_id for s in pool.candidates([11], exclude={"live"})] == ["blind"]
+        await pool.stop()
+    asyncio.run(scenario())
+
+
+def test_an_unmeasured_engine_is_assumed_as_fast_as_its_measured_peers():
+    async def scenario():
+        pool = _pool()  # the configured prior: 2000 tokens/s
+        await pool.reconcile(frozenset({Endpoint("a", "h:1"), Endpoint("b", "h:2"),
+                                        Endpoint("c", "h:3")}))
+        rates = {s.engine_id: s.prefill_tokens_per_s for s in pool.candidates([1])}
+        assert rates == {"a": 2000.0, "b": 2000.0, "c": 2000.0}
+        for _ in range(400):
+            pool._members["a"].rates.observe_first_token(100, 1.0)
+        rates = {s.engine_id: s.prefill_tokens_per_s for s in pool.candidates([1])}
+        assert abs(rates["a"] - 100.0) < 0.1 and rates["b"] == rates["c"] == rates["a"]
+        # a request waiting too long on c says c is slower still; b takes its peers' mean
+        pool._members["c"].waiting[object()] = (time.monotonic() - 100.0, 500)
+        rates = {s.engine_id: s.prefill_tokens_per_s for s in pool.candidates([1])}
+        assert rates["c"] <= 5.0 + 1e-6 and abs(rates["b"] - (rates["a"] + rates["c"]) / 2) < 1e-6
         await pool.stop()
     asyncio.run(scenario())
 
