@@ -111,12 +111,11 @@ def _evidence(rates: EngineRates, waiting: Waiting, now_s: float) -> float | Non
 
 def prefill_rate(rates: EngineRates, waiting: Waiting,
                  peers: Sequence[tuple[EngineRates, Waiting]], now_s: float) -> float:
-    """An engine's prefill rate as far as the router can tell: its own evidence, else its
-    peers' mean (engines of one pool are alike: a peer found slow says more about this one
-    than the configured prior does), bounded by its own waiting requests."""
-    own = _evidence(rates, waiting, now_s)
-    if own is not None:
-        return own
+    """An engine's prefill rate as far as the router can tell: measured, where it has taken a
+    sample; else its peers' mean (engines of one pool are alike: a peer found slow says more
+    about this one than the configured prior does), bounded by its own waiting requests."""
+    if rates.observed:
+        return bounded_prefill_rate(rates.prefill_tokens_per_s, waiting, now_s)
     found = [rate for peer in peers if (rate := _evidence(*peer, now_s)) is not None]
     rate = sum(found) / len(found) if found else rates.prefill_tokens_per_s
     return bounded_prefill_rate(rate, waiting, now_s)
