@@ -55,6 +55,7 @@ class KVCacheSnapshot:
 
     seq: int
     block_hashes: frozenset[int]
+    incarnation_id: str = ""  # the engine process it comes from ("": not reported)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,8 +168,10 @@ def batch_from_proto(message) -> KVEventBatch:
 def snapshot_to_proto(snapshot: KVCacheSnapshot):
     from quire.v1 import kv_cache_pb2 as pb
 
-    return pb.KVCacheSnapshot(seq=snapshot.seq, block_hashes=sorted(snapshot.block_hashes))
+    return pb.KVCacheSnapshot(seq=snapshot.seq, block_hashes=sorted(snapshot.block_hashes),
+                              incarnation_id=snapshot.incarnation_id)
 
 
 def snapshot_from_proto(message) -> KVCacheSnapshot:
-    return KVCacheSnapshot(seq=message.seq, block_hashes=frozenset(message.block_hashes))
+    return KVCacheSnapshot(seq=message.seq, block_hashes=frozenset(message.block_hashes),
+                           incarnation_id=message.incarnation_id)

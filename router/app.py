@@ -89,8 +89,12 @@ class RouterServer:
 
     @property
     def model_name(self) -> str | None:
+        """The served name; None until an engine has joined (even with ``--model-name``: the
+        router does not serve a model before the pool knows one)."""
         identity = self.pool.identity
-        return self.cfg.model_name or (identity.model_name if identity else None)
+        if identity is None:
+            return None
+        return self.cfg.model_name or identity.model_name
 
     def engine_states(self) -> dict[str, int]:
         return self.pool.engine_states()

@@ -6,9 +6,14 @@ score wins; ties go to the smallest engine id so decisions are reproducible.
 
 Policies live in ``POLICIES`` (name -> class):
 
-- ``prefix_aware``: estimated time to first token. An engine holding more of the prompt has less
-  to prefill, but a queue in front of it costs as much as recomputing: a hot shared prefix moves
-  to a second engine exactly when waiting on the first is slower than prefilling from scratch.
+- ``prefix_aware``: estimated time to first token, ``decode step + (work ahead + uncached
+  prompt tokens) / prefill rate``, each engine at its own measured rates
+  (``router.engine_rates``). An engine holding more of the prompt has less to prefill, but a
+  queue in front of it costs as much as recomputing: a hot shared prefix stays on its warm
+  engine only while that is faster than prefilling elsewhere, then spreads (and the new copy
+  becomes warm in turn). No threshold: the rates and the queues decide.
+- ``prefix_affinity``: most cached tokens, load only breaking ties: pure cache affinity, the
+  baseline that piles a hot prefix onto one engine (kept to compare against).
 - ``least_loaded``: fewest queued + in-flight tokens, then fewest running requests.
 - ``round_robin``: healthy engines in engine-id order, one step per call.
 - ``session_affinity``: rendezvous (highest-random-weight) hashing of the session key, so taking
@@ -52,7 +57,8 @@ class EndpointSnapshot:
     num_queued_tokens: int = 0  # prefill tokens waiting, from the engine's last load report
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     inflight_tokens: int = 0  # tokens the router sent that the load report may not show yet
-    prefill_tokens_per_s: float = 2000.0  # estimated prefill throughput
+    prefill_tokens_per_s: float = 2000.0  # measured prefill throughput (router.engine_rates)
+    decode_step_s: float = 0.0  # measured time of one decode step there now (0: unknown)
 
     def __post_init__(self) -> None:
         for name in ("cached_blocks", "num_running", "num_waiting", "num_queued_tokens",
@@ -65,6 +71,8 @@ class EndpointSnapshot:
             raise ValueError(f"kv_cache_usage must be in [0, 1], got {self.kv_cache_usage}")
         if self.prefill_tokens_per_s <= 0:
             raise ValueError(f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
+        if self.decode_step_s < 0:
+            raise ValueError(f"decode_step_s must be >= 0, got {self.decode_step_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,28 +100,31 @@ class Policy(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PrefixAware:
-    """Estimated TTFT in seconds, plus a penalty rising linearly from ``kv_usage_threshold``
-    to ``kv_full_penalty_s`` at a full cache (a full engine preempts or evicts what it holds)."""
+    """Estimated TTFT in seconds: the engine's current decode step (its first token is one
+    more step) plus the work ahead of the request and its own uncached prompt tokens at the
+    engine's prefill rate."""
 
-    kv_usage_threshold: float = 0.9
-    kv_full_penalty_s: float = 0.5
     name: ClassVar[str] = "prefix_aware"
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.kv_usage_threshold < 1.0:
-            raise ValueError(f"kv_usage_threshold must be in [0, 1), got {self.kv_usage_threshold}")
-        if self.kv_full_penalty_s < 0:
-            raise ValueError(f"kv_full_penalty_s must be >= 0, got {self.kv_full_penalty_s}")
 
     def ttft_s(self, request: RoutingRequest, endpoint: EndpointSnapshot) -> float:
         uncached = request.num_prompt_tokens - cached_tokens(request, endpoint)
-        waiting = uncached + endpoint.num_queued_tokens + endpoint.inflight_tokens
-        over = max(endpoint.kv_cache_usage - self.kv_usage_threshold, 0.0)
-        penalty = self.kv_full_penalty_s * over / (1.0 - self.kv_usage_threshold)
-        return waiting / endpoint.prefill_tokens_per_s + penalty
+        ahead = endpoint.num_queued_tokens + endpoint.inflight_tokens
+        return endpoint.decode_step_s + (ahead + uncached) / endpoint.prefill_tokens_per_s
 
     def scores(self, request, endpoints):
         return {e.engine_id: self.ttft_s(request, e) for e in endpoints}
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixAffinity:
+    name: ClassVar[str] = "prefix_affinity"
+
+    def scores(self, request, endpoints):
+        # Cached tokens are integers; the load adds a fraction below 1, so it only breaks ties.
+        load = LeastLoaded().scores(request, endpoints)
+        scale = 1.0 + max(load.values())
+        return {e.engine_id: -float(cached_tokens(request, e)) + load[e.engine_id] / scale
+                for e in endpoints}
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +175,7 @@ class SessionAffinity:
 
 POLICIES: dict[str, type] = {
     "prefix_aware": PrefixAware,
+    "prefix_affinity": PrefixAffinity,
     "least_loaded": LeastLoaded,
     "round_robin": RoundRobin,
     "session_affinity": SessionAffinity,

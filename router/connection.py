@@ -163,7 +163,10 @@ class EngineReports(Protocol):
 
     def state_changed(self, client: EngineConnection) -> None: ...
 
-    def kv_snapshot(self, client: EngineConnection, snapshot: KVCacheSnapshot) -> None: ...
+    def kv_snapshot(self, client: EngineConnection, snapshot: KVCacheSnapshot) -> bool:
+        """Start the engine's index entry from ``snapshot``; False when it comes from another
+        engine process than the one admitted (the connection then re-subscribes)."""
+        ...
 
     def kv_batch(self, client: EngineConnection, batch: KVEventBatch) -> bool:
         """Apply the next batch; False on a gap (the connection then re-subscribes)."""
@@ -184,8 +187,21 @@ def change_state(client: EngineConnection, reports: EngineReports, state: Engine
                  what: str, log: logging.Logger) -> None:
     """Move ``client`` to ``state``, log it (on its kind's logger), report it to its pool."""
     if state is not client.state:
+        reason = f": {client.refusal}" if state is EngineState.REFUSED and client.refusal else ""
         log.log(logging.INFO if state is EngineState.SERVING else logging.WARNING,
-                   "%s %s at %s: %s -> %s", what, client.engine_id, client.address,
-                   client.state.value, state.value)
+                "%s %s at %s: %s -> %s%s", what, client.engine_id, client.address,
+                client.state.value, state.value, reason)
         client.state = state
         reports.state_changed(client)
+
+
+def refuse(client: EngineConnection, reports: EngineReports, error: EngineMismatchError,
+           what: str, log: logging.Logger) -> None:
+    """Refuse ``client`` for ``error``. The reason is logged once per change (with the state
+    change, or when a re-check finds another reason), never on every re-check."""
+    if client.state is EngineState.REFUSED and client.refusal is not None and \
+            str(client.refusal) != str(error):
+        log.warning("%s %s at %s: still refused, now: %s", what, client.engine_id,
+                    client.address, error)
+    client.refusal = error
+    change_state(client, reports, EngineState.REFUSED, what, log)

@@ -27,7 +27,7 @@ from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 from router.backoff import Backoff
 from router.connection import (ClientOptions, EngineMismatchError, EngineReports, EngineState,
-                               ModelExpectation, ModelIdentity, change_state)
+                               ModelExpectation, ModelIdentity, change_state, refuse)
 from router.endpoint import Endpoint
 
 logger = logging.getLogger(__name__)
@@ -119,11 +119,8 @@ class EngineClient:
                                                     timeout=self.options.connect_timeout_s)
                 await self.reports.admit(self, info)
             except EngineMismatchError as e:
-                if self.state is not EngineState.REFUSED:
-                    logger.error("refusing %s", e)
-                self.refusal = e
                 self._stop_feeds()
-                self._set_state(EngineState.REFUSED)
+                refuse(self, self.reports, e, "engine", logger)
                 await asyncio.sleep(self.options.refused_recheck_s)
                 continue
             except grpc.aio.AioRpcError as e:
@@ -131,6 +128,8 @@ class EngineClient:
                 self._set_state(EngineState.UNREACHABLE)
                 await backoff.sleep()
                 continue
+            if self.info is not None and self.info.incarnation_id != info.incarnation_id:
+                self._stop_feeds()  # another process: subscribe to it now, not after backoff
             self.info, self.refusal = info, None
             self._start_feeds()
             try:
@@ -187,7 +186,7 @@ class EngineClient:
             try:
                 async for message in call:
                     if not on_message(message):
-                        logger.warning("engine %s: %s gap, re-subscribing", self.engine_id, what)
+                        logger.warning("engine %s: %s gap (or another engine process), re-subscribing", self.engine_id, what)
                         break
                     backoff.reset()
             except grpc.aio.AioRpcError as e:
@@ -201,8 +200,7 @@ class EngineClient:
     async def _follow_kv_events(self) -> None:
         def on_message(message: pb.KVEventsMessage) -> bool:
             if message.HasField("snapshot"):
-                self.reports.kv_snapshot(self, snapshot_from_proto(message.snapshot))
-                return True
+                return self.reports.kv_snapshot(self, snapshot_from_proto(message.snapshot))
             return self.reports.kv_batch(self, batch_from_proto(message.batch))
 
         await self._follow(lambda: self.stub.StreamKVEvents(pb.StreamKVEventsRequest()),

@@ -45,6 +45,7 @@ _KEEPALIVE_TIMEOUT_S = 75.0  # an idle keep-alive connection is closed after thi
 # the client still sends is read and dropped for at most this long, so that it sees the answer
 # rather than a connection reset; then the connection is closed.
 _LINGER_S = 2.0
+_RETRY_AFTER_S = "1"  # 503 answers: engines join (or the pool recovers) within seconds
 # Request bodies are read as sent: no compressed body is inflated (vLLM's server decodes
 # none either), so a gzip bomb is refused at the price of its headers.
 _ACCEPTED_ENCODINGS = frozenset({"", "identity"})
@@ -87,7 +88,13 @@ class OpenAIFront:
 
     @property
     def model_name(self) -> str:
-        return self.seam.model_name() or "quire"
+        """The served model; 503 (with Retry-After) until an engine has joined and fixed it:
+        a placeholder name would be listed to clients that then get 404 for it."""
+        name = self.seam.model_name()
+        if name is None:
+            raise RequestError("no engine has joined yet: the model is not known",
+                               None, 503)
+        return name
 
     @property
     def tokenizer(self) -> RouterTokenizer:
@@ -155,16 +162,23 @@ class OpenAIFront:
             finally:
                 if deadline is not None:
                     deadline.request_done()
+        if response.status == 503 and not response.prepared:
+            # not ready yet or draining: a client (or a load balancer) should come back soon
+            response.headers.setdefault("Retry-After", _RETRY_AFTER_S)
         resource = request.match_info.route.resource
         path = resource.canonical if resource else "other"
         self.metrics.http_requests.labels(path, str(response.status)).inc()
         return response
 
     async def _models(self, request: web.Request) -> web.Response:
+        try:
+            name = self.model_name
+        except RequestError as e:
+            return error_response(e)
         return web.json_response({"object": "list", "data": [
             # "root" as vLLM's server gives it: clients such as `vllm bench serve` read it
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "quire",
-             "root": self.model_name, "parent": None}]})
+            {"id": name, "object": "model", "created": 0, "owned_by": "quire",
+             "root": name, "parent": None}]})
 
     async def _health(self, request: web.Request) -> web.Response:
         states = self.seam.engine_states()

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
 from quire.kv_events import KVCacheSnapshot, KVEventBatch
@@ -35,6 +36,7 @@ from router.connection import (ClientOptions, ConnectionFactory, EngineConnectio
                                EngineMismatchError, EngineState, ModelExpectation, ModelIdentity)
 from router.endpoint import Discovery, Endpoint
 from router.engine_kinds import ENGINE_KINDS
+from router.engine_rates import EngineRates, prefill_rate
 from router.prefix_index import ApproximateIndex, PrefixIndex
 from router.tokenizer import RouterTokenizer
 
@@ -58,9 +60,15 @@ class _Member:
     """One engine's routing state; only the pool writes it."""
 
     client: EngineConnection
+    rates: EngineRates  # measured from the requests relayed to it
     load: pb.LoadReport | None = None  # None: the load feed is down (load unknown)
     kv_feed_alive: bool = False  # False: place it by the approximate index
     inflight_tokens: int = 0  # prompt tokens sent whose prefill has not answered yet
+    # requests waiting for their first token: key -> (sent at, work ahead + own prefill)
+    waiting: dict[object, tuple[float, int]] = field(default_factory=dict)
+    # The engine process last admitted at this address (None: never admitted; "": its kind
+    # reports none, so every re-admission after a lost connection counts as a restart).
+    incarnation_id: str | None = None
 
 
 class EnginePool:
@@ -121,7 +129,8 @@ class EnginePool:
             if engine_id not in self._members:
                 logger.info("engine %s at %s joined the pool", engine_id, endpoint.address)
                 client = self.kinds[endpoint.kind](endpoint, self, self.options)
-                self._members[engine_id] = _Member(client)
+                self._members[engine_id] = _Member(
+                    client, EngineRates.with_prior(self.options.prefill_tokens_per_s))
                 client.start()
         self._notify()
 
@@ -143,10 +152,21 @@ class EnginePool:
         if self._member(client) is not None:
             self._notify()
 
-    def kv_snapshot(self, client: EngineConnection, snapshot: KVCacheSnapshot) -> None:
-        if (member := self._member(client)) is not None:
-            self._exact.reset_from_snapshot(client.engine_id, snapshot)
-            member.kv_feed_alive = True
+    def kv_snapshot(self, client: EngineConnection, snapshot: KVCacheSnapshot) -> bool:
+        """Start the engine's entry from ``snapshot``; False (ignored) when it comes from
+        another engine process than the one admitted (restarted in between: the connection
+        re-admits it and re-subscribes)."""
+        if (member := self._member(client)) is None:
+            return False
+        if snapshot.incarnation_id and member.incarnation_id and \
+                snapshot.incarnation_id != member.incarnation_id:
+            logger.warning("engine %s: KV snapshot from incarnation %s, admitted %s; ignored",
+                           client.engine_id, snapshot.incarnation_id[:8],
+                           member.incarnation_id[:8])
+            return False
+        self._exact.reset_from_snapshot(client.engine_id, snapshot)
+        member.kv_feed_alive = True
+        return True
 
     def kv_batch(self, client: EngineConnection, batch: KVEventBatch) -> bool:
         if self._member(client) is None:
@@ -175,7 +195,23 @@ class EnginePool:
             if self.identity is None:
                 self.identity = await self._establish(client, info)
         client.check_identity(self.identity, info)
+        if (member := self._member(client)) is not None:
+            self._new_incarnation(member, info.incarnation_id)
         self._notify()
+
+    def _new_incarnation(self, member: _Member, incarnation_id: str) -> None:
+        """A restarted engine's cache is empty: drop every block the router believes it holds
+        (precise, approximate and speculative), so no request is placed on a dead process's
+        blocks. The same process re-admitted after a network blip keeps its entry."""
+        previous, member.incarnation_id = member.incarnation_id, incarnation_id
+        if previous is None or (incarnation_id and incarnation_id == previous):
+            return
+        client = member.client
+        logger.warning("engine %s at %s restarted (incarnation %s -> %s): its index entry "
+                       "starts empty", client.engine_id, client.address, previous[:8] or "?",
+                       incarnation_id[:8] or "?")
+        self._forget(client.engine_id)
+        member.kv_feed_alive = False
 
     async def _establish(self, client: EngineConnection, info: pb.ModelInfo) -> ModelIdentity:
         tokenizer = self.given_tokenizer
@@ -231,6 +267,12 @@ class EnginePool:
         return {engine_id: self._exact.block_hashes(engine_id)
                 for engine_id in self._exact.engine_ids()}
 
+    def unconfirmed_blocks(self) -> dict[str, frozenset[int]]:
+        """Each engine's blocks claimed by placements that its KV feed has not confirmed yet
+        (engines with none are absent)."""
+        return {engine_id: blocks for engine_id in self._members
+                if (blocks := self._exact.unconfirmed(engine_id))}
+
     def block_sizes(self) -> frozenset[int]:
         """The block sizes of the admitted engines (the identity's first)."""
         sizes = {m.client.info.block_size for m in self._members.values()
@@ -255,7 +297,8 @@ class EnginePool:
                       else block_hashes)
             found = self._match(hashes)
             matches.update({eid: found[eid] for eid in engine_ids if eid in found})
-        return [self._snapshot(member, matches.get(engine_id, 0))
+        now_s = time.monotonic()
+        return [self._snapshot(member, matches.get(engine_id, 0), now_s)
                 for engine_id, member in members.items()]
 
     def _block_size(self, member: _Member) -> int:
@@ -264,7 +307,7 @@ class EnginePool:
             self.identity.block_size if self.identity is not None else 1)
 
     def _match(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        precise = self._exact.match(block_hashes)
+        precise = self._exact.match(block_hashes, time.monotonic())
         blind = [eid for eid, m in self._members.items() if not m.kv_feed_alive]
         if blind:
             approx = self._approx.match(block_hashes)
@@ -273,7 +316,12 @@ class EnginePool:
                     precise[engine_id] = approx[engine_id]
         return precise
 
-    def _snapshot(self, member: _Member, cached_blocks: int) -> EndpointSnapshot:
+    def _prefill_rate(self, member: _Member, now_s: float) -> float:
+        return prefill_rate(member.rates, member.waiting.values(),
+                            [(m.rates, m.waiting.values()) for m in self._members.values()
+                             if m is not member], now_s)
+
+    def _snapshot(self, member: _Member, cached_blocks: int, now_s: float) -> EndpointSnapshot:
         client = member.client
         load = member.load if member.load is not None else pb.LoadReport()
         return EndpointSnapshot(
@@ -283,12 +331,16 @@ class EnginePool:
             num_queued_tokens=load.num_queued_tokens,
             kv_cache_usage=min(max(load.kv_cache_usage, 0.0), 1.0),
             inflight_tokens=member.inflight_tokens,
-            prefill_tokens_per_s=self.options.prefill_tokens_per_s)
+            prefill_tokens_per_s=self._prefill_rate(member, now_s),
+            decode_step_s=member.rates.decode_step_s)
 
     # ------------------------------------------------------------------- placement
     def record(self, engine_id: str, block_hashes: Sequence[int]) -> None:
-        """Remember a placement, for the approximate index."""
+        """Remember a placement: in the approximate index, and as unconfirmed blocks of the
+        engine's precise entry (speculative: the next request of a burst finds them there
+        before the engine's KV event confirms them)."""
         self._approx.record(engine_id, block_hashes)
+        self._exact.claim(engine_id, block_hashes, time.monotonic())
 
     async def generate(self, engine_id: str, request: pb.GenerateRequest, *,
                        block_hashes: PromptHashes | Sequence[int], num_uncached_tokens: int,
@@ -302,19 +354,40 @@ class EnginePool:
         the router expects it to cost) counts as the engine's in-flight work until the first
         message: the engine's load reports lag behind."""
         member = self._members[engine_id]
-        self.record(engine_id, block_hashes.at(self._block_size(member))
-                    if isinstance(block_hashes, PromptHashes) else block_hashes)
+        hashes = (block_hashes.at(self._block_size(member))
+                  if isinstance(block_hashes, PromptHashes) else block_hashes)
+        self.record(engine_id, hashes)
         num_tokens = num_uncached_tokens
+        # the work the placement estimate put ahead of this request, for the rate it measures
+        ahead = member.inflight_tokens + (member.load.num_queued_tokens if member.load else 0)
         member.inflight_tokens += num_tokens
+        sent = time.monotonic()
+        key = object()
+        member.waiting[key] = (sent, ahead + num_uncached_tokens)
+        first_at = last_at = None
+        num_later_tokens = 0
         stream = member.client.generate(request, timeout_s=timeout_s, metadata=metadata)
         try:
             async for message in stream:
-                if num_tokens:
+                if first_at is None:
+                    first_at = time.monotonic()
+                    member.waiting.pop(key, None)
                     member.inflight_tokens -= num_tokens  # prefill done: the load report has it
                     num_tokens = 0
+                    member.rates.observe_first_token(ahead + num_uncached_tokens,
+                                                     first_at - sent)
+                    if self._members.get(engine_id) is member:  # its KV event is one step away
+                        self._exact.claim(engine_id, hashes, first_at)
+                else:
+                    last_at = time.monotonic()
+                    num_later_tokens += max((len(d.token_ids) for d in message.outputs),
+                                            default=0)  # per stream: n > 1 runs side by side
                 yield message
         finally:
             member.inflight_tokens -= num_tokens
+            member.waiting.pop(key, None)
+            if last_at is not None:
+                member.rates.observe_decode(num_later_tokens, last_at - first_at)
             await stream.aclose()
 
     async def wait_serving(self, count: int = 1, timeout_s: float | None = None) -> bool:

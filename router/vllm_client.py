@@ -37,7 +37,7 @@ from quire.structured_outputs import spec_from_proto
 from quire.v1 import engine_pb2 as pb
 from router.backoff import Backoff
 from router.connection import (ClientOptions, EngineMismatchError, EngineReports, EngineState,
-                               ModelIdentity, change_state)
+                               ModelIdentity, change_state, refuse)
 from router.endpoint import Endpoint
 from router.vllm_events import VllmKVEventFeed
 
@@ -226,8 +226,7 @@ class VllmEngineClient:
                 info = await self._model_info()
                 await self.reports.admit(self, info)
             except EngineMismatchError as e:
-                self.refusal = e
-                self._set_state(EngineState.REFUSED)
+                refuse(self, self.reports, e, "vLLM engine", logger)
                 await asyncio.sleep(self.options.refused_recheck_s)
                 continue
             except (aiohttp.ClientError, OSError, KeyError, IndexError, ValueError) as e:

@@ -14,7 +14,9 @@ answers ``[b"", start_seq]`` with the buffered batches from ``start_seq`` on and
 (sequence -1). On connect the feed subscribes first, then asks for a replay from 0 (vLLM's
 buffer: its recent history), then applies live batches after the last replayed one; a gap in
 the live sequence asks for a replay of the gap, and a gap the replay cannot fill clears the
-engine's index (``on_lost``), which then rebuilds from new events.
+engine's index (``on_lost``), which then rebuilds from new events. A live sequence number that
+goes back means the engine restarted (a new vLLM process numbers from 0): the index restarts
+empty and takes the new process's replay.
 """
 
 from __future__ import annotations
@@ -153,6 +155,13 @@ class VllmKVEventFeed:
         finally:
             sock.close()
 
+    async def _start_over(self, ctx) -> None:
+        """Empty the engine's entry, then apply the history its replay socket still holds."""
+        self._reset()
+        self._last_seq = None
+        for seq, ts, events in await self._replay(ctx, 0):
+            self._apply(seq, ts, events)
+
     async def run(self) -> None:
         import zmq
         import zmq.asyncio
@@ -163,11 +172,21 @@ class VllmKVEventFeed:
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.connect(self.endpoint)
         try:
-            self._reset()
-            for seq, ts, events in await self._replay(ctx, 0):
-                self._apply(seq, ts, events)
+            await self._start_over(ctx)
+            last_live: int | None = None  # the live stream's last sequence number
             while True:
                 seq, ts, events = decode_frames(await sub.recv_multipart())
+                if last_live is not None and seq <= last_live:
+                    # one process numbers its live batches in increasing order: going back
+                    # means the engine restarted (vLLM numbers from 0 again, its cache empty)
+                    logger.warning("KV events from %s: sequence went back from %d to %d (the "
+                                   "engine restarted); index reset", self.endpoint, last_live,
+                                   seq)
+                    await self._start_over(ctx)
+                    last_live = None
+                    if self._last_seq is not None and seq <= self._last_seq:
+                        continue  # the new process's replay buffer already held it
+                last_live = seq
                 if self._last_seq is not None and seq <= self._last_seq:
                     continue  # already replayed
                 if self._last_seq is not None and seq != self._last_seq + 1:

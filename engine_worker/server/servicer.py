@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         self.model_name = model_name
         self.limits = limits
         self.draining = False
+        # Drawn once per engine process: a router seeing another id at this address knows the
+        # engine restarted and that the blocks it indexed here are gone.
+        self.incarnation_id = uuid.uuid4().hex
 
     @traced_generate
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
@@ -88,7 +92,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             vocab_size=info.vocab_size, enable_prefix_caching=info.enable_prefix_caching,
             num_kv_blocks=info.num_kv_blocks, backend=info.backend,
             backend_reason=info.backend_reason, backend_fallback=info.backend_fallback,
-            cuda_graphs=info.cuda_graphs, quantization=info.quantization)
+            cuda_graphs=info.cuda_graphs, quantization=info.quantization,
+            incarnation_id=self.incarnation_id)
 
     async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:
         """The files a router needs to tokenize exactly as this engine does."""
@@ -117,7 +122,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             await abort_with(context, e)
             return
         try:
-            yield pb.KVEventsMessage(snapshot=snapshot_to_proto(snapshot))
+            message = pb.KVEventsMessage(snapshot=snapshot_to_proto(snapshot))
+            message.snapshot.incarnation_id = self.incarnation_id
+            yield message
             while True:
                 batch = await sink.get()
                 if batch is None:

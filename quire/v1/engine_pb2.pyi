@@ -168,7 +168,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "block_size", "block_hash_algorithm", "block_hash_seed", "tokenizer_digest", "vocab_size", "enable_prefix_caching", "num_kv_blocks", "backend", "backend_reason", "backend_fallback", "cuda_graphs", "quantization")
+    __slots__ = ("model_name", "max_model_len", "block_size", "block_hash_algorithm", "block_hash_seed", "tokenizer_digest", "vocab_size", "enable_prefix_caching", "num_kv_blocks", "backend", "backend_reason", "backend_fallback", "cuda_graphs", "quantization", "incarnation_id")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,7 @@ class ModelInfo(_message.Message):
     BACKEND_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     block_size: int
@@ -197,7 +198,8 @@ class ModelInfo(_message.Message):
     backend_fallback: bool
     cuda_graphs: str
     quantization: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., block_hash_algorithm: _Optional[str] = ..., block_hash_seed: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., vocab_size: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., backend_reason: _Optional[str] = ..., backend_fallback: _Optional[bool] = ..., cuda_graphs: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    incarnation_id: str
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., block_hash_algorithm: _Optional[str] = ..., block_hash_seed: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., vocab_size: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., backend_reason: _Optional[str] = ..., backend_fallback: _Optional[bool] = ..., cuda_graphs: _Optional[str] = ..., quantization: _Optional[str] = ..., incarnation_id: _Optional[str] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

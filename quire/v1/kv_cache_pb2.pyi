@@ -59,9 +59,11 @@ class KVEventBatch(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., timestamp_s: _Optional[float] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
 
 class KVCacheSnapshot(_message.Message):
-    __slots__ = ("seq", "block_hashes")
+    __slots__ = ("seq", "block_hashes", "incarnation_id")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     seq: int
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    incarnation_id: str
+    def __init__(self, seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., incarnation_id: _Optional[str] = ...) -> None: ...

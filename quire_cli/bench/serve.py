@@ -13,6 +13,12 @@ same times:
 - ``shared_prefix``: ``num_groups`` system prompts, each shared by ``prompts_per_group``
   requests that add a unique question; groups interleave in a shuffled order.
 - ``no_sharing``: the same number and lengths of prompts, every one unique (the control).
+- ``hot_prefix``: one system prompt on ``hot_share`` (80%) of the requests, the others unique
+  prompts of the same length: at a rate above one engine's capacity, pure cache affinity
+  piles the hot prefix onto one engine, and least-loaded recomputes it everywhere.
+
+With ``num_routers`` above one, that many router replicas share the traffic (request ``i``
+through replica ``i mod N``); each holds its own index from every engine's KV events.
 
 Reported per run: TTFT, time per output token and inter-token latency (p50/p90/p99), request
 and output-token throughput, the cache hit rate the engines reported, requests and prompt
@@ -70,9 +76,20 @@ def _no_sharing_prompts(cfg: ServeBenchConfig, rng: random.Random, vocab_size: i
     return [tuple(_draw(rng, vocab_size, cfg.prompt_len)) for _ in range(cfg.num_requests)]
 
 
+def _hot_prefix_prompts(cfg: ServeBenchConfig, rng: random.Random, vocab_size: int):
+    hot = _draw(rng, vocab_size, cfg.system_prompt_len)
+    num_hot = round(cfg.hot_share * cfg.num_requests)
+    prompts = [tuple(hot + _draw(rng, vocab_size, cfg.question_len)) for _ in range(num_hot)]
+    prompts += [tuple(_draw(rng, vocab_size, cfg.prompt_len))
+                for _ in range(cfg.num_requests - num_hot)]
+    rng.shuffle(prompts)
+    return prompts
+
+
 WORKLOADS: dict[str, Callable] = {
     "shared_prefix": _shared_prefix_prompts,
     "no_sharing": _no_sharing_prompts,
+    "hot_prefix": _hot_prefix_prompts,
 }
 assert tuple(WORKLOADS) == WORKLOAD_NAMES  # the config validates names without importing us
 
@@ -96,16 +113,18 @@ def make_workload(name: str, cfg: ServeBenchConfig, *, vocab_size: int, seed: in
     return Workload(name, tuple(prompts), offsets, cfg.output_len)
 
 
-async def drive(stub, workload: Workload, *, tag: str, max_concurrency: int,
+async def drive(stubs: Sequence, workload: Workload, *, tag: str, max_concurrency: int,
                 timeout_s: float, t0: float) -> list[RequestResult]:
-    """Send every request of ``workload`` at its arrival time; results in workload order."""
+    """Send every request of ``workload`` at its arrival time, request ``i`` through
+    ``stubs[i % len(stubs)]``; results in workload order."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async def one(i: int) -> RequestResult:
         await asyncio.sleep(max(0.0, t0 + workload.arrival_offsets_s[i] - time.perf_counter()))
         async with limit or contextlib.nullcontext():
             request = generate_request(f"{tag}-{i}", workload.prompts[i], workload.output_len)
-            return await stream_request(stub, request, t0=t0, timeout_s=timeout_s)
+            return await stream_request(stubs[i % len(stubs)], request, t0=t0,
+                                        timeout_s=timeout_s)
 
     return list(await asyncio.gather(*(one(i) for i in range(len(workload.prompts)))))
 
@@ -161,24 +180,29 @@ async def measure(engines: RunEngines, counters: Callable, policy: str, workload
                          f"{cfg.output_len}) exceed max_model_len {engines.max_model_len}")
     workload = make_workload(workload_name, cfg, vocab_size=engines.vocab_size, seed=seed)
     ids = engines.engine_ids
-    async with running_router(engines.urls, policy, cfg.startup_timeout_s,
-                              **engines.router_options) as router:
-        decisions = router.metrics.decisions
-        # The log keeps only its latest placements: make room for every request of the run.
-        decisions.capacity = max(decisions.capacity, 4 * len(workload.prompts))
+    async with contextlib.AsyncExitStack() as stack:
+        routers = [await stack.enter_async_context(running_router(
+            engines.urls, policy, cfg.startup_timeout_s, **engines.router_options))
+            for _ in range(cfg.num_routers)]
+        for router in routers:
+            decisions = router.metrics.decisions
+            # The log keeps only its latest placements: make room for every request of the run.
+            decisions.capacity = max(decisions.capacity, 4 * len(workload.prompts))
         before = await counters()
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
-            stub = engine_pb2_grpc.EngineServiceStub(channel)
-            t0 = time.perf_counter()
-            results = await drive(stub, workload, tag=f"{policy}-{workload_name}",
-                                  max_concurrency=cfg.max_concurrency,
-                                  timeout_s=cfg.request_timeout_s, t0=t0)
-            duration_s = time.perf_counter() - t0
+        channels = [await stack.enter_async_context(
+            grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")) for router in routers]
+        stubs = [engine_pb2_grpc.EngineServiceStub(channel) for channel in channels]
+        t0 = time.perf_counter()
+        results = await drive(stubs, workload, tag=f"{policy}-{workload_name}",
+                              max_concurrency=cfg.max_concurrency,
+                              timeout_s=cfg.request_timeout_s, t0=t0)
+        duration_s = time.perf_counter() - t0
         engine_counters = counter_deltas(before, await counters(), ids)
         req_ids = {r.req_id for r in results}
-        placement_us = [d.placement_us for d in decisions.latest(decisions.capacity)
-                        if d.request_id in req_ids]
-    run = {"policy": policy, "workload": workload_name,
+        placement_us = [d.placement_us for router in routers
+                        for d in router.metrics.decisions.latest(
+                            router.metrics.decisions.capacity) if d.request_id in req_ids]
+    run = {"policy": policy, "workload": workload_name, "num_routers": cfg.num_routers,
            **summarize(results, ids, placement_us, duration_s),
            "requests": [_request_row(r, ids) for r in results]}
     if engine_counters is not None:

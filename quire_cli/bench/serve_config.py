@@ -11,7 +11,7 @@ from engine_worker.arg_utils import add_engine_args
 from quire.config_args import add_dataclass_args, require_at_least
 from router.balancer import POLICIES
 
-WORKLOAD_NAMES = ("shared_prefix", "no_sharing")  # quire_cli.bench.serve.WORKLOADS
+WORKLOAD_NAMES = ("shared_prefix", "no_sharing", "hot_prefix")  # quire_cli.bench.serve.WORKLOADS
 ENGINE_KIND_NAMES = ("quire", "vllm")  # quire_cli.bench.serve_engines.ENGINE_KINDS
 
 
@@ -27,6 +27,8 @@ class ServeBenchConfig:
     system_prompt_len: int = 512
     question_len: int = 32
     output_len: int = 32
+    hot_share: float = 0.8  # hot_prefix: share of requests that carry the one system prompt
+    num_routers: int = 1  # router replicas sharing the traffic (each subscribes to every engine)
     request_rate: float = 1.0
     max_concurrency: int = 0
     startup_timeout_s: float = 600.0
@@ -52,6 +54,10 @@ class ServeBenchConfig:
         if not self.request_rate > 0:
             raise ValueError(f"request_rate: must be > 0 (inf: all at once), "
                              f"got {self.request_rate}")
+        if not 0.0 <= self.hot_share <= 1.0:
+            raise ValueError(f"hot_share: must be in [0, 1], got {self.hot_share}")
+        if not 1 <= self.num_routers <= 16:
+            raise ValueError(f"num_routers: must be in [1, 16], got {self.num_routers}")
         if self.max_concurrency < 0:
             raise ValueError(f"max_concurrency: must be >= 0 (0: unlimited), "
                              f"got {self.max_concurrency}")
@@ -112,7 +118,11 @@ def _check_names(field: str, names: Sequence[str], known) -> None:
 SERVE_HELP = {
     "num_engines": "engine processes (each gets cpu_count // num_engines threads)",
     "policies": "comma-separated routing policies to compare",
-    "workloads": "comma-separated: shared_prefix, no_sharing",
+    "workloads": "comma-separated: shared_prefix, no_sharing, hot_prefix (one system prompt on "
+                 "--hot-share of the requests, the rest unique)",
+    "hot_share": "hot_prefix: share of the requests that carry the one hot system prompt",
+    "num_routers": "router replicas; request i goes through replica i mod N, and every "
+                   "replica subscribes to every engine's KV events and load",
     "num_groups": "system prompts (shared_prefix)",
     "prompts_per_group": "requests per system prompt",
     "system_prompt_len": "tokens per system prompt",

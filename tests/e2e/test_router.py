@@ -120,13 +120,15 @@ def test_an_engine_with_another_tokenizer_is_refused(engines, tiny_model_dir, tm
     shutil.copytree(tiny_model_dir, other)
     raw = (other / "tokenizer.json").read_text()
     (other / "tokenizer.json").write_text(raw.replace("{", "{ ", 1))  # same tokens, new digest
-    caplog.set_level(logging.ERROR, logger="router.engine_client")
+    caplog.set_level(logging.WARNING, logger="router.engine_client")
     # the router is told to use a tokenizer none of the engines has: every engine is refused
     router = RunningRouter([address(engines[0])], ready=0, tokenizer=str(other))
     try:
         assert _wait_for(lambda: address(engines[0]) in router.read(router.server.pool.refused))
         refusal = router.read(router.server.pool.refused)[address(engines[0])]
         assert list(refusal.differences) == ["tokenizer_digest"]
+        refused = [r.getMessage() for r in caplog.records if "-> refused" in r.getMessage()]
+        assert len(refused) == 1 and "tokenizer_digest: router expects" in refused[0], refused
         with pytest.raises(grpc.RpcError) as err:
             _collect(router.stub.Generate(_request(text="hi"), timeout=TIMEOUT_S))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -4,12 +4,17 @@ and engines that are unreachable when the router starts."""
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
+import sys
+import threading
 
 import grpc
 import pytest
 
 from engine_worker.server.config import ServerConfig
+from quire.v1 import engine_pb2_grpc
 from tests.e2e.router_harness import (TIMEOUT_S, RunningRouter, address, collect, engine_fleet,
                                       request, wait_for)
 from tests.e2e.test_engine_server import RunningServer, _engine
@@ -134,3 +139,88 @@ def test_a_restarted_engine_is_checked_and_resubscribed(pair, tiny_model_dir):
         router.close()
         if second is not None:
             second.close()
+
+
+def _engine_process(model_dir, port: int) -> subprocess.Popen:
+    """`quire engine` as its own process on ``port``, once it listens."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "quire_cli", "engine", "--model", str(model_dir), "--dtype",
+         "float32", "--kv-cache-memory-bytes", str(1 << 24), "--host", "127.0.0.1", "--port",
+         str(port), "--metrics-port", "0", "--enable-prefix-caching"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    assert f"listening on 127.0.0.1:{port}" in line, line
+    return proc
+
+
+@pytest.mark.slow  # starts an engine process twice
+def test_an_engine_killed_and_restarted_under_traffic_is_indexed_afresh(pair, tiny_model_dir):
+    """SIGKILL an engine process under traffic and start another on the same port: the router
+    sees a new incarnation, so no request is placed on the dead process's blocks (neither
+    the precise index nor the router's own routing history keeps them), and the prefix is
+    found again as soon as the new process has computed it."""
+    stable = address(pair[0])
+    port = _free_port()
+    restarted = f"127.0.0.1:{port}"
+    proc = _engine_process(tiny_model_dir, port)
+    # the default reconnect backoff: a restart must not wait for the KV feed's next attempt
+    router = RunningRouter([stable, restarted], placement={"reconnect_max_backoff_s": 5.0})
+    cold, hot = list(range(5000, 5080)), list(range(6000, 6080))  # 5 blocks each
+    stop, outcomes = threading.Event(), []
+
+    def traffic():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                collect(router.stub.Generate(request(hot + [i % 50 + 1], max_tokens=4),
+                                             timeout=TIMEOUT_S))
+                outcomes.append("OK")
+            except grpc.RpcError as e:
+                outcomes.append(e.code().name)
+    def placed(prompt, request_id):
+        """Send ``prompt`` alone through the router; its (last) placement."""
+        message = request(prompt)
+        message.request_id = request_id
+        collect(router.stub.Generate(message, timeout=TIMEOUT_S))
+        return [d for d in router.decisions() if d.request_id == request_id][-1]
+    worker = threading.Thread(target=traffic)
+    try:
+        direct = engine_pb2_grpc.EngineServiceStub(grpc.insecure_channel(restarted))
+        for prefix in (cold, hot):  # both prefixes warm on the engine that will die
+            collect(direct.Generate(request(prefix + [1]), timeout=TIMEOUT_S))
+        assert wait_for(lambda: router.matches(cold).get(restarted) == 5
+                        and router.matches(hot).get(restarted) == 5)
+        # recorded in the routing history too
+        assert placed(cold + [2], "cold-0").engine_id == restarted
+        worker.start()
+        assert wait_for(lambda: len(outcomes) >= 3, timeout_s=TIMEOUT_S)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert wait_for(lambda: not router.healthy()[restarted], timeout_s=20)
+        served_during_outage = len(outcomes)
+        proc = _engine_process(tiny_model_dir, port)
+        assert wait_for(lambda: router.healthy()[restarted], timeout_s=TIMEOUT_S)
+        assert len(outcomes) > served_during_outage  # the traffic went on meanwhile
+        # the cold prefix: nobody holds it any more, wherever the router places it
+        first = placed(cold + [3], "cold-1")
+        assert first.predicted_cached_tokens == 0 == first.actual_cached_tokens, first
+        # ... and once computed again it is found again (the new process's feed is followed)
+        assert wait_for(lambda: router.matches(cold).get(first.engine_id) == 5)
+        again = placed(cold + [4], "cold-2")
+        assert again.predicted_cached_tokens == 80 == again.actual_cached_tokens, again
+        stop.set()
+        worker.join()
+        # no placement ever claimed blocks the engine did not have
+        done = [d for d in router.decisions() if d.outcome == "OK"]
+        assert all(d.predicted_cached_tokens <= d.actual_cached_tokens for d in done), [
+            (d.engine_id, d.predicted_cached_tokens, d.actual_cached_tokens) for d in done]
+        # the request in flight at the kill may fail (tokens were streamed); nothing else
+        assert sum(o != "OK" for o in outcomes) <= 1, outcomes
+    finally:
+        stop.set()
+        if worker.is_alive():
+            worker.join()
+        router.close()
+        proc.kill()
+        proc.wait()

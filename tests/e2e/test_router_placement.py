@@ -50,6 +50,43 @@ def test_a_hot_prefix_spreads_when_its_engine_saturates(tiny_model_dir):
         b.close()
 
 
+def test_a_burst_of_one_new_prefix_lands_on_its_first_copies(tiny_model_dir):
+    """Speculative indexing: a burst of one prefix neither engine holds, all placed before any
+    KV event can arrive. Each placement claims its blocks at once, so only the first request
+    on each engine is cold (the second goes to the idle engine: waiting behind the first
+    one's prefill is slower than prefilling there) and every later one is placed on a copy.
+    Without the claims all of them were cold and each recomputed the prefix. The engines'
+    KV events then confirm every claim."""
+    a, b = (start_engine(tiny_model_dir) for _ in range(2))
+    router = RunningRouter([address(a), address(b)])
+    try:
+        prefix = list(range(7000, 7192))  # 12 blocks
+        start = threading.Barrier(8)
+
+        def send(i):
+            start.wait()
+            collect(router.stub.Generate(request(prefix + [100 + i], max_tokens=4),
+                                         timeout=TIMEOUT_S))
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        decisions = router.decisions(8)
+        assert len(decisions) == 8 and all(d.outcome == "OK" for d in decisions)
+        cold = [d for d in decisions if d.predicted_cached_tokens == 0]
+        assert len(cold) <= 2 and len({d.engine_id for d in cold}) == len(cold), [
+            (d.engine_id, d.predicted_cached_tokens) for d in decisions]
+        assert all(d.predicted_cached_tokens == 192 for d in decisions if d not in cold)
+        used = {d.engine_id for d in decisions}
+        assert wait_for(lambda: all(router.matches(prefix).get(e) == 12 for e in used))
+        assert wait_for(lambda: router.read(router.server.pool.unconfirmed_blocks) == {})
+    finally:
+        router.close()
+        a.close()
+        b.close()
+
+
 def test_kubernetes_discovery_adds_and_removes_engines(tiny_model_dir):
     """No Kubernetes API server runs here: the loopback stand-in serves EndpointSlice list and
     watch over HTTP to the real ``kubernetes`` client, and the engines are real."""

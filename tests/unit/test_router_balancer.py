@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from router.balancer import (POLICIES, Decision, EndpointSnapshot, LeastLoaded, NoEndpointError,
-                             PrefixAware, RoundRobin, RoutingRequest, SessionAffinity, choose,
-                             make_policy)
+                             PrefixAffinity, PrefixAware, RoundRobin, RoutingRequest,
+                             SessionAffinity, choose, make_policy)
 
 BLOCK_SIZE = 16
 REQUEST = RoutingRequest(block_hashes=tuple(range(5)), num_prompt_tokens=80)  # 5 full blocks
@@ -62,14 +62,29 @@ def test_faster_engine_wins_ttft():
     assert choose(REQUEST, endpoints, PrefixAware()).engine_id == "b"
 
 
-def test_kv_usage_penalty_only_near_full():
-    policy = PrefixAware(kv_usage_threshold=0.5, kv_full_penalty_s=1.0)
-    assert policy.ttft_s(REQUEST, endpoint("a", kv_cache_usage=0.5)) == 0.08
-    assert policy.ttft_s(REQUEST, endpoint("a", kv_cache_usage=0.75)) == 0.08 + 0.5
-    assert policy.ttft_s(REQUEST, endpoint("a", kv_cache_usage=1.0)) == 0.08 + 1.0
-    # a nearly full engine loses its cache advantage
+def test_a_longer_decode_step_counts_once_per_engine():
+    # b holds the whole prefix but runs a big batch (0.05 s steps); a is cold and idle
+    endpoints = [endpoint("a", 0), endpoint("b", 4, decode_step_s=0.05)]
+    decision = choose(REQUEST, endpoints, PrefixAware())
+    assert decision.engine_id == "b" and decision.scores["b"] == pytest.approx(0.05 + 0.016)
+    endpoints = [endpoint("a", 0), endpoint("b", 4, decode_step_s=0.07)]
+    assert choose(REQUEST, endpoints, PrefixAware()).engine_id == "a"  # 0.086 > 0.08
+
+
+def test_prefix_affinity_ignores_the_queue_except_for_ties():
+    endpoints = [endpoint("a", 4, num_queued_tokens=10_000), endpoint("b", 0),
+                 endpoint("c", 4, num_queued_tokens=50)]
+    assert choose(REQUEST, endpoints, PrefixAffinity()).engine_id == "c"
+    assert choose(REQUEST, endpoints[:2], PrefixAffinity()).engine_id == "a"
+    cold = [endpoint("a", 0, inflight_tokens=5), endpoint("b", 0)]
+    assert choose(REQUEST, cold, PrefixAffinity()).engine_id == "b"
+
+
+def test_kv_usage_alone_does_not_move_a_prefix():
+    # no hand threshold on the cache's fill: a full cache shows as a queue (requests wait
+    # for blocks) and as slower measured rates, which the estimate already weighs
     endpoints = [endpoint("a", 4, kv_cache_usage=1.0), endpoint("b", 0, kv_cache_usage=0.1)]
-    assert choose(REQUEST, endpoints, policy).engine_id == "b"
+    assert choose(REQUEST, endpoints, PrefixAware()).engine_id == "a"
 
 
 # ------------------------------------------------------------------------------ least loaded
@@ -169,7 +184,8 @@ def test_no_healthy_endpoint_raises(name):
 
 
 def test_registry_and_validation():
-    assert set(POLICIES) == {"prefix_aware", "least_loaded", "round_robin", "session_affinity"}
+    assert set(POLICIES) == {"prefix_aware", "prefix_affinity", "least_loaded", "round_robin",
+                             "session_affinity"}
     assert all(make_policy(name).name == name for name in POLICIES)
     with pytest.raises(ValueError, match="policy"):
         make_policy("random")
@@ -181,8 +197,8 @@ def test_registry_and_validation():
         endpoint("a", prefill_tokens_per_s=0.0)
     with pytest.raises(ValueError, match="num_queued_tokens"):
         endpoint("a", num_queued_tokens=-1)
-    with pytest.raises(ValueError, match="kv_usage_threshold"):
-        PrefixAware(kv_usage_threshold=1.0)
+    with pytest.raises(ValueError, match="decode_step_s"):
+        endpoint("a", decode_step_s=-1.0)
 
 
 def test_router_modules_do_not_import_torch():

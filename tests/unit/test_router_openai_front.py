@@ -17,14 +17,25 @@ from router.openai_api import FrontSeam, OpenAIFront
 from router.openai_protocol import RequestError, check_body
 
 
-def _get(port: int, path: str, key: str | None = None) -> tuple[int, dict]:
+def _send(port: int, path: str, key: str | None = None, body: dict | None = None):
+    """(status, JSON body, headers) of one request (a POST when ``body`` is given)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers)
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                     headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
-            return response.status, json.loads(response.read())
+            return response.status, json.loads(response.read()), response.headers
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        return e.code, json.loads(e.read()), e.headers
+
+
+def _get(port: int, path: str, key: str | None = None) -> tuple[int, dict]:
+    status, body, _ = _send(port, path, key)
+    return status, body
 
 
 async def _no_generate(request, context):
@@ -52,6 +63,34 @@ def test_health_models_and_keys_follow_the_seam():
             status, body = await asyncio.to_thread(_get, port, "/v1/models")
             assert status == 401 and body["error"]["param"] == "authorization"
             status, body = await asyncio.to_thread(_get, port, "/v1/models", "k1")
+            assert status == 200 and [m["id"] for m in body["data"]] == ["m"]
+        finally:
+            await front.stop()
+    asyncio.run(scenario())
+
+
+def test_before_the_model_is_known_models_and_requests_answer_503_with_retry_after():
+    """No placeholder model name: a client that lists models at start would otherwise get
+    404 for the placeholder once the engines' model is known."""
+    states = {"serving": 0, "not_serving": 0, "unreachable": 1, "refused": 0}
+    model = [None]
+    seam = FrontSeam(grpc_port=1, keys=ApiKeys([]), session_header="x-session-id",
+                     model_name=lambda: model[0], tokenizer=lambda: None,
+                     engine_states=lambda: dict(states), draining=lambda: False)
+
+    async def scenario():
+        front = OpenAIFront(seam, RouterServerConfig(), RouterMetrics(lambda: dict(states)))
+        port = await front.start()
+        try:
+            for path, body in (("/v1/models", None), ("/health", None),
+                               ("/v1/completions", {"model": "quire", "prompt": "hi"}),
+                               ("/v1/chat/completions", {"messages": [
+                                   {"role": "user", "content": "hi"}]})):
+                status, answer, headers = await asyncio.to_thread(_send, port, path, None, body)
+                assert status == 503 and headers["Retry-After"] == "1", (path, answer)
+            model[0] = "m"
+            states.update(serving=1, unreachable=0)
+            status, body, _ = await asyncio.to_thread(_send, port, "/v1/models")
             assert status == 200 and [m["id"] for m in body["data"]] == ["m"]
         finally:
             await front.stop()

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
-from quire.kv_events import KVCacheSnapshot
+from quire.kv_events import BlockRemoved, KVCacheSnapshot, KVEventBatch
 from quire.v1 import engine_pb2 as pb
 from router.connection import (ClientOptions, EngineConnection, EngineMismatchError, EngineState,
-                               ModelIdentity, change_state)
+                               ModelIdentity, change_state, refuse)
 from router.discovery import Endpoint, StaticDiscovery
 from router.engine_kinds import ENGINE_KINDS
 from router.pool import EnginePool
@@ -50,12 +51,36 @@ def test_match_uses_the_kv_feed_where_alive_and_routing_history_elsewhere():
         await pool.reconcile(frozenset({Endpoint("live", "h:1"), Endpoint("blind", "h:2")}))
         live = pool.clients["live"]
         pool.kv_snapshot(live, KVCacheSnapshot(seq=1, block_hashes=frozenset({11, 12})))
-        pool.record("live", [11, 12, 13])  # history never overrides a live feed
         pool.record("blind", [11, 12, 13])
+        assert _cached(pool, [11, 12, 13, 14]) == {"live": 2, "blind": 3}
+        # a placement on a live engine counts at once, unconfirmed (speculative indexing)
+        pool.record("live", [11, 12, 13])
+        assert _cached(pool, [11, 12, 13, 14]) == {"live": 3, "blind": 3}
+        live_batch = KVEventBatch(seq=2, timestamp_s=0.0, events=(BlockRemoved((13,)),))
+        assert pool.kv_batch(live, live_batch)  # the engine says block 13 is not there
         assert _cached(pool, [11, 12, 13, 14]) == {"live": 2, "blind": 3}
         pool.kv_feed_lost(live)  # its feed broke: history takes over
         assert _cached(pool, [11, 12, 13, 14]) == {"live": 3, "blind": 3}
         assert [s.engine_id for s in pool.candidates([11], exclude={"live"})] == ["blind"]
+        await pool.stop()
+    asyncio.run(scenario())
+
+
+def test_an_unmeasured_engine_is_assumed_as_fast_as_its_measured_peers():
+    async def scenario():
+        pool = _pool()  # the configured prior: 2000 tokens/s
+        await pool.reconcile(frozenset({Endpoint("a", "h:1"), Endpoint("b", "h:2"),
+                                        Endpoint("c", "h:3")}))
+        rates = {s.engine_id: s.prefill_tokens_per_s for s in pool.candidates([1])}
+        assert rates == {"a": 2000.0, "b": 2000.0, "c": 2000.0}
+        for _ in range(400):
+            pool._members["a"].rates.observe_first_token(100, 1.0)
+        rates = {s.engine_id: s.prefill_tokens_per_s for s in pool.candidates([1])}
+        assert abs(rates["a"] - 100.0) < 0.1 and rates["b"] == rates["c"] == rates["a"]
+        # a request waiting too long on c says c is slower still; b takes its peers' mean
+        pool._members["c"].waiting[object()] = (time.monotonic() - 100.0, 500)
+        rates = {s.engine_id: s.prefill_tokens_per_s for s in pool.candidates([1])}
+        assert rates["c"] <= 5.0 + 1e-6 and abs(rates["b"] - (rates["a"] + rates["c"]) / 2) < 1e-6
         await pool.stop()
     asyncio.run(scenario())
 
@@ -100,8 +125,7 @@ class EchoConnection:
         try:
             await self.reports.admit(self, info)
         except EngineMismatchError as e:
-            self.refusal = e
-            change_state(self, self.reports, EngineState.REFUSED, "echo engine", LOG)
+            refuse(self, self.reports, e, "echo engine", LOG)
             return
         self.info = info
         change_state(self, self.reports, EngineState.SERVING, "echo engine", LOG)
@@ -160,6 +184,39 @@ def test_a_third_engine_kind_is_one_class_and_one_registry_entry(embedded_model_
     asyncio.run(scenario())
 
 
+def test_a_new_incarnation_starts_with_an_empty_index_entry(embedded_model_dir):
+    """A restarted engine (another incarnation id at the same address) holds nothing: its
+    precise and approximate entries go; the same process re-admitted keeps them; a snapshot
+    from the dead process, arriving late, is ignored."""
+    def info(incarnation_id: str) -> pb.ModelInfo:
+        return pb.ModelInfo(model_name="m", block_size=4, block_hash_algorithm=BLOCK_HASH_ALGORITHM,
+                            block_hash_seed=ROOT_HASH, incarnation_id=incarnation_id)
+
+    async def scenario():
+        tokenizer = RouterTokenizer.from_dir(embedded_model_dir)
+        pool = EnginePool(StaticDiscovery([]), tokenizer=tokenizer, kinds=KINDS)
+        await pool.reconcile(frozenset({Endpoint("a", "h:1", "echo")}))
+        assert await pool.wait_serving(1, timeout_s=5)
+        client = pool.clients["a"]
+        await pool.admit(client, info("one"))
+        assert pool.kv_snapshot(client, KVCacheSnapshot(0, frozenset({1, 2}), "one"))
+        pool.record("a", [7, 8])  # what the approximate index would place by
+        cached = lambda hashes: pool.candidates(hashes)[0].cached_blocks  # noqa: E731
+        assert cached([1, 2]) == 2
+        await pool.admit(client, info("one"))  # the same process, re-admitted after a blip
+        assert cached([1, 2]) == 2
+        await pool.admit(client, info("two"))  # restarted
+        assert cached([1, 2]) == 0 and pool.cached_blocks() == {}
+        pool.kv_feed_lost(client)
+        assert cached([7, 8]) == 0  # the approximate index forgot the dead process too
+        assert not pool.kv_snapshot(client, KVCacheSnapshot(0, frozenset({1, 2}), "one"))
+        assert cached([1, 2]) == 0
+        assert pool.kv_snapshot(client, KVCacheSnapshot(0, frozenset({3}), "two"))
+        assert cached([3]) == 1
+        await pool.stop()
+    asyncio.run(scenario())
+
+
 def test_a_kind_without_tokenizer_files_needs_the_routers_tokenizer():
     async def scenario():
         pool = EnginePool(StaticDiscovery([]), kinds=KINDS)
@@ -170,6 +227,27 @@ def test_a_kind_without_tokenizer_files_needs_the_routers_tokenizer():
         assert pool.identity is None
         await pool.stop()
     asyncio.run(scenario())
+
+
+def test_a_refusal_is_logged_with_its_reason_once_per_change(caplog):
+    """A refused engine is re-checked every refused_recheck_s: the log names the reason when
+    the state changes and when the reason changes, never on every re-check."""
+    caplog.set_level(logging.INFO, logger=LOG.name)
+    pool = EnginePool(StaticDiscovery([]), kinds=KINDS)
+    client = EchoConnection(Endpoint("a", "h:1", "echo"), pool, ClientOptions())
+    missing = EngineMismatchError("a", {"tokenizer": ("the router's --tokenizer", None)})
+    for _ in range(3):
+        refuse(client, pool, missing, "echo engine", LOG)
+    other = EngineMismatchError("a", {"model_name": ("m", "other")})
+    refuse(client, pool, other, "echo engine", LOG)
+    refuse(client, pool, other, "echo engine", LOG)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "echo engine a at h:1: unreachable -> refused: engine a refused: tokenizer: router "
+        "expects \"the router's --tokenizer\", engine reports None",
+        "echo engine a at h:1: still refused, now: engine a refused: model_name: router "
+        "expects 'm', engine reports 'other'"], lines
+    assert client.state is EngineState.REFUSED and client.refusal is other
 
 
 def test_both_built_in_kinds_implement_the_connection_protocol():

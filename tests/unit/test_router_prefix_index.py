@@ -209,3 +209,34 @@ def test_mirror_diff_is_net_within_a_batch():
     assert (mirror.seq, mirror.block_hashes) == (2, {2})
     with pytest.raises(TypeError, match="unknown KV event"):
         mirror.apply_diff(batch(3, "not an event"))
+
+
+def test_a_placement_counts_at_once_until_confirmed_or_lapsed():
+    """Speculative claims: a placed prompt's blocks match on its engine before any KV event;
+    the engine's BlockStored confirms them (they then outlive the TTL), unconfirmed ones
+    lapse ``ttl_s`` after they were last claimed, and a removal drops them."""
+    index = PrefixIndex(speculative_ttl_s=3.0)
+    index.claim("a", PROMPT[:6], now_s=100.0)
+    assert index.match(PROMPT, now_s=100.0) == {"a": 6}
+    assert index.match(PROMPT) == {}  # confirmed blocks only
+    assert index.unconfirmed("a") == frozenset(PROMPT[:6])
+    index.apply("a", batch(1, stored(PROMPT[:4])))  # the engine computed four of them
+    assert index.unconfirmed("a") == frozenset(PROMPT[4:6])
+    index.claim("a", PROMPT[:6], now_s=102.0)  # the next request of the burst renews
+    assert index.unconfirmed("a") == frozenset(PROMPT[4:6])  # confirmed ones are not claimed
+    assert index.match(PROMPT, now_s=104.9) == {"a": 6}
+    assert index.match(PROMPT, now_s=105.0) == {"a": 4}  # lapsed; the confirmed four stay
+    index.claim("b", PROMPT[:3], now_s=200.0)
+    index.apply("b", batch(1, stored(PROMPT[:1]), BlockRemoved((PROMPT[0],))))
+    # block 0 was stored and evicted again within the batch: b holds nothing
+    assert index.match(PROMPT, now_s=200.0) == {"a": 4}
+    index.claim("c", PROMPT[:2], now_s=300.0)
+    index.reset_from_snapshot("c", KVCacheSnapshot(seq=5, block_hashes=frozenset(PROMPT[:1])))
+    assert index.match(PROMPT, now_s=300.0) == {"a": 4, "c": 2}  # a snapshot keeps claims
+    index.remove_engine("c")
+    assert index.match(PROMPT, now_s=300.0) == {"a": 4} and index.unconfirmed("c") == frozenset()
+
+
+def test_a_claim_ttl_must_be_positive():
+    with pytest.raises(ValueError, match="ttl_s"):
+        PrefixIndex(speculative_ttl_s=0)

@@ -100,3 +100,62 @@ def test_feed_follows_a_real_publisher_with_replay(tmp_path):
     finally:
         pub.close()
     assert len(resets) == 1  # once, at the start
+
+
+def test_feed_starts_over_when_the_engine_restarts(tmp_path):
+    """A restarted engine numbers its batches from 1 again and its cache is empty: the feed
+    sees the live sequence go back, resets the engine's entry and takes the new process's
+    replay, so none of the old process's blocks stay indexed."""
+    pytest.importorskip("zmq")
+    from engine_worker.server.kv_events_zmq import ZmqKVEventPublisher
+    from quire.kv_events import KVEventBatch
+    from router.vllm_events import VllmKVEventFeed
+
+    endpoints = (f"ipc://{tmp_path}/e.sock", f"ipc://{tmp_path}/r.sock")
+    mirror = KVCacheMirror()
+    resets = []
+
+    def on_reset():
+        resets.append(1)
+        mirror.seq, mirror.block_hashes = 0, set()
+
+    async def until(want, tries: int = 4) -> bool:
+        for _ in range(tries):
+            if mirror.block_hashes == want:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def main():
+        first = ZmqKVEventPublisher(*endpoints)
+        feed = VllmKVEventFeed(first.endpoint, first.replay_endpoint, on_reset=on_reset,
+                               on_batch=mirror.apply)
+        task = asyncio.create_task(feed.run())
+        try:
+            old = set(hash_block_tokens(TOKENS[:12], BS))
+            for seq in range(1, 200):  # until the subscription has joined
+                first.publish(KVEventBatch(seq, float(seq), (BlockStored(
+                    (501, 502, 503), None, tuple(TOKENS[:12]), BS),) if seq == 1 else ()))
+                if await until(old) and seq > 3:
+                    break
+            assert await until(old, 200)
+            first.close()
+            second = ZmqKVEventPublisher(*endpoints)  # the same endpoints, a new process
+            try:
+                new_tokens = tuple(range(700, 708))
+                second.publish(KVEventBatch(1, 1.0, (BlockStored((9, 10), None, new_tokens,
+                                                                 BS),)))
+                new = set(hash_block_tokens(new_tokens, BS))
+                for seq in range(2, 200):
+                    second.publish(KVEventBatch(seq, float(seq), ()))
+                    if await until(new):
+                        break
+                assert await until(new, 200)
+            finally:
+                second.close()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    assert len(resets) >= 2  # at the start, and when the engine came back
