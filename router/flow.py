@@ -179,6 +179,8 @@ class FlowController:
         (then the request is no longer queued)."""
         now = self.clock()
         tenant = request.tenant
+        if self.capacity is None:  # unknown until the first refresh after an engine joined
+            self.refresh()
         limits = self._rate_limits(request, now)
         if self.capacity is None or (self.inflight < self.capacity and not self._bands):
             self._take(limits, request, now)

@@ -211,8 +211,7 @@ def test_engine_slots_learn_what_an_engine_batches():
 
 def test_no_engine_serving_lets_requests_through():
     async def main():
-        flow = controller(0)
-        flow.capacity = None
+        flow = FlowController(lambda: None)
         admission = await flow.admit(req(tenant("t")))
         assert flow.inflight == 1
         admission.release()
