@@ -26,6 +26,9 @@ _DEADLINE_MARGIN_S = 0.05
 class _Unmetered:
     """The slot of a request admitted without flow control."""
 
+    def __init__(self, priority: int) -> None:
+        self.priority = priority
+
     def generated(self, num_tokens: int) -> None:
         pass
 
@@ -41,13 +44,15 @@ class AdmissionGate:
 
     async def admit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
                     num_prompt_tokens: int, span: RouterSpan | None) -> Admission | _Unmetered:
-        """The request's slot, released when the call ends; a refusal aborts the call."""
+        """The request's slot, released when the call ends; a refusal aborts the call. Its
+        ``priority`` is the effective one (the tenant's default for a request that set 0)."""
         if self.controller is None:
-            return _Unmetered()
+            return _Unmetered(request.priority)
         tenant = self.table.resolve(tuple(context.invocation_metadata() or ()))
         remaining = context.time_remaining()
-        flow = FlowRequest(tenant=tenant,
-                           priority=request.priority or tenant.policy.priority,
+        priority = request.priority or tenant.policy.priority
+        flow = FlowRequest(tenant=tenant, priority=priority,
+                           priority_label=self.table.priority_label(priority),
                            num_prompt_tokens=num_prompt_tokens,
                            max_wait_s=None if remaining is None else
                            max(remaining - _DEADLINE_MARGIN_S, 0.0))
@@ -55,10 +60,10 @@ class AdmissionGate:
             admission = await self.controller.admit(flow)
         except FlowRefused as e:
             if span is not None:
-                span.flow_refused(tenant.label, flow.priority, e.reason)
+                span.flow_refused(tenant.label, priority, e.reason)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e),
                                 trailing_metadata=((RETRY_AFTER_METADATA, e.retry_after),))
         context.add_done_callback(lambda _: admission.release())
         if span is not None:
-            span.flow_admitted(tenant.label, flow.priority, admission.wait_s)
+            span.flow_admitted(tenant.label, priority, admission.wait_s)
         return admission

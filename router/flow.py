@@ -54,6 +54,11 @@ class FlowRequest:
     priority: int  # the effective one: the request's, or its tenant's default
     num_prompt_tokens: int
     max_wait_s: float | None = None  # the request's own deadline, from now (None: none)
+    priority_label: str = ""  # its metric label ("" : the priority itself)
+
+    @property
+    def label(self) -> str:
+        return self.priority_label or str(self.priority)
 
 
 class FlowObserver:
@@ -77,6 +82,10 @@ class Admission:
     wait_s: float
     admitted_s: float
     released: bool = False
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
 
     def generated(self, num_tokens: int) -> None:
         """Charge generated tokens to the tenant's tokens-a-minute limit."""

@@ -121,7 +121,8 @@ class RouterMetrics:
 
 class FlowMetrics:
     """Flow control's metrics (``router.flow.FlowObserver``). Tenants are labelled by their
-    name in the tenants table, every other one as ``other``; priorities by their value."""
+    name in the tenants table, every other one as ``other``; priorities by their value where it
+    is a tenant's default (0 included), else ``other`` (clients choose them freely)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
@@ -141,10 +142,10 @@ class FlowMetrics:
                               "finished", registry=r)
 
     def queued(self, request, depth_change: int) -> None:
-        self.depth.labels(request.tenant.label, str(request.priority)).inc(depth_change)
+        self.depth.labels(request.tenant.label, request.label).inc(depth_change)
 
     def admitted(self, request, wait_s: float) -> None:
-        self.wait_s.labels(request.tenant.label, str(request.priority)).observe(wait_s)
+        self.wait_s.labels(request.tenant.label, request.label).observe(wait_s)
 
     def refused(self, request, reason: str) -> None:
         self.refused_total.labels(request.tenant.label, reason).inc()

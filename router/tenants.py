@@ -91,6 +91,14 @@ class TenantTable:
             return Tenant(name, OTHER_LABEL, self.default)
         return Tenant(name, name, policy)
 
+    def priority_label(self, priority: int) -> str:
+        """A priority's metric label: its value where it is 0 or a tenant's default, else
+        ``other`` (a client may send any int32: one label each would grow without bound)."""
+        if priority == 0 or priority == self.default.priority or any(
+                priority == p.priority for p in self.tenants.values()):
+            return str(priority)
+        return OTHER_LABEL
+
 
 def parse_tenants(text: str | None, default: TenantPolicy, header: str | None,
                   flag: str = "tenants") -> TenantTable:

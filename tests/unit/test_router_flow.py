@@ -235,6 +235,8 @@ def test_tenants_resolve_by_header_then_key_digest():
     by_header = table.resolve((("x-tenant-id", "acme"), ("authorization", f"Bearer {key}")))
     assert by_header.name == "acme" and by_header.label == "other"
     assert table.resolve(()).name == "anonymous"
+    # metric labels: 0 and the tenants' defaults by value, any other priority as "other"
+    assert [table.priority_label(p) for p in (0, -1, 7)] == ["0", "-1", "other"]
     assert isinstance(TenantTable().resolve(()), Tenant)
 
 
