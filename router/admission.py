@@ -29,6 +29,9 @@ class _Unmetered:
     def __init__(self, priority: int) -> None:
         self.priority = priority
 
+    def started(self) -> None:
+        pass
+
     def generated(self, num_tokens: int) -> None:
         pass
 

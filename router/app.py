@@ -30,6 +30,7 @@ from router.connection import ClientOptions
 from router.engine_client import ENGINE_SERVICE
 from router.engine_slots import EngineSlots
 from router.flow import FlowController
+from router.gradient_limit import GradientLimit
 from router.flow_config import FlowConfig
 from router.metrics import RouterMetrics
 from router.pool import EnginePool, PromptHashes
@@ -89,8 +90,12 @@ class RouterServer:
         # every engine, as the balancer sees it (no prompt: only load and health matter)
         slots = EngineSlots(lambda: self.pool.candidates(PromptHashes({})),
                             fixed=flow.engine_slots)
+        # from one request per engine (the floor), so that the engines' speed with room to
+        # spare is seen before the batch grows
+        limit = GradientLimit(1) if flow.gradient_limit else None
         return FlowController(slots.observe, queue_timeout_s=flow.queue_timeout_s,
-                              observer=self.metrics.flow)
+                              observer=self.metrics.flow, limit=limit,
+                              limit_floor=lambda: slots.num_engines)
 
     @classmethod
     def static(cls, addresses: Sequence[str], *, tokenizer: str | None = None,

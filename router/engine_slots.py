@@ -69,6 +69,11 @@ class EngineSlots:
             learned.slots = min(grown, self.ceiling)
         learned.waiting_before = waiting
 
+    @property
+    def num_engines(self) -> int:
+        """Serving engines, as last observed."""
+        return len(self._learned)
+
     def slots(self) -> dict[str, int]:
         """Each serving engine's slots, as last observed."""
         if self.fixed:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
 
+from router.gradient_limit import GradientLimit
 from router.rate_limit import TenantLimits
 from router.tenants import Tenant
 
@@ -82,13 +83,21 @@ class Admission:
     wait_s: float
     admitted_s: float
     released: bool = False
+    num_generated: int = 0
+    first_message_s: float | None = None
 
     @property
     def priority(self) -> int:
         return self.request.priority
 
+    def started(self) -> None:
+        """Its first message was relayed: from here on its time is decoding."""
+        if self.first_message_s is None:
+            self.first_message_s = self.controller.clock()
+
     def generated(self, num_tokens: int) -> None:
         """Charge generated tokens to the tenant's tokens-a-minute limit."""
+        self.num_generated += num_tokens
         self.controller.charge(self.request.tenant, num_tokens)
 
     def release(self) -> None:
@@ -165,12 +174,18 @@ class FlowController:
     """Admission of requests into ``capacity`` slots. Lives on the router's event loop."""
 
     def __init__(self, capacity: Callable[[], int | None], *, queue_timeout_s: float = 0.0,
-                 observer: FlowObserver | None = None,
+                 observer: FlowObserver | None = None, limit: GradientLimit | None = None,
+                 limit_floor: Callable[[], int] = lambda: 1,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``capacity()``: the slots of the serving engines now (None: no engine serves,
         requests pass through to placement, which answers for itself). ``queue_timeout_s``
-        > 0: the longest a request waits here."""
+        > 0: the longest a request waits here. ``limit``: admits fewer than the slots where
+        more would only slow every request down (None: the slots alone), never below
+        ``limit_floor()`` (the serving engines: none should idle)."""
         self.capacity_of = capacity
+        self.limit = limit
+        self.limit_floor = limit_floor
+        self.slots: int | None = None  # the engines' slots, as last read
         self.queue_timeout_s = queue_timeout_s
         self.observer = observer or FlowObserver()
         self.clock = clock
@@ -295,6 +310,15 @@ class FlowController:
         self.inflight -= 1
         took = self.clock() - admission.admitted_s
         self._service_s += _SERVICE_EWMA * (took - self._service_s)
+        started = admission.first_message_s
+        if self.limit is not None and started is not None and admission.num_generated > 1 \
+                and self.slots:
+            # time per output token after the first: what a bigger batch slows down (the
+            # prefill before it depends on the prompt, not on the load)
+            per_token_s = (self.clock() - started) / (admission.num_generated - 1)
+            floor = self.limit_floor()
+            self.limit.observe(per_token_s, self.slots, floor)
+            self.capacity = self.limit.value(self.slots, floor)
         self.dispatch()
 
     def dispatch(self) -> None:
@@ -313,7 +337,9 @@ class FlowController:
     # --------------------------------------------------------------- capacity
     def refresh(self) -> None:
         """Read the engines' capacity now and admit what fits."""
-        self.capacity = self.capacity_of()
+        self.slots = self.capacity_of()
+        self.capacity = self.slots if self.slots is None or self.limit is None \
+            else self.limit.value(self.slots, self.limit_floor())
         self.dispatch()
         now = self.clock()
         for name in [n for n, limits in self._limits.items() if limits.idle(now)]:

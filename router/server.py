@@ -216,6 +216,7 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
                         await context.send_initial_metadata(
                             ((ENGINE_ID_METADATA, engine_id),))
                         self.metrics.ttft_s.observe(time.perf_counter() - received)
+                        admission.started()
                         if span is not None:
                             span.first_message(engine_id)
                     if message.HasField("usage"):

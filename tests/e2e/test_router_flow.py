@@ -258,7 +258,7 @@ def test_slots_are_learned_from_the_engines_reports(tiny_model_dir):
         for queued in sent:
             queued.req.sampling.max_tokens = 200
             queued.start()
-        learned = wait_for(lambda: router.read(lambda: router.server.flow.capacity) == 2,
+        learned = wait_for(lambda: router.read(lambda: router.server.flow.slots) == 2,
                            TIMEOUT_S)
         for queued in sent:
             queued.join()

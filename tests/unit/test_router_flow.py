@@ -267,3 +267,43 @@ def test_tenants_from_a_yaml_file(tmp_path):
     table = FlowConfig(tenants=f"@{path}", tenant_tokens_per_minute=1000).table()
     assert table.tenants["batch"] == TenantPolicy(weight=0.5, priority=10,
                                                   tokens_per_minute=1000)
+
+
+def test_gradient_limit_grows_while_batching_is_free_and_settles_where_it_is_not():
+    from router.gradient_limit import GradientLimit
+
+    flat = GradientLimit(4)
+    for _ in range(100):
+        flat.observe(0.01, ceiling=64)  # per-token time does not grow: fill the slots
+    assert flat.value(64) == 64
+    # a compute-bound pool of 2 engines: per-token time grows with the requests per engine
+    # (starting from one request per engine, as the router does: the fastest per-token
+    # time is seen before the batch grows)
+    bound = GradientLimit(2)
+    for _ in range(200):
+        bound.observe(0.01 * max(1.0, bound.value(64) / 2), ceiling=64, floor=2)
+    assert 3 <= bound.value(64, 2) <= 6  # settles near 2 + sqrt(limit), far below 64
+    assert GradientLimit(1).value(64, floor=2) == 2
+
+
+def test_controller_caps_admissions_at_the_gradient_limit():
+    from router.gradient_limit import GradientLimit
+
+    clock = Clock()
+
+    async def main():
+        limit = GradientLimit(2)
+        flow = FlowController(lambda: 8, limit=limit, clock=clock)
+        flow.refresh()
+        assert (flow.slots, flow.capacity) == (8, 2)
+        first, second = await flow.admit(req(tenant("t"))), await flow.admit(req(tenant("t")))
+        third = asyncio.create_task(flow.admit(req(tenant("t"))))
+        await asyncio.sleep(0)
+        assert flow.depth() == {"t": 1}
+        first.started()
+        clock.now += 1.0
+        first.generated(101)
+        first.release()  # 10 ms a token, the fastest yet: the limit may grow
+        assert flow.capacity >= 2 and (await third).wait_s == 1.0
+        second.release()
+    asyncio.run(main())
