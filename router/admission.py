@@ -48,7 +48,9 @@ class AdmissionGate:
     async def admit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
                     num_prompt_tokens: int, span: RouterSpan | None) -> Admission | _Unmetered:
         """The request's slot, released when the call ends; a refusal aborts the call. Its
-        ``priority`` is the effective one (the tenant's default for a request that set 0)."""
+        ``priority`` is the effective one (the tenant's default for a request that set 0); the
+        engine still gets the request's own (vLLM refuses a priority other than 0 unless it
+        runs priority scheduling)."""
         if self.controller is None:
             return _Unmetered(request.priority)
         tenant = self.table.resolve(tuple(context.invocation_metadata() or ()))

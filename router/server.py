@@ -188,7 +188,6 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         forward = pb.GenerateRequest()
         forward.CopyFrom(request)
         forward.token_ids.ids[:] = prompt.token_ids  # sets the oneof: the engine skips tokenizing
-        forward.priority = admission.priority  # the tenant's default where the request set none
         forward.request_id = request.request_id or uuid.uuid4().hex
         session_key = self._session_key(context)
         tried: set[str] = set()
