@@ -61,16 +61,37 @@ async def measure_two_tenants(engines, policy: str, cfg, seed: int) -> dict:
                     stub, generate_request(req_id, prompt(), cfg.output_len), t0=t0,
                     timeout_s=cfg.request_timeout_s, metadata=((TENANT_HEADER, tenant),))
 
+            timeline: list[dict] = []
+            sampler = asyncio.create_task(_sample(router, t0, timeline))
             idle = [await send("light", f"idle-{i}") for i in range(cfg.light_idle_requests)]
             light, heavy = await _flood(send, cfg, rng)
             duration_s = time.perf_counter() - t0
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
             left = await _left_running(router)
         placement_us = [d.placement_us for d in decisions.latest(decisions.capacity)]
     results = idle + light + heavy
     run = {"policy": policy, "workload": "two_tenants",
            **summarize(results, engines.engine_ids, placement_us, duration_s),
-           "two_tenants": _scenario_report(idle, light, heavy, left)}
+           "two_tenants": _scenario_report(idle, light, heavy, left),
+           "light_requests": [_row(r) for r in idle + light],
+           "flow_timeline": timeline}
     return run
+
+
+async def _sample(router, t0: float, samples: list[dict]) -> None:
+    """The router's slots, admission limit, in-flight and queued requests twice a second."""
+    flow = router.flow
+    while flow is not None:
+        samples.append({"t_s": round(time.perf_counter() - t0, 2), "slots": flow.slots,
+                        "capacity": flow.capacity, "inflight": flow.inflight,
+                        "queued": flow.depth()})
+        await asyncio.sleep(0.5)
+
+
+def _row(r: RequestResult) -> dict:
+    return {"req_id": r.req_id, "sent_s": r.sent_s, "ttft_s": r.ttft_s if r.chunks else None,
+            "e2e_s": r.e2e_s, "output_tokens": r.num_output_tokens, "error": r.error}
 
 
 async def _flood(send, cfg, rng: random.Random):

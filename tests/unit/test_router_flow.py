@@ -282,7 +282,9 @@ def test_gradient_limit_grows_while_batching_is_free_and_settles_where_it_is_not
     bound = GradientLimit(2)
     for _ in range(200):
         bound.observe(0.01 * max(1.0, bound.value(64) / 2), ceiling=64, floor=2)
-    assert 3 <= bound.value(64, 2) <= 6  # settles near 2 + sqrt(limit), far below 64
+    # settles where each request runs at about half its own speed (two per engine), plus
+    # Gradient2's square-root allowance: far below the 64 slots
+    assert 4 <= bound.value(64, 2) <= 10
     assert GradientLimit(1).value(64, floor=2) == 2
 
 
