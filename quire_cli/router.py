@@ -11,17 +11,20 @@ import argparse
 def _config_groups() -> tuple[tuple[type, str], ...]:
     """The router's config classes, with their titles on ``quire router --help``."""
     from router.config import DiscoveryConfig, EngineTLSConfig, PlacementConfig, RouterServerConfig
+    from router.flow_config import FlowConfig
 
     return ((RouterServerConfig, "router"), (DiscoveryConfig, "discovery"),
-            (PlacementConfig, "placement"), (EngineTLSConfig, "engine TLS"))
+            (PlacementConfig, "placement"), (EngineTLSConfig, "engine TLS"),
+            (FlowConfig, "flow control"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from quire.config_args import add_dataclass_args
     from router.config import HELP
+    from router.flow_config import FLOW_HELP
 
     for cls, title in _config_groups():
-        add_dataclass_args(parser, cls, title, HELP)
+        add_dataclass_args(parser, cls, title, HELP | FLOW_HELP)
 
 
 def main(ns: argparse.Namespace) -> int:

@@ -172,8 +172,11 @@ async def _example(port: int, tokenizer) -> str:
     return "".join(text)
 
 
-async def run_stack(cfg: StackConfig, engines) -> int:
-    """The router (tokenizer fetched from the engines) in this process, until Ctrl-C."""
+async def run_stack(cfg: StackConfig, engines, flow=None) -> int:
+    """The router (tokenizer fetched from the engines) in this process, until Ctrl-C.
+    ``flow``: its flow control (a ``router.flow_config.FlowConfig``; None: the defaults)."""
+    import dataclasses
+
     from quire.signals import shutdown_event
     from quire.tracing import TracingConfig, make_tracing
     from router.app import RouterServer
@@ -182,7 +185,8 @@ async def run_stack(cfg: StackConfig, engines) -> int:
     tracing = make_tracing(TracingConfig.from_env(default_service_name="quire-router"))
     router = RouterServer.static([e.address for e in engines], policy=cfg.policy,
                                  host=cfg.router_host, port=cfg.router_port,
-                                 http_port=cfg.http_port, tracing=tracing)
+                                 http_port=cfg.http_port, tracing=tracing,
+                                 flow=dataclasses.asdict(flow) if flow is not None else None)
     port = await router.start()
     try:
         if not await router.wait_ready(len(engines), timeout_s=cfg.startup_timeout_s):
@@ -210,7 +214,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from engine_worker.arg_utils import add_engine_args
     from quire.config_args import add_dataclass_args
 
+    from router.flow_config import FLOW_HELP, FlowConfig
+
     add_dataclass_args(parser, StackConfig, "stack")
+    add_dataclass_args(parser, FlowConfig, "router flow control", FLOW_HELP)
     add_engine_args(parser)
 
 
@@ -221,12 +228,15 @@ def main(ns: argparse.Namespace) -> int:
 
     from quire.ports import check_ports_free
 
+    from router.flow_config import FlowConfig
+
     cfg = dataclass_from_namespace(StackConfig, ns)
+    flow = dataclass_from_namespace(FlowConfig, ns)  # bad values fail before engines start
     check_ports_free([(cfg.router_host, cfg.router_port, "router_port"),
                       (cfg.router_host, cfg.http_port, "http_port")])
     resolve_model_once(ns.model)
     engines = start_engines(cfg, changed_engine_flags(ns))
     try:
-        return asyncio.run(run_stack(cfg, engines))
+        return asyncio.run(run_stack(cfg, engines, flow))
     finally:
         stop_engines(engines)

@@ -23,12 +23,17 @@ from quire.tracing import Tracing, TracingConfig, make_tracing
 from quire.v1 import engine_pb2_grpc
 from router.auth import ApiKeyInterceptor, ApiKeys
 from router.balancer import make_policy
+from router.admission import AdmissionGate
 from router.config import DiscoveryConfig, EngineTLSConfig, PlacementConfig, RouterServerConfig
 from router.discovery import Discovery, make_discovery
 from router.connection import ClientOptions
 from router.engine_client import ENGINE_SERVICE
+from router.engine_slots import EngineSlots
+from router.flow import FlowController
+from router.gradient_limit import GradientLimit
+from router.flow_config import FlowConfig
 from router.metrics import RouterMetrics
-from router.pool import EnginePool
+from router.pool import EnginePool, PromptHashes
 from router.server import RequestLimits, RouterServicer
 from router.tokenizer import RouterTokenizer
 
@@ -40,7 +45,7 @@ class RouterServer:
 
     def __init__(self, server: RouterServerConfig, discovery: DiscoveryConfig,
                  placement: PlacementConfig = PlacementConfig(),
-                 tls: EngineTLSConfig = EngineTLSConfig(), *,
+                 tls: EngineTLSConfig = EngineTLSConfig(), flow: FlowConfig = FlowConfig(), *,
                  discovery_impl: Discovery | None = None,
                  client_options: ClientOptions | None = None,
                  tracing: Tracing | None = None) -> None:
@@ -61,6 +66,7 @@ class RouterServer:
                                approx_index_blocks=placement.approx_index_blocks)
         self.metrics = RouterMetrics(self.engine_states)
         self.tracing = tracing
+        self.flow = self._flow_controller(flow)
         self.servicer = RouterServicer(
             self.pool, policy=make_policy(placement.policy), metrics=self.metrics,
             limits=RequestLimits(max_n=server.max_n, max_tokens=server.max_tokens_limit,
@@ -68,24 +74,40 @@ class RouterServer:
                                  max_stop_strings=server.max_stop_strings,
                                  max_stop_string_len=server.max_stop_string_len),
             max_attempts=placement.max_attempts, session_header=placement.session_header,
-            spans=_span_factory(tracing), tokenizer_threads=server.tokenizer_threads)
+            spans=_span_factory(tracing), tokenizer_threads=server.tokenizer_threads,
+            admission=AdmissionGate(self.flow, flow.table()))
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.front = None
         self.port: int | None = None
         self.http_port: int | None = None
         self._readiness: asyncio.Task | None = None
+        self._flow_task: asyncio.Task | None = None
+
+    def _flow_controller(self, flow: FlowConfig) -> FlowController | None:
+        if not flow.flow_control:
+            return None
+        # every engine, as the balancer sees it (no prompt: only load and health matter)
+        slots = EngineSlots(lambda: self.pool.candidates(PromptHashes({})),
+                            fixed=flow.engine_slots)
+        # from one request per engine (the floor), so that the engines' speed with room to
+        # spare is seen before the batch grows
+        limit = GradientLimit(1) if flow.gradient_limit else None
+        return FlowController(slots.observe, queue_timeout_s=flow.queue_timeout_s,
+                              observer=self.metrics.flow, limit=limit,
+                              limit_floor=lambda: slots.num_engines)
 
     @classmethod
     def static(cls, addresses: Sequence[str], *, tokenizer: str | None = None,
                policy: str = "prefix_aware", host: str = "127.0.0.1", port: int = 0,
-               http_port: int = -1, placement: dict | None = None,
+               http_port: int = -1, placement: dict | None = None, flow: dict | None = None,
                tracing: Tracing | None = None, **server_fields) -> RouterServer:
         """A router over a fixed list of engines (local stacks and tests)."""
         return cls(RouterServerConfig(host=host, port=port, http_port=http_port,
                                       tokenizer=tokenizer, **server_fields),
                    DiscoveryConfig(discovery="static", engines=",".join(addresses)),
-                   PlacementConfig(policy=policy, **(placement or {})), tracing=tracing)
+                   PlacementConfig(policy=policy, **(placement or {})),
+                   flow=FlowConfig(**(flow or {})), tracing=tracing)
 
     @property
     def model_name(self) -> str | None:
@@ -120,6 +142,9 @@ class RouterServer:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(ENGINE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._readiness = asyncio.create_task(self._follow_readiness())
+        if self.flow is not None:  # re-read the engines' capacity as often as they report
+            self._flow_task = asyncio.create_task(
+                self.flow.run(self.placement.load_interval_ms / 1000), name="flow-control")
         if self.cfg.http_port >= 0:
             from router.openai_api import FrontSeam, OpenAIFront
 
@@ -127,7 +152,8 @@ class RouterServer:
                              session_header=self.placement.session_header,
                              model_name=lambda: self.model_name, tokenizer=self._tokenizer,
                              engine_states=self.pool.engine_states,
-                             draining=lambda: self.servicer.draining)
+                             draining=lambda: self.servicer.draining,
+                             tenant_header=self.servicer.admission.table.header)
             front = OpenAIFront(seam, self.cfg, self.metrics, host=self.cfg.host,
                                 port=self.cfg.http_port)
             try:
@@ -161,8 +187,9 @@ class RouterServer:
         await self.stop(grace_s=self.cfg.drain_timeout_s)
 
     async def stop(self, grace_s: float | None = None) -> None:
-        if self._readiness is not None:
-            self._readiness.cancel()
+        for task in (self._readiness, self._flow_task):
+            if task is not None:
+                task.cancel()
         if self.front is not None:
             await self.front.stop()
         if self.server is not None:
@@ -180,13 +207,14 @@ def _span_factory(tracing: Tracing | None):
 
 
 async def serve(server: RouterServerConfig, discovery: DiscoveryConfig,
-                placement: PlacementConfig, tls: EngineTLSConfig) -> None:
+                placement: PlacementConfig, tls: EngineTLSConfig,
+                flow: FlowConfig = FlowConfig()) -> None:
     """Run a router until SIGTERM / SIGINT, then drain and exit. Traces go where the
     standard ``OTEL_*`` variables say (off when they name no endpoint)."""
     from quire.signals import shutdown_event
 
     tracing = make_tracing(TracingConfig.from_env(default_service_name="quire-router"))
-    router = RouterServer(server, discovery, placement, tls, tracing=tracing)
+    router = RouterServer(server, discovery, placement, tls, flow, tracing=tracing)
     try:
         port = await router.start()
         stop = shutdown_event()

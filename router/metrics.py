@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 PLACEMENT_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01,
@@ -24,6 +24,8 @@ PLACEMENT_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-
 TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                   7.5, 10.0, 20.0, 40.0, 80.0)
 ERROR_BUCKETS_TOKENS = (0, 16, 64, 256, 1024, 4096, 16384)
+QUEUE_WAIT_BUCKETS_S = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                        120.0, 300.0)
 
 
 @dataclass(slots=True)
@@ -105,6 +107,7 @@ class RouterMetrics:
                               "completion, cached)", ["kind"], registry=r)
         r.register(_EngineStates(engine_states))
         self.decisions = DecisionLog()
+        self.flow = FlowMetrics(r)
 
     def observe_usage(self, record: DecisionRecord, cached_tokens: int) -> None:
         record.actual_cached_tokens = cached_tokens
@@ -114,3 +117,39 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class FlowMetrics:
+    """Flow control's metrics (``router.flow.FlowObserver``). Tenants are labelled by their
+    name in the tenants table, every other one as ``other``; priorities by their value where it
+    is a tenant's default (0 included), else ``other`` (clients choose them freely)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.depth = Gauge("quire_router_queue_depth", "Requests waiting in the router for a "
+                           "slot, by tenant and priority", ["tenant", "priority"], registry=r)
+        self.wait_s = Histogram("quire_router_queue_wait_seconds", "Wait in the router's queue "
+                                "before placement, per admitted request (0: the engines had "
+                                "room)", ["tenant", "priority"], buckets=QUEUE_WAIT_BUCKETS_S,
+                                registry=r)
+        self.refused_total = Counter("quire_router_flow_refused", "Requests refused with 429 / "
+                                     "RESOURCE_EXHAUSTED by tenant and reason (rate_limited, "
+                                     "queue_full, queue_timeout)", ["tenant", "reason"],
+                                     registry=r)
+        self.slots = Gauge("quire_router_engine_slots", "Requests the serving engines can "
+                           "batch together, as the router learned it (-1: unknown)", registry=r)
+        self.inflight = Gauge("quire_router_inflight_requests", "Requests admitted and not "
+                              "finished", registry=r)
+
+    def queued(self, request, depth_change: int) -> None:
+        self.depth.labels(request.tenant.label, request.label).inc(depth_change)
+
+    def admitted(self, request, wait_s: float) -> None:
+        self.wait_s.labels(request.tenant.label, request.label).observe(wait_s)
+
+    def refused(self, request, reason: str) -> None:
+        self.refused_total.labels(request.tenant.label, reason).inc()
+
+    def capacity(self, slots: int | None, inflight: int) -> None:
+        self.slots.set(-1 if slots is None else slots)
+        self.inflight.set(inflight)

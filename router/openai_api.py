@@ -32,7 +32,8 @@ from router.local_call import LocalCall
 from router.metrics import RouterMetrics
 from router.tool_calls import ToolChoice, render_inputs
 from router.openai_protocol import (FINISH, RequestError, chat_messages, check_body,
-                                    error_response, sampling_options, shown, sse, token_list,
+                                    error_response, request_priority, sampling_options, shown,
+                                    sse, token_list,
                                     usage_json, Choice, OpenAIRequest)
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class FrontSeam:
     tokenizer: Callable[[], RouterTokenizer | None]  # None: no engine admitted yet
     engine_states: Callable[[], dict[str, int]]  # engines per state, "serving" among them
     draining: Callable[[], bool]
+    tenant_header: str | None = None  # the HTTP header forwarded as the gRPC tenant metadata
 
 
 class OpenAIFront:
@@ -271,6 +273,9 @@ class OpenAIFront:
         session = self.seam.session_header
         if (value := request.headers.get(session)) is not None:
             forwarded.append((session.lower(), value))
+        tenant = self.seam.tenant_header
+        if tenant and (value := request.headers.get(tenant)) is not None:
+            forwarded.append((tenant.lower(), value))
         for key in TRACE_HEADERS:
             if (value := request.headers.get(key)) is not None:
                 forwarded.append((key, value))
@@ -286,7 +291,8 @@ class OpenAIFront:
         cfg = self.cfg
         out = pb.GenerateRequest(request_id=req.id, sampling=sampling_options(
             body, chat=req.chat, max_n=cfg.max_n, max_tokens_limit=cfg.max_tokens_limit,
-            max_stop_strings=cfg.max_stop_strings, max_stop_string_len=cfg.max_stop_string_len))
+            max_stop_strings=cfg.max_stop_strings, max_stop_string_len=cfg.max_stop_string_len),
+            priority=request_priority(body))
         if req.chat:
             messages = chat_messages(body, cfg.max_prompt_chars)
             schema = req.tools.schema() if req.tools is not None else None

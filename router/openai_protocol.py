@@ -23,6 +23,7 @@ from quire.list_limits import MAX_CHAT_MESSAGES, MAX_CONTENT_PARTS, MAX_STOP_TOK
 from quire.structured_outputs import check_logit_bias, structured_outputs_kind
 from quire.v1 import engine_pb2 as pb
 from router.tool_calls import ToolCallStream, ToolChoice, tool_choice_of
+from router.admission import RETRY_AFTER_METADATA
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,9 @@ def error_response(error: BaseException, aliases: dict[str, str] | None = None
                    ) -> web.Response:
     """The one place request errors and gRPC statuses become HTTP errors. ``aliases``: the
     request's own name of a field the engine names otherwise (``response_format`` for the
-    ``structured_outputs.json`` it became)."""
-    param = None
+    ``structured_outputs.json`` it became). A refusal that says when to retry (the router's flow
+    control) carries it as the ``Retry-After`` header."""
+    param = retry_after = None
     if isinstance(error, RequestError):
         status, message, param = error.status, str(error), error.param
     elif isinstance(error, grpc.aio.AioRpcError):
@@ -59,13 +61,30 @@ def error_response(error: BaseException, aliases: dict[str, str] | None = None
         if aliases and param in aliases:
             message = aliases[param] + message.removeprefix(param)
             param = aliases[param]
+        retry_after = dict(error.trailing_metadata() or ()).get(RETRY_AFTER_METADATA)
     else:
         logger.exception("internal error in the OpenAI front", exc_info=error)
         status, message = 500, f"internal error: {type(error).__name__}"
     body = {"error": {"message": message, "type": _ERROR_TYPES.get(
                           status, "invalid_request_error" if status < 500 else "internal_error"),
                       "param": param, "code": status}}
-    return web.json_response(body, status=status)
+    response = web.json_response(body, status=status)
+    if retry_after is not None:
+        response.headers["Retry-After"] = retry_after
+    return response
+
+
+def request_priority(body: dict) -> int:
+    """vLLM's ``priority``: an int32, lower runs first; 0 (also when absent) takes the
+    tenant's default."""
+    value = body.get("priority")
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or \
+            not -2 ** 31 <= value < 2 ** 31:
+        raise RequestError(f"priority: must be an integer in [-2**31, 2**31), got "
+                           f"{shown(value)}", "priority")
+    return value
 
 
 # ---- validation -------------------------------------------------------------------------------
@@ -75,7 +94,7 @@ _SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
     "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p", "repetition_penalty",
     "min_tokens", "stop_token_ids", "ignore_eos", "logit_bias", "response_format",
-    "structured_outputs"})
+    "structured_outputs", "priority"})
 # Accepted and ignored: they change nothing about what is generated.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 # Accepted only in the form that means "off" (the feature is not implemented): any other value is

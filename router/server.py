@@ -32,10 +32,12 @@ from quire.structured_outputs import check_logit_bias, spec_from_proto, structur
 from quire.tracing import traced_generate
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
+from router.admission import AdmissionGate
 from router.balancer import Decision, NoEndpointError, Policy, RoutingRequest, choose
 from router.errors import RETRYABLE_CODES, abort_with
 from router.metrics import DecisionRecord, RouterMetrics
 from router.pool import EnginePool, ModelIdentity, PromptHashes
+from router.tenants import TenantTable
 
 if TYPE_CHECKING:
     from router.tracing import RouterSpan
@@ -103,10 +105,12 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
                  limits: RequestLimits = RequestLimits(), max_attempts: int = 2,
                  session_header: str = "x-session-id",
                  spans: Callable[[pb.GenerateRequest, object], RouterSpan] | None = None,
-                 tokenizer_threads: int = 2) -> None:
+                 tokenizer_threads: int = 2, admission: AdmissionGate | None = None) -> None:
         """``spans`` (request, invocation metadata) -> a started ``RouterSpan``: given when
         tracing is on, None when off. Long prompts are tokenized on a pool of
-        ``tokenizer_threads`` threads (the tokenizer releases the GIL), never on the loop."""
+        ``tokenizer_threads`` threads (the tokenizer releases the GIL), never on the loop.
+        ``admission``: flow control, which every request passes before placement (None:
+        none)."""
         if max_attempts < 1:
             raise FieldError("max_attempts", f"must be >= 1, got {max_attempts}")
         self.pool = pool
@@ -116,6 +120,7 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         self.max_attempts = max_attempts
         self.session_header = session_header.lower()
         self.spans = spans
+        self.admission = admission or AdmissionGate(None, TenantTable())
         self.draining = False
         self.tokenize_pool = ThreadPoolExecutor(tokenizer_threads,
                                                 thread_name_prefix="router-tokenize")
@@ -187,6 +192,8 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         except (ValueError, NoEndpointError) as e:
             await abort_with(context, e)
             return
+        # waits while the engines are full; released when the call ends, however it ends
+        admission = await self.admission.admit(request, context, len(prompt.token_ids), span)
         forward = pb.GenerateRequest()
         forward.CopyFrom(request)
         forward.token_ids.ids[:] = prompt.token_ids  # sets the oneof: the engine skips tokenizing
@@ -217,9 +224,11 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
                         await context.send_initial_metadata(
                             ((ENGINE_ID_METADATA, engine_id),))
                         self.metrics.ttft_s.observe(time.perf_counter() - received)
+                        admission.started()
                         if span is not None:
                             span.first_message(engine_id)
                     if message.HasField("usage"):
+                        admission.generated(message.usage.completion_tokens)
                         self.metrics.observe_usage(record, message.usage.cached_tokens)
                         if span is not None:
                             span.usage(message.usage)

@@ -4,7 +4,8 @@ One SERVER span per request, child of the client's W3C ``traceparent`` (gRPC met
 front forwards its headers there) and parent of the engine's span (its context goes to the
 engine as metadata). The final placement is on the span's attributes; every attempt is a
 ``placement`` event, and each failed one a ``retry`` event, so a retried request shows both
-engines and why the first was left.
+engines and why the first was left. The wait in the router's queue is a ``flow.admitted``
+event (``quire.flow.wait_s``), a refusal a ``flow.refused`` event.
 """
 
 from __future__ import annotations
@@ -55,6 +56,17 @@ class RouterSpan:
             "quire.routing.predicted_cached_tokens": decision.predicted_cached_tokens,
             "quire.routing.num_prompt_tokens": num_prompt_tokens,
             "quire.routing.attempts": attempt, **scores})
+
+    def flow_admitted(self, tenant: str, priority: int, wait_s: float) -> None:
+        """The wait for a slot in the router's queue (0 when the engines had room)."""
+        self.span.add_event("flow.admitted", {"quire.flow.tenant": tenant,
+                                              "quire.flow.priority": priority,
+                                              "quire.flow.wait_s": wait_s})
+
+    def flow_refused(self, tenant: str, priority: int, reason: str) -> None:
+        self.span.add_event("flow.refused", {"quire.flow.tenant": tenant,
+                                             "quire.flow.priority": priority,
+                                             "quire.flow.reason": reason})
 
     def retried(self, engine_id: str, code: str) -> None:
         self.span.add_event("retry", {"quire.routing.engine_id": engine_id,

@@ -81,11 +81,13 @@ def generate_request(req_id: str, token_ids: Sequence[int], output_len: int
 
 
 async def stream_request(stub: engine_pb2_grpc.EngineServiceStub, request: pb.GenerateRequest,
-                         *, t0: float, timeout_s: float, engine_id: str = "") -> RequestResult:
-    """Send ``request`` and time each message; the engine id comes from the router's initial
-    metadata (``engine_id`` names it when talking to an engine directly)."""
+                         *, t0: float, timeout_s: float, engine_id: str = "",
+                         metadata: tuple[tuple[str, str], ...] = ()) -> RequestResult:
+    """Send ``request`` (with ``metadata``) and time each message; the engine id comes from
+    the router's initial metadata (``engine_id`` names it when talking to an engine
+    directly)."""
     sent = time.perf_counter()
-    call = stub.Generate(request, timeout=timeout_s)
+    call = stub.Generate(request, timeout=timeout_s, metadata=metadata)
     chunks: list[tuple[float, int]] = []
     usage, finish, error = None, "", None
     try:
@@ -154,14 +156,16 @@ def running_engines(num_engines: int, flags: list[str], startup_timeout_s: float
 
 @contextlib.asynccontextmanager
 async def running_router(addresses: Sequence[str], policy: str, timeout_s: float, *,
-                         tokenizer: str | None = None, placement: dict | None = None):
+                         tokenizer: str | None = None, placement: dict | None = None,
+                         flow: dict | None = None):
     """An in-process router (gRPC only) over ``addresses`` (engine list entries: ``host:port``
     or ``vllm://...``), once every engine serves. vLLM engines need ``tokenizer`` (a
-    directory) and their block size in ``placement``."""
+    directory) and their block size in ``placement``; ``flow``: flow-control options."""
     from router.app import RouterServer
 
     router = RouterServer.static(addresses, policy=policy, host="127.0.0.1", port=0,
-                                 http_port=-1, tokenizer=tokenizer, placement=placement)
+                                 http_port=-1, tokenizer=tokenizer, placement=placement,
+                                 flow=flow)
     await router.start()
     try:
         if not await router.wait_ready(len(addresses), timeout_s=timeout_s):

@@ -45,6 +45,7 @@ from quire_cli.bench.harness import (FIRST_SAFE_TOKEN_ID, RequestResult, describ
                                      running_router, stream_request)
 from quire_cli.bench.serve_config import WORKLOAD_NAMES, ServeBenchConfig
 from quire_cli.bench.serve_engines import ENGINE_KINDS, RunEngines, counter_deltas
+from quire_cli.bench.two_tenants import measure_two_tenants
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +92,9 @@ WORKLOADS: dict[str, Callable] = {
     "no_sharing": _no_sharing_prompts,
     "hot_prefix": _hot_prefix_prompts,
 }
-assert tuple(WORKLOADS) == WORKLOAD_NAMES  # the config validates names without importing us
+# Scenarios that drive the router their own way: (engines, policy, cfg, seed) -> a run.
+SCENARIOS: dict[str, Callable] = {"two_tenants": measure_two_tenants}
+assert (*WORKLOADS, *SCENARIOS) == WORKLOAD_NAMES  # the config validates names without us
 
 
 def poisson_offsets(num_requests: int, rate: float, rng: random.Random) -> tuple[float, ...]:
@@ -227,8 +230,11 @@ async def run_all(cfg: ServeBenchConfig, engines, seed: int) -> list[dict]:
             # Other work on the machine skews a run; its load average is kept beside it.
             load_1m = os.getloadavg()[0]
             async with engines.fresh() as run_engines:
-                run = await measure(run_engines, engines.cache_counters, policy,
-                                    workload_name, cfg, seed)
+                if workload_name in SCENARIOS:
+                    run = await SCENARIOS[workload_name](run_engines, policy, cfg, seed)
+                else:
+                    run = await measure(run_engines, engines.cache_counters, policy,
+                                        workload_name, cfg, seed)
             runs.append(dict(run, load_average_1m_before=load_1m))
             print(f"  {workload_name:<14}{policy:<14}{run['num_finished']}/"
                   f"{run['num_requests']} finished in {run['duration_s']:.1f}s", flush=True)

@@ -11,7 +11,8 @@ from engine_worker.arg_utils import add_engine_args
 from quire.config_args import add_dataclass_args, require_at_least
 from router.balancer import POLICIES
 
-WORKLOAD_NAMES = ("shared_prefix", "no_sharing", "hot_prefix")  # quire_cli.bench.serve.WORKLOADS
+# quire_cli.bench.serve.WORKLOADS, then SCENARIOS (runs of their own shape)
+WORKLOAD_NAMES = ("shared_prefix", "no_sharing", "hot_prefix", "two_tenants")
 ENGINE_KIND_NAMES = ("quire", "vllm")  # quire_cli.bench.serve_engines.ENGINE_KINDS
 
 
@@ -38,6 +39,12 @@ class ServeBenchConfig:
     vllm_python: str = ""
     vllm_kv_blocks: int = 0
     vllm_block_size: int = 128
+    # two_tenants (quire_cli.bench.two_tenants)
+    flood_rate: float = 20.0
+    flood_duration_s: float = 30.0
+    light_interval_s: float = 3.0
+    light_idle_requests: int = 5
+    tenant_max_queue: int = 32
     output_json: str = "bench-serve.json"
     output_png: str = "bench-serve.png"
 
@@ -58,6 +65,11 @@ class ServeBenchConfig:
             raise ValueError(f"hot_share: must be in [0, 1], got {self.hot_share}")
         if not 1 <= self.num_routers <= 16:
             raise ValueError(f"num_routers: must be in [1, 16], got {self.num_routers}")
+        require_at_least(self, ("light_idle_requests",))
+        require_at_least(self, ("tenant_max_queue",), minimum=0)
+        for name in ("flood_rate", "flood_duration_s", "light_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.max_concurrency < 0:
             raise ValueError(f"max_concurrency: must be >= 0 (0: unlimited), "
                              f"got {self.max_concurrency}")
@@ -119,10 +131,16 @@ SERVE_HELP = {
     "num_engines": "engine processes (each gets cpu_count // num_engines threads)",
     "policies": "comma-separated routing policies to compare",
     "workloads": "comma-separated: shared_prefix, no_sharing, hot_prefix (one system prompt on "
-                 "--hot-share of the requests, the rest unique)",
+                 "--hot-share of the requests, the rest unique), two_tenants (one tenant floods "
+                 "while another sends a request every --light-interval-s)",
     "hot_share": "hot_prefix: share of the requests that carry the one hot system prompt",
     "num_routers": "router replicas; request i goes through replica i mod N, and every "
                    "replica subscribes to every engine's KV events and load",
+    "flood_rate": "two_tenants: the heavy tenant's Poisson arrival rate (requests/s)",
+    "flood_duration_s": "two_tenants: how long the heavy tenant floods",
+    "light_interval_s": "two_tenants: seconds between the light tenant's requests",
+    "light_idle_requests": "two_tenants: the light tenant's requests on the idle stack first",
+    "tenant_max_queue": "two_tenants: the router's per-tenant queue (--max-queue-per-tenant)",
     "num_groups": "system prompts (shared_prefix)",
     "prompts_per_group": "requests per system prompt",
     "system_prompt_len": "tokens per system prompt",

@@ -96,6 +96,11 @@ def print_summary(report: dict) -> None:
             print(f"{r['workload']}: {r['policy']}: vLLM's prefix-cache counters: "
                   f"{counters['hits']:.0f} of {counters['queries']:.0f} prompt tokens hit "
                   f"({counters['hit_rate']:.1%})")
+    for r in report["runs"]:
+        if "two_tenants" in r:
+            from quire_cli.bench.two_tenants import print_two_tenants
+
+            print_two_tenants(r)
     for workload, baselines in report["comparisons"].items():
         for policy, c in baselines.items():
             print(f"{workload}: {REFERENCE_POLICY} vs {policy}: TTFT p50 "

@@ -78,3 +78,23 @@ def test_bench_router_overhead(tiny_model_dir, tmp_path):
     assert "paired_median" in report["added_ms"]["ttft_ms"]
     assert report["placement_us"]["num_decisions"] == 6
     assert (tmp_path / "router-overhead.png").stat().st_size > 0
+
+
+def test_bench_serve_two_tenants(tiny_model_dir, tmp_path):
+    """One tenant floods, the other sends now and then: every heavy request completes or is
+    refused with RESOURCE_EXHAUSTED, none fails otherwise, and nothing is left running."""
+    report = _bench(tiny_model_dir, tmp_path, "serve", "--workloads", "two_tenants",
+                    "--policies", "least_loaded", "--num-engines", "2", "--max-num-seqs", "2",
+                    "--system-prompt-len", "16", "--question-len", "8", "--output-len", "48",
+                    "--flood-rate", "40", "--flood-duration-s", "3", "--light-interval-s", "1",
+                    "--light-idle-requests", "2", "--tenant-max-queue", "4")
+    (run,) = report["runs"]
+    scenario = run["two_tenants"]
+    heavy = scenario["heavy"]
+    assert heavy["sent"] == heavy["completed"] + heavy["refused_429"] > 0
+    assert heavy["other_errors"] == 0 and scenario["light_errors"] == 0, scenario["errors"]
+    assert scenario["light_idle_ms"]["num_ok"] == 2 and scenario["light_flood_ms"]["num_ok"] >= 2
+    assert scenario["left_running"] == {"router_inflight": 0, "router_queued": 0,
+                                        "engine_running": 0, "engine_waiting": 0}
+    assert scenario["light_p90_over_idle_p50"] > 0
+    assert run["num_errors"] == heavy["refused_429"]

@@ -114,7 +114,10 @@ def test_client_router_and_engine_spans_form_one_trace(stack):
     assert attrs["quire.routing.predicted_cached_tokens"] == 80
     assert attrs["quire.routing.num_prompt_tokens"] == 81
     assert attrs["quire.usage.cached_tokens"] == last.usage.cached_tokens == 80
-    assert [e[0] for e in router.events] == ["placement", "first_message"]
+    assert [e[0] for e in router.events] == ["flow.admitted", "placement", "first_message"]
+    admitted = router.events[0][2]  # the wait in the router's queue (none: engines had room)
+    assert admitted["quire.flow.wait_s"] >= 0 and admitted["quire.flow.priority"] == 0
+    assert admitted["quire.flow.tenant"] == "other"
 
     # Where its time went on the engine, after the GenAI conventions.
     attrs = engine.attributes
@@ -149,8 +152,9 @@ def test_a_retry_is_an_event_and_both_engines_are_in_the_trace(stack):
         a.server.servicer.draining = False
     spans = stack.trace(trace_id, 3)
     (router,) = _by_service(spans, "quire-router")
-    assert [e[0] for e in router.events] == ["placement", "retry", "placement", "first_message"]
-    retry = router.events[1][2]
+    assert [e[0] for e in router.events] == ["flow.admitted", "placement", "retry", "placement",
+                                             "first_message"]
+    retry = router.events[2][2]
     assert retry["quire.routing.engine_id"] == address(a)
     assert retry["rpc.grpc.status_code"] == "UNAVAILABLE"
     assert router.attributes["quire.routing.engine_id"] == address(b)

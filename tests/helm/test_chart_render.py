@@ -352,10 +352,12 @@ def test_rendered_environment_parses_with_the_real_cli(values_file, render, monk
     from quire_cli.main import build_parser
     from router.config import (DiscoveryConfig, EngineTLSConfig, PlacementConfig,
                                RouterServerConfig)
+    from router.flow_config import FlowConfig
 
     objects = render(load_values(values_file))
     commands = [("router", one(objects, "Deployment", "router"),
-                 (RouterServerConfig, DiscoveryConfig, PlacementConfig, EngineTLSConfig))]
+                 (RouterServerConfig, DiscoveryConfig, PlacementConfig, EngineTLSConfig,
+                  FlowConfig))]
     if engines_enabled(values_file):
         commands.append(("engine", one(objects, "StatefulSet", "engine"), (ServerConfig,)))
     for command, workload, classes in commands:
@@ -410,3 +412,36 @@ def test_router_only_in_front_of_an_existing_vllm_service(render):
     assert "QUIRE_ENGINE_KIND" not in quire  # this chart's own engines: the default kind
     with pytest.raises(Exception, match="engine.enabled=false"):
         render({"router": {"discovery": {"engineKind": "vllm"}}})
+
+
+def test_flow_control_values_reach_the_router(render, monkeypatch):
+    """router.config's flow options become QUIRE_* variables, router.tenants one JSON variable
+    in the router's own (snake_case) names, which the real FlowConfig parses."""
+    from quire_cli.main import build_parser
+    from quire.config_args import dataclass_from_namespace
+    from router.flow_config import FlowConfig
+    from router.tenants import TenantPolicy
+
+    digest = "ab" * 32
+    objects = render({"router": {
+        "config": {"tenantHeader": "x-tenant-id", "queueTimeoutS": 30, "engineSlots": 0},
+        "tenants": {"default": {"maxQueue": 16, "tokensPerMinute": 100000},
+                    "tenants": {"gold": {"weight": 4, "priority": -1,
+                                         "requestsPerMinute": 600, "apiKeySha256": [digest]},
+                                "batch": {"weight": 0.5, "priority": 10}}}}})
+    env = env_of(pod_spec(one(objects, "Deployment", "router"))["containers"][0])
+    assert env["QUIRE_TENANT_HEADER"] == "x-tenant-id" and env["QUIRE_QUEUE_TIMEOUT_S"] == "30"
+    with monkeypatch.context() as patch:
+        for name, value in env.items():
+            if name.startswith("QUIRE_") and isinstance(value, str):
+                patch.setenv(name, value)
+        cfg = dataclass_from_namespace(FlowConfig, build_parser(["router"]).parse_args(["router"]))
+    table = cfg.table()
+    assert table.header == "x-tenant-id" and cfg.queue_timeout_s == 30
+    assert table.default == TenantPolicy(max_queue=16, tokens_per_minute=100000)
+    assert table.tenants["gold"] == TenantPolicy(weight=4, priority=-1, max_queue=16,
+                                                 requests_per_minute=600,
+                                                 tokens_per_minute=100000)
+    assert table.tenants["batch"].weight == 0.5 and table.key_tenants == {digest: "gold"}
+    default_env = env_of(pod_spec(one(render({}), "Deployment", "router"))["containers"][0])
+    assert "QUIRE_TENANTS" not in default_env

@@ -23,7 +23,7 @@ ROUTER_MANAGED = {"host", "port", "http_port", "api_keys", "api_key_file", "disc
                   "k8s_service", "k8s_label_selector", "k8s_port_name", "k8s_watch_timeout_s",
                   "engine_tls_ca_file", "engine_tls_cert_file", "engine_tls_key_file",
                   "engine_tls_server_name", "engine_kind", "vllm_kv_events_port",
-                  "vllm_kv_replay_port"}
+                  "vllm_kv_replay_port", "tenants"}  # tenants: from router.tenants
 
 
 def snake(name: str) -> str:
@@ -120,6 +120,15 @@ def test_default_values_pass_the_schema(chart):
     ({"router": {"discovery": {"mode": "static"}}}, "at '/router/discovery/engines': minItems"),
     ({"router": {"apiKeys": {"enabled": True}}}, "at '/router/apiKeys/secretName': minLength"),
     ({"serviceMonitor": {"interval": "soon"}}, "at '/serviceMonitor/interval'"),
+    ({"router": {"config": {"engineSlots": -1}}}, "at '/router/config/engineSlots': minimum"),
+    ({"router": {"tenants": {"tenants": {"gold": {"weight": 0}}}}},
+     "at '/router/tenants/tenants/gold/weight': exclusiveMinimum"),
+    ({"router": {"tenants": {"tenants": {"gold": {"wieght": 2}}}}},
+     "at '/router/tenants/tenants/gold': additional properties 'wieght' not allowed"),
+    ({"router": {"tenants": {"tenants": {"gold": {"apiKeySha256": ["secret"]}}}}},
+     "at '/router/tenants/tenants/gold/apiKeySha256/0'"),
+    ({"router": {"tenants": {"default": {"requestsPerMinute": -1}}}},
+     "at '/router/tenants/default/requestsPerMinute': minimum"),
 ])
 def test_schema_rejects_bad_values_naming_the_key(render, values, message):
     import helm_python as helm
@@ -165,8 +174,11 @@ def test_router_config_covers_every_router_option():
     from router.balancer import POLICIES
     from router.config import (DISCOVERY_KINDS, DiscoveryConfig, EngineTLSConfig,
                                PlacementConfig, RouterServerConfig)
+    from router.flow_config import FlowConfig
+    from router.tenants import TenantPolicy
 
-    options = _fields(RouterServerConfig, DiscoveryConfig, PlacementConfig, EngineTLSConfig)
+    options = _fields(RouterServerConfig, DiscoveryConfig, PlacementConfig, EngineTLSConfig,
+                      FlowConfig)
     in_values = {snake(k) for k in VALUES["router"]["config"]}
     assert in_values | ROUTER_MANAGED == options, (
         f"missing from router.config: {sorted(options - in_values - ROUTER_MANAGED)}; "
@@ -174,6 +186,11 @@ def test_router_config_covers_every_router_option():
     router_schema = SCHEMA["properties"]["router"]["properties"]
     assert set(router_schema["config"]["properties"]["policy"]["enum"]) - {None} == set(POLICIES)
     assert set(router_schema["discovery"]["properties"]["mode"]["enum"]) == set(DISCOVERY_KINDS)
+    tenants = router_schema["tenants"]["properties"]
+    policy_keys = {f.name for f in dataclasses.fields(TenantPolicy)}
+    assert {snake(k) for k in tenants["default"]["properties"]} == policy_keys
+    assert {snake(k) for k in tenants["tenants"]["additionalProperties"]["properties"]} == \
+        policy_keys | {"api_key_sha256"}
 
 
 def test_rendered_quire_variables_are_real_options(render):
@@ -182,6 +199,7 @@ def test_rendered_quire_variables_are_real_options(render):
     from engine_worker.server.config import ServerConfig
     from router.config import (DiscoveryConfig, EngineTLSConfig, PlacementConfig,
                                RouterServerConfig)
+    from router.flow_config import FlowConfig
 
     def filled(config: dict) -> dict:
         """A valid non-null value for every option."""
@@ -205,7 +223,8 @@ def test_rendered_quire_variables_are_real_options(render):
     objects = render(values)
     expected = {
         "router": {"QUIRE_" + f.upper() for f in _fields(RouterServerConfig, DiscoveryConfig,
-                                                         PlacementConfig, EngineTLSConfig)},
+                                                         PlacementConfig, EngineTLSConfig,
+                                                         FlowConfig)},
         "engine": {"QUIRE_" + f.upper() for f in _fields(ServerConfig, EngineArgs)} | {
             "QUIRE_CACHE_DIR"},
     }

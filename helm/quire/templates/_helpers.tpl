@@ -171,3 +171,30 @@ helm.sh/chart: {{ include "quire.chart" .root }}
 {{- define "quire.tlsServerName" -}}
 {{- default (printf "%s.%s.svc" (include "quire.discoveryService" .) (include "quire.discoveryNamespace" .)) .Values.tls.serverName }}
 {{- end }}
+
+{{/* Flow control's tenants table as the router reads it (QUIRE_TENANTS): the chart's camelCase
+     setting names in snake_case; tenant names as written. Empty when nothing is set. */}}
+{{- define "quire.tenantsJson" -}}
+{{- $table := dict }}
+{{- with include "quire.snakeKeys" (.default | default dict) | fromJson }}
+{{- $_ := set $table "default" . }}
+{{- end }}
+{{- $tenants := dict }}
+{{- range $name, $settings := .tenants }}
+{{- $_ := set $tenants $name (include "quire.snakeKeys" $settings | fromJson) }}
+{{- end }}
+{{- if $tenants }}
+{{- $_ := set $table "tenants" $tenants }}
+{{- end }}
+{{- if $table }}{{ toJson $table }}{{ end }}
+{{- end }}
+
+{{- define "quire.snakeKeys" -}}
+{{- $out := dict }}
+{{- range $key, $value := . }}
+{{- if not (kindIs "invalid" $value) }}
+{{- $_ := set $out (snakecase $key) $value }}
+{{- end }}
+{{- end }}
+{{- toJson $out }}
+{{- end }}

@@ -1,0 +1,81 @@
+"""How many requests each engine can batch, learned from its load reports; the router admits
+at most their sum at a time, so that requests beyond it wait in the router (where the flow
+controller chooses what runs next) rather than in an engine's queue (where nobody can).
+
+No engine reports its batch limit (``max_num_seqs``, or what its KV cache holds), but every
+engine reports ``num_running`` and ``num_waiting``, and an engine that keeps requests waiting
+is batching all it can: its slots are then the requests it runs. Per engine:
+
+- start at ``initial`` slots (a documented default, or ``--engine-slots`` fixed by hand);
+- while it runs as many requests as it has slots and keeps none waiting, it could take more:
+  double the slots until it has first kept requests waiting, one more per report after;
+- when two reports in a row show requests waiting, its slots become what it runs (at least 1).
+
+The two-report rule skips the moment between a request's arrival and the engine's next step,
+when a request waits without the engine being full.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from router.balancer import EndpointSnapshot
+
+DEFAULT_INITIAL_SLOTS = 8
+
+
+@dataclass(slots=True)
+class _Learned:
+    slots: int
+    saturated_once: bool = False
+    waiting_before: bool = False
+
+
+class EngineSlots:
+    """Slots per engine from ``snapshots()`` (the pool's view of every engine)."""
+
+    def __init__(self, snapshots: Callable[[], Sequence[EndpointSnapshot]], *,
+                 fixed: int = 0, initial: int = DEFAULT_INITIAL_SLOTS,
+                 ceiling: int = 4096) -> None:
+        """``fixed`` > 0: every engine has exactly that many slots (nothing is learned)."""
+        self.snapshots = snapshots
+        self.fixed = fixed
+        self.initial = initial
+        self.ceiling = ceiling
+        self._learned: dict[str, _Learned] = {}
+
+    def observe(self) -> int | None:
+        """Update from the engines' latest reports; the slots of the serving engines together
+        (None while no engine serves: nothing to hold requests for)."""
+        healthy = [s for s in self.snapshots() if s.healthy]
+        self._learned = {s.engine_id: self._learned.get(s.engine_id) or _Learned(self.initial)
+                         for s in healthy}
+        if not healthy:
+            return None
+        if self.fixed:
+            return self.fixed * len(healthy)
+        for snapshot in healthy:
+            self._update(self._learned[snapshot.engine_id], snapshot)
+        return sum(learned.slots for learned in self._learned.values())
+
+    def _update(self, learned: _Learned, snapshot: EndpointSnapshot) -> None:
+        waiting = snapshot.num_waiting > 0
+        if waiting and learned.waiting_before:
+            learned.slots = max(1, snapshot.num_running)
+            learned.saturated_once = True
+        elif not waiting and snapshot.num_running >= learned.slots:
+            grown = learned.slots + 1 if learned.saturated_once else learned.slots * 2
+            learned.slots = min(grown, self.ceiling)
+        learned.waiting_before = waiting
+
+    @property
+    def num_engines(self) -> int:
+        """Serving engines, as last observed."""
+        return len(self._learned)
+
+    def slots(self) -> dict[str, int]:
+        """Each serving engine's slots, as last observed."""
+        if self.fixed:
+            return {engine_id: self.fixed for engine_id in self._learned}
+        return {engine_id: learned.slots for engine_id, learned in self._learned.items()}

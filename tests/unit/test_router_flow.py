@@ -1,0 +1,311 @@
+"""Flow control's pure parts, exactly: the admission order (priority bands, deficit round robin
+by weight, arrival order), shedding, deadlines, clients leaving, rate limits, the engine slots
+learned from load reports and the tenants table."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+
+import pytest
+
+from router.balancer import EndpointSnapshot
+from router.engine_slots import EngineSlots
+from router.flow import FlowController, FlowRefused, FlowRequest
+from router.flow_config import FlowConfig
+from router.rate_limit import TokenBucket
+from router.tenants import Tenant, TenantPolicy, TenantTable, parse_tenants
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tenant(name: str, **policy) -> Tenant:
+    return Tenant(name, name, TenantPolicy(**policy))
+
+
+def req(t: Tenant, priority: int = 0, tokens: int = 10, max_wait_s=None) -> FlowRequest:
+    return FlowRequest(tenant=t, priority=priority, num_prompt_tokens=tokens,
+                       max_wait_s=max_wait_s)
+
+
+def controller(capacity: int, **kwargs) -> FlowController:
+    flow = FlowController(lambda: capacity, **kwargs)
+    flow.refresh()
+    return flow
+
+
+async def admitted_order(flow: FlowController, requests: list[tuple[str, FlowRequest]]):
+    """Queue ``requests`` (the slots being full), then free one slot at a time; the labels in
+    the order they were admitted."""
+    holders = [await flow.admit(req(tenant("holder"))) for _ in range(flow.capacity)]
+    order: list[str] = []
+
+    async def one(label, request):
+        admission = await flow.admit(request)
+        order.append(label)
+        return admission
+
+    tasks = [asyncio.create_task(one(label, r)) for label, r in requests]
+    await asyncio.sleep(0)
+    for holder in holders:
+        holder.release()
+    while len(order) < len(requests):
+        await asyncio.sleep(0)
+        admissions = [t.result() for t in tasks if t.done()]
+        for admission in admissions:
+            admission.release()
+    return order
+
+
+def test_lower_priority_value_runs_first_then_arrival_order():
+    async def main():
+        flow = controller(1)
+        return await admitted_order(flow, [("a5", req(tenant("a"), 5)),
+                                           ("a0", req(tenant("a"), 0)),
+                                           ("b-1", req(tenant("b"), -1)),
+                                           ("a0'", req(tenant("a"), 0))])
+    assert asyncio.run(main()) == ["b-1", "a0", "a0'", "a5"]
+
+
+def test_tenants_share_by_weight_within_a_band():
+    heavy, light, gold = tenant("heavy"), tenant("light"), tenant("gold", weight=2)
+
+    async def main():
+        flow = controller(1)
+        requests = [(f"h{i}", req(heavy)) for i in range(6)]
+        requests += [(f"l{i}", req(light)) for i in range(2)]
+        requests += [(f"g{i}", req(gold)) for i in range(4)]
+        return await admitted_order(flow, requests)
+    # one turn each in order of first arrival; gold's weight 2 gives it two per turn
+    assert asyncio.run(main()) == ["h0", "l0", "g0", "g1", "h1", "l1", "g2", "g3", "h2", "h3",
+                                   "h4", "h5"]
+
+
+def test_a_fractional_weight_takes_several_turns():
+    async def main():
+        flow = controller(1)
+        return await admitted_order(flow, [(f"s{i}", req(tenant("s", weight=0.5)))
+                                           for i in range(2)] +
+                                    [(f"n{i}", req(tenant("n"))) for i in range(4)])
+    assert asyncio.run(main()) == ["n0", "s0", "n1", "n2", "s1", "n3"]
+
+
+def test_full_queue_is_refused_with_retry_after_and_costs_nothing():
+    t = tenant("t", max_queue=2, requests_per_minute=4)
+
+    async def main():
+        flow = controller(1)
+        holder = await flow.admit(req(t))
+        waiting = [asyncio.create_task(flow.admit(req(t))) for _ in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(FlowRefused) as refused:
+            await flow.admit(req(t))
+        assert refused.value.reason == "queue_full" and refused.value.retry_after == "3"
+        assert flow.depth() == {"t": 2}
+        holder.release()
+        (await waiting[0]).release()
+        (await waiting[1]).release()
+        assert flow.inflight == 0 and flow.depth() == {}
+        (await flow.admit(req(t))).release()  # the refused request took none of the four
+        with pytest.raises(FlowRefused, match="requests per minute"):
+            await flow.admit(req(t))
+    asyncio.run(main())
+
+
+def test_queue_timeout_and_request_deadline_refuse_and_dequeue():
+    async def main():
+        flow = controller(1, queue_timeout_s=0.05)
+        holder = await flow.admit(req(tenant("t")))
+        with pytest.raises(FlowRefused) as timeout:
+            await flow.admit(req(tenant("t")))
+        assert timeout.value.reason == "queue_timeout" and "queueing deadline" in str(
+            timeout.value)
+        with pytest.raises(FlowRefused) as deadline:
+            await flow.admit(req(tenant("t"), max_wait_s=0.01))
+        assert "request's deadline" in str(deadline.value)
+        assert flow.depth() == {} and flow.inflight == 1
+        holder.release()
+        assert flow.inflight == 0
+    asyncio.run(main())
+
+
+def test_a_client_that_leaves_is_dropped_at_once():
+    async def main():
+        flow = controller(1)
+        holder = await flow.admit(req(tenant("t")))
+        leaving = asyncio.create_task(flow.admit(req(tenant("a"))))
+        staying = asyncio.create_task(flow.admit(req(tenant("b"))))
+        await asyncio.sleep(0)
+        assert flow.depth() == {"a": 1, "b": 1}
+        leaving.cancel()
+        await asyncio.gather(leaving, return_exceptions=True)
+        assert flow.depth() == {"b": 1}
+        holder.release()
+        admission = await staying
+        assert admission.request.tenant.name == "b" and flow.inflight == 1
+    asyncio.run(main())
+
+
+def test_rate_limits_refuse_with_the_time_to_refill():
+    clock = Clock()
+    t = tenant("t", requests_per_minute=2, tokens_per_minute=600)
+
+    async def main():
+        flow = controller(100, clock=clock)
+        for _ in range(2):
+            (await flow.admit(req(t, tokens=100))).release()
+        with pytest.raises(FlowRefused) as refused:
+            await flow.admit(req(t, tokens=100))
+        assert refused.value.reason == "rate_limited"
+        assert refused.value.retry_after_s == pytest.approx(30.0)  # one request per 30 s
+        clock.now += 30.0
+        admission = await flow.admit(req(t, tokens=100))
+        admission.generated(800)  # the bucket goes below zero: tokens now bind
+        admission.release()
+        clock.now += 30.0
+        with pytest.raises(FlowRefused) as tokens:
+            await flow.admit(req(t, tokens=100))
+        assert "tokens per minute" in str(tokens.value)
+        assert tokens.value.retry_after_s == pytest.approx(10.0)  # 100 tokens at 10 a second
+        assert flow.inflight == 0
+    asyncio.run(main())
+
+
+def test_token_bucket_lets_a_request_larger_than_a_minute_through_a_full_bucket():
+    bucket = TokenBucket.full(60.0, 0.0)
+    assert bucket.wait_s(1000, 0.0) == 0.0
+    bucket.take(1000, 0.0)
+    assert bucket.wait_s(1, 0.0) == pytest.approx(941.0)
+
+
+def snapshot(engine_id, running, waiting, healthy=True):
+    return EndpointSnapshot(engine_id=engine_id, healthy=healthy, cached_blocks=0, block_size=16,
+                            num_running=running, num_waiting=waiting)
+
+
+def test_engine_slots_learn_what_an_engine_batches():
+    reports = [snapshot("e", 0, 0)]
+    slots = EngineSlots(lambda: reports, initial=4)
+    assert slots.observe() == 4
+    reports[:] = [snapshot("e", 4, 0)]  # full and nothing waiting: double (slow start)
+    assert slots.observe() == 8
+    reports[:] = [snapshot("e", 6, 1)]  # one report waiting: a request between two steps
+    assert slots.observe() == 8
+    reports[:] = [snapshot("e", 6, 2)]  # two in a row: it batches 6
+    assert slots.observe() == 6
+    reports[:] = [snapshot("e", 6, 0)]  # room again: one more at a time now
+    assert slots.observe() == 7
+    reports[:] = [snapshot("e", 3, 0), snapshot("f", 0, 0), snapshot("g", 9, 9, healthy=False)]
+    assert slots.observe() == 7 + 4 and slots.slots() == {"e": 7, "f": 4}
+    reports[:] = []
+    assert slots.observe() is None
+    assert EngineSlots(lambda: [snapshot("e", 1, 5)] * 2, fixed=3).observe() == 6
+
+
+def test_no_engine_serving_lets_requests_through():
+    async def main():
+        flow = FlowController(lambda: None)
+        admission = await flow.admit(req(tenant("t")))
+        assert flow.inflight == 1
+        admission.release()
+        admission.release()  # idempotent
+        assert flow.inflight == 0
+    asyncio.run(main())
+
+
+def test_tenants_resolve_by_header_then_key_digest():
+    key = "sk-gold"
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    table = parse_tenants(json.dumps({"default": {"max_queue": 3}, "tenants": {
+        "gold": {"weight": 4, "priority": -1, "api_key_sha256": [digest]}}}),
+        TenantPolicy(), "X-Tenant-Id")
+    gold = table.resolve((("authorization", f"Bearer {key}"),))
+    assert (gold.name, gold.label, gold.policy.weight, gold.policy.priority) == \
+        ("gold", "gold", 4, -1)
+    other = table.resolve((("authorization", "Bearer sk-other"),))
+    assert other.name == "key:" + hashlib.sha256(b"sk-other").hexdigest()[:12]
+    assert other.label == "other" and other.policy.max_queue == 3
+    by_header = table.resolve((("x-tenant-id", "acme"), ("authorization", f"Bearer {key}")))
+    assert by_header.name == "acme" and by_header.label == "other"
+    assert table.resolve(()).name == "anonymous"
+    # metric labels: 0 and the tenants' defaults by value, any other priority as "other"
+    assert [table.priority_label(p) for p in (0, -1, 7)] == ["0", "-1", "other"]
+    assert isinstance(TenantTable().resolve(()), Tenant)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"engine_slots": -1}, "engine_slots: must be >= 0"),
+    ({"max_queue_per_tenant": -2}, "max_queue_per_tenant: must be >= 0"),
+    ({"queue_timeout_s": -1.0}, "queue_timeout_s: must be >= 0"),
+    ({"tenant_requests_per_minute": -5.0}, "tenant_requests_per_minute: must be >= 0"),
+    ({"tenant_header": " "}, "tenant_header: must not be empty"),
+    ({"tenants": "{"}, "tenants: neither JSON nor YAML"),
+    ({"tenants": "[1]"}, "tenants: must be an object"),
+    ({"tenants": '{"tenants": {"a": {"weight": -1}}}'}, "tenants: tenants.a.weight: must be"),
+    ({"tenants": '{"tenants": {"a": {"wieght": 2}}}'}, "tenants: tenants.a: unknown setting"),
+    ({"tenants": '{"tenants": {"a": {"api_key_sha256": "abc"}}}'},
+     "tenants: tenants.a.api_key_sha256: 'abc' is not a SHA-256"),
+    ({"tenants": '{"default": {"tokens_per_minute": "x"}}'},
+     "tenants: default.tokens_per_minute: must be a number"),
+    ({"tenants": "@/nonexistent/tenants.yaml"}, "tenants: cannot read /nonexistent"),
+])
+def test_bad_flow_config_names_the_flag(fields, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        FlowConfig(**fields)
+
+
+def test_tenants_from_a_yaml_file(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text("tenants:\n  batch:\n    weight: 0.5\n    priority: 10\n")
+    table = FlowConfig(tenants=f"@{path}", tenant_tokens_per_minute=1000).table()
+    assert table.tenants["batch"] == TenantPolicy(weight=0.5, priority=10,
+                                                  tokens_per_minute=1000)
+
+
+def test_gradient_limit_grows_while_batching_is_free_and_settles_where_it_is_not():
+    from router.gradient_limit import GradientLimit
+
+    flat = GradientLimit(4)
+    for _ in range(100):
+        flat.observe(0.01, ceiling=64)  # per-token time does not grow: fill the slots
+    assert flat.value(64) == 64
+    # a compute-bound pool of 2 engines: per-token time grows with the requests per engine
+    # (starting from one request per engine, as the router does: the fastest per-token
+    # time is seen before the batch grows)
+    bound = GradientLimit(2)
+    for _ in range(200):
+        bound.observe(0.01 * max(1.0, bound.value(64) / 2), ceiling=64, floor=2)
+    # settles where each request runs at about half its own speed (two per engine), plus
+    # Gradient2's square-root allowance: far below the 64 slots
+    assert 4 <= bound.value(64, 2) <= 10
+    assert GradientLimit(1).value(64, floor=2) == 2
+
+
+def test_controller_caps_admissions_at_the_gradient_limit():
+    from router.gradient_limit import GradientLimit
+
+    clock = Clock()
+
+    async def main():
+        limit = GradientLimit(2)
+        flow = FlowController(lambda: 8, limit=limit, clock=clock)
+        flow.refresh()
+        assert (flow.slots, flow.capacity) == (8, 2)
+        first, second = await flow.admit(req(tenant("t"))), await flow.admit(req(tenant("t")))
+        third = asyncio.create_task(flow.admit(req(tenant("t"))))
+        await asyncio.sleep(0)
+        assert flow.depth() == {"t": 1}
+        first.started()
+        clock.now += 1.0
+        first.generated(101)
+        first.release()  # 10 ms a token, the fastest yet: the limit may grow
+        assert flow.capacity >= 2 and (await third).wait_s == 1.0
+        second.release()
+    asyncio.run(main())
