@@ -13,10 +13,11 @@ runner can drop their state. Everything here is plain Python data, never tensors
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine_worker.request import RequestStatus
 from engine_worker.sampling_params import SamplingParams
+from engine_worker.spec_decode.stats import SpecDecodingStats
 
 
 # ------------------------------------------------------------------ scheduler -> runner
@@ -68,6 +69,9 @@ class SchedulerOutput:
     block_copies: tuple[tuple[int, int], ...] = ()
     # n > 1 forks, in sampling order: each parent's children follow one another
     forks: tuple[ForkedRequestData, ...] = ()
+    # speculative decoding: draft tokens verified after each listed request's last token; they
+    # are counted in its ``num_scheduled_tokens`` (1 + len(drafts) for a decoding request)
+    spec_token_ids: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -97,7 +101,8 @@ class SampledLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
-    """Per request id: tokens sampled this step (empty mid-prefill) and optional logprobs."""
+    """Per request id: tokens sampled this step (empty mid-prefill; with drafts, the accepted
+    drafts then one more) and optional logprobs (one position per sampled token)."""
 
     sampled_token_ids: Mapping[str, tuple[int, ...]]
     logprobs: Mapping[str, SampledLogprobs]
@@ -126,3 +131,4 @@ class SchedulerStats:
     num_waiting: int
     num_queued_tokens: int  # tokens of unfinished requests not yet computed
     num_preemptions: int
+    spec_decoding: SpecDecodingStats | None = None  # totals; None when speculation is off
