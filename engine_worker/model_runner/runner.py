@@ -68,6 +68,9 @@ class _DeviceSamples:
     drafts: list[tuple[int, ...]]  # per state: the drafts its rows verify (empty: none)
     token_ids: torch.Tensor  # [num_rows] int64
     logprobs: LogprobTensors | None
+    # seeded requests with drafts: their generator's state before the step's draws, and the
+    # uniforms one position draws (see ModelRunner._rewind)
+    rewinds: dict[int, tuple[torch.Generator, torch.Tensor, int]]
 
 
 class ModelRunner:
@@ -189,9 +192,24 @@ class ModelRunner:
             logits = logits[self._index(logit_rows)]
         meta = build_sampling_metadata(row_views, self.vocab_size, self.eos_token_ids,
                                        self.device)
+        rewinds = {j: (s.generator, s.generator.get_state(), meta.rounds.num_uniforms)
+                   for j, (s, d) in enumerate(zip(picked, drafts))
+                   if d and s.generator is not None and not s.params.is_greedy}
         uniforms = draw_uniforms(logits, meta, self.default_generator)
         token_ids, logprobs = sample_tokens(logits, meta, uniforms)
-        return _DeviceSamples(picked, row_starts, drafts, token_ids, logprobs)
+        return _DeviceSamples(picked, row_starts, drafts, token_ids, logprobs, rewinds)
+
+    def _rewind(self, generator: torch.Generator, state: torch.Tensor, num_uniforms: int,
+                num_tokens: int) -> None:
+        """A seeded request's stream after a verified step: as if only the positions of the
+        ``num_tokens`` emitted tokens had drawn, which is what a step per token would have
+        drawn. Position i then always takes the i-th draw of the stream, with or without
+        drafts, so a seeded request's tokens do not depend on what was proposed or accepted
+        (nor on the batch, which decides whether drafts run)."""
+        generator.set_state(state)
+        for _ in range(num_tokens):  # as draw_uniforms draws a row
+            torch.empty(num_uniforms, dtype=torch.float64, device=self.device
+                        ).uniform_(generator=generator)
 
     @staticmethod
     def _verified_positions(state: RunnerRequestState, draft: tuple[int, ...]
@@ -228,6 +246,8 @@ class ModelRunner:
                 if draft:
                     tokens = accepted_tokens(draft, tokens)
                     self._settle_drafts(state, draft, len(tokens))
+                    if j in samples.rewinds:
+                        self._rewind(*samples.rewinds[j], len(tokens))
                 state.token_ids.extend(tokens)
                 sampled[state.req_id] = tuple(tokens)
                 if samples.logprobs is not None and state.params.logprobs is not None:

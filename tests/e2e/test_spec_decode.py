@@ -232,3 +232,14 @@ def test_sampled_output_is_distributed_as_the_target(tiny_model_dir, baseline, t
     stat1 = float((((counts - expected) ** 2 / expected)[big]).sum())
     assert _chi2_sf(stat1, int(big.sum()) - 1) > 1e-3
     assert math.isclose(sum(first.values()), 1.0)
+
+
+def test_seeded_sampling_is_token_identical_with_and_without_drafts(baseline, speculative):
+    """Position i always takes the i-th draw of a seeded request's stream, and a draft is
+    accepted exactly when that draw picks it: the same tokens as without speculation."""
+    params = [SamplingParams(temperature=0.8, top_p=0.95, top_k=40, seed=7 + i, max_tokens=m,
+                             ignore_eos=True, repetition_penalty=1.1, logprobs=1)
+              for i, m in enumerate(MAX_TOKENS)]
+    before = speculative.engine.stats().scheduler.spec_decoding.num_drafts
+    assert _tokens(speculative, params=params) == _tokens(baseline, params=params)
+    assert speculative.engine.stats().scheduler.spec_decoding.num_drafts > before
