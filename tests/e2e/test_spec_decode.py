@@ -243,3 +243,38 @@ def test_seeded_sampling_is_token_identical_with_and_without_drafts(baseline, sp
     before = speculative.engine.stats().scheduler.spec_decoding.num_drafts
     assert _tokens(speculative, params=params) == _tokens(baseline, params=params)
     assert speculative.engine.stats().scheduler.spec_decoding.num_drafts > before
+
+
+def test_grpc_model_info_and_metrics_report_speculation(tiny_model_dir):
+    import urllib.request
+
+    from engine_worker.engine import LLMEngine
+    from engine_worker.config import EngineArgs
+    from engine_worker.server.config import ServerConfig
+    from quire.v1 import engine_pb2 as pb
+    from tests.e2e.test_engine_server import RunningServer, _collect, _request
+
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=1 << 24,
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 3, '
+                           '"prompt_lookup_min": 1}'))
+    running = RunningServer(engine, ServerConfig(host="127.0.0.1", port=0, metrics_port=0))
+    try:
+        tokens, _, _ = _collect(running.stub.Generate(_request(PROMPTS[0], max_tokens=30)))
+        assert len(tokens) == 30
+        info = running.stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert '"method": "ngram"' in info.speculative_config
+        assert '"num_speculative_tokens": 3' in info.speculative_config
+        assert info.spec_decode_num_drafts > 0 and info.spec_decode_num_accepted_tokens > 0
+        assert info.spec_decode_num_draft_tokens >= info.spec_decode_num_accepted_tokens
+        assert len(info.spec_decode_num_accepted_tokens_per_pos) == 3
+        assert info.spec_decode_num_accepted_tokens_per_pos[0] > 0
+        port = running.server.metrics_server.port
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            assert _sample(text, f"vllm:spec_decode_{name}_total") > 0
+        assert _sample(text, "vllm:spec_decode_num_accepted_tokens_total") == \
+            info.spec_decode_num_accepted_tokens
+    finally:
+        running.close()

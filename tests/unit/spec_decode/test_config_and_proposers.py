@@ -106,3 +106,45 @@ def test_acceptance_is_the_longest_matching_prefix_then_the_targets_token():
     assert accepted_tokens((5, 6, 7), (5, 6, 9, 4)) == (5, 6, 9)
     assert accepted_tokens((5, 6, 7), (1, 6, 7, 4)) == (1,)
     assert accepted_tokens((5, 6, 7), (5, 6, 7, 4)) == (5, 6, 7, 4)
+
+
+def test_the_engine_flag_takes_vllms_json():
+    import argparse
+
+    from engine_worker.arg_utils import add_engine_args, engine_args_from_namespace
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(["--speculative-config",
+                            '{"method": "ngram", "num_speculative_tokens": 2}'])
+    config = engine_args_from_namespace(ns).create_engine_config()
+    assert config.speculative.num_speculative_tokens == 2
+    assert engine_args_from_namespace(parser.parse_args([])).create_engine_config(
+    ).speculative is None
+    ns = parser.parse_args(["--speculative-config", '{"method": "ngram"}'])
+    with pytest.raises(ValueError, match=r"speculative_config\.num_speculative_tokens"):
+        engine_args_from_namespace(ns).create_engine_config()
+
+
+def test_start_block_and_metrics_show_the_config():
+    from engine_worker.metrics import EngineMetrics
+    from engine_worker.progress import start_summary
+    from engine_worker.spec_decode.stats import SpecDecodingStats
+    from tests.unit.engine_infos import engine_info
+
+    cfg = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2})
+    info = engine_info(speculative_config=cfg.to_json())
+    assert f"  Speculative decoding: {cfg.to_json()}" in start_summary(info, elapsed_s=1.0)
+    assert "Speculative" not in start_summary(engine_info(), elapsed_s=1.0)
+    metrics = EngineMetrics("m", info)
+    for stats in (SpecDecodingStats(3, 6, 4, (3, 1)), SpecDecodingStats(5, 10, 7, (5, 2))):
+        metrics.observe_step(num_running=0, num_waiting=0, kv_cache_usage=0.0,
+                             prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
+                             spec_decoding=stats)
+    text = metrics.render().decode()
+    assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 10.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in text
+    assert ('vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} '
+            '2.0') in text
+    assert "spec_decode" not in EngineMetrics("m", engine_info()).render().decode()
