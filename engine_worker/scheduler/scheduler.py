@@ -362,7 +362,7 @@ class Scheduler:
         self._to_resume.discard(request.req_id)
         self._trimmed.discard(request.req_id)
         if self.speculator is not None:
-            self.speculator.forget(request.req_id)
+            self.speculator.forget(request.req_id, request.output_token_ids)
         if request.req_id in self._runner_knows:
             self._runner_knows.discard(request.req_id)
             self._finished_req_ids.add(request.req_id)

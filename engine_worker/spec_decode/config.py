@@ -44,6 +44,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     model: str | None = None
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # suffix: the longest suffix of the request matched in recent outputs, and how many
+    # finished requests' outputs are kept for matching (vLLM's names)
+    suffix_decoding_max_tree_depth: int | None = None
+    suffix_decoding_max_cached_requests: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -57,6 +61,7 @@ class SpeculativeConfig:
             raise ValueError(f"{_field('disable_by_batch_size')}: must be a positive integer, "
                              f"got {self.disable_by_batch_size!r}")
         self._check_ngram()
+        self._check_suffix()
         if self.method == "draft_model":
             if not isinstance(self.model, str) or not self.model:
                 raise ValueError(f"{_field('model')}: the draft_model method needs the draft "
@@ -83,6 +88,20 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({hi}), got {lo}")
         object.__setattr__(self, "prompt_lookup_max", hi)
         object.__setattr__(self, "prompt_lookup_min", lo)
+
+    def _check_suffix(self) -> None:
+        names = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests")
+        if self.method != "suffix":
+            for name in names:
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{_field(name)}: only the suffix method takes it")
+            return
+        for name, default in zip(names, (24, 1000)):
+            value = getattr(self, name)
+            if value is None:
+                object.__setattr__(self, name, default)
+            elif not (_is_int(value) and value >= 1):
+                raise ValueError(f"{_field(name)}: must be a positive integer, got {value!r}")
 
     @classmethod
     def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:

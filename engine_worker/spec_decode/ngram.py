@@ -50,5 +50,5 @@ class NgramProposer:
         j = int(full[-1] if len(full) else matches[0])
         return tuple(int(t) for t in tokens[j + 1:j + 1 + max_num_tokens])
 
-    def forget(self, req_id: str) -> None:
+    def forget(self, req_id: str, output_token_ids=()) -> None:
         """Nothing is kept per request."""

@@ -35,7 +35,7 @@ class Proposer(Protocol):
     def propose(self, req_id: str, tokens: np.ndarray, max_num_tokens: int
                 ) -> tuple[int, ...]: ...
 
-    def forget(self, req_id: str) -> None: ...
+    def forget(self, req_id: str, output_token_ids: list[int]) -> None: ...
 
 
 @dataclass(slots=True)
@@ -114,10 +114,11 @@ class Speculator:
                 spec.skip = spec.backoff
             spec.num_tokens_limit = 1
 
-    def forget(self, req_id: str) -> None:
-        """The request finished: drop its state."""
+    def forget(self, req_id: str, output_token_ids: list[int]) -> None:
+        """The request finished with these output tokens: drop its state (a proposer may
+        keep the output to propose from for others)."""
         self._requests.pop(req_id, None)
-        self.proposer.forget(req_id)
+        self.proposer.forget(req_id, output_token_ids)
 
     def stats(self) -> SpecDecodingStats:
         return self._counter.snapshot()

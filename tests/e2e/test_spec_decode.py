@@ -151,7 +151,7 @@ class _ForcedProposer:
     def propose(self, req_id, tokens, max_num_tokens):
         return self.draft[:max_num_tokens]
 
-    def forget(self, req_id):
+    def forget(self, req_id, output_token_ids=()):
         pass
 
 
@@ -278,3 +278,16 @@ def test_grpc_model_info_and_metrics_report_speculation(tiny_model_dir):
             info.spec_decode_num_accepted_tokens
     finally:
         running.close()
+
+
+def test_suffix_method_is_token_identical_and_learns_from_finished_outputs(tiny_model_dir,
+                                                                          baseline):
+    llm = _llm(tiny_model_dir, {"method": "suffix", "num_speculative_tokens": 4,
+                                "disable_by_batch_size": 64})
+    expected = _tokens(baseline)
+    assert _tokens(llm) == expected
+    first = llm.engine.stats().scheduler.spec_decoding
+    assert first.num_accepted_tokens > 0
+    assert _tokens(llm) == expected  # again: the first run's outputs are proposed from
+    second = llm.engine.stats().scheduler.spec_decoding
+    assert second.num_accepted_tokens - first.num_accepted_tokens > first.num_accepted_tokens
