@@ -42,6 +42,10 @@ _HELP = {
                          "(Triton paged attention; on a CPU only under TRITON_INTERPRET=1)",
     "enforce_eager": "no CUDA graphs: run decode steps eagerly too (graphs run only on a GPU, "
                      "with triton attention)",
+    "speculative_config": "speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5, "
+                          "\"prompt_lookup_min\": 2}' (also disable_by_batch_size; "
+                          "default: off)",
 }
 
 

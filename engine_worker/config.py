@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine_worker.spec_decode.config import SpeculativeConfig
+
 DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATION_NAMES = ("auto", "gguf", "dequantize")  # weights.quantization says what each does
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
@@ -161,6 +163,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
 
 @dataclass(slots=True)
@@ -186,6 +189,8 @@ class EngineArgs:
     kernels: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    # vLLM's: a dict, or its JSON text on the command line (None: off); see spec_decode.config
+    speculative_config: str | dict | None = None
 
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -204,4 +209,5 @@ class EngineArgs:
                                 kernels=self.kernels,
                                 attention_backend=self.attention_backend,
                                 enforce_eager=self.enforce_eager),
+            speculative=SpeculativeConfig.parse(self.speculative_config),
         )

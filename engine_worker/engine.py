@@ -38,6 +38,7 @@ from engine_worker.progress import progress, start_summary
 from engine_worker.request import RequestStatus
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.scheduler.scheduler import Scheduler
+from engine_worker.spec_decode.methods import build_speculator
 from engine_worker.step_types import SchedulerStats
 from engine_worker.tokenizer import Tokenizer
 from engine_worker.weights.loader import LoadedModel, load_model
@@ -93,6 +94,7 @@ class LLMEngine:
         allocate the KV cache, build the collaborators, record the facts and announce them."""
         start = time.monotonic()
         self.config = config
+        self._speculator = build_speculator(config.speculative)  # a bad method fails first
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
         self._device = select_device(config.device.device)
@@ -213,7 +215,8 @@ class LLMEngine:
             kv_cache_manager=self._kv_cache_manager,
             max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
             max_model_len=self._max_model_len, policy=sched.scheduling_policy,
-            long_prefill_token_threshold=sched.long_prefill_token_threshold)
+            long_prefill_token_threshold=sched.long_prefill_token_threshold,
+            speculator=self._speculator)
         self.runner = ModelRunner(model, kv_caches, cache.block_size, self._device,
                                   model.cfg.vocab_size, self.tokenizer.eos_token_ids,
                                   self.config.model.seed, graphs=graphs)
@@ -246,6 +249,8 @@ class LLMEngine:
             enable_prefix_caching=cache.enable_prefix_caching,
             memory_profile=size.memory_profile, memory=size.memory,
             block_hash_algorithm=BLOCK_HASH_ALGORITHM, block_hash_seed=ROOT_HASH,
+            speculative_config=(self.config.speculative.to_json()
+                                if self.config.speculative is not None else ""),
             tokenizer_digest=tokenizer_dir_digest(self._tokenizer_dir))
 
     def _announce(self, elapsed_s: float) -> None:

@@ -63,6 +63,9 @@ class EngineInfo:
     block_hash_seed: int  # the chain's root hash
     tokenizer_digest: str  # SHA-256 of tokenizer.json
 
+    # ---- speculative decoding: vLLM's speculative_config as it runs (JSON), "" when off
+    speculative_config: str = ""
+
     @property
     def kv_capacity_tokens(self) -> int:
         """Tokens the whole KV cache holds."""

@@ -11,6 +11,7 @@ would be hidden global state, and two engines (or two tests) in one process woul
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,6 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 if TYPE_CHECKING:
     from engine_worker.engine_info import EngineInfo
+    from engine_worker.spec_decode.stats import SpecDecodingStats
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -50,6 +52,44 @@ class _CumulativeCounter:
         self._last_total = total
         if delta > 0:
             self._counter.inc(delta)
+
+
+class _SpecDecodeCounters:
+    """vLLM's ``vllm:spec_decode_*`` counters, registered only when speculation is on (as
+    vLLM does); the per-position counter has a ``position`` label, 0 to k - 1, each created up
+    front so a dashboard sees 0 instead of a missing series."""
+
+    def __init__(self, *, registry: CollectorRegistry, model_name: str,
+                 speculative_config: str) -> None:
+        self.enabled = bool(speculative_config)
+        if not self.enabled:
+            return
+        k = json.loads(speculative_config)["num_speculative_tokens"]
+
+        def counter(name: str, doc: str) -> _CumulativeCounter:
+            return _CumulativeCounter(Counter(name, doc, ["model_name"], registry=registry
+                                              ).labels(model_name))
+
+        self._num_drafts = counter("vllm:spec_decode_num_drafts",
+                                   "Number of spec decoding drafts.")
+        self._num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                         "Number of draft tokens.")
+        self._num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
+                                            "Number of accepted tokens.")
+        per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                          "Accepted tokens per draft position.", ["model_name", "position"],
+                          registry=registry)
+        self._per_pos = [_CumulativeCounter(per_pos.labels(model_name, str(p)))
+                         for p in range(k)]
+
+    def update(self, stats: SpecDecodingStats) -> None:
+        if not self.enabled:
+            return
+        self._num_drafts.update(stats.num_drafts)
+        self._num_draft_tokens.update(stats.num_draft_tokens)
+        self._num_accepted_tokens.update(stats.num_accepted_tokens)
+        for counter, total in zip(self._per_pos, stats.num_accepted_tokens_per_pos):
+            counter.update(total)
 
 
 class EngineMetrics:
@@ -108,6 +148,8 @@ class EngineMetrics:
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."))
         self._num_preemptions = _CumulativeCounter(counter(
             "vllm:num_preemptions", "Cumulative number of preemptions from the engine."))
+        self._spec = _SpecDecodeCounters(registry=r, model_name=model_name,
+                                         speculative_config=info.speculative_config)
 
         # Counters fed per finished request.
         self._prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
@@ -136,11 +178,13 @@ class EngineMetrics:
 
     def observe_step(self, *, num_running: int, num_waiting: int, kv_cache_usage: float,
                      prefix_cache_queries: int, prefix_cache_hits: int,
-                     num_preemptions: int) -> None:
+                     num_preemptions: int, spec_decoding: SpecDecodingStats | None = None
+                     ) -> None:
         """Record the engine's state after a step.
 
-        ``kv_cache_usage`` is a fraction in [0, 1]. The last three arguments are the engine's
-        running totals (tokens queried, tokens hit, preemptions), not this step's increments.
+        ``kv_cache_usage`` is a fraction in [0, 1]. The other arguments are the engine's
+        running totals (tokens queried, tokens hit, preemptions, speculative decoding's
+        counts), not this step's increments.
         """
         self._num_running.set(num_running)
         self._num_waiting.set(num_waiting)
@@ -149,6 +193,8 @@ class EngineMetrics:
             self._prefix_cache_queries.update(prefix_cache_queries)
             self._prefix_cache_hits.update(prefix_cache_hits)
             self._num_preemptions.update(num_preemptions)
+            if spec_decoding is not None:
+                self._spec.update(spec_decoding)
 
     def observe_finished(self, *, finish_reason: str, num_prompt_tokens: int,
                          num_generation_tokens: int, arrival_time: float,

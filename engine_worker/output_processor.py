@@ -149,9 +149,23 @@ class OutputProcessor:
                 seq.logprobs.extend(dicts)
                 seq.cumulative_logprob += sum(lp[0] for lp in entry.logprobs)
         if seq.detokenizer is not None and seq.finish_reason is None:
+            taken = seq.detokenizer.num_tokens
             stop = seq.detokenizer.update(out.new_token_ids)
             if stop is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop
+                # several tokens in one step (speculative decoding): drop those after the stop
+                self._drop_last(seq, len(out.new_token_ids)
+                                - (seq.detokenizer.num_tokens - taken))
+
+    @staticmethod
+    def _drop_last(seq: _Sequence, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        del seq.token_ids[-num_tokens:]
+        if seq.logprobs is not None:
+            dropped = seq.logprobs[-num_tokens:]
+            del seq.logprobs[-num_tokens:]
+            seq.cumulative_logprob -= sum(next(iter(d.values())).logprob for d in dropped)
 
     def _to_dicts(self, entry: SampledLogprobs) -> list[LogprobsDict]:
         dicts = []

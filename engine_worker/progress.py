@@ -60,6 +60,8 @@ def start_summary(info: EngineInfo, *, elapsed_s: float) -> str:
         lines.insert(3, f"  Quantization: {info.quantization_summary}")
     if info.memory is not None:
         lines.append(f"  Memory: {info.memory}")
+    if info.speculative_config:
+        lines.append(f"  Speculative decoding: {info.speculative_config}")
     lines.append(f"  Max model len: {info.max_model_len} tokens "
                  f"({capacity / info.max_model_len:.2f} full-length sequences fit at once)")
     return "\n".join(lines)

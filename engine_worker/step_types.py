@@ -13,11 +13,12 @@ runner can drop their state. Everything here is plain Python data, never tensors
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine_worker.request import RequestStatus
 from engine_worker.sampling_params import SamplingParams
+from engine_worker.spec_decode.stats import SpecDecodingStats
 
 if TYPE_CHECKING:
     from engine_worker.grammar import GrammarBitmask
@@ -75,6 +76,9 @@ class SchedulerOutput:
     # structured outputs: allowed tokens of the sequences that sample under a grammar
     # (a fork samples its first token under its parent's row)
     grammar_bitmask: GrammarBitmask | None = None
+    # speculative decoding: draft tokens verified after each listed request's last token; they
+    # are counted in its ``num_scheduled_tokens`` (1 + len(drafts) for a decoding request)
+    spec_token_ids: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -104,7 +108,8 @@ class SampledLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
-    """Per request id: tokens sampled this step (empty mid-prefill) and optional logprobs."""
+    """Per request id: tokens sampled this step (empty mid-prefill; with drafts, the accepted
+    drafts then one more) and optional logprobs (one position per sampled token)."""
 
     sampled_token_ids: Mapping[str, tuple[int, ...]]
     logprobs: Mapping[str, SampledLogprobs]
@@ -133,3 +138,4 @@ class SchedulerStats:
     num_waiting: int
     num_queued_tokens: int  # tokens of unfinished requests not yet computed
     num_preemptions: int
+    spec_decoding: SpecDecodingStats | None = None  # totals; None when speculation is off

@@ -101,6 +101,11 @@ class IncrementalDetokenizer:
                 return self.stop_string
         return None
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens taken so far (``update`` stops taking them at a stop string)."""
+        return self._num_tokens
+
     def text(self, finished: bool) -> str:
         if finished or not self._hold_back:
             return self.output_text

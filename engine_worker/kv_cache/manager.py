@@ -229,6 +229,22 @@ class KVCacheManager:
             self._register(req_id, block_hashes, num_total)
         return Allocation(tuple(b.block_id for b in new_blocks), tuple(copies))
 
+    def trim(self, req_id: str, num_tokens: int) -> bool:
+        """Keep only the slots of the first ``num_tokens`` tokens: the blocks past them (a
+        speculative step's rejected drafts') go back to the pool. True if a block was freed.
+        Those blocks were never registered in the prefix cache: only blocks full of the
+        request's own tokens are, and the request's tokens all lie within ``num_tokens``."""
+        table = self._req_blocks[req_id]
+        self._req_num_tokens[req_id] = num_tokens
+        keep = self.num_blocks_for(num_tokens)
+        if keep >= len(table):
+            return False
+        tail = table[keep:]
+        assert all(b.block_hash is None for b in tail), "a registered block past the tokens"
+        del table[keep:]
+        self.pool.free_blocks(reversed(tail))
+        return True
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give ``child_id`` the parent's whole block table, shared (one more reference each)."""
         table = list(self._req_blocks[parent_id])

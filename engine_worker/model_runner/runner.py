@@ -8,6 +8,13 @@ A step queues its device work (forward, logits, sampling, logprobs) without read
 then copies what the host needs (the sampled ids, logprobs where asked for) in one
 ``platform.to_host``: one wait per step, whatever the batch. With a ``CudaGraphDecoder``,
 decode-only steps up to its largest size replay a captured graph instead of the eager forward.
+
+Speculative decoding: a request with draft tokens (``SchedulerOutput.spec_token_ids``) runs its
+last token and the drafts as one query (a prefill chunk over its cached context, which every
+attention backend computes exactly as the decodes it replaces); each of those positions is
+sampled as its own row, under the sampling state it would have without speculation (the
+drafts before it counted as output), and ``spec_decode.rejection_sampler`` keeps the accepted
+prefix plus one token.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from engine_worker.model_runner.sampling_inputs import build_sampling_metadata
 from engine_worker.platform import to_device, to_host
 from engine_worker.sampler import LogprobTensors, draw_uniforms, logprob_tensors, sample_tokens
 from engine_worker.sampling_params import SamplingParams
+from engine_worker.spec_decode.rejection_sampler import accepted_tokens
 from engine_worker.step_types import (ForkedRequestData, ModelRunnerOutput, SampledLogprobs,
                                       SchedulerOutput)
 
@@ -40,12 +48,30 @@ class RunnerRequestState:
 
 
 @dataclass(frozen=True, slots=True)
+class _VerifiedPosition:
+    """What the sampler reads of a request at one verified position: its tokens up to there
+    (the drafts before it included), so penalties and min_tokens see what they would see had
+    the drafts been sampled one step at a time."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+@dataclass(frozen=True, slots=True)
 class _DeviceSamples:
-    """One step's samples, still on the device: row j of ``token_ids`` is ``states[j]``'s."""
+    """One step's samples, still on the device: ``states[j]`` owns rows ``row_starts[j]`` to
+    ``row_starts[j + 1]`` of ``token_ids`` (one row, or one per verified position)."""
 
     states: list[RunnerRequestState]
+    row_starts: list[int]
+    drafts: list[tuple[int, ...]]  # per state: the drafts its rows verify (empty: none)
     token_ids: torch.Tensor  # [num_rows] int64
     logprobs: LogprobTensors | None
+    # seeded requests with drafts: their generator's state before the step's draws, and the
+    # uniforms one position draws (see ModelRunner._rewind)
+    rewinds: dict[int, tuple[torch.Generator, torch.Tensor, int]]
 
 
 class ModelRunner:
@@ -107,6 +133,8 @@ class ModelRunner:
             self._copy_blocks(out.block_copies)
         if out.is_empty:
             return ModelRunnerOutput({}, {}, {})
+        for req_id, draft in out.spec_token_ids.items():  # run as tokens of the request
+            self.requests[req_id].token_ids.extend(draft)
         # decodes (one new token) first, then prefill chunks; see attention.metadata
         order = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
         states = [self.requests[r] for r in order]
@@ -120,11 +148,11 @@ class ModelRunner:
         samples = None
         if sample_rows:
             samples = self._sample(states, counts, query_starts, sample_rows, hidden, forks,
-                                   out.grammar_bitmask)
+                                   out.spec_token_ids, out.grammar_bitmask)
         assert not forks, f"forks of requests that sample nothing this step: {sorted(forks)}"
-        sampled, logprobs, prompt_logprobs = self._to_host(samples, prompt_logprobs)
         for state, n in zip(states, counts):
             state.num_computed_tokens += n
+        sampled, logprobs, prompt_logprobs = self._to_host(samples, prompt_logprobs)
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
 
     def _forward(self, states, counts) -> tuple[torch.Tensor, list[int]]:
@@ -137,30 +165,67 @@ class ModelRunner:
                                                                      self.block_size, self.device)
         return self.model(input_ids, positions, self.kv_caches, meta), query_starts
 
-    def _sample(self, states, counts, query_starts, rows, hidden, forks,
+    def _sample(self, states, counts, query_starts, rows, hidden, forks, spec_token_ids,
                 grammar_bitmask: GrammarBitmask | None) -> _DeviceSamples:
-        """``forks`` (parent -> its forks) is consumed: each parent's forks are applied."""
-        picked, logit_rows, mask_keys = [], [], []
-        for j, i in enumerate(rows):
-            picked.append(states[i])
-            logit_rows.append(j)
-            mask_keys.append(states[i].req_id)
-            for child in self._fork(states[i], counts[i], forks.pop(states[i].req_id, ())):
-                picked.append(child)
-                logit_rows.append(j)  # the samples of one prompt share its logits
-                mask_keys.append(states[i].req_id)  # and its grammar's first mask
-        last = self._index([query_starts[i] + counts[i] - 1 for i in rows])
-        logits = self.model.compute_logits(hidden[last])
-        if len(logit_rows) != len(rows):
+        """``forks`` (parent -> its forks) is consumed: each parent's forks are applied.
+        A request with drafts samples every position from its last token on."""
+        picked, row_views, hidden_rows, logit_rows, row_starts, drafts = [], [], [], [], [], []
+        mask_keys: list[str | None] = []  # each row's grammar row (None: unconstrained)
+        for i in rows:
+            state = states[i]
+            draft = spec_token_ids.get(state.req_id, ())
+            end = query_starts[i] + counts[i]
+            first_row = len(hidden_rows)
+            hidden_rows.extend(range(end - 1 - len(draft), end))
+            for children_of in [state] + self._fork(state, counts[i],
+                                                    forks.pop(state.req_id, ())):
+                picked.append(children_of)
+                drafts.append(draft)
+                row_starts.append(len(row_views))
+                if draft:  # requests under a grammar get no drafts (Scheduler._propose)
+                    row_views.extend(self._verified_positions(children_of, draft))
+                    mask_keys.extend([None] * (len(draft) + 1))
+                else:
+                    row_views.append(children_of)
+                    mask_keys.append(state.req_id)  # a fork's first mask is its parent's
+                # the samples of one prompt share its logits
+                logit_rows.extend(range(first_row, first_row + len(draft) + 1))
+        row_starts.append(len(row_views))
+        logits = self.model.compute_logits(hidden[self._index(hidden_rows)])
+        if len(logit_rows) != len(hidden_rows):
             logits = logits[self._index(logit_rows)]
         bitmask = None
         if grammar_bitmask is not None:
             bitmask = grammar_bitmask.rows_for(mask_keys)
-        meta = build_sampling_metadata(picked, self.vocab_size, self.eos_token_ids, self.device,
-                                       token_bitmask=bitmask)
+        meta = build_sampling_metadata(row_views, self.vocab_size, self.eos_token_ids,
+                                       self.device, token_bitmask=bitmask)
+        rewinds = {j: (s.generator, s.generator.get_state(), meta.rounds.num_uniforms)
+                   for j, (s, d) in enumerate(zip(picked, drafts))
+                   if d and s.generator is not None and not s.params.is_greedy}
         uniforms = draw_uniforms(logits, meta, self.default_generator)
         token_ids, logprobs = sample_tokens(logits, meta, uniforms)
-        return _DeviceSamples(picked, token_ids, logprobs)
+        return _DeviceSamples(picked, row_starts, drafts, token_ids, logprobs, rewinds)
+
+    def _rewind(self, generator: torch.Generator, state: torch.Tensor, num_uniforms: int,
+                num_tokens: int) -> None:
+        """A seeded request's stream after a verified step: as if only the positions of the
+        ``num_tokens`` emitted tokens had drawn, which is what a step per token would have
+        drawn. Position i then always takes the i-th draw of the stream, with or without
+        drafts, so a seeded request's tokens do not depend on what was proposed or accepted
+        (nor on the batch, which decides whether drafts run)."""
+        generator.set_state(state)
+        for _ in range(num_tokens):  # as draw_uniforms draws a row
+            torch.empty(num_uniforms, dtype=torch.float64, device=self.device
+                        ).uniform_(generator=generator)
+
+    @staticmethod
+    def _verified_positions(state: RunnerRequestState, draft: tuple[int, ...]
+                            ) -> list[_VerifiedPosition]:
+        # state.token_ids ends with the drafts; position p follows the drafts before it
+        base = len(state.token_ids) - len(draft)
+        return [_VerifiedPosition(state.token_ids[:base + p], state.num_prompt_tokens,
+                                  state.params, state.generator)
+                for p in range(len(draft) + 1)]
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         return to_device(torch.tensor(rows, dtype=torch.int64), self.device)
@@ -182,17 +247,36 @@ class ModelRunner:
             token_ids = next(host).tolist()
             if samples.logprobs is not None:
                 top_ids, top_lps, ranks = (next(host).tolist() for _ in range(3))
-            for j, (state, token) in enumerate(zip(samples.states, token_ids)):
-                state.token_ids.append(token)
-                sampled[state.req_id] = (token,)
+            for j, (state, draft) in enumerate(zip(samples.states, samples.drafts)):
+                start = samples.row_starts[j]
+                tokens = token_ids[start:samples.row_starts[j + 1]]
+                if draft:
+                    tokens = accepted_tokens(draft, tokens)
+                    self._settle_drafts(state, draft, len(tokens))
+                    if j in samples.rewinds:
+                        self._rewind(*samples.rewinds[j], len(tokens))
+                state.token_ids.extend(tokens)
+                sampled[state.req_id] = tuple(tokens)
                 if samples.logprobs is not None and state.params.logprobs is not None:
                     k = state.params.logprobs + 1  # the sampled token, then its top k
+                    rows = range(start, start + len(tokens))
                     logprobs[state.req_id] = SampledLogprobs(
-                        token_ids=(tuple(top_ids[j][:k]),), logprobs=(tuple(top_lps[j][:k]),),
-                        ranks=(ranks[j],))
+                        token_ids=tuple(tuple(top_ids[r][:k]) for r in rows),
+                        logprobs=tuple(tuple(top_lps[r][:k]) for r in rows),
+                        ranks=tuple(ranks[r] for r in rows))
         prompt = {req_id: LogprobTensors(next(host), next(host), next(host)).to_python()
                   for req_id in prompt_logprobs}
         return sampled, logprobs, prompt
+
+    @staticmethod
+    def _settle_drafts(state: RunnerRequestState, draft: tuple[int, ...],
+                       num_tokens: int) -> None:
+        """Drop the drafts from the request's tokens (the accepted ones come back as sampled
+        tokens) and count only the cache slots that hold its tokens: the last one and the
+        accepted drafts. The scheduler gives the rejected slots' blocks back and sends the
+        table anew."""
+        del state.token_ids[len(state.token_ids) - len(draft):]
+        state.num_computed_tokens -= len(draft) + 1 - num_tokens
 
     def _fork(self, parent: RunnerRequestState, num_scheduled: int,
               forks: list[ForkedRequestData]) -> list[RunnerRequestState]:

@@ -7,6 +7,9 @@ Order of a step:
 2. if nothing was preempted, admit waiting requests while budget, ``max_num_seqs`` and free
    blocks allow; a request starts from its longest cached prefix, and a prompt longer than the
    remaining budget is prefilled in chunks.
+With a ``Speculator``, a request in its decode phase may also verify draft tokens in step 1:
+they are budgeted as extra tokens of its step (and given up before anything is preempted for
+them); after the step the rejected drafts' slots are given back (``KVCacheManager.trim``).
 After the step, newly full and computed blocks are published to the prefix cache. An n > 1
 request forks into its samples, which share its blocks, in the step that completes its prompt:
 the scheduler decides the fork when it forms the batch and sends it to the runner as
@@ -22,9 +25,10 @@ from engine_worker.grammar import grammar_bitmask
 from engine_worker.kv_cache.manager import NO_PREFIX, Allocation, KVCacheManager
 from engine_worker.request import Request, RequestStatus
 from engine_worker.scheduler.queue import QUEUE_POLICIES
+from engine_worker.spec_decode.speculator import Speculator
 from engine_worker.step_types import (CachedRequestData, EngineCoreOutput, ForkedRequestData,
-                                      ModelRunnerOutput, NewRequestData, SchedulerOutput,
-                                      SchedulerStats)
+                                      ModelRunnerOutput, NewRequestData, SampledLogprobs,
+                                      SchedulerOutput, SchedulerStats)
 from quire.block_hash import ROOT_HASH, hash_block_tokens
 
 logger = logging.getLogger(__name__)
@@ -35,8 +39,12 @@ class Scheduler:
 
     def __init__(self, *, kv_cache_manager: KVCacheManager, max_num_batched_tokens: int,
                  max_num_seqs: int, max_model_len: int, policy: str = "fcfs",
-                 long_prefill_token_threshold: int = 0) -> None:
+                 long_prefill_token_threshold: int = 0,
+                 speculator: Speculator | None = None) -> None:
+        """``speculator``: proposes draft tokens for decoding requests (None: no speculative
+        decoding)."""
         self.kv = kv_cache_manager
+        self.speculator = speculator
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -47,6 +55,7 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()  # to tell the runner next step
         self._runner_knows: set[str] = set()
         self._to_resume: set[str] = set()  # preempted while the runner held their state
+        self._trimmed: set[str] = set()  # blocks given back: the runner gets the whole table
         # forks sent in the step whose outputs are not yet applied: parent -> child ids
         self._in_flight_forks: dict[str, tuple[str, ...]] = {}
         self._admit_counter = itertools.count()
@@ -93,7 +102,8 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting),
             num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens
                                   for r in self.requests.values()),
-            num_preemptions=self.num_preemptions)
+            num_preemptions=self.num_preemptions,
+            spec_decoding=self.speculator.stats() if self.speculator is not None else None)
 
     # ----------------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
@@ -102,16 +112,24 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         allocations: dict[str, Allocation] = {}
         preempted: list[Request] = []
+        drafts: dict[str, tuple[int, ...]] = {}
+        speculate = self.speculator is not None and \
+            self.speculator.step_allows(len(self.running))
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_new_tokens(request, budget)
+            draft = self._propose(request, budget - num_new) if speculate else ()
             while True:
                 allocation = self.kv.allocate_slots(request.req_id, request.num_computed_tokens,
-                                                    num_new, block_hashes=request.block_hashes)
+                                                    num_new + len(draft),
+                                                    block_hashes=request.block_hashes)
                 if allocation is not None:
                     break
+                if draft:  # drafts are never worth a preemption: verify none instead
+                    draft = ()
+                    continue
                 victim = self.waiting.pick_victim(self.running)
                 victim_index = self.running.index(victim)
                 self._preempt(victim)
@@ -119,12 +137,16 @@ class Scheduler:
                 if victim.req_id in num_scheduled:  # undo what this step gave it
                     budget += num_scheduled.pop(victim.req_id)
                     allocations.pop(victim.req_id, None)
+                    drafts.pop(victim.req_id, None)
                 if victim_index < i:
                     i -= 1
                 if victim is request:
                     break
             if allocation is None:
                 continue  # the request preempted itself; self.running[i] is the next one
+            if draft:
+                drafts[request.req_id] = draft
+                num_new += len(draft)
             num_scheduled[request.req_id] = num_new
             allocations[request.req_id] = allocation
             budget -= num_new
@@ -133,7 +155,21 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, num_scheduled, allocations)
 
-        return self._build_output(num_scheduled, allocations, preempted)
+        return self._build_output(num_scheduled, allocations, preempted, drafts)
+
+    def _propose(self, request: Request, budget: int) -> tuple[int, ...]:
+        """Draft tokens for a request that decodes this step (its last token is the only one
+        to compute), within the step's budget and what max_tokens and max_model_len leave."""
+        if request.num_computed_tokens != request.num_tokens - 1 or \
+                not request.output_token_ids or request.fork_children or \
+                request.grammar is not None:  # its matcher cannot roll rejected drafts back yet
+            return ()
+        room = min(budget, request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        if room <= 0:
+            return ()
+        return self.speculator.propose(request.req_id, request.prompt_token_ids,
+                                       request.output_token_ids, room)
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
                        allocations: dict[str, Allocation]) -> int:
@@ -195,7 +231,8 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens to recompute)", request.req_id, request.num_tokens)
 
     def _build_output(self, num_scheduled: dict[str, int], allocations: dict[str, Allocation],
-                      preempted: list[Request]) -> SchedulerOutput:
+                      preempted: list[Request], drafts: dict[str, tuple[int, ...]]
+                      ) -> SchedulerOutput:
         new_reqs, cached_reqs, copies, forks, grammars = [], [], [], [], []
         for req_id, num_new in num_scheduled.items():
             request = self.requests[req_id]
@@ -218,8 +255,10 @@ class Scheduler:
                     block_ids=tuple(self.kv.get_block_ids(req_id)),
                     num_computed_tokens=request.num_computed_tokens))
                 continue
-            replace = req_id in self._to_resume or bool(allocation.copies)
+            replace = req_id in self._to_resume or req_id in self._trimmed or \
+                bool(allocation.copies)
             self._to_resume.discard(req_id)
+            self._trimmed.discard(req_id)
             cached_reqs.append(CachedRequestData(
                 req_id=req_id, replace_block_table=replace,
                 block_ids=tuple(self.kv.get_block_ids(req_id)) if replace
@@ -233,7 +272,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             preempted_req_ids=frozenset(r.req_id for r in preempted),
             finished_req_ids=finished, block_copies=tuple(copies), forks=tuple(forks),
-            grammar_bitmask=grammar_bitmask(grammars))
+            grammar_bitmask=grammar_bitmask(grammars), spec_token_ids=drafts)
         self._in_flight_forks = {parent: tuple(f.req_id for f in group)
                                  for parent, group in out.forks_by_parent().items()}
         return out
@@ -249,7 +288,12 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += num_tokens
+            sampled = runner_output.sampled_token_ids.get(req_id, ())
+            draft = scheduler_output.spec_token_ids.get(req_id)
+            if draft:
+                self._settle_drafts(request, num_tokens, draft, len(sampled))
+            else:
+                request.num_computed_tokens += num_tokens
             if self.kv.has_pending(req_id):  # all_token_ids copies: only when needed
                 self.kv.cache_full_blocks(req_id, request.block_hashes,
                                           request.num_computed_tokens, request.all_token_ids,
@@ -265,6 +309,16 @@ class Scheduler:
                 if out is not None:
                     outputs.append(out)
         return outputs
+
+    def _settle_drafts(self, request: Request, num_tokens: int, draft: tuple[int, ...],
+                       num_sampled: int) -> None:
+        """After a verified step: the request's cache holds its last token and the accepted
+        drafts (``num_sampled - 1``); the rejected drafts' slots and blocks are given back."""
+        num_rejected = len(draft) + 1 - num_sampled
+        request.num_computed_tokens += num_tokens - num_rejected
+        self.speculator.record(request.req_id, len(draft), num_sampled - 1)
+        if num_rejected and self.kv.trim(request.req_id, request.num_computed_tokens):
+            self._trimmed.add(request.req_id)
 
     def _fork(self, parent: Request, forks: list[ForkedRequestData]) -> list[Request]:
         children = []
@@ -292,6 +346,10 @@ class Scheduler:
         self._extend_block_hashes(request)
         if not new_tokens and prompt_logprobs is None:
             return None
+        if logprobs is not None and len(logprobs.ranks) > len(new_tokens):  # stopped early
+            logprobs = SampledLogprobs(token_ids=logprobs.token_ids[:len(new_tokens)],
+                                       logprobs=logprobs.logprobs[:len(new_tokens)],
+                                       ranks=logprobs.ranks[:len(new_tokens)])
         out = EngineCoreOutput(
             req_id=request.req_id, new_token_ids=tuple(new_tokens), finish_status=status,
             stop_reason=request.stop_reason,
@@ -307,6 +365,9 @@ class Scheduler:
         self.kv.free(request.req_id)
         del self.requests[request.req_id]
         self._to_resume.discard(request.req_id)
+        self._trimmed.discard(request.req_id)
+        if self.speculator is not None:
+            self.speculator.forget(request.req_id, request.output_token_ids)
         if request.req_id in self._runner_knows:
             self._runner_knows.discard(request.req_id)
             self._finished_req_ids.add(request.req_id)

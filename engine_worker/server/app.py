@@ -151,7 +151,8 @@ def _step_recorder(metrics: EngineMetrics):
                              kv_cache_usage=stats.kv_cache.usage,
                              prefix_cache_queries=stats.kv_cache.prefix_cache_queries,
                              prefix_cache_hits=stats.kv_cache.prefix_cache_hits,
-                             num_preemptions=stats.scheduler.num_preemptions)
+                             num_preemptions=stats.scheduler.num_preemptions,
+                             spec_decoding=stats.scheduler.spec_decoding)
     return record
 
 

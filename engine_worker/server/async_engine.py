@@ -26,6 +26,7 @@ from engine_worker.server.collector import OutputCollector
 from engine_worker.input_processor import PromptType
 from engine_worker.outputs import RequestOutput
 from engine_worker.sampling_params import RequestOutputKind, SamplingParams
+from engine_worker.spec_decode.stats import SpecDecodingStats
 from quire.kv_events import KVCacheSnapshot, KVEventBatch
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class LoadSnapshot:
     num_queued_tokens: int
     kv_cache_usage: float
     timestamp_s: float
+    spec_decoding: SpecDecodingStats | None = None  # totals; None when speculation is off
 
 
 # ------------------------------------------------------------ commands to the loop thread
@@ -276,7 +278,8 @@ class AsyncEngine:
         self.load = LoadSnapshot(num_running=stats.scheduler.num_running,
                                  num_waiting=stats.scheduler.num_waiting,
                                  num_queued_tokens=stats.scheduler.num_queued_tokens,
-                                 kv_cache_usage=stats.kv_cache.usage, timestamp_s=time.time())
+                                 kv_cache_usage=stats.kv_cache.usage, timestamp_s=time.time(),
+                                 spec_decoding=stats.scheduler.spec_decoding)
         for batch in batches:
             for sink in self._subscribers:
                 self._loop.call_soon_threadsafe(sink.put_nowait, batch)

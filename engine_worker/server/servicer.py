@@ -83,8 +83,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             await abort_with(context, e)
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        """The engine's facts, fixed at start: what a router checks before it routes here."""
+        """The engine's facts, fixed at start: what a router checks before it routes here;
+        and speculative decoding's totals as of the last step."""
         info = self.info
+        spec = self.engine.load.spec_decoding
+        spec_fields = {} if spec is None else dict(
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos))
         return pb.ModelInfo(
             model_name=self.model_name, max_model_len=info.max_model_len,
             block_size=info.block_size, block_hash_algorithm=info.block_hash_algorithm,
@@ -93,7 +100,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             num_kv_blocks=info.num_kv_blocks, backend=info.backend,
             backend_reason=info.backend_reason, backend_fallback=info.backend_fallback,
             cuda_graphs=info.cuda_graphs, quantization=info.quantization,
-            incarnation_id=self.incarnation_id)
+            speculative_config=info.speculative_config,
+            incarnation_id=self.incarnation_id, **spec_fields)
 
     async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:
         """The files a router needs to tokenize exactly as this engine does."""

@@ -168,7 +168,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "block_size", "block_hash_algorithm", "block_hash_seed", "tokenizer_digest", "vocab_size", "enable_prefix_caching", "num_kv_blocks", "backend", "backend_reason", "backend_fallback", "cuda_graphs", "quantization", "incarnation_id")
+    __slots__ = ("model_name", "max_model_len", "block_size", "block_hash_algorithm", "block_hash_seed", "tokenizer_digest", "vocab_size", "enable_prefix_caching", "num_kv_blocks", "backend", "backend_reason", "backend_fallback", "cuda_graphs", "quantization", "incarnation_id", "speculative_config", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,11 @@ class ModelInfo(_message.Message):
     CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     block_size: int
@@ -199,7 +204,12 @@ class ModelInfo(_message.Message):
     cuda_graphs: str
     quantization: str
     incarnation_id: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., block_hash_algorithm: _Optional[str] = ..., block_hash_seed: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., vocab_size: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., backend_reason: _Optional[str] = ..., backend_fallback: _Optional[bool] = ..., cuda_graphs: _Optional[str] = ..., quantization: _Optional[str] = ..., incarnation_id: _Optional[str] = ...) -> None: ...
+    speculative_config: str
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., block_hash_algorithm: _Optional[str] = ..., block_hash_seed: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., vocab_size: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., backend_reason: _Optional[str] = ..., backend_fallback: _Optional[bool] = ..., cuda_graphs: _Optional[str] = ..., quantization: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., speculative_config: _Optional[str] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

@@ -31,6 +31,9 @@ def _step(rng: random.Random, shapes, block_size: int):
 STEPS = {
     "decodes": [(0, 1), (20, 1), (47, 1)],
     "mixed": [(9, 1), (40, 1), (0, 21), (33, 6)],
+    # speculative decoding: a decode beside verifications of 4 and 2 drafts (5- and 3-token
+    # queries over cached context, one across a block boundary)
+    "verify": [(40, 1), (30, 5), (17, 3)],
 }
 CASES = [
     # (step, num_heads, num_kv_heads, head_dim, block_size, dtype)
@@ -39,6 +42,7 @@ CASES = [
     ("mixed", 3, 1, 80, 16, torch.float16),  # head_dim not a power of two
     ("decodes", 4, 2, 128, 32, torch.float16),
     ("mixed", 4, 2, 64, 16, torch.bfloat16),  # up-cast to fp32 under the interpreter
+    ("verify", 4, 2, 64, 16, torch.float32),
 ]
 
 

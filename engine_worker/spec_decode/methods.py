@@ -1,0 +1,36 @@
+"""The proposer registry: ``speculative_config.method`` -> the proposer it builds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine_worker.spec_decode.config import SpeculativeConfig
+from engine_worker.spec_decode.ngram import NgramProposer
+from engine_worker.spec_decode.speculator import Proposer, Speculator
+from engine_worker.spec_decode.suffix import SuffixProposer
+
+
+def _ngram(config: SpeculativeConfig) -> Proposer:
+    return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+
+
+def _suffix(config: SpeculativeConfig) -> Proposer:
+    return SuffixProposer(max_depth=config.suffix_decoding_max_tree_depth,
+                          max_outputs=config.suffix_decoding_max_cached_requests)
+
+
+PROPOSERS: dict[str, Callable[[SpeculativeConfig], Proposer]] = {
+    "ngram": _ngram,
+    "suffix": _suffix,
+}
+
+
+def build_speculator(config: SpeculativeConfig | None) -> Speculator | None:
+    """The scheduler's speculator for ``config`` (None when speculation is off)."""
+    if config is None:
+        return None
+    make = PROPOSERS.get(config.method)
+    if make is None:
+        raise ValueError(f"speculative_config.method: {config.method!r} is not available in "
+                         f"this build (available: {sorted(PROPOSERS)})")
+    return Speculator(config, make(config))

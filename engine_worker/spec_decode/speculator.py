@@ -1,0 +1,124 @@
+"""How many draft tokens each request verifies in a step, and the acceptance counts.
+
+The scheduler asks ``propose`` for a request in its decode phase and budgets the drafts
+it gets as extra tokens of the request's step; after the step it reports how many were
+accepted (``record``). Two rules keep speculation from costing more than it saves:
+
+* **Per request (adaptivity).** A request starts at ``num_speculative_tokens``. After a step
+  with ``a`` of ``d`` drafts accepted its next length is ``a + 1`` when a draft was rejected
+  (so a request whose proposals keep failing verifies one draft, not k), and one more (up to k)
+  when all were accepted. A request whose single draft is rejected again backs off: it
+  proposes nothing for 1, 2, 4, ... up to ``MAX_BACKOFF_STEPS`` steps, reset by the next
+  acceptance. On text that never repeats, the cost is then one extra verified token every
+  ``MAX_BACKOFF_STEPS`` steps.
+* **Per step (batch rule).** A step verifies drafts only while at most
+  ``disable_by_batch_size`` requests are running (vLLM's field). A step is then latency-bound:
+  the weights are read once whatever the token count, and a draft token adds little to it. With
+  more requests the batch itself fills the step, a draft costs about as much as a request's
+  token, and a rejected draft is pure loss, so the step runs without drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from engine_worker.spec_decode.config import SpeculativeConfig
+from engine_worker.spec_decode.stats import SpecDecodingCounter, SpecDecodingStats
+
+MAX_BACKOFF_STEPS = 32
+
+
+class Proposer(Protocol):
+    def propose(self, req_id: str, tokens: np.ndarray, max_num_tokens: int
+                ) -> tuple[int, ...]: ...
+
+    def forget(self, req_id: str, output_token_ids: list[int]) -> None: ...
+
+
+@dataclass(slots=True)
+class _RequestSpec:
+    """One request's speculation state: its token history (grown, never rebuilt) and its
+    adaptive proposal length."""
+
+    num_tokens_limit: int  # current proposal length
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(64, dtype=np.int64))
+    num_tokens: int = 0
+    backoff: int = 0  # steps to wait after consecutive rejections (0: none)
+    skip: int = 0  # steps left to wait
+
+    def sync(self, prompt: list[int], output: list[int]) -> np.ndarray:
+        total = len(prompt) + len(output)
+        if total < self.num_tokens:  # the history was rewritten (cannot happen today)
+            self.num_tokens = 0
+        if total > len(self.tokens):
+            grown = np.zeros(max(total, 2 * len(self.tokens)), dtype=np.int64)
+            grown[:self.num_tokens] = self.tokens[:self.num_tokens]
+            self.tokens = grown
+        if self.num_tokens < len(prompt):
+            self.tokens[self.num_tokens:len(prompt)] = prompt[self.num_tokens:]
+            self.num_tokens = len(prompt)
+        start = self.num_tokens - len(prompt)
+        if start < len(output):
+            self.tokens[self.num_tokens:total] = output[start:]
+            self.num_tokens = total
+        return self.tokens[:total]
+
+
+class Speculator:
+    """Owned by the scheduler: proposals per request, the adaptive rules, the counts."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_num_tokens = config.num_speculative_tokens
+        self._requests: dict[str, _RequestSpec] = {}
+        self._counter = SpecDecodingCounter(config.num_speculative_tokens)
+
+    def step_allows(self, num_running: int) -> bool:
+        """The batch rule (module docstring)."""
+        return num_running <= self.config.disable_by_batch_size
+
+    def propose(self, req_id: str, prompt: list[int], output: list[int], room: int
+                ) -> tuple[int, ...]:
+        """Draft tokens to verify after the request's last token this step: at most its
+        current length and ``room`` (what its budget, max_tokens and max_model_len leave)."""
+        spec = self._requests.get(req_id)
+        if spec is None:
+            spec = self._requests[req_id] = _RequestSpec(self.max_num_tokens)
+        if spec.skip > 0:
+            spec.skip -= 1
+            return ()
+        limit = min(room, spec.num_tokens_limit)
+        if limit <= 0:
+            return ()
+        return self.proposer.propose(req_id, spec.sync(prompt, output), limit)
+
+    def record(self, req_id: str, num_draft_tokens: int, num_accepted: int) -> None:
+        """A verified draft: adapt the request's length and count it."""
+        self._counter.record(num_draft_tokens, num_accepted)
+        spec = self._requests.get(req_id)
+        if spec is None:
+            return
+        if num_accepted == num_draft_tokens:
+            spec.num_tokens_limit = min(self.max_num_tokens, spec.num_tokens_limit + 1)
+            spec.backoff = 0
+        elif num_accepted > 0:
+            spec.num_tokens_limit = num_accepted + 1
+            spec.backoff = 0
+        else:
+            if spec.num_tokens_limit == 1:  # failed again at one draft: wait before retrying
+                spec.backoff = min(MAX_BACKOFF_STEPS, max(1, 2 * spec.backoff))
+                spec.skip = spec.backoff
+            spec.num_tokens_limit = 1
+
+    def forget(self, req_id: str, output_token_ids: list[int]) -> None:
+        """The request finished with these output tokens: drop its state (a proposer may
+        keep the output to propose from for others)."""
+        self._requests.pop(req_id, None)
+        self.proposer.forget(req_id, output_token_ids)
+
+    def stats(self) -> SpecDecodingStats:
+        return self._counter.snapshot()
