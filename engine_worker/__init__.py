@@ -3,7 +3,8 @@
 from engine_worker.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine_worker.config import EngineArgs
 from engine_worker.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine_worker.sampling_params import RequestOutputKind, SamplingParams
+from engine_worker.sampling_params import (RequestOutputKind, SamplingParams,
+                                           StructuredOutputsParams)
 
 
 def __getattr__(name: str):
@@ -20,5 +21,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence", "SamplingParams", "RequestOutputKind",
+           "BeamSearchSequence", "SamplingParams", "StructuredOutputsParams",
+           "RequestOutputKind",
            "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics"]

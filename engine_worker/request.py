@@ -107,7 +107,9 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
-        """The finished status implied by the last token, or None if it goes on."""
+        """The finished status implied by the last token, or None if it goes on. Under a
+        structured output, the grammar's matcher is advanced past the token here: the request
+        stops when the grammar is complete."""
         params = self.sampling_params
         last = self.output_token_ids[-1]
         if self.grammar is not None and (not self.grammar.accept(last)

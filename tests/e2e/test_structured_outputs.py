@@ -22,6 +22,8 @@ from quire.v1 import engine_pb2 as pb
 from tests.e2e.router_harness import (TIMEOUT_S, RunningRouter, address, collect,
                                       engine_fleet)
 
+pytestmark = pytest.mark.slow  # the embedded SmolLM2 behind a router
+
 MODEL = "smollm2"
 SAMPLES = 8
 

@@ -17,6 +17,8 @@ from tests.e2e.test_structured_outputs import router as router_fixture
 
 engines, router, client = engines_fixture, router_fixture, client_fixture
 
+pytestmark = pytest.mark.slow  # the embedded SmolLM2 behind a router
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "additionalProperties": False,
