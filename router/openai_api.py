@@ -33,6 +33,8 @@ from router.metrics import RouterMetrics
 from router.openai_protocol import (FINISH, RequestError, chat_messages, check_body,
                                     error_response, sampling_options, shown, sse, token_list,
                                     usage_json, Choice, OpenAIRequest)
+from router.openai_tokenize import (DETOKENIZE_FIELDS, TOKENIZE_FIELDS, TokenizeRequest,
+                                    detokenize_ids, tokenize_response)
 
 if TYPE_CHECKING:
     from router.tokenizer import RouterTokenizer
@@ -67,6 +69,8 @@ class FrontSeam:
     tokenizer: Callable[[], RouterTokenizer | None]  # None: no engine admitted yet
     engine_states: Callable[[], dict[str, int]]  # engines per state, "serving" among them
     draining: Callable[[], bool]
+    # the smallest max_model_len of the serving engines (None: none serves)
+    max_model_len: Callable[[], int | None] = lambda: None
 
 
 class OpenAIFront:
@@ -109,6 +113,8 @@ class OpenAIFront:
                               client_max_size=self.cfg.max_body_bytes)
         app.add_routes([web.post("/v1/completions", self._completions),
                         web.post("/v1/chat/completions", self._chat),
+                        web.post("/tokenize", self._tokenize),
+                        web.post("/detokenize", self._detokenize),
                         web.get("/v1/models", self._models), web.get("/health", self._health),
                         web.get("/metrics", self._metrics),
                         web.get("/debug/decisions", self._decisions)])
@@ -209,20 +215,67 @@ class OpenAIFront:
             if req.stream:
                 return await self._stream(request, req, call, first)
             return await self._collect(req, call, first)
-        except BodyError as e:
-            self.client_errors(logging.INFO, "HTTP %d to %s: %s", e.status, request.remote, e)
-            response = error_response(e)
-            response.force_close()  # the rest of a body we refused is never parsed
-            if e.status == 415:
-                response.headers["Accept-Encoding"] = "identity"
-            return response
         except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
-            return error_response(e)
+            return self._error(request, e)
         finally:
             if call is not None:
                 call.cancel()  # no-op once finished; aborts the engine request otherwise
 
-    async def _body(self, request: web.Request, *, chat: bool) -> dict:
+    def _error(self, request: web.Request, error: Exception) -> web.Response:
+        if not isinstance(error, BodyError):
+            return error_response(error)
+        self.client_errors(logging.INFO, "HTTP %d to %s: %s", error.status, request.remote,
+                           error)
+        response = error_response(error)
+        response.force_close()  # the rest of a body we refused is never parsed
+        if error.status == 415:
+            response.headers["Accept-Encoding"] = "identity"
+        return response
+
+    # ------------------------------------------------------------ tokenize, detokenize
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize, on the router's tokenizer (``router.openai_tokenize``)."""
+        try:
+            body = await self._body(request, known=TOKENIZE_FIELDS)
+            self._check_model(body)
+            req = TokenizeRequest.from_body(body, self.cfg.max_prompt_chars)
+            tokenizer = self.tokenizer
+            ids = await asyncio.get_running_loop().run_in_executor(
+                self._render_pool, req.token_ids, tokenizer)
+            return web.json_response(tokenize_response(req, ids, self._max_model_len(),
+                                                       tokenizer))
+        except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
+            return self._error(request, e)
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: the text of ``tokens`` (special tokens kept, as vLLM)."""
+        try:
+            body = await self._body(request, known=DETOKENIZE_FIELDS)
+            self._check_model(body)
+            backend = self.tokenizer.backend
+            ids = detokenize_ids(body, backend.get_vocab_size(with_added_tokens=True),
+                                 self.cfg.max_prompt_chars)
+            text = await asyncio.get_running_loop().run_in_executor(
+                self._render_pool, lambda: backend.decode(ids, skip_special_tokens=False))
+            return web.json_response({"prompt": text})
+        except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
+            return self._error(request, e)
+
+    def _max_model_len(self) -> int:
+        value = self.seam.max_model_len()
+        if value is None:
+            raise RequestError("no engine is available yet", None, 503)
+        return value
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RequestError(f"model: must be a string, got {shown(model)}", "model")
+        if model is not None and model != self.model_name:
+            raise RequestError(f"model: the model {shown(model)} does not exist", "model", 404)
+
+    async def _body(self, request: web.Request, *, chat: bool = False,
+                    known: frozenset[str] | None = None) -> dict:
         """The JSON object sent, checked (``check_body``) before anything reads it."""
         encoding = request.headers.get("Content-Encoding", "").strip().lower()
         if encoding not in _ACCEPTED_ENCODINGS:
@@ -250,7 +303,7 @@ class OpenAIFront:
             raise RequestError("body: JSON nested too deeply", "body") from None
         if not isinstance(body, dict):
             raise RequestError("body: must be a JSON object", "body")
-        check_body(body, chat=chat)
+        check_body(body, chat=chat, known=known)
         return body
 
     def _forwarded_metadata(self, request: web.Request) -> tuple[tuple[str, str], ...]:
@@ -269,11 +322,7 @@ class OpenAIFront:
 
     async def _generate_request(self, req: OpenAIRequest) -> pb.GenerateRequest:
         body = req.body
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise RequestError(f"model: must be a string, got {shown(model)}", "model")
-        if model is not None and model != self.model_name:
-            raise RequestError(f"model: the model {shown(model)} does not exist", "model", 404)
+        self._check_model(body)
         cfg = self.cfg
         out = pb.GenerateRequest(request_id=req.id, sampling=sampling_options(
             body, chat=req.chat, max_n=cfg.max_n, max_tokens_limit=cfg.max_tokens_limit,

@@ -62,7 +62,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                                                      priority=priority, cache_salt=salt):
                 if span is not None:
                     span.observe(output)
-                message = response_to_proto(output, first)
+                message = response_to_proto(output, first,
+                                            num_logprobs=params.logprobs or 0,
+                                            num_prompt_logprobs=params.prompt_logprobs or 0)
                 first = False
                 for completion in output.outputs:
                     counts[completion.index] = counts.get(completion.index, 0) + \
