@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine_worker.pooler_config import RUNNERS, PoolerConfig
+
 DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                   "float": "float32"}
@@ -44,15 +46,22 @@ def quire_cache_dir() -> Path:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """What to load and how. ``model=None`` means the embedded SmolLM2-135M-Instruct."""
+    """What to load and how. ``model=None`` means the embedded SmolLM2-135M-Instruct.
+    ``runner`` (vLLM's): "generate" serves generation and embeddings, "pooling" embeddings
+    only; ``pooler_config``: how embeddings pool (unset fields: the model's own config)."""
 
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    runner: str = "generate"
+    pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
 
     def __post_init__(self) -> None:
+        _check(self.runner in RUNNERS, "runner", f"must be one of {RUNNERS}, got "
+               f"{self.runner!r}")
+        object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         if self.max_model_len is not None:
             _check(_is_int(self.max_model_len) and self.max_model_len > 0,
@@ -181,11 +190,15 @@ class EngineArgs:
     kernels: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    runner: str = "generate"
+    # JSON text (a flag), a dict or a PoolerConfig: {"pooling_type": ..., "normalize": ...}
+    pooler_config: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
-                              max_model_len=self.max_model_len, seed=self.seed),
+                              max_model_len=self.max_model_len, seed=self.seed,
+                              runner=self.runner, pooler_config=self.pooler_config),
             cache=CacheConfig(block_size=self.block_size,
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization,

@@ -57,6 +57,12 @@ class EngineInfo:
     block_hash_seed: int  # the chain's root hash
     tokenizer_digest: str  # SHA-256 of tokenizer.json
 
+    # ---- what it serves (vLLM's --runner) and how embeddings pool (--pooler-config)
+    runner: str = "generate"  # "generate": generation and embeddings; "pooling": embeddings
+    pooling_type: str = "LAST"  # "LAST", "MEAN" or "CLS"
+    pooling_normalize: bool = True  # embeddings are L2-normalised unless a request says not
+    hidden_size: int = 0  # the embeddings' dimension
+
     @property
     def kv_capacity_tokens(self) -> int:
         """Tokens the whole KV cache holds."""

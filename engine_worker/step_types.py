@@ -13,8 +13,9 @@ runner can drop their state. Everything here is plain Python data, never tensors
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from engine_worker.pooling_params import PoolingParams
 from engine_worker.request import RequestStatus
 from engine_worker.sampling_params import SamplingParams
 
@@ -22,13 +23,15 @@ from engine_worker.sampling_params import SamplingParams
 # ------------------------------------------------------------------ scheduler -> runner
 @dataclass(frozen=True, slots=True)
 class NewRequestData:
-    """A request the runner has not seen before."""
+    """A request the runner has not seen before: it samples (``sampling_params``) or, a
+    pooling request, pools its prompt (``pooling_params``, with ``normalize`` resolved)."""
 
     req_id: str
     prompt_token_ids: tuple[int, ...]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     block_ids: tuple[int, ...]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,11 +100,13 @@ class SampledLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
-    """Per request id: tokens sampled this step (empty mid-prefill) and optional logprobs."""
+    """Per request id: tokens sampled this step (empty mid-prefill) and optional logprobs;
+    ``pooled``: the vector of each pooling request whose prompt this step completed."""
 
     sampled_token_ids: Mapping[str, tuple[int, ...]]
     logprobs: Mapping[str, SampledLogprobs]
     prompt_logprobs: Mapping[str, SampledLogprobs]
+    pooled: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------ scheduler -> engine
@@ -116,6 +121,7 @@ class EngineCoreOutput:
     new_logprobs: tuple[SampledLogprobs, ...] = ()
     new_prompt_logprobs: SampledLogprobs | None = None
     num_cached_tokens: int = 0
+    pooled: tuple[float, ...] | None = None  # a pooling request's vector, on its last output
 
 
 @dataclass(frozen=True, slots=True)

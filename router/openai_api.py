@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import grpc
 from aiohttp import web
 
+from quire.errors import field_of
 from quire.ports import PortInUseError
 from quire.tracing import TRACE_HEADERS
 from quire.v1 import engine_pb2 as pb
@@ -33,6 +34,8 @@ from router.metrics import RouterMetrics
 from router.openai_protocol import (FINISH, RequestError, chat_messages, check_body,
                                     error_response, sampling_options, shown, sse, token_list,
                                     usage_json, Choice, OpenAIRequest)
+from router.openai_embeddings import (EMBEDDING_FIELDS, EmbeddingsRequest,
+                                      embeddings_response)
 from router.openai_tokenize import (DETOKENIZE_FIELDS, TOKENIZE_FIELDS, TokenizeRequest,
                                     detokenize_ids, tokenize_response)
 
@@ -113,6 +116,7 @@ class OpenAIFront:
                               client_max_size=self.cfg.max_body_bytes)
         app.add_routes([web.post("/v1/completions", self._completions),
                         web.post("/v1/chat/completions", self._chat),
+                        web.post("/v1/embeddings", self._embeddings),
                         web.post("/tokenize", self._tokenize),
                         web.post("/detokenize", self._detokenize),
                         web.get("/v1/models", self._models), web.get("/health", self._health),
@@ -231,6 +235,52 @@ class OpenAIFront:
         if error.status == 415:
             response.headers["Accept-Encoding"] = "identity"
         return response
+
+    # ---------------------------------------------------------------------- embeddings
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        """OpenAI's /v1/embeddings: one Embed call per input on the router's gRPC front
+        (placed like any request), all at once (``router.openai_embeddings``)."""
+        calls = []
+        try:
+            body = await self._body(request, known=EMBEDDING_FIELDS)
+            self._check_model(body)
+            req = EmbeddingsRequest.from_body(body, self.cfg.max_prompt_chars)
+            metadata = self._forwarded_metadata(request)
+            for item in req.inputs:
+                message = pb.EmbedRequest(**({"text": item} if isinstance(item, str) else
+                                             {"token_ids": pb.TokenIds(ids=item)}))
+                if req.normalize is not None:
+                    message.normalize = req.normalize
+                calls.append(self._stub.Embed(message, timeout=self.cfg.request_timeout_s,
+                                              metadata=metadata))
+            responses = await asyncio.gather(*(self._embedded(req, i, call)
+                                               for i, call in enumerate(calls)))
+            num_tokens = sum(r.usage.prompt_tokens for r in responses)
+            self.metrics.tokens.labels("prompt").inc(num_tokens)
+            self.metrics.tokens.labels("cached").inc(sum(r.usage.cached_tokens
+                                                         for r in responses))
+            return web.json_response(embeddings_response(
+                req, [r.embedding for r in responses], num_tokens, self.model_name))
+        except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
+            return self._error(request, e)
+        finally:
+            for call in calls:
+                call.cancel()  # no-op once finished; aborts the others after a failure
+
+    @staticmethod
+    async def _embedded(req: EmbeddingsRequest, index: int, call) -> pb.EmbedResponse:
+        """One input's answer; a refused prompt (too long, bad token ids) names the input."""
+        try:
+            return await call
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in (grpc.StatusCode.INVALID_ARGUMENT,
+                                grpc.StatusCode.OUT_OF_RANGE):
+                raise
+            detail = e.details() or ""
+            field = field_of(e)
+            if field and detail.startswith(f"{field}: "):
+                detail = detail[len(field) + 2:]
+            raise RequestError(f"{req.name(index)}: {detail}", "input") from None
 
     # ------------------------------------------------------------ tokenize, detokenize
     async def _tokenize(self, request: web.Request) -> web.Response:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from quire.errors import FieldError
 from engine_worker.input_processor import DefaultMaxTokens
-from engine_worker.outputs import RequestOutput
+from engine_worker.outputs import PoolingRequestOutput, RequestOutput
+from engine_worker.pooling_params import PoolingParams
 from engine_worker.sampling_params import SamplingParams
 from quire.limits import check_n, request_prompt
 from quire.v1 import engine_pb2 as pb
@@ -35,6 +36,25 @@ def request_from_proto(message: pb.GenerateRequest, limits: RequestLimits):
                             **kwargs)
     limits.check(params, prompt)
     return prompt, params, message.priority, message.cache_salt or None
+
+
+def embed_request_from_proto(message: pb.EmbedRequest, limits: RequestLimits):
+    """-> (prompt for LLMEngine.add_request, PoolingParams, priority, cache_salt)."""
+    prompt = request_prompt(message)
+    if isinstance(prompt, str) and len(prompt) > limits.max_prompt_chars:
+        raise FieldError("text", f"at most {limits.max_prompt_chars} characters, got "
+                         f"{len(prompt)}")
+    if not isinstance(prompt, str):
+        prompt = {"prompt_token_ids": prompt}
+    params = PoolingParams(normalize=message.normalize if message.HasField("normalize")
+                           else None)
+    return prompt, params, message.priority, message.cache_salt or None
+
+
+def embed_response_to_proto(output: PoolingRequestOutput) -> pb.EmbedResponse:
+    return pb.EmbedResponse(request_id=output.request_id, embedding=output.outputs.data,
+                            usage=pb.Usage(prompt_tokens=len(output.prompt_token_ids),
+                                           cached_tokens=output.num_cached_tokens))
 
 
 class RequestLimits:
