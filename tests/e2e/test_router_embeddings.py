@@ -131,6 +131,20 @@ def test_bad_input_is_a_400_naming_it(router, client, body, param):
     assert client.embeddings.create(model=MODEL, input="still served").data
 
 
+@pytest.mark.parametrize("request_, field", [
+    (pb.EmbedRequest(), "prompt"),
+    (pb.EmbedRequest(token_ids=pb.TokenIds()), "token_ids"),
+    (pb.EmbedRequest(token_ids=pb.TokenIds(ids=list(range(300)))), "prompt"),
+    (pb.EmbedRequest(token_ids=pb.TokenIds(ids=[10 ** 6])), "prompt_token_ids"),
+])
+def test_grpc_embed_refusals_name_the_field(router, request_, field):
+    with pytest.raises(grpc.RpcError) as err:
+        router.stub.Embed(request_, timeout=TIMEOUT_S)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(err.value.trailing_metadata())["quire-error-field"] == field
+    assert err.value.details().startswith(field)
+
+
 def test_unknown_model_is_a_404(router):
     status, answer = _post(router, {"model": "other", "input": "x"})
     assert status == 404 and answer["error"]["param"] == "model"
