@@ -137,3 +137,30 @@ def test_smollm2_matches_transformers(embedded_model_dir):
     assert [o.prompt_token_ids for o in outputs] == prompts
     assert_close([o.outputs.embedding for o in outputs],
                  hf_embeddings(embedded_model_dir, prompts, "LAST"))
+
+
+def test_preempted_pooling_requests_recompute_their_vector(tiny_model_dir):
+    """A KV cache too small for everything at once: a pooling request is preempted mid-prompt
+    and recomputed from its first position, and its vector is still the reference's."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=12 * 12288,
+              pooler_config={"pooling_type": "MEAN"}, long_prefill_token_threshold=8,
+              enable_prefix_caching=False)
+    assert llm.info.num_kv_blocks == 12
+    engine = llm.engine
+    long_output = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    prompts = [list(range(4000 + 100 * i, 4000 + 100 * i + 70)) for i in range(2)]
+    for i in range(2):
+        engine.add_request(f"g{i}", {"prompt_token_ids": list(range(300 + i, 360 + i))},
+                           long_output)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"e{i}", {"prompt_token_ids": prompt}, PoolingParams())
+    results, preempted = {}, set()
+    while engine.has_unfinished_requests():
+        for output in engine.step().outputs:
+            if output.finished:
+                results[output.request_id] = output
+        preempted |= {r.req_id for r in engine._scheduler.requests.values()
+                      if r.pooling_params is not None and r.num_preemptions}
+    assert preempted, "no pooling request was preempted: the test lost its point"
+    assert_close([results[f"e{i}"].outputs.data for i in range(2)],
+                 hf_embeddings(tiny_model_dir, prompts, "MEAN"))
