@@ -10,12 +10,20 @@ from quire.errors import FieldError
 @dataclass(slots=True)
 class PoolingParams:
     """How to embed one prompt. ``normalize`` None: the engine's ``--pooler-config`` says.
-    ``dimensions`` (a shorter, matryoshka vector) is not supported: any value is refused."""
+    ``truncate_prompt_tokens`` k keeps only the prompt's last k tokens (-1: max_model_len);
+    None refuses a prompt longer than max_model_len. ``dimensions`` (a shorter, matryoshka
+    vector) is not supported: any value is refused."""
 
-    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
     dimensions: int | None = None
+    normalize: bool | None = None
 
     def __post_init__(self) -> None:
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k == 0
+                              or k < -1):
+            raise FieldError("truncate_prompt_tokens", f"must be -1 (max_model_len) or a "
+                             f"positive integer, got {k!r}")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise FieldError("normalize", f"must be a boolean, got {self.normalize!r}")
         if self.dimensions is not None:

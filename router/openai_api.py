@@ -251,6 +251,8 @@ class OpenAIFront:
                                              {"token_ids": pb.TokenIds(ids=item)}))
                 if req.normalize is not None:
                     message.normalize = req.normalize
+                if req.truncate_prompt_tokens is not None:
+                    message.truncate_prompt_tokens = req.truncate_prompt_tokens
                 calls.append(self._stub.Embed(message, timeout=self.cfg.request_timeout_s,
                                               metadata=metadata))
             responses = await asyncio.gather(*(self._embedded(req, i, call)

@@ -7,7 +7,8 @@ Fields (OpenAI's names; vLLM's extra ``normalize`` too): ``model``, ``input`` (a
 list of strings, a list of token ids, or a list of such lists), ``encoding_format`` ("float"
 or "base64": little-endian float32 bytes), ``dimensions`` (refused: no model here has a
 shorter, matryoshka vector), ``user`` (ignored), ``normalize`` (vLLM's; default: the engine's
-pooler config).
+pooler config), ``truncate_prompt_tokens`` (vLLM's: keep each input's last k tokens; -1:
+max_model_len; unset: a longer input is refused).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 
 from router.openai_protocol import RequestError, shown, token_list
 
-EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "normalize"})
+EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "normalize",
+                              "truncate_prompt_tokens"})
 MAX_EMBEDDING_INPUTS = 2048  # inputs of one request (OpenAI's limit)
 _FORMATS = ("float", "base64")
 _INPUT_FORMS = "a non-empty string, a list of them, a list of token ids, or a list of those"
@@ -32,6 +34,7 @@ class EmbeddingsRequest:
     batched: bool  # the input was a list of inputs (errors then say which: ``input[3]``)
     encoding_format: str
     normalize: bool | None
+    truncate_prompt_tokens: int | None
 
     @classmethod
     def from_body(cls, body: dict, max_chars: int) -> EmbeddingsRequest:
@@ -47,9 +50,14 @@ class EmbeddingsRequest:
         if normalize is not None and not isinstance(normalize, bool):
             raise RequestError(f"normalize: must be a boolean, got {shown(normalize)}",
                                "normalize")
+        keep = body.get("truncate_prompt_tokens")
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
+                                 or keep == 0 or not -1 <= keep < 2 ** 31):
+            raise RequestError(f"truncate_prompt_tokens: must be -1 (max_model_len) or a "
+                               f"positive integer, got {shown(keep)}", "truncate_prompt_tokens")
         inputs, batched = _inputs(body.get("input"), max_chars)
         return cls(inputs=inputs, batched=batched, encoding_format=encoding,
-                   normalize=normalize)
+                   normalize=normalize, truncate_prompt_tokens=keep)
 
     def name(self, index: int) -> str:
         """How errors name input ``index``."""

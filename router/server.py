@@ -256,7 +256,7 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
                     len(request.text) > self.limits.max_prompt_chars:
                 raise FieldError("text", f"at most {self.limits.max_prompt_chars} characters, "
                                  f"got {len(request.text)}")
-            prompt = await self.prepare(request)
+            prompt = await self._embed_prompt(request)
         except (ValueError, NoEndpointError) as e:
             await abort_with(context, e)
         forward = pb.EmbedRequest()
@@ -296,6 +296,25 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
             await context.send_initial_metadata(((ENGINE_ID_METADATA, engine_id),))
             return response
         await abort_with(context, last_error)
+
+    async def _embed_prompt(self, request: pb.EmbedRequest) -> RoutedPrompt:
+        """The prompt as the engine will pool it: truncated first (``truncate_prompt_tokens``)
+        so that its blocks, and so its placement, are those the engine computes."""
+        prompt = await self.prepare(request)
+        if not request.HasField("truncate_prompt_tokens"):
+            return prompt
+        keep = request.truncate_prompt_tokens
+        if keep == 0 or keep < -1:
+            raise FieldError("truncate_prompt_tokens", f"must be -1 (max_model_len) or a "
+                             f"positive integer, got {keep}")
+        if keep == -1:
+            lengths = [c.info.max_model_len for c in self.pool.serving() if c.info is not None]
+            keep = min(lengths) if lengths else len(prompt.token_ids)
+        if len(prompt.token_ids) <= keep:
+            return prompt
+        truncated = pb.EmbedRequest(token_ids=pb.TokenIds(ids=prompt.token_ids[-keep:]),
+                                    cache_salt=request.cache_salt)
+        return await self.prepare(truncated)
 
     def _record(self, request_id: str, decision: Decision, attempt: int, num_tokens: int,
                 placement_s: float, span: RouterSpan | None) -> DecisionRecord:

@@ -46,8 +46,10 @@ def embed_request_from_proto(message: pb.EmbedRequest, limits: RequestLimits):
                          f"{len(prompt)}")
     if not isinstance(prompt, str):
         prompt = {"prompt_token_ids": prompt}
-    params = PoolingParams(normalize=message.normalize if message.HasField("normalize")
-                           else None)
+    params = PoolingParams(
+        normalize=message.normalize if message.HasField("normalize") else None,
+        truncate_prompt_tokens=message.truncate_prompt_tokens
+        if message.HasField("truncate_prompt_tokens") else None)
     return prompt, params, message.priority, message.cache_salt or None
 
 

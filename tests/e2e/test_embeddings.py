@@ -118,6 +118,14 @@ def test_pooling_runner_refuses_generation_and_bad_params(tiny_model_dir):
     with pytest.raises(ValueError, match="prompt"):
         llm.embed([[]], use_tqdm=False)
     assert len(llm.embed(["still served"], use_tqdm=False)[0].outputs.embedding) == 64
+    long = list(range(200, 400))
+    for keep, kept in ((50, long[-50:]), (-1, long[-128:])):
+        out = llm.embed([long], PoolingParams(truncate_prompt_tokens=keep), use_tqdm=False)[0]
+        assert out.prompt_token_ids == kept
+        assert_close([out.outputs.embedding], hf_embeddings(tiny_model_dir, [kept], "LAST"))
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            PoolingParams(truncate_prompt_tokens=bad)
     with pytest.raises(ValueError, match="pooling_type"):
         LLM(str(tiny_model_dir), pooler_config={"pooling_type": "MAX"})
     with pytest.raises(ValueError, match="runner"):

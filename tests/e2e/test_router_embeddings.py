@@ -96,6 +96,15 @@ def test_base64_is_little_endian_float32(router, client):
     assert torch.tensor(raw_vec).norm().item() != pytest.approx(1.0, abs=1e-3)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, tiny_model_dir):
+    ids = list(range(2000, 2300))  # longer than max_model_len (256)
+    for keep, kept in ((100, ids[-100:]), (-1, ids[-256:])):
+        result = client.embeddings.create(model=MODEL, input=ids, encoding_format="float",
+                                          extra_body={"truncate_prompt_tokens": keep})
+        assert result.usage.prompt_tokens == len(kept)
+        _assert_close([result.data[0].embedding], hf_embeddings(tiny_model_dir, [kept], "LAST"))
+
+
 def test_embed_is_placed_prefix_aware_and_fills_the_cache(router, client):
     """Placement uses the prompt's blocks: the same long prompt again lands on the engine that
     cached it, and reports cached tokens (LAST pooling reads the cache)."""
@@ -123,6 +132,9 @@ def test_embed_is_placed_prefix_aware_and_fills_the_cache(router, client):
     ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "x", "normalize": "yes"}, "normalize"),
     ({"input": "x", "truncate": 3}, "truncate"),
+    ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"input": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"input": "x", "truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),
 ])
 def test_bad_input_is_a_400_naming_it(router, client, body, param):
     status, answer = _post(router, {"model": MODEL, **body})
@@ -136,6 +148,7 @@ def test_bad_input_is_a_400_naming_it(router, client, body, param):
     (pb.EmbedRequest(token_ids=pb.TokenIds()), "token_ids"),
     (pb.EmbedRequest(token_ids=pb.TokenIds(ids=list(range(300)))), "prompt"),
     (pb.EmbedRequest(token_ids=pb.TokenIds(ids=[10 ** 6])), "prompt_token_ids"),
+    (pb.EmbedRequest(text="x", truncate_prompt_tokens=-3), "truncate_prompt_tokens"),
 ])
 def test_grpc_embed_refusals_name_the_field(router, request_, field):
     with pytest.raises(grpc.RpcError) as err:
