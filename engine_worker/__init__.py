@@ -2,7 +2,11 @@
 
 from engine_worker.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine_worker.config import EngineArgs
-from engine_worker.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine_worker.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                                   Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
+                                   RequestOutput)
+from engine_worker.pooler_config import PoolerConfig
+from engine_worker.pooling_params import PoolingParams
 from engine_worker.sampling_params import (RequestOutputKind, SamplingParams,
                                            StructuredOutputsParams)
 
@@ -23,4 +27,6 @@ def __getattr__(name: str):
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "SamplingParams", "StructuredOutputsParams",
            "RequestOutputKind",
-           "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics"]
+           "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "PoolingParams",
+           "PoolerConfig", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
+           "EmbeddingRequestOutput"]

@@ -40,6 +40,11 @@ _HELP = {
                "or torch (the pure-PyTorch reference)",
     "attention_backend": "auto (the kernel backend's own), torch (the reference) or triton "
                          "(Triton paged attention; on a CPU only under TRITON_INTERPRET=1)",
+    "runner": "generate (generation and embeddings) or pooling (embeddings only: generation "
+              "is refused)",
+    "pooler_config": "how embeddings pool, JSON: {\"pooling_type\": \"LAST\" | \"MEAN\" | "
+                     "\"CLS\", \"normalize\": true | false} (unset: the model's "
+                     "sentence-transformers config, else LAST, normalized)",
     "enforce_eager": "no CUDA graphs: run decode steps eagerly too (graphs run only on a GPU, "
                      "with triton attention)",
     "speculative_config": "speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", "

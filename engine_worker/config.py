@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine_worker.spec_decode.config import SpeculativeConfig
+from engine_worker.pooler_config import RUNNERS, PoolerConfig
 
 DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATION_NAMES = ("auto", "gguf", "dequantize")  # weights.quantization says what each does
@@ -47,7 +48,9 @@ def quire_cache_dir() -> Path:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """What to load and how. ``model=None`` means the embedded SmolLM2-135M-Instruct."""
+    """What to load and how. ``model=None`` means the embedded SmolLM2-135M-Instruct.
+    ``runner`` (vLLM's): "generate" serves generation and embeddings, "pooling" embeddings
+    only; ``pooler_config``: how embeddings pool (unset fields: the model's own config)."""
 
     model: str | None = None
     tokenizer: str | None = None
@@ -55,8 +58,13 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     quantization: str = "auto"
+    runner: str = "generate"
+    pooler_config: PoolerConfig = field(default_factory=PoolerConfig)
 
     def __post_init__(self) -> None:
+        _check(self.runner in RUNNERS, "runner", f"must be one of {RUNNERS}, got "
+               f"{self.runner!r}")
+        object.__setattr__(self, "pooler_config", PoolerConfig.parse(self.pooler_config))
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         _check(self.quantization in QUANTIZATION_NAMES, "quantization",
                f"must be one of {QUANTIZATION_NAMES}, got {self.quantization!r}")
@@ -191,12 +199,16 @@ class EngineArgs:
     enforce_eager: bool = False
     # vLLM's: a dict, or its JSON text on the command line (None: off); see spec_decode.config
     speculative_config: str | dict | None = None
+    runner: str = "generate"
+    # JSON text (a flag), a dict or a PoolerConfig: {"pooling_type": ..., "normalize": ...}
+    pooler_config: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                               max_model_len=self.max_model_len, seed=self.seed,
-                              quantization=self.quantization),
+                              quantization=self.quantization, runner=self.runner,
+                              pooler_config=self.pooler_config),
             cache=CacheConfig(block_size=self.block_size,
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization,

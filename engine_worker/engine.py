@@ -34,6 +34,8 @@ from engine_worker.output_processor import OutputProcessor
 from engine_worker.outputs import RequestOutput
 from engine_worker.platform import (allocate_zeroed, available_memory_bytes, select_device,
                                    select_dtype)
+from engine_worker.pooler import Pooler
+from engine_worker.pooling_params import PoolingParams
 from engine_worker.progress import progress, start_summary
 from engine_worker.request import RequestStatus
 from engine_worker.sampling_params import SamplingParams
@@ -111,6 +113,7 @@ class LLMEngine:
         self._dtype = select_dtype(config.model.dtype, self._device, self._backend.name)
         loaded, self.tokenizer = self._load_model_and_tokenizer()
         self._max_model_len = loaded.max_model_len
+        self._pooler = Pooler(config.model.pooler_config.resolved(self._model_dir))
         self._graph_choice = self._choose_cuda_graphs(loaded.model)
         size = self._size_kv_cache(loaded.model)
         kv_caches = self._allocate_kv_cache(loaded.model, size.num_blocks)
@@ -136,7 +139,9 @@ class LLMEngine:
     def _choose_cuda_graphs(self, model) -> CudaGraphChoice:
         sched = self.config.scheduler
         return choose_cuda_graphs(
-            device=self._device, enforce_eager=self.config.device.enforce_eager,
+            # a pooling runner never decodes: nothing to capture
+            device=self._device, enforce_eager=self.config.device.enforce_eager
+            or self.config.model.runner == "pooling",
             attention=self._backend.backend.attention.name,
             fused_layers=model.layer_stack is not None, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens)
@@ -219,11 +224,12 @@ class LLMEngine:
             speculator=self._speculator)
         self.runner = ModelRunner(model, kv_caches, cache.block_size, self._device,
                                   model.cfg.vocab_size, self.tokenizer.eos_token_ids,
-                                  self.config.model.seed, graphs=graphs)
+                                  self.config.model.seed, graphs=graphs, pooler=self._pooler)
         self.input_processor = InputProcessor(
             self.tokenizer, max_model_len=self._max_model_len,
             kv_capacity_tokens=num_blocks * cache.block_size, vocab_size=model.cfg.vocab_size,
-            max_num_seqs=sched.max_num_seqs)
+            max_num_seqs=sched.max_num_seqs, pooler_config=self._pooler.config,
+            runner=self.config.model.runner)
         self.output_processor = OutputProcessor(self.tokenizer)
         # structured outputs: xgrammar needs the logits' width, which may exceed the tokenizer's
         self.grammars = GrammarCompilerCache(self.tokenizer.hf, model.cfg.vocab_size,
@@ -251,7 +257,10 @@ class LLMEngine:
             block_hash_algorithm=BLOCK_HASH_ALGORITHM, block_hash_seed=ROOT_HASH,
             speculative_config=(self.config.speculative.to_json()
                                 if self.config.speculative is not None else ""),
-            tokenizer_digest=tokenizer_dir_digest(self._tokenizer_dir))
+            tokenizer_digest=tokenizer_dir_digest(self._tokenizer_dir),
+            runner=self.config.model.runner, pooling_type=self._pooler.config.pooling_type,
+            pooling_normalize=self._pooler.config.normalize,
+            hidden_size=loaded.model.cfg.hidden_size)
 
     def _announce(self, elapsed_s: float) -> None:
         # the one place that says what runs: loud (WARNING) when the backend is a fallback
@@ -260,12 +269,14 @@ class LLMEngine:
                    start_summary(self.info, elapsed_s=elapsed_s))
 
     # -------------------------------------------------------------------- the step API
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | PoolingParams, arrival_time: float | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> None:
         """Validate and queue a request; raises ValueError naming the bad field (nothing is
         queued then, and other requests are unaffected). ``cache_salt`` isolates its cached
-        blocks: requests share cached prefixes only when their salts are equal."""
+        blocks: requests share cached prefixes only when their salts are equal. With
+        ``PoolingParams`` it is a pooling request: its one output, a ``PoolingRequestOutput``,
+        carries the prompt's embedding (``engine_worker.pooler``)."""
         self._check_alive()
         if self.output_processor.has(request_id):
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -278,6 +289,10 @@ class LLMEngine:
         if clash:
             raise ValueError(f"request_id: {request_id!r} would reuse the live sample id "
                              f"{clash[0]!r}")
+        if isinstance(params, PoolingParams):
+            self.output_processor.add_pooling_request(request_id, processed.prompt_token_ids)
+            self._scheduler.add_request(processed.request)
+            return
         self.output_processor.add_request(request_id, processed.prompt_text,
                                           processed.prompt_token_ids, params,
                                           list(processed.sample_ids), arrival)

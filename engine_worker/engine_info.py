@@ -65,6 +65,11 @@ class EngineInfo:
 
     # ---- speculative decoding: vLLM's speculative_config as it runs (JSON), "" when off
     speculative_config: str = ""
+    # ---- what it serves (vLLM's --runner) and how embeddings pool (--pooler-config)
+    runner: str = "generate"  # "generate": generation and embeddings; "pooling": embeddings
+    pooling_type: str = "LAST"  # "LAST", "MEAN" or "CLS"
+    pooling_normalize: bool = True  # embeddings are L2-normalised unless a request says not
+    hidden_size: int = 0  # the embeddings' dimension
 
     @property
     def kv_capacity_tokens(self) -> int:

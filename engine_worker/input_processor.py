@@ -10,6 +10,9 @@ from quire.errors import FieldError
 from dataclasses import dataclass
 from typing import Union
 
+from engine_worker.pooler import POOLING_METHODS
+from engine_worker.pooler_config import PoolerConfig
+from engine_worker.pooling_params import PoolingParams
 from engine_worker.request import Request
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.tokenizer import Tokenizer
@@ -44,28 +47,36 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, *, max_model_len: int, kv_capacity_tokens: int,
-                 vocab_size: int, max_num_seqs: int) -> None:
+                 vocab_size: int, max_num_seqs: int,
+                 pooler_config: PoolerConfig = PoolerConfig("LAST", True),
+                 runner: str = "generate") -> None:
+        """``pooler_config`` (resolved) decides how pooling requests read the prefix cache
+        and whether they are normalised by default; ``runner`` "pooling" refuses generation."""
+        self.pooler_config = pooler_config
+        self.runner = runner
         self.max_num_seqs = max_num_seqs
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.kv_capacity_tokens = kv_capacity_tokens
         self.vocab_size = vocab_size
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                arrival_time: float, priority: int,
+    def process(self, request_id: str, prompt: PromptType,
+                params: SamplingParams | PoolingParams, arrival_time: float, priority: int,
                 cache_salt: str | None = None) -> ProcessedRequest:
         if not isinstance(request_id, str) or not request_id:
             raise FieldError("request_id", "must be a non-empty string")
+        if isinstance(params, PoolingParams):
+            return self._process_pooling(request_id, prompt, params, arrival_time, priority,
+                                         cache_salt)
         if not isinstance(params, SamplingParams):
-            raise FieldError("sampling_params", "must be a SamplingParams")
+            raise FieldError("sampling_params", "must be a SamplingParams (or PoolingParams)")
+        if self.runner == "pooling":
+            raise FieldError("runner", "this engine runs with --runner pooling: it serves "
+                             "embeddings only, not generation (start one with --runner "
+                             "generate to generate)")
         # the samples of one request run together: at most max_num_seqs of them
         check_n(params.n, self.max_num_seqs)
-        if not isinstance(priority, int):
-            raise FieldError("priority", f"must be an integer, got {priority!r}")
-        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
-            cache_salt = prompt["cache_salt"]
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise FieldError("cache_salt", "must be a non-empty string")
+        cache_salt = self._check_common(prompt, priority, cache_salt)
         check_length(params.stop_token_ids, MAX_STOP_TOKEN_IDS, "stop_token_ids",
                      "stop token ids")
         check_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
@@ -86,6 +97,44 @@ class InputProcessor:
                           max_tokens, arrival_time=arrival_time, priority=priority,
                           cache_salt=cache_salt, fork_children=others)
         return ProcessedRequest(text, token_ids, request, tuple(s[0] for s in samples))
+
+    def _check_common(self, prompt: PromptType, priority, cache_salt: str | None) -> str | None:
+        """Priority and cache salt (a dict prompt's own salt wins); returns the salt."""
+        if not isinstance(priority, int):
+            raise FieldError("priority", f"must be an integer, got {priority!r}")
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            cache_salt = prompt["cache_salt"]
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise FieldError("cache_salt", "must be a non-empty string")
+        return cache_salt
+
+    def _process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                         arrival_time: float, priority: int,
+                         cache_salt: str | None) -> ProcessedRequest:
+        """A pooling request: its whole prompt must fit max_model_len and the KV cache (it
+        generates nothing, so no room is kept for output)."""
+        cache_salt = self._check_common(prompt, priority, cache_salt)
+        text, token_ids = self._tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.max_model_len if keep == -1 else keep
+            if len(token_ids) > keep:  # left truncation, as vLLM: the text no longer matches
+                text, token_ids = None, list(token_ids[-keep:])
+        num_tokens = len(token_ids)
+        if num_tokens > self.max_model_len:
+            raise FieldError("prompt", f"{num_tokens} tokens, more than this model's "
+                             f"max_model_len={self.max_model_len}")
+        if num_tokens > self.kv_capacity_tokens:
+            raise FieldError("prompt", f"{num_tokens} tokens, more than the whole KV cache "
+                             f"holds ({self.kv_capacity_tokens})")
+        config = self.pooler_config
+        params = params.clone(normalize=config.normalize if params.normalize is None
+                              else params.normalize)
+        reads_cache = not POOLING_METHODS[config.pooling_type].needs_every_position
+        request = Request(request_id, list(token_ids), None, self.tokenizer.eos_token_ids, 0,
+                          arrival_time=arrival_time, priority=priority, cache_salt=cache_salt,
+                          pooling_params=params, reads_prefix_cache=reads_cache)
+        return ProcessedRequest(text, token_ids, request, (request_id,))
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         """The prompt's token ids, validated (ValueError naming the field otherwise)."""

@@ -11,7 +11,8 @@ from engine_worker.config import EngineArgs
 from engine_worker.engine import LLMEngine
 from engine_worker.engine_info import EngineInfo
 from engine_worker.input_processor import PromptType
-from engine_worker.outputs import RequestOutput
+from engine_worker.outputs import EmbeddingRequestOutput, RequestOutput
+from engine_worker.pooling_params import PoolingParams
 from engine_worker.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -70,6 +71,33 @@ class LLM:
             self._drain()
             raise
         return self._run(request_ids, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in the prompts' order (``output.outputs.embedding``):
+        the final hidden states pooled as the engine's ``pooler_config`` says (LAST or MEAN,
+        L2-normalised by default). Prompts batch together as one continuous batch."""
+        prompts = self._as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"pooling_params: got {len(params)} for {len(prompts)} prompts")
+        if not all(isinstance(p, PoolingParams) for p in params):
+            raise ValueError("pooling_params: must be PoolingParams")
+        request_ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = str(next(self._counter))
+                self.engine.add_request(request_id, prompt, p)
+                request_ids.append(request_id)
+        except ValueError:
+            self.engine.abort_request(request_ids)
+            self._drain()
+            raise
+        return [EmbeddingRequestOutput.from_base(o) for o in self._run(request_ids, use_tqdm)]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -145,9 +173,10 @@ class _Progress:
         self._start = time.monotonic()
         self._in = self._out = 0
 
-    def update(self, output: RequestOutput) -> None:
+    def update(self, output) -> None:
         self._in += len(output.prompt_token_ids)
-        self._out += sum(len(c.token_ids) for c in output.outputs)
+        if isinstance(output, RequestOutput):
+            self._out += sum(len(c.token_ids) for c in output.outputs)
         elapsed = max(time.monotonic() - self._start, 1e-9)
         self._bar.set_postfix_str(f"input: {self._in / elapsed:.1f} toks/s, "
                                   f"output: {self._out / elapsed:.1f} toks/s", refresh=False)

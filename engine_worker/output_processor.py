@@ -10,8 +10,8 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from engine_worker.outputs import (CompletionOutput, Logprob, LogprobsDict, RequestMetrics,
-                                   RequestOutput)
+from engine_worker.outputs import (CompletionOutput, Logprob, LogprobsDict, PoolingOutput,
+                                   PoolingRequestOutput, RequestMetrics, RequestOutput)
 from engine_worker.request import RequestStatus
 from engine_worker.sampling_params import RequestOutputKind, SamplingParams
 from engine_worker.step_types import EngineCoreOutput, SampledLogprobs
@@ -55,6 +55,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._requests: dict[str, _RequestState] = {}
         self._child_to_parent: dict[str, str] = {}
+        self._pooling: dict[str, list[int]] = {}  # pooling request id -> its prompt's ids
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, child_ids: list[str], arrival_time: float) -> None:
@@ -75,15 +76,22 @@ class OutputProcessor:
             params=params, sequences=sequences, metrics=RequestMetrics(arrival_time=arrival_time),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
+    def add_pooling_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        """A pooling request: one output, when its vector comes."""
+        self._pooling[request_id] = prompt_token_ids
+
     def child_ids(self, request_id: str) -> list[str]:
+        if request_id in self._pooling:
+            return [request_id]
         state = self._requests.get(request_id)
         return list(state.sequences) if state else []
 
     def has(self, request_id: str) -> bool:
-        return request_id in self._requests
+        return request_id in self._requests or request_id in self._pooling
 
     def is_live_sample(self, sample_id: str) -> bool:
-        return sample_id in self._child_to_parent or sample_id in self._requests
+        return sample_id in self._child_to_parent or sample_id in self._requests \
+            or sample_id in self._pooling
 
     def mark_scheduled(self, child_ids, now: float) -> None:
         for child_id in child_ids:
@@ -98,15 +106,22 @@ class OutputProcessor:
             if parent is not None:
                 parent.metrics.preempted_times += (now,)
 
-    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput],
-                                                                    list[str]]:
+    def process(self, core_outputs: list[EngineCoreOutput]
+                ) -> tuple[list[RequestOutput | PoolingRequestOutput], list[str]]:
         """Returns the outputs to hand out and the child ids that a stop string just ended
         (the caller must finish those in the scheduler)."""
         now = time.monotonic()
         touched: dict[str, _RequestState] = {}
         changed: set[str] = set()  # sample ids with news (DELTA sends only those)
         stopped_by_string: list[str] = []
+        pooled: list[PoolingRequestOutput] = []
         for out in core_outputs:
+            if out.req_id in self._pooling:
+                pooled.append(PoolingRequestOutput(
+                    request_id=out.req_id, outputs=PoolingOutput(list(out.pooled)),
+                    prompt_token_ids=self._pooling.pop(out.req_id),
+                    num_cached_tokens=max(out.num_cached_tokens, 0)))
+                continue
             state = self._requests[self._child_to_parent[out.req_id]]
             seq = state.sequences[out.req_id]
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
@@ -121,10 +136,13 @@ class OutputProcessor:
                 seq.stop_reason = out.stop_reason
             touched[state.request_id] = state
             changed.add(out.req_id)
-        return self._emit(touched.values(), now, changed), stopped_by_string
+        return pooled + self._emit(touched.values(), now, changed), stopped_by_string
 
-    def abort(self, request_id: str) -> list[RequestOutput]:
+    def abort(self, request_id: str) -> list[RequestOutput | PoolingRequestOutput]:
         """Mark every unfinished sequence aborted; returns the final output to hand out."""
+        if request_id in self._pooling:
+            return [PoolingRequestOutput(request_id=request_id, outputs=None,
+                                         prompt_token_ids=self._pooling.pop(request_id))]
         state = self._requests.get(request_id)
         if state is None:
             return []

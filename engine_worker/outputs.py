@@ -68,3 +68,49 @@ class RequestOutput:
     prompt_logprobs: list[LogprobsDict | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingOutput:
+    """A pooled prompt: ``data`` is the vector (plain floats)."""
+
+    data: list[float]
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """The result of a pooling request, as the engine's ``step()`` hands it out (vLLM's
+    shape). ``outputs`` is None when the request was aborted before it finished."""
+
+    request_id: str
+    outputs: PoolingOutput | None
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingOutput:
+    """One embedding (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt (vLLM's ``EmbeddingRequestOutput``)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(request_id=output.request_id,
+                   outputs=EmbeddingOutput(list(output.outputs.data)),
+                   prompt_token_ids=output.prompt_token_ids, finished=output.finished)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import enum
 import time
-
 from typing import TYPE_CHECKING
 
+from engine_worker.pooling_params import PoolingParams
 from engine_worker.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -43,20 +43,25 @@ class Request:
 
     ``num_computed_tokens`` counts tokens whose K/V are in the cache; the request needs a
     forward pass over ``num_tokens - num_computed_tokens`` more tokens before it can sample.
+    A pooling request (``pooling_params`` set, ``sampling_params`` None) samples nothing: it
+    ends when its prompt is computed, with its pooled vector. ``reads_prefix_cache`` False:
+    every prompt position must be computed (prompt logprobs, mean pooling).
     """
 
     __slots__ = ("req_id", "prompt_token_ids", "output_token_ids", "sampling_params",
                  "eos_token_ids", "max_tokens", "arrival_time", "priority", "status",
                  "num_computed_tokens", "stop_reason", "num_preemptions", "admit_seq",
                  "cache_salt", "block_hashes", "num_cached_tokens", "fork_children",
-                 "grammar")
+                 "grammar", "pooling_params", "reads_prefix_cache")
 
-    def __init__(self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_ids: frozenset[int], max_tokens: int,
-                 arrival_time: float | None = None, priority: int = 0,
+    def __init__(self, req_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams | None, eos_token_ids: frozenset[int],
+                 max_tokens: int, arrival_time: float | None = None, priority: int = 0,
                  cache_salt: str | None = None,
                  fork_children: tuple[tuple[str, SamplingParams], ...] = (),
-                 grammar: RequestGrammar | None = None) -> None:
+                 grammar: RequestGrammar | None = None, *,
+                 pooling_params: PoolingParams | None = None,
+                 reads_prefix_cache: bool | None = None) -> None:
         self.req_id = req_id
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
@@ -77,6 +82,11 @@ class Request:
         self.fork_children = fork_children
         # structured outputs: the matcher of this sequence's grammar (advanced by the scheduler)
         self.grammar = grammar
+        self.pooling_params = pooling_params
+        if reads_prefix_cache is None:  # prompt logprobs need every prompt position computed
+            reads_prefix_cache = (sampling_params is None
+                                  or sampling_params.prompt_logprobs is None)
+        self.reads_prefix_cache = reads_prefix_cache
 
     def fork(self, req_id: str, params: SamplingParams) -> Request:
         """A sibling sample sharing this request's computed prompt (and, in the cache, its

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine_worker.pooling_params import PoolingParams
 from engine_worker.request import RequestStatus
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.spec_decode.stats import SpecDecodingStats
@@ -27,13 +28,15 @@ if TYPE_CHECKING:
 # ------------------------------------------------------------------ scheduler -> runner
 @dataclass(frozen=True, slots=True)
 class NewRequestData:
-    """A request the runner has not seen before."""
+    """A request the runner has not seen before: it samples (``sampling_params``) or, a
+    pooling request, pools its prompt (``pooling_params``, with ``normalize`` resolved)."""
 
     req_id: str
     prompt_token_ids: tuple[int, ...]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     block_ids: tuple[int, ...]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +112,13 @@ class SampledLogprobs:
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
     """Per request id: tokens sampled this step (empty mid-prefill; with drafts, the accepted
-    drafts then one more) and optional logprobs (one position per sampled token)."""
+    drafts then one more) and optional logprobs (one position per sampled token);
+    ``pooled``: the vector of each pooling request whose prompt this step completed."""
 
     sampled_token_ids: Mapping[str, tuple[int, ...]]
     logprobs: Mapping[str, SampledLogprobs]
     prompt_logprobs: Mapping[str, SampledLogprobs]
+    pooled: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------ scheduler -> engine
@@ -128,6 +133,7 @@ class EngineCoreOutput:
     new_logprobs: tuple[SampledLogprobs, ...] = ()
     new_prompt_logprobs: SampledLogprobs | None = None
     num_cached_tokens: int = 0
+    pooled: tuple[float, ...] | None = None  # a pooling request's vector, on its last output
 
 
 @dataclass(frozen=True, slots=True)

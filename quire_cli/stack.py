@@ -172,6 +172,20 @@ async def _example(port: int, tokenizer) -> str:
     return "".join(text)
 
 
+async def _example_embedding(port: int) -> str:
+    """The example for embedding-only engines (--runner pooling): the question's vector."""
+    import grpc
+
+    from quire.v1 import engine_pb2 as pb
+    from quire.v1 import engine_pb2_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        answer = await stub.Embed(pb.EmbedRequest(text=EXAMPLE_QUESTION), timeout=300)
+    head = ", ".join(f"{x:.4f}" for x in answer.embedding[:3])
+    return f"embedding [{head}, ...] ({len(answer.embedding)} floats)"
+
+
 async def run_stack(cfg: StackConfig, engines, flow=None) -> int:
     """The router (tokenizer fetched from the engines) in this process, until Ctrl-C.
     ``flow``: its flow control (a ``router.flow_config.FlowConfig``; None: the defaults)."""
@@ -197,7 +211,10 @@ async def run_stack(cfg: StackConfig, engines, flow=None) -> int:
               flush=True)
         print(f"quire up: engine metrics on {', '.join(e.metrics_url for e in engines)}",
               flush=True)
-        answer = await _example(port, router.pool.identity.tokenizer)
+        if all(c.info.runner == "pooling" for c in router.pool.serving()):
+            answer = await _example_embedding(port)  # engines that only embed
+        else:
+            answer = await _example(port, router.pool.identity.tokenizer)
         print(f"example: {EXAMPLE_QUESTION!r} -> {answer!r}", flush=True)
         if not cfg.once:
             stop = shutdown_event()

@@ -125,6 +125,12 @@ class RouterServer:
         identity = self.pool.identity
         return identity.tokenizer if identity is not None else None
 
+    def _max_model_len(self) -> int | None:
+        """The smallest length limit of the serving engines: what any of them accepts."""
+        lengths = [c.info.max_model_len for c in self.pool.serving()
+                   if c.info is not None]
+        return min(lengths) if lengths else None
+
     async def start(self) -> int:
         options = [("grpc.max_receive_message_length", self.cfg.max_message_bytes),
                    ("grpc.max_send_message_length", 64 << 20), NO_PORT_REUSE]
@@ -153,7 +159,8 @@ class RouterServer:
                              model_name=lambda: self.model_name, tokenizer=self._tokenizer,
                              engine_states=self.pool.engine_states,
                              draining=lambda: self.servicer.draining,
-                             tenant_header=self.servicer.admission.table.header)
+                             tenant_header=self.servicer.admission.table.header,
+                             max_model_len=self._max_model_len, embed=self.servicer.Embed)
             front = OpenAIFront(seam, self.cfg, self.metrics, host=self.cfg.host,
                                 port=self.cfg.http_port)
             try:

@@ -113,6 +113,7 @@ class EngineConnection(Protocol):
     supervises the engine on its own and tells the pool what it learns (``EngineReports``)."""
 
     kind: ClassVar[str]  # the engine kind's name, its key in router.engine_kinds.ENGINE_KINDS
+    serves_embeddings: ClassVar[bool]  # whether ``embed`` works for this kind
     engine_id: str  # stable id (discovery's)
     address: str  # "host:port"
     state: EngineState
@@ -139,6 +140,12 @@ class EngineConnection(Protocol):
         the iterator aborts the request on the engine. Upstream failures raise
         ``grpc.aio.AioRpcError`` with the code a Quire engine would give (UNAVAILABLE before
         the first message is retried on another engine)."""
+        ...
+
+    async def embed(self, request: pb.EmbedRequest, *, timeout_s: float | None = None,
+                    metadata: tuple[tuple[str, str], ...] = ()) -> pb.EmbedResponse:
+        """The engine's pooled vector for ``request`` (token ids); failures raise
+        ``grpc.aio.AioRpcError`` as ``generate``'s do."""
         ...
 
     async def fetch_tokenizer(self, timeout_s: float | None = None) -> pb.TokenizerFiles | None:

@@ -50,6 +50,7 @@ class EngineClient:
     """The router's connection to one Quire engine pod. ``start()`` it, ``await close()`` it."""
 
     kind = "quire"
+    serves_embeddings = True
 
     @classmethod
     def connect(cls, endpoint: Endpoint, reports: EngineReports,
@@ -156,6 +157,11 @@ class EngineClient:
         finally:
             if not call.done():
                 call.cancel()
+
+    async def embed(self, request: pb.EmbedRequest, *, timeout_s: float | None = None,
+                    metadata: tuple[tuple[str, str], ...] = ()) -> pb.EmbedResponse:
+        """The engine's ``Embed``; cancelling the caller cancels the call (and the request)."""
+        return await self.stub.Embed(request, timeout=timeout_s, metadata=metadata or None)
 
     async def fetch_tokenizer(self, timeout_s: float | None = None) -> pb.TokenizerFiles:
         """The engine's tokenizer files (``GetTokenizer``)."""

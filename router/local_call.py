@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
@@ -129,3 +129,21 @@ class LocalCall:
         """Close the handler (no-op once it finished): its cleanup aborts the engine request."""
         self._done = True
         await self._stream.aclose()
+
+
+async def local_unary(handler: Callable[[object, LocalContext], Awaitable], request, *,
+                      metadata: Metadata = (), timeout_s: float | None = None):
+    """``handler(request, context)`` (a unary servicer method) called in process: its answer,
+    or the ``AioRpcError`` a grpc.aio client would raise (DEADLINE_EXCEEDED past
+    ``timeout_s``). Cancelling the awaiting task cancels the handler."""
+    context = LocalContext(metadata, timeout_s)
+    try:
+        async with asyncio.timeout(timeout_s):
+            answer = await handler(request, context)
+    except grpc.aio.AbortError:
+        raise context.error() from None
+    except TimeoutError:
+        raise context.error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+    if context.code() not in (None, grpc.StatusCode.OK):
+        raise context.error()
+    return answer

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,19 +22,24 @@ from typing import TYPE_CHECKING
 import grpc
 from aiohttp import web
 
+from quire.errors import field_of
 from quire.ports import PortInUseError
 from quire.tracing import TRACE_HEADERS
 from quire.v1 import engine_pb2 as pb
 from router.auth import OPEN_HTTP_PATHS, ApiKeys
 from router.config import RouterServerConfig
 from router.http_guard import GuardedAppRunner, RateLimitedLog, deadline_of
-from router.local_call import LocalCall
+from router.local_call import LocalCall, local_unary
 from router.metrics import RouterMetrics
 from router.tool_calls import ToolChoice, render_inputs
 from router.openai_protocol import (FINISH, RequestError, chat_messages, check_body,
                                     error_response, request_priority, sampling_options, shown,
                                     sse, token_list,
                                     usage_json, Choice, OpenAIRequest)
+from router.openai_embeddings import (EMBEDDING_FIELDS, EmbeddingsRequest,
+                                      embeddings_response)
+from router.openai_tokenize import (DETOKENIZE_FIELDS, TOKENIZE_FIELDS, TokenizeRequest,
+                                    detokenize_ids, tokenize_response)
 
 if TYPE_CHECKING:
     from router.tokenizer import RouterTokenizer
@@ -73,6 +78,10 @@ class FrontSeam:
     engine_states: Callable[[], dict[str, int]]  # engines per state, "serving" among them
     draining: Callable[[], bool]
     tenant_header: str | None = None  # the HTTP header forwarded as the gRPC tenant metadata
+    # the smallest max_model_len of the serving engines (None: none serves)
+    max_model_len: Callable[[], int | None] = lambda: None
+    # the router servicer's Embed(request, context), called in process like ``generate``
+    embed: Callable[..., Awaitable] | None = None
 
 
 class OpenAIFront:
@@ -115,6 +124,9 @@ class OpenAIFront:
                               client_max_size=self.cfg.max_body_bytes)
         app.add_routes([web.post("/v1/completions", self._completions),
                         web.post("/v1/chat/completions", self._chat),
+                        web.post("/v1/embeddings", self._embeddings),
+                        web.post("/tokenize", self._tokenize),
+                        web.post("/detokenize", self._detokenize),
                         web.get("/v1/models", self._models), web.get("/health", self._health),
                         web.get("/metrics", self._metrics),
                         web.get("/debug/decisions", self._decisions)])
@@ -220,20 +232,117 @@ class OpenAIFront:
             if req.stream:
                 return await self._stream(request, req, call, first)
             return await self._collect(req, call, first)
-        except BodyError as e:
-            self.client_errors(logging.INFO, "HTTP %d to %s: %s", e.status, request.remote, e)
-            response = error_response(e)
-            response.force_close()  # the rest of a body we refused is never parsed
-            if e.status == 415:
-                response.headers["Accept-Encoding"] = "identity"
-            return response
         except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
-            return error_response(e, None if req is None else req.field_aliases)
+            return self._error(request, e, None if req is None else req.field_aliases)
         finally:
             if call is not None:
                 await call.aclose()  # no-op once finished; aborts the engine request otherwise
 
-    async def _body(self, request: web.Request, *, chat: bool) -> dict:
+    def _error(self, request: web.Request, error: Exception,
+               aliases: dict[str, str] | None = None) -> web.Response:
+        if not isinstance(error, BodyError):
+            return error_response(error, aliases)
+        self.client_errors(logging.INFO, "HTTP %d to %s: %s", error.status, request.remote,
+                           error)
+        response = error_response(error)
+        response.force_close()  # the rest of a body we refused is never parsed
+        if error.status == 415:
+            response.headers["Accept-Encoding"] = "identity"
+        return response
+
+    # ---------------------------------------------------------------------- embeddings
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        """OpenAI's /v1/embeddings: one Embed call per input on the router's gRPC front
+        (placed like any request), all at once (``router.openai_embeddings``)."""
+        calls = []
+        try:
+            body = await self._body(request, known=EMBEDDING_FIELDS)
+            self._check_model(body)
+            req = EmbeddingsRequest.from_body(body, self.cfg.max_prompt_chars)
+            metadata = self._forwarded_metadata(request)
+            for item in req.inputs:
+                message = pb.EmbedRequest(**({"text": item} if isinstance(item, str) else
+                                             {"token_ids": pb.TokenIds(ids=item)}))
+                if req.normalize is not None:
+                    message.normalize = req.normalize
+                if req.truncate_prompt_tokens is not None:
+                    message.truncate_prompt_tokens = req.truncate_prompt_tokens
+                calls.append(asyncio.ensure_future(local_unary(
+                    self.seam.embed, message, timeout_s=self.cfg.request_timeout_s,
+                    metadata=metadata)))
+            responses = await asyncio.gather(*(self._embedded(req, i, call)
+                                               for i, call in enumerate(calls)))
+            num_tokens = sum(r.usage.prompt_tokens for r in responses)
+            self.metrics.tokens.labels("prompt").inc(num_tokens)
+            self.metrics.tokens.labels("cached").inc(sum(r.usage.cached_tokens
+                                                         for r in responses))
+            return web.json_response(embeddings_response(
+                req, [r.embedding for r in responses], num_tokens, self.model_name))
+        except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
+            return self._error(request, e)
+        finally:
+            for call in calls:
+                call.cancel()  # no-op once finished; aborts the others after a failure
+
+    @staticmethod
+    async def _embedded(req: EmbeddingsRequest, index: int, call) -> pb.EmbedResponse:
+        """One input's answer; a refused prompt (too long, bad token ids) names the input."""
+        try:
+            return await call
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in (grpc.StatusCode.INVALID_ARGUMENT,
+                                grpc.StatusCode.OUT_OF_RANGE):
+                raise
+            detail = e.details() or ""
+            field = field_of(e)
+            if field and detail.startswith(f"{field}: "):
+                detail = detail[len(field) + 2:]
+            raise RequestError(f"{req.name(index)}: {detail}", "input") from None
+
+    # ------------------------------------------------------------ tokenize, detokenize
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize, on the router's tokenizer (``router.openai_tokenize``)."""
+        try:
+            body = await self._body(request, known=TOKENIZE_FIELDS)
+            self._check_model(body)
+            req = TokenizeRequest.from_body(body, self.cfg.max_prompt_chars)
+            tokenizer = self.tokenizer
+            ids = await asyncio.get_running_loop().run_in_executor(
+                self._render_pool, req.token_ids, tokenizer)
+            return web.json_response(tokenize_response(req, ids, self._max_model_len(),
+                                                       tokenizer))
+        except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
+            return self._error(request, e)
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: the text of ``tokens`` (special tokens kept, as vLLM)."""
+        try:
+            body = await self._body(request, known=DETOKENIZE_FIELDS)
+            self._check_model(body)
+            backend = self.tokenizer.backend
+            ids = detokenize_ids(body, backend.get_vocab_size(with_added_tokens=True),
+                                 self.cfg.max_prompt_chars)
+            text = await asyncio.get_running_loop().run_in_executor(
+                self._render_pool, lambda: backend.decode(ids, skip_special_tokens=False))
+            return web.json_response({"prompt": text})
+        except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
+            return self._error(request, e)
+
+    def _max_model_len(self) -> int:
+        value = self.seam.max_model_len()
+        if value is None:
+            raise RequestError("no engine is available yet", None, 503)
+        return value
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RequestError(f"model: must be a string, got {shown(model)}", "model")
+        if model is not None and model != self.model_name:
+            raise RequestError(f"model: the model {shown(model)} does not exist", "model", 404)
+
+    async def _body(self, request: web.Request, *, chat: bool = False,
+                    known: frozenset[str] | None = None) -> dict:
         """The JSON object sent, checked (``check_body``) before anything reads it."""
         encoding = request.headers.get("Content-Encoding", "").strip().lower()
         if encoding not in _ACCEPTED_ENCODINGS:
@@ -261,7 +370,7 @@ class OpenAIFront:
             raise RequestError("body: JSON nested too deeply", "body") from None
         if not isinstance(body, dict):
             raise RequestError("body: must be a JSON object", "body")
-        check_body(body, chat=chat)
+        check_body(body, chat=chat, known=known)
         return body
 
     def _forwarded_metadata(self, request: web.Request) -> tuple[tuple[str, str], ...]:
@@ -283,11 +392,7 @@ class OpenAIFront:
 
     async def _generate_request(self, req: OpenAIRequest) -> pb.GenerateRequest:
         body = req.body
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise RequestError(f"model: must be a string, got {shown(model)}", "model")
-        if model is not None and model != self.model_name:
-            raise RequestError(f"model: the model {shown(model)} does not exist", "model", 404)
+        self._check_model(body)
         cfg = self.cfg
         out = pb.GenerateRequest(request_id=req.id, sampling=sampling_options(
             body, chat=req.chat, max_n=cfg.max_n, max_tokens_limit=cfg.max_tokens_limit,

@@ -131,10 +131,11 @@ def body_key(name: str, position: int) -> str:
     return name if name and _valid_unicode(name) else f"body key #{position}"
 
 
-def check_body(body: dict, *, chat: bool) -> None:
+def check_body(body: dict, *, chat: bool, known: frozenset[str] | None = None) -> None:
     """Before anything reads the body: every string is valid Unicode, and every field is one
     this server implements (or accepts and ignores). RequestError naming the field (as
-    ``body_key`` names it) in its message and ``param``."""
+    ``body_key`` names it) in its message and ``param``. ``known``: the route's fields, when
+    it is neither completions nor chat."""
     for position, (name, value) in enumerate(body.items(), 1):
         try:
             name.encode("utf-8")
@@ -144,7 +145,8 @@ def check_body(body: dict, *, chat: bool) -> None:
             raise RequestError(f"{field}: contains a lone surrogate (\\ud800-\\udfff escape "
                                f"without its pair); strings must be valid Unicode",
                                field) from None
-    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    if known is None:
+        known = CHAT_FIELDS if chat else COMPLETION_FIELDS
     for position, (name, value) in enumerate(body.items(), 1):
         if name in IGNORED_FIELDS:
             continue

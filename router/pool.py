@@ -390,6 +390,31 @@ class EnginePool:
                 member.rates.observe_decode(num_later_tokens, last_at - first_at)
             await stream.aclose()
 
+    async def embed(self, engine_id: str, request: pb.EmbedRequest, *,
+                    block_hashes: PromptHashes | Sequence[int], num_uncached_tokens: int,
+                    timeout_s: float | None = None,
+                    metadata: tuple[tuple[str, str], ...] = ()) -> pb.EmbedResponse:
+        """``generate``'s twin for an Embed request: recorded the same way (its prompt's
+        blocks fill the engine's prefix cache), its prefill counted as in-flight work until
+        the answer."""
+        member = self._members[engine_id]
+        self.record(engine_id, block_hashes.at(self._block_size(member))
+                    if isinstance(block_hashes, PromptHashes) else block_hashes)
+        member.inflight_tokens += num_uncached_tokens
+        try:
+            return await member.client.embed(request, timeout_s=timeout_s, metadata=metadata)
+        finally:
+            member.inflight_tokens -= num_uncached_tokens
+
+    def unable(self, task: str) -> frozenset[str]:
+        """Members that cannot take ``task``: "generate" (an engine started with --runner
+        pooling) or "embed" (an engine of a kind that serves no Embed)."""
+        if task == "embed":
+            return frozenset(eid for eid, m in self._members.items()
+                             if not m.client.serves_embeddings)
+        return frozenset(eid for eid, m in self._members.items()
+                         if m.client.info is not None and m.client.info.runner == "pooling")
+
     async def wait_serving(self, count: int = 1, timeout_s: float | None = None) -> bool:
         """Wait until at least ``count`` engines serve (False on timeout)."""
         async def wait() -> None:

@@ -199,7 +199,7 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         forward.token_ids.ids[:] = prompt.token_ids  # sets the oneof: the engine skips tokenizing
         forward.request_id = request.request_id or uuid.uuid4().hex
         session_key = self._session_key(context)
-        tried: set[str] = set()
+        tried: set[str] = self._unable("generate")
         last_error: BaseException | None = None
         for attempt in range(1, self.max_attempts + 1):
             placed = time.perf_counter()
@@ -252,6 +252,87 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
             finally:
                 await stream.aclose()
         await abort_with(context, last_error)
+
+    def _unable(self, task: str) -> set[str]:
+        """Engines not to place ``task`` on ("generate": --runner pooling engines; "embed":
+        kinds that serve no Embed), unless no other engine serves: then the request goes to
+        one that refuses it with its own clear error."""
+        unable = self.pool.unable(task)
+        serving = {c.engine_id for c in self.pool.serving()}
+        return set(unable) if serving - unable else set()
+
+    async def Embed(self, request: pb.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        """Place an Embed request as a Generate one (its prompt's cached blocks count) and
+        return the engine's answer; an engine failing with a retryable status is retried on
+        another one."""
+        received = time.perf_counter()
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
+        try:
+            if request.WhichOneof("prompt") == "text" and \
+                    len(request.text) > self.limits.max_prompt_chars:
+                raise FieldError("text", f"at most {self.limits.max_prompt_chars} characters, "
+                                 f"got {len(request.text)}")
+            prompt = await self._embed_prompt(request)
+        except (ValueError, NoEndpointError) as e:
+            await abort_with(context, e)
+        forward = pb.EmbedRequest()
+        forward.CopyFrom(request)
+        forward.token_ids.ids[:] = prompt.token_ids
+        forward.request_id = request.request_id or uuid.uuid4().hex
+        session_key = self._session_key(context)
+        tried = self._unable("embed")
+        last_error: BaseException | None = None
+        for attempt in range(1, self.max_attempts + 1):
+            placed = time.perf_counter()
+            try:
+                decision = self.place(prompt, tried, session_key)
+            except NoEndpointError as e:
+                await abort_with(context, last_error or e)
+            record = self._record(forward.request_id, decision, attempt, len(prompt.token_ids),
+                                  time.perf_counter() - placed, None)
+            engine_id = decision.engine_id
+            tried.add(engine_id)
+            try:
+                response = await self.pool.embed(
+                    engine_id, forward, block_hashes=prompt.hashes,
+                    num_uncached_tokens=len(prompt.token_ids) - decision.predicted_cached_tokens,
+                    timeout_s=context.time_remaining())
+            except grpc.aio.AioRpcError as e:
+                record.outcome = e.code().name
+                self.metrics.requests.labels(engine_id, e.code().name).inc()
+                if e.code() not in RETRYABLE_CODES:
+                    await abort_with(context, e)
+                self.metrics.retries.labels(engine_id).inc()
+                last_error = e
+                continue
+            record.outcome = "OK"
+            self.metrics.requests.labels(engine_id, "OK").inc()
+            self.metrics.ttft_s.observe(time.perf_counter() - received)
+            self.metrics.observe_usage(record, response.usage.cached_tokens)
+            await context.send_initial_metadata(((ENGINE_ID_METADATA, engine_id),))
+            return response
+        await abort_with(context, last_error)
+
+    async def _embed_prompt(self, request: pb.EmbedRequest) -> RoutedPrompt:
+        """The prompt as the engine will pool it: truncated first (``truncate_prompt_tokens``)
+        so that its blocks, and so its placement, are those the engine computes."""
+        prompt = await self.prepare(request)
+        if not request.HasField("truncate_prompt_tokens"):
+            return prompt
+        keep = request.truncate_prompt_tokens
+        if keep == 0 or keep < -1:
+            raise FieldError("truncate_prompt_tokens", f"must be -1 (max_model_len) or a "
+                             f"positive integer, got {keep}")
+        if keep == -1:
+            lengths = [c.info.max_model_len for c in self.pool.serving() if c.info is not None]
+            keep = min(lengths) if lengths else len(prompt.token_ids)
+        if len(prompt.token_ids) <= keep:
+            return prompt
+        truncated = pb.EmbedRequest(token_ids=pb.TokenIds(ids=prompt.token_ids[-keep:]),
+                                    cache_salt=request.cache_salt)
+        return await self.prepare(truncated)
 
     def _record(self, request_id: str, decision: Decision, attempt: int, num_tokens: int,
                 placement_s: float, span: RouterSpan | None) -> DecisionRecord:

@@ -143,6 +143,7 @@ class VllmEngineClient:
     """The router's connection to one vLLM server. ``start()`` it, ``await close()`` it."""
 
     kind = "vllm"
+    serves_embeddings = False  # a vLLM server embeds only as a pooling model (not placed)
 
     @classmethod
     def connect(cls, endpoint: Endpoint, reports: EngineReports,
@@ -201,6 +202,11 @@ class VllmEngineClient:
         if info.model_name != identity.model_name:
             raise EngineMismatchError(self.engine_id, {"model_name": (
                 identity.model_name, info.model_name)})
+
+    async def embed(self, request: pb.EmbedRequest, *, timeout_s: float | None = None,
+                    metadata: tuple[tuple[str, str], ...] = ()) -> pb.EmbedResponse:
+        raise rpc_error(grpc.StatusCode.UNIMPLEMENTED,
+                        "embeddings are not placed on vLLM engines")
 
     async def fetch_tokenizer(self, timeout_s: float | None = None) -> None:
         """None: vLLM serves no tokenizer files."""

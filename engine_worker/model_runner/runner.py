@@ -28,6 +28,8 @@ from engine_worker.model_runner.graphs import CudaGraphDecoder
 from engine_worker.model_runner.inputs import build_step_inputs
 from engine_worker.model_runner.sampling_inputs import build_sampling_metadata
 from engine_worker.platform import to_device, to_host
+from engine_worker.pooler import Pooler
+from engine_worker.pooling_params import PoolingParams
 from engine_worker.sampler import LogprobTensors, draw_uniforms, logprob_tensors, sample_tokens
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.spec_decode.rejection_sampler import accepted_tokens
@@ -40,11 +42,13 @@ class RunnerRequestState:
     req_id: str
     token_ids: list[int]  # prompt then every sampled token
     num_prompt_tokens: int
-    params: SamplingParams
+    params: SamplingParams | None  # None: a pooling request
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
     prompt_logprobs_from: int = 0  # prompt positions before this already have logprobs
+    pooling: PoolingParams | None = None
+    pooled: torch.Tensor | None = None  # the pooling method's running state, [hidden] fp32
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +83,13 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, vocab_size: int, eos_token_ids: frozenset[int],
-                 seed: int, graphs: CudaGraphDecoder | None = None) -> None:
+                 seed: int, graphs: CudaGraphDecoder | None = None,
+                 pooler: Pooler | None = None) -> None:
         """``graphs``: decode-only steps replayed from its captured graphs (captured over
-        ``kv_caches``); None runs every step eagerly."""
+        ``kv_caches``); None runs every step eagerly. ``pooler``: how pooling requests'
+        hidden states become their vectors (needed once one is sent)."""
         self.model = model
+        self.pooler = pooler
         self.graphs = graphs
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -101,7 +108,7 @@ class ModelRunner:
                 req_id=new.req_id, token_ids=list(new.prompt_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids), params=new.sampling_params,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-                generator=self._generator(new.sampling_params))
+                generator=self._generator(new.sampling_params), pooling=new.pooling_params)
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]
             if cached.replace_block_table:
@@ -110,8 +117,8 @@ class ModelRunner:
                 state.block_ids.extend(cached.block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _generator(self, params: SamplingParams) -> torch.Generator | None:
-        if params.seed is None:
+    def _generator(self, params: SamplingParams | None) -> torch.Generator | None:
+        if params is None or params.seed is None:
             return None
         return torch.Generator(device=self.device).manual_seed(params.seed)
 
@@ -142,7 +149,8 @@ class ModelRunner:
         hidden, query_starts = self._forward(states, counts)
 
         sample_rows = [i for i, (s, n) in enumerate(zip(states, counts))
-                       if s.num_computed_tokens + n >= len(s.token_ids)]
+                       if s.num_computed_tokens + n >= len(s.token_ids) and s.pooling is None]
+        pooled = self._pool(states, counts, query_starts, hidden)
         prompt_logprobs = self._prompt_logprobs(states, counts, query_starts, hidden)
         forks = out.forks_by_parent()
         samples = None
@@ -152,8 +160,9 @@ class ModelRunner:
         assert not forks, f"forks of requests that sample nothing this step: {sorted(forks)}"
         for state, n in zip(states, counts):
             state.num_computed_tokens += n
-        sampled, logprobs, prompt_logprobs = self._to_host(samples, prompt_logprobs)
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+        sampled, logprobs, prompt_logprobs, pooled = self._to_host(samples, prompt_logprobs,
+                                                                   pooled)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, pooled)
 
     def _forward(self, states, counts) -> tuple[torch.Tensor, list[int]]:
         """Hidden states of the step's tokens [num_tokens, hidden_size] and each request's
@@ -230,9 +239,30 @@ class ModelRunner:
     def _index(self, rows: list[int]) -> torch.Tensor:
         return to_device(torch.tensor(rows, dtype=torch.int64), self.device)
 
+    def _pool(self, states, counts, query_starts, hidden) -> dict[str, torch.Tensor]:
+        """Advance every pooling request's pooling over its rows of this step; the vectors
+        (on the device) of those whose prompt this step completes."""
+        finished: dict[str, torch.Tensor] = {}
+        for state, n, start in zip(states, counts, query_starts):
+            if state.pooling is None:
+                continue
+            first = state.num_computed_tokens
+            if first == 0:
+                state.pooled = None  # (re)started from the first position, e.g. after preemption
+            completes = first + n >= state.num_prompt_tokens
+            state.pooled = self.pooler.method.update(state.pooled, hidden[start:start + n],
+                                                     first, completes)
+            if completes:
+                finished[state.req_id] = self.pooler.finish(
+                    state.pooled, state.num_prompt_tokens, bool(state.pooling.normalize))
+                state.pooled = None
+        return finished
+
     def _to_host(self, samples: _DeviceSamples | None,
-                 prompt_logprobs: dict[str, LogprobTensors]):
-        """The one device read of a step: sampled ids, their logprobs, prompt logprobs."""
+                 prompt_logprobs: dict[str, LogprobTensors],
+                 pooled: dict[str, torch.Tensor]):
+        """The one device read of a step: sampled ids, their logprobs, prompt logprobs and
+        pooled vectors."""
         device_tensors: list[torch.Tensor] = []
         if samples is not None:
             device_tensors.append(samples.token_ids)
@@ -240,6 +270,7 @@ class ModelRunner:
                 device_tensors.extend(samples.logprobs)
         for tensors in prompt_logprobs.values():
             device_tensors.extend(tensors)
+        device_tensors.extend(pooled.values())
         host = iter(to_host(device_tensors))
         sampled: dict[str, tuple[int, ...]] = {}
         logprobs: dict[str, SampledLogprobs] = {}
@@ -266,7 +297,8 @@ class ModelRunner:
                         ranks=tuple(ranks[r] for r in rows))
         prompt = {req_id: LogprobTensors(next(host), next(host), next(host)).to_python()
                   for req_id in prompt_logprobs}
-        return sampled, logprobs, prompt
+        vectors = {req_id: tuple(next(host).tolist()) for req_id in pooled}
+        return sampled, logprobs, prompt, vectors
 
     @staticmethod
     def _settle_drafts(state: RunnerRequestState, draft: tuple[int, ...],
@@ -299,6 +331,8 @@ class ModelRunner:
         """Per request asking for them: the step's prompt logprobs, on the device."""
         result: dict[str, LogprobTensors] = {}
         for state, n, start in zip(states, counts, query_starts):
+            if state.params is None:
+                continue
             k = state.params.prompt_logprobs
             first = max(state.num_computed_tokens, state.prompt_logprobs_from)
             # position p predicts prompt token p + 1

@@ -199,8 +199,8 @@ class Scheduler:
 
     def _allocate_on_admission(self, request: Request, budget: int):
         prefix = NO_PREFIX
-        # prompt logprobs need every prompt position computed, so they skip the cache
-        if request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
+        # prompt logprobs and mean pooling need every prompt position computed: no cache reads
+        if request.num_computed_tokens == 0 and request.reads_prefix_cache:
             prefix = self.kv.find_cached_prefix(request.block_hashes, request.num_tokens)
         while True:
             num_computed = request.num_computed_tokens or prefix.num_tokens
@@ -253,7 +253,8 @@ class Scheduler:
                     req_id=req_id, prompt_token_ids=tuple(request.all_token_ids),
                     sampling_params=request.sampling_params,
                     block_ids=tuple(self.kv.get_block_ids(req_id)),
-                    num_computed_tokens=request.num_computed_tokens))
+                    num_computed_tokens=request.num_computed_tokens,
+                    pooling_params=request.pooling_params))
                 continue
             replace = req_id in self._to_resume or req_id in self._trimmed or \
                 bool(allocation.copies)
@@ -298,6 +299,10 @@ class Scheduler:
                 self.kv.cache_full_blocks(req_id, request.block_hashes,
                                           request.num_computed_tokens, request.all_token_ids,
                                           request.cache_salt)
+            if request.pooling_params is not None:
+                if req_id in runner_output.pooled:
+                    outputs.append(self._finish_pooling(request, runner_output.pooled[req_id]))
+                continue
             siblings = [request]
             if req_id in forks:
                 siblings += self._fork(request, forks[req_id])
@@ -319,6 +324,14 @@ class Scheduler:
         self.speculator.record(request.req_id, len(draft), num_sampled - 1)
         if num_rejected and self.kv.trim(request.req_id, request.num_computed_tokens):
             self._trimmed.add(request.req_id)
+
+    def _finish_pooling(self, request: Request, pooled: tuple[float, ...]) -> EngineCoreOutput:
+        """A pooling request's prompt is computed: its vector is its one output."""
+        self.running.remove(request)
+        self._free(request, RequestStatus.FINISHED_STOPPED)
+        return EngineCoreOutput(req_id=request.req_id, new_token_ids=(),
+                                finish_status=RequestStatus.FINISHED_STOPPED, pooled=pooled,
+                                num_cached_tokens=request.num_cached_tokens)
 
     def _fork(self, parent: Request, forks: list[ForkedRequestData]) -> list[Request]:
         children = []

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from engine_worker.engine import EngineStats, LLMEngine
 from engine_worker.server.collector import OutputCollector
 from engine_worker.input_processor import PromptType
-from engine_worker.outputs import RequestOutput
+from engine_worker.outputs import PoolingRequestOutput, RequestOutput
+from engine_worker.pooling_params import PoolingParams
 from engine_worker.sampling_params import RequestOutputKind, SamplingParams
 from engine_worker.spec_decode.stats import SpecDecodingStats
 from quire.kv_events import KVCacheSnapshot, KVEventBatch
@@ -58,7 +59,7 @@ class AddRequest:
 
     request_id: str
     prompt: PromptType
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     priority: int
     cache_salt: str | None
     stream: OutputCollector
@@ -175,6 +176,24 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(AbortRequest(request_id))
 
+    async def embed(self, request_id: str, prompt: PromptType, params: PoolingParams, *,
+                    priority: int = 0, cache_salt: str | None = None) -> PoolingRequestOutput:
+        """The prompt's pooled vector (a pooling request, batched with the engine's other
+        work). Cancelling the caller aborts the request in the engine."""
+        if not self.alive:
+            raise EngineUnavailableError(self.dead_reason or "the engine is shutting down")
+        request_id = request_id or f"req-{next(self._ids)}"
+        stream = OutputCollector()
+        added: Future = Future()
+        self._commands.put(AddRequest(request_id, prompt, params, priority, cache_salt, stream,
+                                      added))
+        try:
+            await asyncio.wrap_future(added)  # raises ValueError / QueueFullError from the loop
+            return await stream.get()  # its one output; the engine's failure raises here
+        except asyncio.CancelledError:
+            self._commands.put(AbortRequest(request_id))
+            raise
+
     async def subscribe_kv_events(self) -> tuple[KVCacheSnapshot, asyncio.Queue]:
         """A snapshot and a queue of every later KV event batch (None when the feed ends)."""
         sink: asyncio.Queue = asyncio.Queue()
@@ -255,12 +274,16 @@ class AsyncEngine:
         self._streams[command.request_id] = command.stream
         added.set_result(None)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
         """Hand a step's outputs to the event loop in one call (one wake-up per step)."""
         batch = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
+                continue
+            if isinstance(output, PoolingRequestOutput):  # one output, always the last
+                del self._streams[output.request_id]
+                batch.append((stream, output))
                 continue
             generated = self._num_generated.get(output.request_id, 0) + \
                 sum(len(c.token_ids) for c in output.outputs)

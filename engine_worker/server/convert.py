@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from quire.errors import FieldError
 from engine_worker.input_processor import DefaultMaxTokens
-from engine_worker.outputs import RequestOutput
+from engine_worker.outputs import PoolingRequestOutput, RequestOutput
+from engine_worker.pooling_params import PoolingParams
 from engine_worker.sampling_params import SamplingParams, StructuredOutputsParams
 from quire.limits import check_n, request_prompt
 from quire.structured_outputs import spec_from_proto, structured_outputs_kind
@@ -48,6 +49,27 @@ def request_from_proto(message: pb.GenerateRequest, limits: RequestLimits):
     return prompt, params, message.priority, message.cache_salt or None
 
 
+def embed_request_from_proto(message: pb.EmbedRequest, limits: RequestLimits):
+    """-> (prompt for LLMEngine.add_request, PoolingParams, priority, cache_salt)."""
+    prompt = request_prompt(message)
+    if isinstance(prompt, str) and len(prompt) > limits.max_prompt_chars:
+        raise FieldError("text", f"at most {limits.max_prompt_chars} characters, got "
+                         f"{len(prompt)}")
+    if not isinstance(prompt, str):
+        prompt = {"prompt_token_ids": prompt}
+    params = PoolingParams(
+        normalize=message.normalize if message.HasField("normalize") else None,
+        truncate_prompt_tokens=message.truncate_prompt_tokens
+        if message.HasField("truncate_prompt_tokens") else None)
+    return prompt, params, message.priority, message.cache_salt or None
+
+
+def embed_response_to_proto(output: PoolingRequestOutput) -> pb.EmbedResponse:
+    return pb.EmbedResponse(request_id=output.request_id, embedding=output.outputs.data,
+                            usage=pb.Usage(prompt_tokens=len(output.prompt_token_ids),
+                                           cached_tokens=output.num_cached_tokens))
+
+
 class RequestLimits:
     """Server-side caps beyond what the engine itself validates."""
 
@@ -74,22 +96,31 @@ class RequestLimits:
                              f"--max-tokens-limit), got {params.max_tokens}")
 
 
-def _logprobs_to_proto(entries) -> list[pb.PositionLogprobs]:
-    """Each entry lists the chosen token first (insertion order), then the top-k."""
+def _logprobs_to_proto(entries, k: int) -> list[pb.PositionLogprobs]:
+    """Each entry lists the chosen token first (insertion order), then the top-k. An entry (a
+    dict, as vLLM's) holds the chosen token once: when it is among the top ``k`` it is put
+    back at its rank, so the wire has the whole top-k after the chosen token (OpenAI's chat
+    ``top_logprobs`` are the k most likely tokens, the chosen one among them)."""
     out = []
     for entry in entries:
         if entry is None:  # the first prompt position has no logprob
             out.append(pb.PositionLogprobs())
             continue
-        chosen = next(iter(entry.values()))
-        out.append(pb.PositionLogprobs(token_ids=list(entry),
-                                       logprobs=[lp.logprob for lp in entry.values()],
-                                       chosen_rank=chosen.rank or 0))
+        items = list(entry.items())
+        (chosen_id, chosen), top = items[0], items[1:]
+        rank = chosen.rank or 0
+        if len(top) < k and 1 <= rank <= len(top) + 1:
+            top.insert(rank - 1, (chosen_id, chosen))
+        out.append(pb.PositionLogprobs(token_ids=[chosen_id] + [t for t, _ in top],
+                                       logprobs=[chosen.logprob] + [lp.logprob for _, lp in top],
+                                       chosen_rank=rank))
     return out
 
 
-def response_to_proto(output: RequestOutput, first: bool) -> pb.GenerateResponse:
-    """One DELTA RequestOutput as a stream message."""
+def response_to_proto(output: RequestOutput, first: bool, *, num_logprobs: int = 0,
+                      num_prompt_logprobs: int = 0) -> pb.GenerateResponse:
+    """One DELTA RequestOutput as a stream message; ``num_logprobs`` / ``num_prompt_logprobs``
+    are the request's ``logprobs`` / ``prompt_logprobs`` (top-k sizes)."""
     message = pb.GenerateResponse(request_id=output.request_id, finished=output.finished)
     for completion in output.outputs:
         delta = message.outputs.add(index=completion.index, token_ids=completion.token_ids,
@@ -98,9 +129,10 @@ def response_to_proto(output: RequestOutput, first: bool) -> pb.GenerateResponse
         if completion.stop_reason is not None:
             delta.stop_reason = str(completion.stop_reason)
         if completion.logprobs:
-            delta.logprobs.extend(_logprobs_to_proto(completion.logprobs))
+            delta.logprobs.extend(_logprobs_to_proto(completion.logprobs, num_logprobs))
     if first:
         message.prompt_token_ids.extend(output.prompt_token_ids)
     if output.prompt_logprobs:
-        message.prompt_logprobs.extend(_logprobs_to_proto(output.prompt_logprobs))
+        message.prompt_logprobs.extend(_logprobs_to_proto(output.prompt_logprobs,
+                                                          num_prompt_logprobs))
     return message

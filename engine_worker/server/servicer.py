@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 import grpc
 
 from engine_worker.server.async_engine import AsyncEngine
-from engine_worker.server.convert import RequestLimits, request_from_proto, response_to_proto
+from engine_worker.server.convert import (RequestLimits, embed_request_from_proto,
+                                          embed_response_to_proto, request_from_proto,
+                                          response_to_proto)
 from engine_worker.server.errors import abort_with
 from quire.tokenizer_digest import TOKENIZER_FILES
 from quire.kv_events import batch_to_proto, snapshot_to_proto
@@ -66,7 +68,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                                                      priority=priority, cache_salt=salt):
                 if span is not None:
                     span.observe(output)
-                message = response_to_proto(output, first)
+                message = response_to_proto(output, first,
+                                            num_logprobs=params.logprobs or 0,
+                                            num_prompt_logprobs=params.prompt_logprobs or 0)
                 first = False
                 for completion in output.outputs:
                     counts[completion.index] = counts.get(completion.index, 0) + \
@@ -81,6 +85,22 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             raise  # the engine side aborts the request (AsyncEngine.generate's finally)
         except Exception as e:
             await abort_with(context, e)
+
+    async def Embed(self, request: pb.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        """Pool one prompt on the engine (a pooling request batched with the step)."""
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
+        try:
+            prompt, params, priority, salt = embed_request_from_proto(request, self.limits)
+            output = await self.engine.embed(request.request_id, prompt, params,
+                                             priority=priority, cache_salt=salt)
+        except Exception as e:  # noqa: BLE001 - mapped to a status, named where known
+            await abort_with(context, e)
+            return pb.EmbedResponse()  # not reached: abort raises
+        if output.outputs is None:
+            await context.abort(grpc.StatusCode.ABORTED, "the request was aborted")
+        return embed_response_to_proto(output)
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         """The engine's facts, fixed at start: what a router checks before it routes here;
@@ -100,7 +120,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             num_kv_blocks=info.num_kv_blocks, backend=info.backend,
             backend_reason=info.backend_reason, backend_fallback=info.backend_fallback,
             cuda_graphs=info.cuda_graphs, quantization=info.quantization,
-            speculative_config=info.speculative_config,
+            speculative_config=info.speculative_config, runner=info.runner,
+            pooling_type=info.pooling_type, pooling_normalize=info.pooling_normalize,
+            hidden_size=info.hidden_size,
             incarnation_id=self.incarnation_id, **spec_fields)
 
     async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:

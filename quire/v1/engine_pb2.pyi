@@ -163,12 +163,40 @@ class GenerateResponse(_message.Message):
     finished: bool
     def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., finished: _Optional[bool] = ...) -> None: ...
 
+class EmbedRequest(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "cache_salt", "priority", "normalize", "truncate_prompt_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: TokenIds
+    cache_salt: str
+    priority: int
+    normalize: bool
+    truncate_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., normalize: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("request_id", "embedding", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    usage: Usage
+    def __init__(self, request_id: _Optional[str] = ..., embedding: _Optional[_Iterable[float]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "block_size", "block_hash_algorithm", "block_hash_seed", "tokenizer_digest", "vocab_size", "enable_prefix_caching", "num_kv_blocks", "backend", "backend_reason", "backend_fallback", "cuda_graphs", "quantization", "incarnation_id", "speculative_config", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos")
+    __slots__ = ("model_name", "max_model_len", "block_size", "block_hash_algorithm", "block_hash_seed", "tokenizer_digest", "vocab_size", "enable_prefix_caching", "num_kv_blocks", "backend", "backend_reason", "backend_fallback", "cuda_graphs", "quantization", "incarnation_id", "speculative_config", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "runner", "pooling_type", "pooling_normalize", "hidden_size")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +217,10 @@ class ModelInfo(_message.Message):
     SPEC_DECODE_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
+    POOLING_TYPE_FIELD_NUMBER: _ClassVar[int]
+    POOLING_NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     block_size: int
@@ -209,7 +241,11 @@ class ModelInfo(_message.Message):
     spec_decode_num_draft_tokens: int
     spec_decode_num_accepted_tokens: int
     spec_decode_num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., block_hash_algorithm: _Optional[str] = ..., block_hash_seed: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., vocab_size: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., backend_reason: _Optional[str] = ..., backend_fallback: _Optional[bool] = ..., cuda_graphs: _Optional[str] = ..., quantization: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., speculative_config: _Optional[str] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
+    runner: str
+    pooling_type: str
+    pooling_normalize: bool
+    hidden_size: int
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., block_hash_algorithm: _Optional[str] = ..., block_hash_seed: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., vocab_size: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., backend_reason: _Optional[str] = ..., backend_fallback: _Optional[bool] = ..., cuda_graphs: _Optional[str] = ..., quantization: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., speculative_config: _Optional[str] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., runner: _Optional[str] = ..., pooling_type: _Optional[str] = ..., pooling_normalize: _Optional[bool] = ..., hidden_size: _Optional[int] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

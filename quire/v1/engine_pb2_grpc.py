@@ -39,6 +39,11 @@ class EngineServiceStub:
                 request_serializer=quire_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=quire_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/quire.v1.EngineService/Embed',
+                request_serializer=quire_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=quire_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/quire.v1.EngineService/GetModelInfo',
                 request_serializer=quire_dot_v1_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
@@ -68,6 +73,15 @@ class EngineServiceServicer:
         """Generate one request's completions, streamed as deltas. Closing the stream (or cancelling
         the call) aborts the request and frees its KV blocks within one engine step. The call's
         deadline is honoured: past it the request is aborted and the call ends DEADLINE_EXCEEDED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """Embed one prompt: a prompt-only forward, batched with the engine's other work, whose final
+        hidden states are pooled (ModelInfo.pooling_type) into one vector. Served by every engine
+        (runner "generate" or "pooling"); the router places it like a Generate request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,6 +124,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=quire_dot_v1_dot_engine__pb2.GenerateRequest.FromString,
                     response_serializer=quire_dot_v1_dot_engine__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=quire_dot_v1_dot_engine__pb2.EmbedRequest.FromString,
+                    response_serializer=quire_dot_v1_dot_engine__pb2.EmbedResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -159,6 +178,33 @@ class EngineService:
             '/quire.v1.EngineService/Generate',
             quire_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
             quire_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quire.v1.EngineService/Embed',
+            quire_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
+            quire_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,3 +56,33 @@ def test_up_stops_cleanly_on_ctrl_c(tiny_model_dir):
         check = subprocess.run(["bash", "-c", f"</dev/tcp/127.0.0.1/{port}"],
                                capture_output=True)
         assert check.returncode != 0
+
+
+def test_up_with_pooling_engines_serves_embeddings_to_the_openai_client(tiny_model_dir):
+    """``quire up --runner pooling``: embedding-only engines; the example embeds, and the
+    official client's ``embeddings.create`` is answered through the router."""
+    import openai
+
+    proc = subprocess.Popen(_up(tiny_model_dir, "--runner", "pooling", "--pooler-config",
+                                '{"pooling_type": "MEAN"}'),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        lines = []
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "Ctrl-C stops the stack" in line or not line:
+                break
+        text = "".join(lines)
+        assert re.search(r"example: .* -> 'embedding \[.*\] \(64 floats\)'", text), text
+        url = re.search(r"(http://127\.0\.0\.1:\d+/v1)", text).group(1)
+        with openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60) as client:
+            result = client.embeddings.create(model=client.models.list().data[0].id,
+                                              input=["hello", "world"])
+            assert [len(d.embedding) for d in result.data] == [64, 64]
+            with pytest.raises(openai.BadRequestError, match="runner pooling"):
+                client.completions.create(model=result.model, prompt="hi", max_tokens=2)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from quire.errors import FIELD_METADATA, field_of
-from router.local_call import LocalCall
+from router.local_call import LocalCall, local_unary
 
 
 def _run(coro):
@@ -154,3 +154,28 @@ def test_a_cancelled_reader_stops_the_handler():
         return closed.is_set()
 
     assert _run(scenario())
+
+
+def test_unary_answers_aborts_and_deadline():
+    async def echo(request, context):
+        return (request, context.invocation_metadata())
+
+    async def refuse(request, context):
+        await context.abort(grpc.StatusCode.NOT_FOUND, "no such thing",
+                            trailing_metadata=((FIELD_METADATA, "input"),))
+
+    async def slow(request, context):
+        await asyncio.sleep(60)
+
+    async def scenario():
+        answer = await local_unary(echo, 7, metadata=(("k", "v"),), timeout_s=5)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await local_unary(refuse, None)
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await local_unary(slow, None, timeout_s=0.1)
+        return answer, refused.value, late.value
+
+    answer, refused, late = _run(scenario())
+    assert answer == (7, (("k", "v"),))
+    assert refused.code() == grpc.StatusCode.NOT_FOUND and field_of(refused) == "input"
+    assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED

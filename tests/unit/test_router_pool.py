@@ -102,6 +102,7 @@ class EchoConnection:
     echoes the prompt; it serves no tokenizer files and must serve the pool's model."""
 
     kind = "echo"
+    serves_embeddings = True
 
     def __init__(self, endpoint: Endpoint, reports, options: ClientOptions) -> None:
         self.engine_id, self.address, self.reports = endpoint.engine_id, endpoint.address, reports
@@ -138,6 +139,10 @@ class EchoConnection:
     async def generate(self, request, *, timeout_s=None, metadata=()):
         yield pb.GenerateResponse(request_id=request.request_id, outputs=[pb.CompletionDelta(
             token_ids=list(request.token_ids.ids))], finished=True)
+
+    async def embed(self, request, *, timeout_s=None, metadata=()):
+        return pb.EmbedResponse(request_id=request.request_id,
+                                embedding=[float(t) for t in request.token_ids.ids])
 
     async def fetch_tokenizer(self, timeout_s=None):
         return None

@@ -1,0 +1,131 @@
+"""``quire bench embed``: embedding throughput, Quire's engine against transformers batched the
+way sentence-transformers batches (inputs sorted by length, fixed-size padded batches, the
+attention mask in the pooling), on the same inputs, model, dtype and threads, in one run.
+
+Inputs: ``num_inputs`` random token-id prompts of lengths drawn uniformly from
+[``min_len``, ``max_len``]. Both sides pool the same way (the engine's resolved pooler config:
+LAST or MEAN, normalized or not), and the report gives the smallest cosine similarity between
+the two sides' vectors, so a fast wrong answer shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import random
+import time
+from pathlib import Path
+
+from engine_worker.arg_utils import add_engine_args, engine_args_from_namespace
+from quire_cli.bench.prompts import random_prompt
+from quire_cli.bench.report import write_json
+
+
+def make_inputs(num_inputs: int, min_len: int, max_len: int, seed: int,
+                vocab_size: int = 49152) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [random_prompt(rng, rng.randint(min_len, max_len), vocab_size)
+            for _ in range(num_inputs)]
+
+
+def hf_embed(model, inputs: list[list[int]], batch_size: int, pooling_type: str,
+             normalize: bool):
+    """sentence-transformers' way: longest first, padded batches of ``batch_size``, the mask in
+    the pooling; returns the vectors in the inputs' order."""
+    import torch
+
+    order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+    out = [None] * len(inputs)
+    with torch.inference_mode():
+        for start in range(0, len(order), batch_size):
+            batch = [inputs[i] for i in order[start:start + batch_size]]
+            width = max(len(p) for p in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, prompt in enumerate(batch):
+                ids[row, :len(prompt)] = torch.tensor(prompt)
+                mask[row, :len(prompt)] = 1
+            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+            if pooling_type == "MEAN":
+                pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+            elif pooling_type == "CLS":
+                pooled = hidden[:, 0]
+            else:  # LAST: each row's last real token (right padding)
+                pooled = hidden[torch.arange(len(batch)), mask.sum(1) - 1]
+            if normalize:
+                pooled = torch.nn.functional.normalize(pooled, dim=-1)
+            for row, i in enumerate(order[start:start + batch_size]):
+                out[i] = pooled[row]
+    return out
+
+
+def run(engine_args, inputs: list[list[int]], hf_batch_size: int) -> dict:
+    import torch
+    import transformers
+
+    from engine_worker import LLM
+
+    llm = LLM(**dataclasses.asdict(engine_args))
+    info = llm.info
+    prompts = [{"prompt_token_ids": p} for p in inputs]
+    llm.embed(prompts[:4], use_tqdm=False)  # warm-up
+    llm.engine.reset_prefix_cache()  # every input computed, as on the other side
+    start = time.perf_counter()
+    ours = llm.embed(prompts, use_tqdm=False)
+    quire_s = time.perf_counter() - start
+    vectors = [torch.tensor(o.outputs.embedding) for o in ours]
+    del llm, ours
+    gc.collect()
+
+    model = transformers.AutoModel.from_pretrained(info.model_dir, dtype=info.dtype).eval()
+    hf_embed(model, inputs[:4], hf_batch_size, info.pooling_type, info.pooling_normalize)
+    start = time.perf_counter()
+    theirs = hf_embed(model, inputs, hf_batch_size, info.pooling_type, info.pooling_normalize)
+    hf_s = time.perf_counter() - start
+    cosine = min(torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+                 for a, b in zip(vectors, theirs))
+    num_tokens = sum(len(p) for p in inputs)
+    return {
+        "num_inputs": len(inputs), "num_tokens": num_tokens,
+        "pooling_type": info.pooling_type, "normalize": info.pooling_normalize,
+        "dtype": str(info.dtype).removeprefix("torch."), "kernels": info.backend,
+        "num_threads": info.num_threads,
+        "quire": {"elapsed_s": quire_s, "inputs_per_s": len(inputs) / quire_s,
+                  "tokens_per_s": num_tokens / quire_s},
+        "hf": {"elapsed_s": hf_s, "inputs_per_s": len(inputs) / hf_s,
+               "tokens_per_s": num_tokens / hf_s, "batch_size": hf_batch_size},
+        "ratio": hf_s / quire_s, "min_cosine_similarity": cosine,
+    }
+
+
+def add_embed_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-inputs", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=8)
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--hf-batch-size", type=int, default=32,
+                        help="transformers' batch size (sentence-transformers' default: 32)")
+    parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--output-json", type=Path, default=Path("bench_results/embed.json"))
+    add_engine_args(parser)
+    # fp32 on both sides by default: a Zen 3 has no bf16 arithmetic (FIELD-NOTES.md)
+    parser.set_defaults(dtype="float32")
+
+
+def run_from_args(ns: argparse.Namespace) -> int:
+    inputs = make_inputs(ns.num_inputs, ns.min_len, ns.max_len, ns.workload_seed)
+    result = run(engine_args_from_namespace(ns), inputs, ns.hf_batch_size)
+    result["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(ns).items()
+                        if k != "func"}
+    q, hf = result["quire"], result["hf"]
+    print(f"{result['num_inputs']} inputs, {result['num_tokens']} tokens, "
+          f"{result['pooling_type']} pooling, {result['dtype']}, {result['num_threads']} threads")
+    print(f"quire        {q['elapsed_s']:8.2f} s {q['inputs_per_s']:8.1f} inputs/s "
+          f"{q['tokens_per_s']:9.0f} tok/s")
+    print(f"transformers {hf['elapsed_s']:8.2f} s {hf['inputs_per_s']:8.1f} inputs/s "
+          f"{hf['tokens_per_s']:9.0f} tok/s (batches of {hf['batch_size']}, sorted by length)")
+    print(f"quire / transformers: x{result['ratio']:.2f}; smallest cosine similarity "
+          f"{result['min_cosine_similarity']:.6f}")
+    write_json(result, ns.output_json)
+    print(f"wrote {ns.output_json}")
+    return 0

@@ -1,0 +1,140 @@
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize`` for the router's HTTP front.
+
+Served by the router's own tokenizer (``router.tokenizer``), which tokenizes and renders chat
+templates exactly as the engines do: no engine is asked. The shapes are vLLM's:
+
+- tokenize, completion form: ``{"model", "prompt", "add_special_tokens" (default true),
+  "return_token_strs"}``; chat form: ``{"model", "messages", "add_generation_prompt"
+  (default true), "continue_final_message" (default false), "add_special_tokens" (default
+  false), "chat_template_kwargs", "return_token_strs"}``
+  -> ``{"count", "max_model_len", "tokens", "token_strs"}``;
+- detokenize: ``{"model", "tokens"}`` -> ``{"prompt"}``.
+
+Validation follows the other routes: a 400 naming the field for anything malformed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from router.openai_protocol import RequestError, chat_messages, shown, token_list
+
+if TYPE_CHECKING:
+    from router.tokenizer import RouterTokenizer
+
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens",
+                             "add_generation_prompt", "continue_final_message",
+                             "chat_template_kwargs", "return_token_strs"})
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+_PROMPT_ONLY = ("prompt",)
+_CHAT_ONLY = ("messages", "add_generation_prompt", "continue_final_message",
+              "chat_template_kwargs")
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{name}: must be a boolean, got {shown(value)}", name)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeRequest:
+    """A checked ``/tokenize`` body: ``text`` or ``messages`` (exactly one is set)."""
+
+    text: str | None
+    messages: list[dict] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    continue_final_message: bool
+    template_kwargs: dict
+    return_token_strs: bool
+
+    @classmethod
+    def from_body(cls, body: dict, max_chars: int) -> TokenizeRequest:
+        chat = "messages" in body
+        if chat and "prompt" in body:
+            raise RequestError("prompt: give either prompt or messages, not both", "prompt")
+        if not chat and "prompt" not in body:
+            raise RequestError("prompt: a prompt (or messages) is required", "prompt")
+        for name in (_PROMPT_ONLY if chat else _CHAT_ONLY):
+            if name in body:
+                raise RequestError(f"{name}: only with {'prompt' if chat else 'messages'}",
+                                   name)
+        text = messages = None
+        if chat:
+            messages = chat_messages(body, max_chars)
+        else:
+            text = body["prompt"]
+            if not isinstance(text, str):
+                raise RequestError(f"prompt: must be a string, got {shown(text)}", "prompt")
+            if len(text) > max_chars:
+                raise RequestError(f"prompt: at most {max_chars} characters, got {len(text)}",
+                                   "prompt")
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise RequestError("chat_template_kwargs: must be an object",
+                               "chat_template_kwargs")
+        reserved = {"messages", "add_generation_prompt", "tools", "documents"} & set(kwargs)
+        if reserved:
+            name = sorted(reserved)[0]
+            raise RequestError(f"chat_template_kwargs: {name!r} cannot be set here",
+                               "chat_template_kwargs")
+        add_generation_prompt = _flag(body, "add_generation_prompt", True)
+        continue_final = _flag(body, "continue_final_message", False)
+        if continue_final and add_generation_prompt and "add_generation_prompt" in body:
+            raise RequestError("continue_final_message: cannot be combined with "
+                               "add_generation_prompt", "continue_final_message")
+        if continue_final and (not messages or messages[-1]["role"] != "assistant"):
+            raise RequestError("continue_final_message: the last message must be the "
+                               "assistant's", "continue_final_message")
+        return cls(text=text, messages=messages,
+                   add_special_tokens=_flag(body, "add_special_tokens", not chat),
+                   add_generation_prompt=add_generation_prompt and not continue_final,
+                   continue_final_message=continue_final, template_kwargs=kwargs,
+                   return_token_strs=_flag(body, "return_token_strs", False))
+
+    def token_ids(self, tokenizer: RouterTokenizer) -> list[int]:
+        """The ids an engine would be sent for this prompt (chat: the rendered template)."""
+        text = self.text
+        if self.messages is not None:
+            try:
+                text = tokenizer.apply_chat_template(
+                    self.messages, add_generation_prompt=self.add_generation_prompt,
+                    **self.template_kwargs)
+            except ValueError as e:  # no chat template
+                raise RequestError(str(e), "messages") from None
+            if self.continue_final_message:
+                # as vLLM: cut what the template adds after the final message's content
+                final = self.messages[-1]["content"]
+                end = text.rfind(final) if final else -1
+                if end >= 0:
+                    text = text[:end + len(final)]
+        return tokenizer.encode(text, add_special_tokens=self.add_special_tokens)
+
+
+def tokenize_response(request: TokenizeRequest, token_ids: list[int], max_model_len: int,
+                      tokenizer: RouterTokenizer) -> dict:
+    body = {"count": len(token_ids), "max_model_len": max_model_len, "tokens": token_ids,
+            "token_strs": None}
+    if request.return_token_strs:
+        body["token_strs"] = [tokenizer.backend.id_to_token(t) for t in token_ids]
+    return body
+
+
+def detokenize_ids(body: dict, vocab_size: int, max_tokens: int) -> list[int]:
+    """The checked ``tokens`` of a ``/detokenize`` body."""
+    tokens = body.get("tokens")
+    if isinstance(tokens, list) and len(tokens) > max_tokens:
+        raise RequestError(f"tokens: at most {max_tokens} token ids, got {len(tokens)}",
+                           "tokens")
+    ids = [] if tokens == [] else token_list(tokens)
+    if ids is None:
+        raise RequestError("tokens: must be a list of token ids", "tokens")
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"tokens: {bad} is not a token id in [0, {vocab_size})", "tokens")
+    return ids

@@ -1,0 +1,33 @@
+"""`quire bench embed` end to end on a tiny random model: its JSON is complete and both sides
+computed the same vectors. No timing is asserted (benchmarks are not tests)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow  # runs in a process of its own that loads an engine and a model
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+def test_bench_embed_report(tiny_model_dir, tmp_path, pooling_type):
+    out = tmp_path / "embed.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "quire_cli", "bench", "embed", "--model", str(tiny_model_dir),
+         "--kv-cache-memory-bytes", str(1 << 24), "--num-inputs", "10", "--min-len", "1",
+         "--max-len", "70", "--hf-batch-size", "4", "--max-num-batched-tokens", "64",
+         "--pooler-config", json.dumps({"pooling_type": pooling_type}),
+         "--output-json", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["num_inputs"] == 10 and report["pooling_type"] == pooling_type
+    assert report["dtype"] == "float32" and report["normalize"] is True
+    assert report["min_cosine_similarity"] > 1 - 1e-5  # padded batches and ours agree
+    assert report["ratio"] == pytest.approx(report["hf"]["elapsed_s"]
+                                            / report["quire"]["elapsed_s"])
+    assert report["quire"]["tokens_per_s"] * report["quire"]["elapsed_s"] == \
+        pytest.approx(report["num_tokens"])
