@@ -26,7 +26,8 @@ class LocalContext:
     ``abort`` raises ``grpc.aio.AbortError`` as the real one does, after recording the status;
     ``LocalCall`` turns it into the ``AioRpcError`` a remote caller would have seen."""
 
-    __slots__ = ("_metadata", "_deadline", "_code", "_details", "_trailing", "_initial")
+    __slots__ = ("_metadata", "_deadline", "_code", "_details", "_trailing", "_initial",
+                 "_done_callbacks")
 
     def __init__(self, metadata: Metadata, timeout_s: float | None) -> None:
         self._metadata = tuple(metadata)
@@ -35,6 +36,20 @@ class LocalContext:
         self._details = ""
         self._trailing: tuple[tuple[str, str], ...] = ()
         self._initial: tuple[tuple[str, str], ...] = ()
+        self._done_callbacks: list[Callable] | None = []  # None once the call ended
+
+    def add_done_callback(self, callback: Callable) -> None:
+        """``callback(context)`` once the call ends, however it ends (as grpc.aio's)."""
+        if self._done_callbacks is None:
+            callback(self)
+        else:
+            self._done_callbacks.append(callback)
+
+    def finish(self) -> None:
+        """The call ended: run the done callbacks (once)."""
+        callbacks, self._done_callbacks = self._done_callbacks, None
+        for callback in callbacks or ():
+            callback(self)
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -103,6 +118,14 @@ class LocalCall:
     async def read(self):
         if self._done:
             return grpc.aio.EOF
+        try:
+            return await self._next()
+        except BaseException:  # it ended: an error status, the deadline, or a cancelled reader
+            self._done = True
+            self.context.finish()
+            raise
+
+    async def _next(self):
         deadline = self.context.deadline
         try:
             if deadline is None:
@@ -112,15 +135,14 @@ class LocalCall:
             async with asyncio.timeout_at(loop_deadline):
                 return await anext(self._stream)
         except StopAsyncIteration:
-            self._done = True
             if self.context.code() not in (None, grpc.StatusCode.OK):
                 raise self.context.error() from None  # set_code without abort
+            self._done = True
+            self.context.finish()
             return grpc.aio.EOF
         except grpc.aio.AbortError:
-            self._done = True
             raise self.context.error() from None
         except TimeoutError:
-            self._done = True
             await self._stream.aclose()
             raise self.context.error(grpc.StatusCode.DEADLINE_EXCEEDED,
                                      "Deadline Exceeded") from None
@@ -128,7 +150,10 @@ class LocalCall:
     async def aclose(self) -> None:
         """Close the handler (no-op once it finished): its cleanup aborts the engine request."""
         self._done = True
-        await self._stream.aclose()
+        try:
+            await self._stream.aclose()
+        finally:
+            self.context.finish()
 
 
 async def local_unary(handler: Callable[[object, LocalContext], Awaitable], request, *,
@@ -144,6 +169,8 @@ async def local_unary(handler: Callable[[object, LocalContext], Awaitable], requ
         raise context.error() from None
     except TimeoutError:
         raise context.error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+    finally:
+        context.finish()
     if context.code() not in (None, grpc.StatusCode.OK):
         raise context.error()
     return answer

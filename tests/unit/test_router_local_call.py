@@ -179,3 +179,39 @@ def test_unary_answers_aborts_and_deadline():
     assert answer == (7, (("k", "v"),))
     assert refused.code() == grpc.StatusCode.NOT_FOUND and field_of(refused) == "input"
     assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@pytest.mark.parametrize("ending", ["eof", "abort", "deadline", "aclose", "cancelled"])
+def test_done_callbacks_run_once_however_the_call_ends(ending):
+    """The router's flow control releases a request's slot from a done callback."""
+    ran = []
+
+    async def handler(request, context):
+        context.add_done_callback(lambda ctx: ran.append(ctx))
+        yield "first"
+        if ending == "abort":
+            await context.abort(grpc.StatusCode.INTERNAL, "boom")
+        if ending in ("deadline", "aclose", "cancelled"):
+            await asyncio.sleep(60)
+
+    async def scenario():
+        call = LocalCall(handler, None, timeout_s=0.2 if ending == "deadline" else None)
+        assert await call.read() == "first"
+        if ending == "aclose":
+            await call.aclose()
+        elif ending == "cancelled":
+            task = asyncio.create_task(call.read())
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        elif ending == "eof":
+            assert await call.read() is grpc.aio.EOF
+        else:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await call.read()
+        await call.aclose()
+        return call.context
+
+    context = _run(scenario())
+    assert ran == [context]
