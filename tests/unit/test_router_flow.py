@@ -309,3 +309,25 @@ def test_controller_caps_admissions_at_the_gradient_limit():
         assert flow.capacity >= 2 and (await third).wait_s == 1.0
         second.release()
     asyncio.run(main())
+
+
+def test_a_tenant_arriving_behind_a_flood_runs_at_the_next_free_slot():
+    heavy, light = tenant("heavy"), tenant("light")
+
+    async def main():
+        flow = controller(1)
+        holder = await flow.admit(req(tenant("holder")))
+        flood = [asyncio.create_task(flow.admit(req(heavy))) for _ in range(4)]
+        await asyncio.sleep(0)
+        holder.release()
+        first = await flood[0]  # the heavy tenant alone: its turn is used up
+        late = asyncio.create_task(flow.admit(req(light)))
+        await asyncio.sleep(0)
+        first.release()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert late.done() and not any(t.done() for t in flood[1:])
+        late.result().release()
+        for task in flood[1:]:
+            (await task).release()
+    asyncio.run(main())
