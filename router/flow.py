@@ -71,7 +71,7 @@ class FlowObserver:
 
     def refused(self, request: FlowRequest, reason: str) -> None: ...
 
-    def capacity(self, slots: int | None, inflight: int) -> None: ...
+    def capacity(self, slots: int | None, limit: int | None, inflight: int) -> None: ...
 
 
 @dataclass(slots=True)
@@ -341,7 +341,7 @@ class FlowController:
             if waiter.future.done():  # its client left in this very instant
                 continue
             waiter.future.set_result(self._grant(waiter.request, now - waiter.enqueued_s, now))
-        self.observer.capacity(self.capacity, self.inflight)
+        self.observer.capacity(self.slots, self.capacity, self.inflight)
 
     # --------------------------------------------------------------- capacity
     def refresh(self) -> None:

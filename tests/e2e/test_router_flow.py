@@ -147,6 +147,9 @@ def test_a_flooding_tenant_does_not_delay_a_light_one_beyond_its_share(engine):
         metrics = _metrics(router)
         assert 'quire_router_queue_wait_seconds_count{priority="0",tenant="other"} 7.0' in \
             metrics
+        # one engine with --engine-slots 1: one slot, and the gradient limit cannot go below it
+        assert "quire_router_engine_slots 1.0" in metrics
+        assert "quire_router_admission_limit 1.0" in metrics
         settle(router, engine)
     finally:
         router.close()
