@@ -253,9 +253,11 @@ def test_http_priority_is_validated_and_forwarded(engine):
 
 
 def test_slots_are_learned_from_the_engines_reports(tiny_model_dir):
-    """An engine that batches two: the router learns two slots and keeps the rest itself."""
+    """An engine that batches two: the router learns two slots and keeps the rest itself
+    (the gradient limit off: it would hold the engine below its batch on this CPU)."""
     engine = start_engine(tiny_model_dir, max_num_seqs=2)
-    router = RunningRouter([address(engine)], flow={"tenant_header": TENANT})
+    router = RunningRouter([address(engine)], flow={"tenant_header": TENANT,
+                                                    "gradient_limit": False})
     try:
         sent = [Queued(router, f"r{i}") for i in range(8)]
         for queued in sent:
