@@ -71,7 +71,7 @@ class FlowObserver:
 
     def refused(self, request: FlowRequest, reason: str) -> None: ...
 
-    def capacity(self, slots: int | None, inflight: int) -> None: ...
+    def capacity(self, slots: int | None, limit: int | None, inflight: int) -> None: ...
 
 
 @dataclass(slots=True)
@@ -122,13 +122,20 @@ class _Band:
     turn: deque = field(default_factory=deque)  # tenants with requests, in round-robin order
     deficit: dict[str, float] = field(default_factory=dict)
     size: int = 0
+    spent: str | None = None  # the tenant at the head whose turn is used up (next: the others)
 
     def push(self, waiter: _Waiter) -> None:
         name = waiter.request.tenant.name
         queue = self.queues.get(name)
         if queue is None:
             queue = self.queues[name] = OrderedDict()
-            self.turn.append(name)
+            # A newcomer joins the end of the round. When one tenant alone has the band and has
+            # used up its turn, that end is just before it: rotating a round of one is a no-op,
+            # so without this the newcomer would wait for one more of its requests.
+            if self.spent is not None and len(self.turn) == 1 and self.turn[0] == self.spent:
+                self.turn.appendleft(name)
+            else:
+                self.turn.append(name)
             self.deficit[name] = 0.0
         queue[waiter.seq] = waiter
         self.size += 1
@@ -158,10 +165,12 @@ class _Band:
             _, waiter = queue.popitem(last=False)
             self.size -= 1
             self.deficit[name] -= 1.0
+            self.spent = None
             if not queue:
                 self._drop(name)
             elif self.deficit[name] < 1.0:
                 self.turn.rotate(-1)  # its turn is spent: the next tenant's
+                self.spent = name
             return waiter
 
     def _drop(self, name: str) -> None:
@@ -332,7 +341,7 @@ class FlowController:
             if waiter.future.done():  # its client left in this very instant
                 continue
             waiter.future.set_result(self._grant(waiter.request, now - waiter.enqueued_s, now))
-        self.observer.capacity(self.capacity, self.inflight)
+        self.observer.capacity(self.slots, self.capacity, self.inflight)
 
     # --------------------------------------------------------------- capacity
     def refresh(self) -> None:

@@ -8,14 +8,17 @@ grows with the batch, but where the engine is compute-bound (a CPU) it grows wit
 added, so running more only makes every request slower. The limit follows the ratio of the
 fastest per-token time seen (the engines' speed with room to spare) to the recent one:
 
-    limit <- (1 - s) * limit + s * (limit * clamp(2 * fastest / recent, 1/2, 1) + sqrt(limit))
+    g = clamp(2 * fastest / recent, 1/2, 1)
+    limit <- (1 - s) * limit + s * (limit * g + (sqrt(limit) if g == 1 else 0))
 
 With a per-token time within twice the fastest the limit grows by about its square root per
-request (up to the engines' slots); beyond that it shrinks, so on a compute-bound engine it
-settles a little beyond where each request runs at half the speed it gets alone (a latency
-bound, where such an engine gains little throughput from more anyway). ``s`` (0.2) smooths; the tolerance (2) keeps noise in
-the per-token time from shrinking the limit (Gradient2 uses 1.5 on round trips); the square
-root is the queue it allows beyond what the gradient says, as in Gradient2.
+request, as Gradient2's allowance (up to the engines' slots); beyond that it shrinks, so on a
+compute-bound engine it settles where each request runs at about half the speed it gets alone
+(a latency bound; such an engine gains little throughput from more anyway). ``s`` (0.2)
+smooths; the tolerance (2) keeps noise in the per-token time from shrinking the limit
+(Gradient2 uses 1.5 on round trips). Unlike Gradient2 the allowance is given only while the
+per-token time is within the tolerance, so a slowed pool shrinks to one request per engine
+rather than to a floor of its own making.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class GradientLimit:
         self.recent_s = per_token_s if self.recent_s is None else \
             self.recent_s + _RECENT_EWMA * (per_token_s - self.recent_s)
         gradient = min(1.0, max(_MIN_GRADIENT, _TOLERANCE * self.fastest_s / self.recent_s))
-        wanted = self.limit * gradient + math.sqrt(self.limit)
+        wanted = self.limit * gradient + (math.sqrt(self.limit) if gradient >= 1.0 else 0.0)
         self.limit = min((1 - _SMOOTHING) * self.limit + _SMOOTHING * wanted, float(ceiling))
         self.limit = max(self.limit, float(floor), 1.0)
 

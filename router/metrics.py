@@ -138,6 +138,9 @@ class FlowMetrics:
                                      registry=r)
         self.slots = Gauge("quire_router_engine_slots", "Requests the serving engines can "
                            "batch together, as the router learned it (-1: unknown)", registry=r)
+        self.limit = Gauge("quire_router_admission_limit", "Requests the router admits at once: "
+                           "the engines' slots, or fewer under the gradient limit (-1: "
+                           "unknown)", registry=r)
         self.inflight = Gauge("quire_router_inflight_requests", "Requests admitted and not "
                               "finished", registry=r)
 
@@ -150,6 +153,7 @@ class FlowMetrics:
     def refused(self, request, reason: str) -> None:
         self.refused_total.labels(request.tenant.label, reason).inc()
 
-    def capacity(self, slots: int | None, inflight: int) -> None:
+    def capacity(self, slots: int | None, limit: int | None, inflight: int) -> None:
         self.slots.set(-1 if slots is None else slots)
+        self.limit.set(-1 if limit is None else limit)
         self.inflight.set(inflight)

@@ -16,7 +16,9 @@ JSON layout::
                "load_average_1m_before",
                "engine_cache_counters" (vLLM engines only: vLLM's prefix_cache_queries and
                _hits counters over the run): {"queries", "hits", "hit_rate",
-                                              "per_engine": {"engine-<i>": {"queries", "hits"}}}}],
+                                              "per_engine": {"engine-<i>": {"queries", "hits"}}},
+               the two_tenants workload only: "two_tenants" (``quire_cli.bench.two_tenants``),
+               "light_requests", "flow_timeline"}],
      "comparisons": {workload: {baseline: {"ttft_p50_speedup", "ttft_p90_speedup",
                                            "throughput_ratio", "cache_hit_rate_delta"}}}}
 

@@ -147,6 +147,9 @@ def test_a_flooding_tenant_does_not_delay_a_light_one_beyond_its_share(engine):
         metrics = _metrics(router)
         assert 'quire_router_queue_wait_seconds_count{priority="0",tenant="other"} 7.0' in \
             metrics
+        # one engine with --engine-slots 1: one slot, and the gradient limit cannot go below it
+        assert "quire_router_engine_slots 1.0" in metrics
+        assert "quire_router_admission_limit 1.0" in metrics
         settle(router, engine)
     finally:
         router.close()
@@ -250,9 +253,11 @@ def test_http_priority_is_validated_and_forwarded(engine):
 
 
 def test_slots_are_learned_from_the_engines_reports(tiny_model_dir):
-    """An engine that batches two: the router learns two slots and keeps the rest itself."""
+    """An engine that batches two: the router learns two slots and keeps the rest itself
+    (the gradient limit off: it would hold the engine below its batch on this CPU)."""
     engine = start_engine(tiny_model_dir, max_num_seqs=2)
-    router = RunningRouter([address(engine)], flow={"tenant_header": TENANT})
+    router = RunningRouter([address(engine)], flow={"tenant_header": TENANT,
+                                                    "gradient_limit": False})
     try:
         sent = [Queued(router, f"r{i}") for i in range(8)]
         for queued in sent:
