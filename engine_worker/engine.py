@@ -96,10 +96,10 @@ class LLMEngine:
         allocate the KV cache, build the collaborators, record the facts and announce them."""
         start = time.monotonic()
         self.config = config
-        self._speculator = build_speculator(config.speculative)  # a bad method fails first
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
         self._device = select_device(config.device.device)
+        self._speculator = build_speculator(config.speculative, self._device.type)
         self._backend = select_backend(config.device.kernels, self._device,
                                        config.device.attention_backend)
         self._quantization = choose_quantization(

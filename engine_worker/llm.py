@@ -21,7 +21,8 @@ class LLM:
 
     Takes vLLM's engine argument names: ``model, tokenizer, dtype, max_model_len, block_size,
     kv_cache_memory_bytes, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
-    scheduling_policy, seed, device``. ``model=None`` loads the embedded SmolLM2-135M-Instruct.
+    scheduling_policy, seed, device, speculative_config``. ``model=None`` loads the embedded
+    SmolLM2-135M-Instruct.
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:

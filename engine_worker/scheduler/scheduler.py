@@ -113,14 +113,15 @@ class Scheduler:
         allocations: dict[str, Allocation] = {}
         preempted: list[Request] = []
         drafts: dict[str, tuple[int, ...]] = {}
-        speculate = self.speculator is not None and \
-            self.speculator.step_allows(len(self.running))
+        draft_budget = 0 if self.speculator is None else \
+            self.speculator.step_draft_budget(len(self.running))
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_new_tokens(request, budget)
-            draft = self._propose(request, budget - num_new) if speculate else ()
+            draft = self._propose(request, min(budget - num_new, draft_budget)) \
+                if draft_budget else ()
             while True:
                 allocation = self.kv.allocate_slots(request.req_id, request.num_computed_tokens,
                                                     num_new + len(draft),
@@ -147,6 +148,7 @@ class Scheduler:
             if draft:
                 drafts[request.req_id] = draft
                 num_new += len(draft)
+                draft_budget -= len(draft)
             num_scheduled[request.req_id] = num_new
             allocations[request.req_id] = allocation
             budget -= num_new

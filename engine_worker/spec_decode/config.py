@@ -14,9 +14,7 @@ SPEC_METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
 
 # The batch rule's default (see ``speculator``): with more requests than this in a step, the
-# step runs without drafts. Measured on a 2-core Zen 3 with the embedded model: a step of 8
-# decodes already costs ~3x a step of one, so verifying drafts there costs more than the
-# ~1 token per request it saves at the acceptance an open-ended prompt gets.
+# step runs without drafts.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 

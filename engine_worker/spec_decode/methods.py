@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from engine_worker.spec_decode.config import SpeculativeConfig
 from engine_worker.spec_decode.ngram import NgramProposer
-from engine_worker.spec_decode.speculator import Proposer, Speculator
+from engine_worker.spec_decode.speculator import STEP_TOKEN_LIMITS, Proposer, Speculator
 from engine_worker.spec_decode.suffix import SuffixProposer
 
 
@@ -25,12 +25,15 @@ PROPOSERS: dict[str, Callable[[SpeculativeConfig], Proposer]] = {
 }
 
 
-def build_speculator(config: SpeculativeConfig | None) -> Speculator | None:
-    """The scheduler's speculator for ``config`` (None when speculation is off)."""
+def build_speculator(config: SpeculativeConfig | None, device_type: str = "cpu"
+                     ) -> Speculator | None:
+    """The scheduler's speculator for ``config`` (None when speculation is off), with the
+    step token limit of ``device_type`` (see ``speculator``)."""
     if config is None:
         return None
     make = PROPOSERS.get(config.method)
     if make is None:
         raise ValueError(f"speculative_config.method: {config.method!r} is not available in "
                          f"this build (available: {sorted(PROPOSERS)})")
-    return Speculator(config, make(config))
+    limit = STEP_TOKEN_LIMITS.get(device_type, STEP_TOKEN_LIMITS["cpu"])
+    return Speculator(config, make(config), step_token_limit=limit)

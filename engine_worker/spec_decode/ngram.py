@@ -4,9 +4,9 @@ place where its latest tokens appeared.
 The request's tokens ``t[0..L)`` end with the n-gram ``t[L-n..L)``. Among earlier positions
 ``j`` whose n tokens ending at ``j`` equal that n-gram, the longest match wins (n from
 ``prompt_lookup_max`` down to ``prompt_lookup_min``), the most recent one among equals that
-has k tokens after it; the draft is ``t[j+1 .. j+1+k)``. Matching is vectorised: one comparison of the whole history per
-n-gram length, so a proposal costs O(L * prompt_lookup_max) numpy work and no Python loop over
-the history.
+has k tokens after it; the draft is ``t[j+1 .. j+1+k)``. Matching is vectorised: one
+comparison of the whole history per n-gram length, so a proposal costs O(L * prompt_lookup_max)
+numpy work and no Python loop over the history.
 """
 
 from __future__ import annotations

@@ -12,10 +12,14 @@ accepted (``record``). Two rules keep speculation from costing more than it save
   acceptance. On text that never repeats, the cost is then one extra verified token every
   ``MAX_BACKOFF_STEPS`` steps.
 * **Per step (batch rule).** A step verifies drafts only while at most
-  ``disable_by_batch_size`` requests are running (vLLM's field). A step is then latency-bound:
-  the weights are read once whatever the token count, and a draft token adds little to it. With
-  more requests the batch itself fills the step, a draft costs about as much as a request's
-  token, and a rejected draft is pure loss, so the step runs without drafts.
+  ``disable_by_batch_size`` requests are running (vLLM's field), and all its drafts together
+  stay within ``step_token_limit`` less the number of running requests. A step is cheap to
+  widen only while it is bound by reading the weights: measured on a 2-core Zen 3 with the
+  embedded model (bf16, one thread, 550 tokens of context), 5 tokens in one step cost 1.3-1.5x
+  one token, 9 tokens 2.5-3.5x, 17 tokens 4-5x, 33 tokens ~8x. Past ~8 tokens a draft costs
+  about what a request's own token costs and a rejected one is pure loss, so on a CPU the
+  limit is 8 tokens a step (one request verifies up to 7 drafts; two share 6; four share 4;
+  five or more verify none). A GPU stays weight-bound far longer (``STEP_TOKEN_LIMITS``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from engine_worker.spec_decode.config import SpeculativeConfig
 from engine_worker.spec_decode.stats import SpecDecodingCounter, SpecDecodingStats
 
 MAX_BACKOFF_STEPS = 32
+# device type -> the most tokens (requests' own plus drafts) a step with drafts may hold
+STEP_TOKEN_LIMITS = {"cpu": 8, "cuda": 256}
 
 
 class Proposer(Protocol):
@@ -70,16 +76,21 @@ class _RequestSpec:
 class Speculator:
     """Owned by the scheduler: proposals per request, the adaptive rules, the counts."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer,
+                 step_token_limit: int = STEP_TOKEN_LIMITS["cpu"]) -> None:
         self.config = config
         self.proposer = proposer
+        self.step_token_limit = step_token_limit
         self.max_num_tokens = config.num_speculative_tokens
         self._requests: dict[str, _RequestSpec] = {}
         self._counter = SpecDecodingCounter(config.num_speculative_tokens)
 
-    def step_allows(self, num_running: int) -> bool:
-        """The batch rule (module docstring)."""
-        return num_running <= self.config.disable_by_batch_size
+    def step_draft_budget(self, num_running: int) -> int:
+        """The batch rule (module docstring): how many draft tokens this step may verify in
+        all, with ``num_running`` requests running (0: none)."""
+        if num_running > self.config.disable_by_batch_size:
+            return 0
+        return max(0, self.step_token_limit - num_running)
 
     def propose(self, req_id: str, prompt: list[int], output: list[int], room: int
                 ) -> tuple[int, ...]:

@@ -5,7 +5,10 @@ built in this process (the same flags, one with ``--speculative-config``):
 
 - *repeat*: "repeat this passage" over a ~500-token passage in the prompt, where n-gram
   proposals come from the prompt and are mostly accepted;
-- *open*: an open-ended request, where proposals are rare and mostly rejected.
+- *open*: an open-ended request, where proposals are rare and mostly rejected (a small
+  model's greedy text repeats itself, though, so it may gain too);
+- *batch* (``--batch-requests``): the long-tailed random workload of ``bench throughput``,
+  all at once, where the batch rule turns drafts off while the batch is large.
 
 Decode speed is (output tokens - 1) / (time after the first token); the two engines take
 turns run by run and the ratio quoted is the median of the paired ratios (targets: >= 1.8x on
@@ -69,6 +72,7 @@ PROMPTS = {
 class SpecBenchConfig:
     output_len: int = 400
     repeats: int = 2
+    batch_requests: int = 16  # the batched check: long-tailed random prompts (0: skip)
     spec_config: str = ('{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 5, "prompt_lookup_min": 2}')
     output_json: str = "bench_results/spec_decode.json"
@@ -82,6 +86,9 @@ def add_spec_decode_args(parser: argparse.ArgumentParser) -> None:
     d = SpecBenchConfig()
     parser.add_argument("--output-len", type=int, default=d.output_len)
     parser.add_argument("--repeats", type=int, default=d.repeats)
+    parser.add_argument("--batch-requests", type=int, default=d.batch_requests,
+                        help="requests of the batched check (long-tailed random prompts, "
+                             "throughput on vs off; 0: skip)")
     parser.add_argument("--spec-config", default=d.spec_config,
                         help="the speculative_config of the 'on' engine (JSON)")
     parser.add_argument("--output-json", default=d.output_json)
@@ -103,6 +110,41 @@ def _decode_run(engine, prompt_ids: list[int], output_len: int, tag: str):
                 first = time.perf_counter()
     end = time.perf_counter()
     return (len(tokens) - 1) / (end - first) if len(tokens) > 1 else 0.0, tokens
+
+
+def _batch_run(engine, workload) -> float:
+    """Output tokens per second of the whole batch, all requests added at once."""
+    from engine_worker import SamplingParams
+
+    start = time.perf_counter()
+    for i, (prompt, n) in enumerate(zip(workload.prompt_token_ids, workload.output_lens)):
+        engine.add_request(f"batch-{time.perf_counter()}-{i}", {"prompt_token_ids": list(prompt)},
+                           SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    num_tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step().outputs:
+            if out.finished:
+                num_tokens += len(out.outputs[0].token_ids)
+    return num_tokens / (time.perf_counter() - start)
+
+
+def _batched(engines, cfg: SpecBenchConfig) -> dict:
+    """The long-tailed batched workload (``bench throughput``'s), on and off taking turns:
+    the batch rule should keep speculation from costing throughput."""
+    from quire_cli.bench.throughput import make_workload
+
+    workload = make_workload(num_prompts=cfg.batch_requests, input_lens=(16, 256),
+                             output_lens=(16, 96), vocab_size=engines["off"].tokenizer.vocab_size,
+                             seed=0)
+    runs: dict[str, list[float]] = {"off": [], "on": [], "ratios": []}
+    for _ in range(cfg.repeats):
+        for label, engine in engines.items():
+            runs[label].append(_batch_run(engine, workload))
+            print(f"  {label:<4}batch {runs[label][-1]:>8.1f} output tok/s", file=sys.stderr)
+        runs["ratios"].append(runs["on"][-1] / runs["off"][-1])
+    return {"runs": runs, "ratio": statistics.median(runs["ratios"]),
+            "off_tokens_per_s": statistics.median(runs["off"]),
+            "on_tokens_per_s": statistics.median(runs["on"])}
 
 
 def _prompts(engine) -> dict[str, list[int]]:
@@ -160,6 +202,12 @@ def run_from_args(ns: argparse.Namespace) -> int:
                         "num_output_tokens": len(tokens[name]["on"])}
         print(f"{name:<10}{statistics.median(r['off']):>12.1f}"
               f"{statistics.median(r['on']):>12.1f}{ratio:>7.2f}x  {same}")
+    if cfg.batch_requests:
+        report["batch"] = _batched(engines, cfg)
+        b = report["batch"]
+        print(f"{'batch':<10}{b['off_tokens_per_s']:>12.1f}{b['on_tokens_per_s']:>12.1f}"
+              f"{b['ratio']:>7.2f}x  ({cfg.batch_requests} requests, output tok/s)")
+        report["on_spec_decoding"] = _spec_report(engines["on"])
     spec = report["on_spec_decoding"]
     print(f"acceptance: {spec['acceptance_rate']:.2f} of draft tokens, "
           f"{spec['mean_acceptance_length']:.2f} tokens per verifying step")

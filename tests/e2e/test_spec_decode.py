@@ -34,8 +34,11 @@ def _params(**kw) -> list[SamplingParams]:
 
 
 def _llm(model_dir, spec=None, **kw) -> LLM:
-    return LLM(str(model_dir), dtype="float32", speculative_config=spec,
-               **({"kv_cache_memory_bytes": 1 << 24} | kw))
+    llm = LLM(str(model_dir), dtype="float32", speculative_config=spec,
+              **({"kv_cache_memory_bytes": 1 << 24} | kw))
+    if spec is not None:  # every request of a mixed batch drafts (not only the CPU's 8 tokens)
+        llm.engine._scheduler.speculator.step_token_limit = 1 << 16
+    return llm
 
 
 def _tokens(llm, prompts=PROMPTS, params=None):
@@ -197,7 +200,8 @@ def test_sampled_output_is_distributed_as_the_target(tiny_model_dir, baseline, t
     llm = _llm(tiny_model_dir, dict(NGRAM, disable_by_batch_size=1024), max_num_seqs=512,
                seed=1234)
     scheduler = llm.engine._scheduler
-    scheduler.speculator = Speculator(scheduler.speculator.config, _ForcedProposer((x, x)))
+    scheduler.speculator = Speculator(scheduler.speculator.config, _ForcedProposer((x, x)),
+                                      step_token_limit=1 << 16)
     num_samples = 3000
     outs = llm.generate([{"prompt_token_ids": prompt}] * num_samples, params, use_tqdm=False)
     pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]

@@ -76,7 +76,9 @@ def test_ngram_takes_the_longest_then_most_recent_match_with_a_full_draft():
 def test_speculator_shrinks_on_rejection_backs_off_and_counts():
     spec = build_speculator(SpeculativeConfig("ngram", 4, prompt_lookup_max=2,
                                               prompt_lookup_min=1, disable_by_batch_size=2))
-    assert spec.step_allows(2) and not spec.step_allows(3)
+    # the batch rule: at most 8 tokens a step on a CPU, none past disable_by_batch_size
+    assert [spec.step_draft_budget(n) for n in (1, 2, 3)] == [7, 6, 0]
+    assert build_speculator(SpeculativeConfig("ngram", 4), "cuda").step_draft_budget(4) == 252
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1]
     assert spec.propose("r", prompt, [], room=10) == (2, 3, 4, 5)
     assert spec.propose("r", prompt, [], room=2) == (2, 3)  # the room caps it
@@ -148,3 +150,18 @@ def test_start_block_and_metrics_show_the_config():
     assert ('vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} '
             '2.0') in text
     assert "spec_decode" not in EngineMetrics("m", engine_info()).render().decode()
+
+
+def test_quire_up_passes_the_json_on_to_its_engines():
+    import argparse
+
+    from engine_worker.arg_utils import add_engine_args
+    from quire_cli.stack import changed_engine_flags
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    spec = '{"method": "suffix", "num_speculative_tokens": 3}'
+    flags = changed_engine_flags(parser.parse_args(["--speculative-config", spec]))
+    assert flags == ["--speculative-config", spec]
+    again = parser.parse_args(flags)  # what `quire engine` parses
+    assert SpeculativeConfig.parse(again.speculative_config).method == "suffix"

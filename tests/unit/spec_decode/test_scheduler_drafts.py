@@ -85,6 +85,12 @@ def test_drafts_stop_at_max_tokens_and_give_way_to_blocks_and_batches():
     out = sched.schedule()
     assert not out.spec_token_ids and out.num_scheduled_tokens == {"r": 1}
     assert not out.preempted_req_ids
+    # two requests on a CPU: 6 draft tokens in all, the first request's 4 then 2
+    sched = _scheduler()
+    for r in ("a", "b"):
+        sched.add_request(_request(r))
+    sched.update_from_output(sched.schedule(), _sampled(a=[12], b=[12]))
+    assert sched.schedule().spec_token_ids == {"a": (13, 14, 15, 16), "b": (13, 14)}
     # more running requests than disable_by_batch_size: no drafts
     sched = _scheduler(disable_by_batch_size=1)
     for r in ("a", "b"):
