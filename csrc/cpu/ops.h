@@ -50,9 +50,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
 // each token's k, v [tokens, kv_heads, head_dim] into its cache slot (narrowed to its dtype)
 void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& slot_mapping);
-// GGUF block-quantized weights (quant_linear.cpp): uint8 [N, K / 32, block bytes], the block
-// bytes naming the type (Q4_0 18, Q4_1 20, Q8_0 34)
+// GGUF block-quantized weights (quant_linear.cpp): [N, K / 32, block bytes], the block bytes
+// naming the type (Q4_0 18, Q4_1 20, Q8_0 34); uint8 as the file lays them out, int8 repacked
 bool is_quantized_weight(const at::Tensor& w);
+// the file's blocks (uint8) regrouped row by row for the decode kernel (int8, same shape)
+at::Tensor repack_gguf(const at::Tensor& w);
 // x fp32 / bf16 [M, K] @ dequant(w)^T (+ bias) -> [M, N] in x's dtype
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias);

@@ -73,7 +73,7 @@ class CpuOps:
 
     def pack_weight(self, weight: torch.Tensor) -> Any:
         if is_gguf_blocks(weight):
-            return GgufBlocks.of(weight)
+            return GgufBlocks.of(self.ops, weight)
         return self._linear.pack(self.ops, weight)
 
     def _stack_weights(self, lin) -> tuple[torch.Tensor, torch.Tensor] | None:

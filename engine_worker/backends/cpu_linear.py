@@ -62,13 +62,14 @@ def is_gguf_blocks(weight: torch.Tensor) -> bool:
 @dataclass(frozen=True, slots=True)
 class GgufBlocks:
     """A GGUF block-quantized weight as every CPU set's ``quant_linear`` streams it: the file's
-    blocks, row by row (4.5 to 8.5 bits a weight), on huge pages."""
+    bytes (4.5 to 8.5 bits a weight) regrouped row by row, scales before quants
+    (``repack_gguf``, csrc/cpu/quant_linear.cpp), on huge pages."""
 
-    blocks: torch.Tensor  # uint8 [out_features, in_features / 32, block bytes]
+    blocks: torch.Tensor  # int8 [out_features, in_features / 32, block bytes], repacked
 
     @staticmethod
-    def of(weight: torch.Tensor) -> GgufBlocks:
-        return GgufBlocks(to_huge_pages(weight.detach().contiguous()))
+    def of(ops: Any, weight: torch.Tensor) -> GgufBlocks:
+        return GgufBlocks(to_huge_pages(ops.repack_gguf(weight.detach().contiguous())))
 
 
 class SkinnyBf16Linear:

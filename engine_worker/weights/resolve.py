@@ -150,10 +150,18 @@ def _write_gguf_metadata(gguf: Path, out_dir: Path) -> None:
     the weights stay in the file."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    if not getattr(config, "architectures", None):  # GGUF names the family, not the class
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:  # transformers raises many kinds on a GGUF without a tokenizer
+        logger.warning("%s has no tokenizer transformers can read (%s): serve it with "
+                       "--tokenizer DIR", gguf.name, exc)
+        return
+    tokenizer.save_pretrained(out_dir)

@@ -81,12 +81,21 @@ def measure_limits(device: torch.device | str, *, copy_bytes: int | None = None,
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's parameters (a tied embedding counted once): what one decode step
-    streams."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    streams. Where the logits stream another form of a tied embedding (a GGUF's blocks,
+    ``tied_logits_weight``), that form counts instead: the float table is only looked up."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    tied = getattr(model, "tied_logits_weight", None)
+    if tied is not None:
+        table = model.embed_tokens.weight
+        total += tied.numel() * tied.element_size() - table.numel() * table.element_size()
+    return total
 
 
 def num_parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """Weights, not bytes: a GGUF block-quantized weight (uint8 [N, K / 32, block bytes])
+    holds N * K."""
+    return sum(p.shape[0] * p.shape[1] * 32 if p.dtype == torch.uint8 and p.dim() == 3
+               else p.numel() for p in model.parameters())
 
 
 def decode_fraction(tokens_per_s: float, model_bytes: int, limits: MachineLimits) -> float:

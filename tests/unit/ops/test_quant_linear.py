@@ -105,3 +105,20 @@ def test_bad_block_size_names_the_types(cpu_kernels):
     with pytest.raises(RuntimeError, match=r"Q4_0 \(18\), Q4_1 \(20\), Q8_0 \(34\)"):
         cpu_kernels.ops.quant_linear(torch.randn(1, 64), torch.zeros(4, 2, 19, dtype=torch.uint8),
                                      None)
+
+
+@pytest.mark.cpu_ops("quant_linear", "repack_gguf")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_loaders_repacked_layout_gives_the_same_bits(cpu_kernels, qtype):
+    # K = 320: ten blocks a row, eight through the grouped scales and two through the tail
+    blocks, ref = quantized(36, 320, qtype)
+    packed = cpu_kernels.ops.repack_gguf(blocks)
+    assert packed.dtype == torch.int8 and packed.shape == blocks.shape
+    assert sorted(packed.view(torch.uint8)[3].flatten().tolist()) == \
+        sorted(blocks[3].flatten().tolist())  # a row's bytes, regrouped
+    torch.testing.assert_close(cpu_kernels.ops.dequantize_weight(packed, torch.float32), ref,
+                               rtol=0, atol=0)
+    for rows in (1, 3, 7):
+        x = torch.randn(rows, 320)
+        assert torch.equal(cpu_kernels.ops.quant_linear(x, packed, None),
+                           cpu_kernels.ops.quant_linear(x, blocks, None))
