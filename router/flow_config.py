@@ -15,7 +15,10 @@ class FlowConfig:
 
     flow_control: bool = True  # False: every request goes straight to placement
     engine_slots: int = 0  # requests in flight per engine; 0: learned from its load reports
-    gradient_limit: bool = True  # fewer in flight where more only slow each request down
+    # Off by default: on a CPU engine per-token time grows with the batch, so the limit holds
+    # concurrency well below what batching needs for throughput (a latency-for-throughput
+    # trade an operator should choose, e.g. for a light tenant's latency beside a flood).
+    gradient_limit: bool = False
     tenant_header: str | None = None  # HTTP header / gRPC metadata key naming the tenant
     tenants: str | None = None  # per-tenant settings: JSON / YAML text, or @path of a file
     max_queue_per_tenant: int = 256  # waiting requests per tenant (more: 429)
@@ -59,7 +62,7 @@ FLOW_HELP = {
                     "reports: what it runs while it keeps requests waiting)",
     "gradient_limit": "admit fewer requests than the engines' slots where running more only "
                       "makes each one slower (per-token time grows with the batch, as on a "
-                      "CPU); false: fill the slots",
+                      "CPU): lower latency, less throughput; false (default): fill the slots",
     "tenant_header": "HTTP header / gRPC metadata key naming the tenant (default: the API key)",
     "tenants": "per-tenant weight, priority, max_queue, requests_per_minute, "
                "tokens_per_minute and api_key_sha256: JSON or YAML, or @FILE",

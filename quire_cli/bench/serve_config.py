@@ -45,6 +45,7 @@ class ServeBenchConfig:
     light_interval_s: float = 3.0
     light_idle_requests: int = 5
     tenant_max_queue: int = 32
+    gradient_limit: bool = False
     output_json: str = "bench-serve.json"
     output_png: str = "bench-serve.png"
 
@@ -141,6 +142,7 @@ SERVE_HELP = {
     "light_interval_s": "two_tenants: seconds between the light tenant's requests",
     "light_idle_requests": "two_tenants: the light tenant's requests on the idle stack first",
     "tenant_max_queue": "two_tenants: the router's per-tenant queue (--max-queue-per-tenant)",
+    "gradient_limit": "two_tenants: the router's --gradient-limit (latency over throughput)",
     "num_groups": "system prompts (shared_prefix)",
     "prompts_per_group": "requests per system prompt",
     "system_prompt_len": "tokens per system prompt",

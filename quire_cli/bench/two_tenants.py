@@ -47,7 +47,8 @@ async def measure_two_tenants(engines, policy: str, cfg, seed: int) -> dict:
         return [rng.randrange(FIRST_SAFE_TOKEN_ID, vocab - FIRST_SAFE_TOKEN_ID)
                 for _ in range(cfg.prompt_len)]
 
-    flow = {"tenant_header": TENANT_HEADER, "max_queue_per_tenant": cfg.tenant_max_queue}
+    flow = {"tenant_header": TENANT_HEADER, "max_queue_per_tenant": cfg.tenant_max_queue,
+            "gradient_limit": cfg.gradient_limit}
     async with running_router(engines.urls, policy, cfg.startup_timeout_s, flow=flow,
                               **engines.router_options) as router:
         decisions = router.metrics.decisions
