@@ -283,8 +283,6 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         processed = self.input_processor.process(request_id, prompt, params, arrival, priority,
                                                  cache_salt)
-        if params.structured_outputs is not None:  # compiled already when the server sent it
-            processed.request.grammar = self.grammars.matcher(params.structured_outputs)
         clash = [s for s in processed.sample_ids if self.output_processor.is_live_sample(s)]
         if clash:
             raise ValueError(f"request_id: {request_id!r} would reuse the live sample id "
@@ -293,6 +291,8 @@ class LLMEngine:
             self.output_processor.add_pooling_request(request_id, processed.prompt_token_ids)
             self._scheduler.add_request(processed.request)
             return
+        if params.structured_outputs is not None:  # compiled already when the server sent it
+            processed.request.grammar = self.grammars.matcher(params.structured_outputs)
         self.output_processor.add_request(request_id, processed.prompt_text,
                                           processed.prompt_token_ids, params,
                                           list(processed.sample_ids), arrival)

@@ -217,16 +217,21 @@ def test_5_health_stays_fast_while_a_long_prompt_is_tokenized(router):
     stop, latencies = threading.Event(), []
     watcher = threading.Thread(target=_health_latencies, args=(router, stop, latencies))
     watcher.start()
+    durations = []
     try:
         time.sleep(0.2)
         for _ in range(2):
+            started = time.perf_counter()
             with pytest.raises(grpc.RpcError) as err:  # tokenized, then too long for the engine
                 collect(router.stub.Generate(request(text=text), timeout=TIMEOUT_S))
+            durations.append(time.perf_counter() - started)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         stop.set()
         watcher.join()
-    assert len(latencies) > 5 and max(latencies) < 0.5, max(latencies)
+    # Relative, not a wall-clock bound, so a loaded machine cannot fail it: a health check
+    # queued behind the tokenizer would wait about as long as a whole long request.
+    assert len(latencies) > 5 and max(latencies) < 0.5 * min(durations), (latencies, durations)
 
 
 # ---- 6. ports -------------------------------------------------------------------------------
