@@ -123,9 +123,9 @@ class LLMEngine:
         kv_caches = self._allocate_kv_cache(loaded.model, size.num_blocks)
         self._build(loaded.model, kv_caches, size.num_blocks)
         self.info = self._facts(loaded, size)
-        self._load_lora_modules()
         self._pending_outputs: list[RequestOutput] = []
         self.dead_reason: str | None = None  # set when a step failed; the engine is unusable
+        self._load_lora_modules()
         self._announce(time.monotonic() - start)
 
     @classmethod
@@ -349,6 +349,13 @@ class LLMEngine:
             raise FieldError("enable_lora", "LoRA is off on this engine (start it with "
                              "--enable-lora)")
         return self._lora.cache.add(lora_request)
+
+    def lora_request_for(self, lora_name: str, lora_path: str) -> LoRARequest:
+        """A LoRARequest for ``add_lora`` with an id no registered adapter has."""
+        if self._lora is None:
+            raise FieldError("enable_lora", "LoRA is off on this engine (start it with "
+                             "--enable-lora)")
+        return self._lora.cache.request_for(lora_name, lora_path)
 
     def remove_lora(self, lora_name: str) -> bool:
         """Unregister an adapter (False: none by that name). Refused while requests run

@@ -72,7 +72,7 @@ class LLM:
                                         priority=0 if priority is None else priority[i],
                                         lora_request=loras[i])
                 request_ids.append(request_id)
-        except (ValueError, LookupError):
+        except ValueError:
             self.engine.abort_request(request_ids)
             self._drain()
             raise

@@ -16,12 +16,13 @@ from engine_worker.lora.request import LoRARequest
 from quire.errors import FieldError
 
 
-class UnknownLoRAError(LookupError):
-    """A request named an adapter this engine has not registered (gRPC NOT_FOUND)."""
+class UnknownLoRAError(FieldError):
+    """A request named an adapter this engine has not registered (gRPC NOT_FOUND, HTTP
+    404); a ``FieldError`` naming ``lora_name``."""
 
     def __init__(self, name: str, detail: str = "is not loaded on this engine") -> None:
-        super().__init__(f"lora_name: the LoRA adapter {name!r} {detail}")
-        self.field = "lora_name"
+        super().__init__("lora_name", f"the LoRA adapter {name!r} {detail}")
+        self.lora_name = name
 
 
 class LoRAAdapterCache:
