@@ -153,6 +153,17 @@ class EngineConnection(Protocol):
         needs its own ``--tokenizer``)."""
         ...
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str,
+                                timeout_s: float | None = None) -> bool:
+        """Load a LoRA adapter on the engine (a path on the engine); False when it held that
+        one already. ``info.lora_adapters`` lists it afterwards. Failures raise
+        ``grpc.aio.AioRpcError`` with the engine's code (INVALID_ARGUMENT for a bad one)."""
+        ...
+
+    async def unload_lora_adapter(self, lora_name: str, timeout_s: float | None = None) -> None:
+        """Unload a LoRA adapter (NOT_FOUND when the engine holds none by that name)."""
+        ...
+
     def check_identity(self, identity: ModelIdentity, info: pb.ModelInfo) -> None:
         """This kind's admission rules: raise ``EngineMismatchError`` naming every difference
         between the engine's ``info`` and the pool's ``identity``. (The block-hash algorithm

@@ -13,10 +13,10 @@ from collections.abc import Collection
 
 from engine_worker.lora.adapter import LoRAAdapter, LoRAModelSpec, load_adapter
 from engine_worker.lora.request import LoRARequest
-from quire.errors import FieldError
+from quire.errors import FieldError, NotFoundError
 
 
-class UnknownLoRAError(FieldError):
+class UnknownLoRAError(NotFoundError):
     """A request named an adapter this engine has not registered (gRPC NOT_FOUND, HTTP
     404); a ``FieldError`` naming ``lora_name``."""
 

@@ -131,7 +131,7 @@ class EngineServiceServicer:
         """Load, check and register a LoRA adapter (a PEFT directory the engine can read) so that
         requests may name it (vLLM's /v1/load_lora_adapter). A bad adapter (rank above
         max_lora_rank, a module the model lacks, an unreadable file) is INVALID_ARGUMENT and
-        changes nothing; LoRA off is FAILED_PRECONDITION.
+        changes nothing (also when LoRA is off: enable_lora named).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
