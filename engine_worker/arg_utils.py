@@ -55,7 +55,7 @@ _HELP = {
     "max_loras": "LoRA adapters usable in one step (device slots)",
     "max_lora_rank": "largest LoRA rank accepted",
     "max_cpu_loras": "LoRA adapters kept loaded in host memory, LRU (default: max_loras)",
-    "lora_modules": "LoRA adapters loaded at start: name=path ... (needs --enable-lora)",
+    "lora_modules": "LoRA adapters loaded at start: name=path ... (turns --enable-lora on)",
 }
 
 

@@ -215,8 +215,8 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora: must be a boolean, got {self.enable_lora!r}")
-        if self.lora_modules and not self.enable_lora:
-            raise ValueError("lora_modules: adapters need enable_lora")
+        # adapters given at start turn LoRA on (vLLM asks for --enable-lora as well)
+        enable_lora = self.enable_lora or bool(self.lora_modules)
         return EngineConfig(
             model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                               max_model_len=self.max_model_len, seed=self.seed,
@@ -237,5 +237,5 @@ class EngineArgs:
             speculative=SpeculativeConfig.parse(self.speculative_config),
             lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                             max_cpu_loras=self.max_cpu_loras, lora_modules=self.lora_modules)
-            if self.enable_lora else None,
+            if enable_lora else None,
         )

@@ -13,10 +13,10 @@ def parse_lora_modules(spec) -> tuple[tuple[str, str], ...]:
         return ()
     if isinstance(spec, dict):
         items = [f"{k}={v}" for k, v in spec.items()]
-    elif isinstance(spec, str):
-        items = spec.replace(",", " ").split()
-    else:
-        items = list(spec)
+    else:  # each string may hold several, as one flag value or variable holds them
+        items = [part for item in ([spec] if isinstance(spec, str) else spec)
+                 for part in ([item] if isinstance(item, (tuple, list))
+                              else str(item).replace(",", " ").split())]
     pairs: list[tuple[str, str]] = []
     for item in items:
         if isinstance(item, (tuple, list)) and len(item) == 2:

@@ -182,5 +182,9 @@ def test_lora_off_refuses_adapters(tiny_model_dir, adapters):
     with pytest.raises(UnknownLoRAError, match="LoRA is off"):
         llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False,
                      lora_request=adapters["r8"])
-    with pytest.raises(ValueError, match="^lora_modules: .*enable_lora"):
-        EngineArgs(lora_modules="a=/x").create_engine_config()
+    assert EngineArgs(lora_modules="a=/x b=/y").create_engine_config().lora.lora_modules == \
+        (("a", "/x"), ("b", "/y"))  # adapters at start turn LoRA on
+    with pytest.raises(ValueError, match="^lora_modules: expected name=path"):
+        EngineArgs(lora_modules=["a"]).create_engine_config()
+    with pytest.raises(ValueError, match="^max_cpu_loras: "):
+        EngineArgs(enable_lora=True, max_loras=4, max_cpu_loras=2).create_engine_config()
