@@ -153,6 +153,18 @@ class EngineConnection(Protocol):
         needs its own ``--tokenizer``)."""
         ...
 
+    def check_identity(self, identity: ModelIdentity, info: pb.ModelInfo) -> None:
+        """This kind's admission rules: raise ``EngineMismatchError`` naming every difference
+        between the engine's ``info`` and the pool's ``identity``. (The block-hash algorithm
+        and seed are checked by the pool for every kind.)"""
+        ...
+
+
+@runtime_checkable
+class LoRACapable(Protocol):
+    """What an engine kind that loads LoRA adapters at run time adds to its connection (the
+    router's /v1/load_lora_adapter reaches only such engines)."""
+
     async def load_lora_adapter(self, lora_name: str, lora_path: str,
                                 timeout_s: float | None = None) -> bool:
         """Load a LoRA adapter on the engine (a path on the engine); False when it held that
@@ -162,12 +174,6 @@ class EngineConnection(Protocol):
 
     async def unload_lora_adapter(self, lora_name: str, timeout_s: float | None = None) -> None:
         """Unload a LoRA adapter (NOT_FOUND when the engine holds none by that name)."""
-        ...
-
-    def check_identity(self, identity: ModelIdentity, info: pb.ModelInfo) -> None:
-        """This kind's admission rules: raise ``EngineMismatchError`` naming every difference
-        between the engine's ``info`` and the pool's ``identity``. (The block-hash algorithm
-        and seed are checked by the pool for every kind.)"""
         ...
 
 

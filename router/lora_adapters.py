@@ -15,6 +15,7 @@ import grpc
 
 from quire.errors import FieldError, NotFoundError
 from router.balancer import NoEndpointError
+from router.connection import LoRACapable
 from router.pool import EnginePool
 
 
@@ -28,9 +29,9 @@ async def load_everywhere(pool: EnginePool, lora_name, lora_path,
                           timeout_s: float | None = None) -> int:
     """Load on every serving engine; how many newly loaded it (0: all held it already)."""
     name, path = _check_name(lora_name, "lora_name"), _check_name(lora_path, "lora_path")
-    clients = pool.serving()
+    clients = [c for c in pool.serving() if isinstance(c, LoRACapable)]
     if not clients:
-        raise NoEndpointError("no engine is serving")
+        raise NoEndpointError("no serving engine loads LoRA adapters")
     results = await asyncio.gather(*(c.load_lora_adapter(name, path, timeout_s)
                                      for c in clients), return_exceptions=True)
     _raise_first(results)
@@ -41,7 +42,8 @@ async def unload_everywhere(pool: EnginePool, lora_name, timeout_s: float | None
                             ) -> int:
     """Unload from every serving engine holding it; NotFoundError when none does."""
     name = _check_name(lora_name, "lora_name")
-    holding = [c for c in pool.serving() if c.engine_id in pool.holding_adapter(name)]
+    holding = [c for c in pool.serving() if c.engine_id in pool.holding_adapter(name)
+               and isinstance(c, LoRACapable)]
     if not holding:
         raise NotFoundError("lora_name", f"the LoRA adapter {name!r} is not loaded on any "
                             "engine")
