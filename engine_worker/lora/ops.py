@@ -4,8 +4,8 @@
 A step's tokens come grouped by slot (``LoRAGroups``, built once a step and shared by every
 layer), so the reference below runs one matmul pair per adapter present in the step, never a
 loop over tokens. B is stored pre-scaled (``scaling * B``, see ``slots``). Kernel sets register
-their own pair in ``LORA_OPS`` under their backend's name; a backend without one runs the
-reference (it is exact, and only a few adapters' rows are ever multiplied at once).
+their own pair in ``LORA_OPS`` under their backend's name (the CPU sets: ``csrc/cpu/lora.cpp``,
+per token's slot, ``LoRAGroups.token_slots``); a backend without one runs the reference.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ class LoRAGroups:
 
     num_tokens: int
     groups: tuple[tuple[int, torch.Tensor | None], ...]
+    token_slots: torch.Tensor | None = None  # int64 [num_tokens], what per-token kernels read
 
 
 # (x [T, in], A stack [slots, R, in], groups) -> h [T, R] (zero rows for base tokens)
@@ -59,9 +60,47 @@ def expand_reference(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor,
 
 REFERENCE_OPS = LoRAOps("torch", shrink_reference, expand_reference)
 
-# backend name -> its LoRA pair; backends not listed run the reference
-LORA_OPS: dict[str, LoRAOps] = {"torch": REFERENCE_OPS}
+
+def compiled_cpu_ops(variant_name: str) -> LoRAOps:
+    """The pair of a CPU kernel variant (``csrc/cpu/lora.cpp``); the reference where that
+    variant cannot load here."""
+    from engine_worker.ops import VARIANTS, Unavailable, load
+
+    kernels = load(VARIANTS[variant_name])
+    if isinstance(kernels, Unavailable) or not kernels.has("lora_shrink"):
+        return REFERENCE_OPS
+    return kernel_ops(f"cpu-{variant_name}", kernels.ops)
+
+
+def kernel_ops(name: str, ops) -> LoRAOps:
+    """A LoRAOps over a torch op namespace holding ``lora_shrink`` / ``lora_expand``."""
+    def shrink(x, a, groups: LoRAGroups):
+        return ops.lora_shrink(x, a, groups.token_slots)
+
+    def expand(y, h, b, groups: LoRAGroups):
+        if not y.is_contiguous():
+            expand_reference(y, h, b, groups)
+            return
+        ops.lora_expand(y, h, b, groups.token_slots)
+    return LoRAOps(name, shrink, expand)
+
+
+def triton_ops() -> LoRAOps:
+    """The Triton pair (``lora.triton_kernels``), for the GPU path."""
+    from engine_worker.lora import triton_kernels
+
+    return kernel_ops("triton", triton_kernels)
+
+
+# backend name -> how to make its LoRA pair; backends not listed run the reference
+LORA_OPS: dict[str, Callable[[], LoRAOps]] = {
+    "torch": lambda: REFERENCE_OPS,
+    "cpu": lambda: compiled_cpu_ops("avx512"),
+    "cpu-avx2": lambda: compiled_cpu_ops("avx2"),
+    "triton": triton_ops,
+}
 
 
 def lora_ops_for(backend_name: str) -> LoRAOps:
-    return LORA_OPS.get(backend_name, REFERENCE_OPS)
+    make = LORA_OPS.get(backend_name)
+    return REFERENCE_OPS if make is None else make()

@@ -115,9 +115,10 @@ class LoRASlots:
         present = sorted(set(token_slots) - {0})
         if not present:
             return None
+        slots = torch.tensor(token_slots, dtype=torch.int64)
         if len(present) == 1 and 0 not in token_slots:
             groups = ((present[0], None),)
         else:
-            slots = torch.tensor(token_slots)
             groups = tuple((s, (slots == s).nonzero().flatten().to(device)) for s in present)
-        return LoRABatch(self.a, self.b, LoRAGroups(len(token_slots), groups), ops)
+        return LoRABatch(self.a, self.b,
+                         LoRAGroups(len(token_slots), groups, slots.to(device)), ops)
