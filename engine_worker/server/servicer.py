@@ -17,7 +17,7 @@ import grpc
 
 from engine_worker.lora.cache import UnknownLoRAError
 from engine_worker.lora.paths import check_adapter_path
-from engine_worker.server.async_engine import AsyncEngine
+from engine_worker.server.async_engine import AsyncEngine, EngineUnavailableError
 from engine_worker.server.convert import (RequestLimits, embed_request_from_proto,
                                           embed_response_to_proto, request_from_proto,
                                           response_to_proto)
@@ -119,7 +119,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos))
-        loras = await self.engine.call(lambda engine: engine.list_loras())
+        loras = {}
+        if info.enable_lora:  # read between steps, on the engine's thread
+            try:
+                loras = await self.engine.call(lambda engine: engine.list_loras())
+            except EngineUnavailableError:
+                pass  # a dead engine still says what it is; it serves no adapter
         lora_fields = dict(enable_lora=info.enable_lora, max_loras=info.max_loras,
                            max_lora_rank=info.max_lora_rank, max_cpu_loras=info.max_cpu_loras,
                            lora_adapters=list(loras),

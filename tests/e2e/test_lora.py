@@ -35,16 +35,20 @@ def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, LoRARequest]:
             for i, (name, spec) in enumerate(specs.items())}
 
 
-def _hf_greedy(model_dir, lora: LoRARequest | None, prompt: list[int]) -> list[int]:
+def _hf_greedy(model_dir, lora: LoRARequest | None) -> list[list[int]]:
+    """transformers + PEFT's greedy tokens for every prompt, under the adapter."""
     from peft import PeftModel
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if lora is not None:
         model = PeftModel.from_pretrained(model, lora.lora_path)
     model.generation_config.eos_token_id = None
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                         pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    outputs = []
+    for prompt in PROMPTS:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                             do_sample=False, pad_token_id=0)
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs
 
 
 def _llm(model_dir, **kwargs) -> LLM:
@@ -62,9 +66,8 @@ def _generate(llm: LLM, prompts, loras):
 
 @pytest.fixture(scope="module")
 def references(tiny_model_dir, adapters) -> dict:
-    cases = [(name, i) for name in [None, *adapters] for i in range(len(PROMPTS))]
-    return {(name, i): _hf_greedy(tiny_model_dir, adapters.get(name), PROMPTS[i])
-            for name, i in cases}
+    return {(name, i): tokens for name in [None, *adapters]
+            for i, tokens in enumerate(_hf_greedy(tiny_model_dir, adapters.get(name)))}
 
 
 @pytest.mark.parametrize("kernels", ["torch", "auto"])
