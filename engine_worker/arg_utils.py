@@ -51,11 +51,19 @@ _HELP = {
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5, "
                           "\"prompt_lookup_min\": 2}' (also disable_by_batch_size; "
                           "default: off)",
+    "enable_lora": "serve LoRA adapters (PEFT directories) beside the base model",
+    "max_loras": "LoRA adapters usable in one step (device slots)",
+    "max_lora_rank": "largest LoRA rank accepted",
+    "max_cpu_loras": "LoRA adapters kept loaded in host memory, LRU (default: max_loras)",
+    "lora_modules": "LoRA adapters loaded at start: name=path ... (turns --enable-lora on)",
 }
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(parser, EngineArgs, "engine", _HELP)
+    for action in parser._actions:  # vLLM's --lora-modules takes several name=path values
+        if action.dest == "lora_modules":
+            action.nargs = "+"
 
 
 def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:

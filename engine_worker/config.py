@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine_worker.lora.config import LoRAConfig
 from engine_worker.spec_decode.config import SpeculativeConfig
 from engine_worker.pooler_config import RUNNERS, PoolerConfig
 
@@ -172,6 +173,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    lora: LoRAConfig | None = None  # None: LoRA adapters are off (enable_lora false)
 
 
 @dataclass(slots=True)
@@ -202,8 +204,19 @@ class EngineArgs:
     runner: str = "generate"
     # JSON text (a flag), a dict or a PoolerConfig: {"pooling_type": ..., "normalize": ...}
     pooler_config: str | None = None
+    # vLLM's LoRA arguments: adapters in one step, their largest rank, adapters kept loaded
+    # in host memory (default max_loras), and adapters loaded at start (name=path ...)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: str | None = None
 
     def create_engine_config(self) -> EngineConfig:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora: must be a boolean, got {self.enable_lora!r}")
+        # adapters given at start turn LoRA on (vLLM asks for --enable-lora as well)
+        enable_lora = self.enable_lora or bool(self.lora_modules)
         return EngineConfig(
             model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                               max_model_len=self.max_model_len, seed=self.seed,
@@ -222,4 +235,7 @@ class EngineArgs:
                                 attention_backend=self.attention_backend,
                                 enforce_eager=self.enforce_eager),
             speculative=SpeculativeConfig.parse(self.speculative_config),
+            lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                            max_cpu_loras=self.max_cpu_loras, lora_modules=self.lora_modules)
+            if enable_lora else None,
         )

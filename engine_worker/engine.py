@@ -24,6 +24,9 @@ from engine_worker.grammar import GrammarCompilerCache
 from engine_worker.input_processor import InputProcessor, PromptType
 from engine_worker.kv_cache.events import KVEventRecorder
 from engine_worker.kv_cache.manager import KVCacheManager, KVCacheStats
+from engine_worker.lora.cache import UnknownLoRAError
+from engine_worker.lora.manager import LoRAManager
+from engine_worker.lora.request import LoRARequest
 from engine_worker.kv_cache.sizing import (MemoryProfile, bytes_per_block, kv_budget_bytes,
                                            num_blocks_for_budget, profiled_kv_budget_bytes)
 from engine_worker.model_runner.graphs import (CudaGraphChoice, CudaGraphDecoder,
@@ -47,6 +50,7 @@ from engine_worker.weights.loader import LoadedModel, load_model
 from engine_worker.weights.quantization import choose_quantization
 from engine_worker.weights.resolve import (EMBEDDED_MODEL_ID, gguf_path_of, resolve_model,
                                            resolve_model_dir)
+from quire.errors import FieldError
 from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
 from quire.kv_events import KVCacheSnapshot, KVEventBatch
 from quire.tokenizer_digest import tokenizer_dir_digest
@@ -121,6 +125,7 @@ class LLMEngine:
         self.info = self._facts(loaded, size)
         self._pending_outputs: list[RequestOutput] = []
         self.dead_reason: str | None = None  # set when a step failed; the engine is unusable
+        self._load_lora_modules()
         self._announce(time.monotonic() - start)
 
     @classmethod
@@ -213,6 +218,9 @@ class LLMEngine:
             with progress(logger, f"Capturing CUDA graphs ({self._graph_choice.reason})"):
                 graphs = self._graph_decoder(model)
                 graphs.capture(kv_caches)
+        lora = self.config.lora
+        self._lora = None if lora is None else LoRAManager.for_model(
+            model, lora, self._backend.name, self._dtype, self._device)
         self._kv_events = KVEventRecorder(medium=self._device.type)
         self._kv_cache_manager = KVCacheManager(num_blocks, cache.block_size,
                                                 cache.enable_prefix_caching, self._kv_events)
@@ -221,10 +229,11 @@ class LLMEngine:
             max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
             max_model_len=self._max_model_len, policy=sched.scheduling_policy,
             long_prefill_token_threshold=sched.long_prefill_token_threshold,
-            speculator=self._speculator)
+            speculator=self._speculator, max_loras=None if lora is None else lora.max_loras)
         self.runner = ModelRunner(model, kv_caches, cache.block_size, self._device,
                                   model.cfg.vocab_size, self.tokenizer.eos_token_ids,
-                                  self.config.model.seed, graphs=graphs, pooler=self._pooler)
+                                  self.config.model.seed, graphs=graphs, pooler=self._pooler,
+                                  lora=self._lora)
         self.input_processor = InputProcessor(
             self.tokenizer, max_model_len=self._max_model_len,
             kv_capacity_tokens=num_blocks * cache.block_size, vocab_size=model.cfg.vocab_size,
@@ -260,7 +269,22 @@ class LLMEngine:
             tokenizer_digest=tokenizer_dir_digest(self._tokenizer_dir),
             runner=self.config.model.runner, pooling_type=self._pooler.config.pooling_type,
             pooling_normalize=self._pooler.config.normalize,
-            hidden_size=loaded.model.cfg.hidden_size)
+            hidden_size=loaded.model.cfg.hidden_size, **self._lora_facts())
+
+    def _lora_facts(self) -> dict:
+        lora = self.config.lora
+        if lora is None:
+            return {}
+        return dict(enable_lora=True, max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank,
+                    max_cpu_loras=lora.max_cpu_loras)
+
+    def _load_lora_modules(self) -> None:
+        """``lora_modules``: adapters loaded at start (a bad one stops the start, named)."""
+        if self._lora is None:
+            return
+        for name, path in self.config.lora.lora_modules:
+            self.add_lora(self._lora.cache.request_for(name, path))
+            logger.info("LoRA adapter %r loaded from %s", name, path)
 
     def _announce(self, elapsed_s: float) -> None:
         # the one place that says what runs: loud (WARNING) when the backend is a fallback
@@ -271,18 +295,23 @@ class LLMEngine:
     # -------------------------------------------------------------------- the step API
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | PoolingParams, arrival_time: float | None = None,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
+                    priority: int = 0, cache_salt: str | None = None,
+                    lora_request: LoRARequest | str | None = None) -> None:
         """Validate and queue a request; raises ValueError naming the bad field (nothing is
         queued then, and other requests are unaffected). ``cache_salt`` isolates its cached
-        blocks: requests share cached prefixes only when their salts are equal. With
+        blocks: requests share cached prefixes only when their salts are equal.
+        ``lora_request``: the LoRA adapter it runs under, a ``LoRARequest`` (registered first
+        if new) or a registered adapter's name (else ``UnknownLoRAError``). With
         ``PoolingParams`` it is a pooling request: its one output, a ``PoolingRequestOutput``,
         carries the prompt's embedding (``engine_worker.pooler``)."""
         self._check_alive()
         if self.output_processor.has(request_id):
             raise ValueError(f"request_id: {request_id!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        lora_name = self._lora_name_of(lora_request)
         processed = self.input_processor.process(request_id, prompt, params, arrival, priority,
                                                  cache_salt)
+        processed.request.lora_name = lora_name
         clash = [s for s in processed.sample_ids if self.output_processor.is_live_sample(s)]
         if clash:
             raise ValueError(f"request_id: {request_id!r} would reuse the live sample id "
@@ -297,6 +326,51 @@ class LLMEngine:
                                           processed.prompt_token_ids, params,
                                           list(processed.sample_ids), arrival)
         self._scheduler.add_request(processed.request)
+
+    def _lora_name_of(self, lora_request: LoRARequest | str | None) -> str | None:
+        if lora_request is None or lora_request == "":
+            return None
+        name = lora_request if isinstance(lora_request, str) else lora_request.lora_name
+        if self._lora is None:
+            raise UnknownLoRAError(name, "LoRA is off on this engine (start it with "
+                                   "--enable-lora)")
+        if isinstance(lora_request, LoRARequest):
+            self._lora.cache.add(lora_request)  # vLLM: a new adapter is loaded on first use
+        self._lora.cache.check(name)
+        return name
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load, check and register an adapter (False: this one is registered already).
+        A bad adapter raises ValueError naming ``lora_path`` or ``max_lora_rank``; nothing
+        else changes."""
+        self._check_alive()
+        if self._lora is None:
+            raise FieldError("enable_lora", "LoRA is off on this engine (start it with "
+                             "--enable-lora)")
+        return self._lora.cache.add(lora_request)
+
+    def lora_request_for(self, lora_name: str, lora_path: str) -> LoRARequest:
+        """A LoRARequest for ``add_lora`` with an id no registered adapter has."""
+        if self._lora is None:
+            raise FieldError("enable_lora", "LoRA is off on this engine (start it with "
+                             "--enable-lora)")
+        return self._lora.cache.request_for(lora_name, lora_path)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unregister an adapter (False: none by that name). Refused while requests run
+        under it."""
+        if self._lora is None:
+            return False
+        in_use = self._scheduler.lora_in_use(lora_name)
+        if in_use:
+            raise FieldError("lora_name", f"the adapter {lora_name!r} is in use by {in_use} "
+                             f"request(s); unload it when they finish")
+        return self._lora.remove(lora_name)
+
+    def list_loras(self) -> dict[str, LoRARequest]:
+        """Every registered adapter, by name."""
+        return {} if self._lora is None else dict(self._lora.cache.registered)
 
     def step(self) -> StepResult:
         """Run one batch; return outputs of every request that progressed or finished."""

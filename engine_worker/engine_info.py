@@ -70,6 +70,11 @@ class EngineInfo:
     pooling_type: str = "LAST"  # "LAST", "MEAN" or "CLS"
     pooling_normalize: bool = True  # embeddings are L2-normalised unless a request says not
     hidden_size: int = 0  # the embeddings' dimension
+    # LoRA (vLLM's arguments; max_* are 0 when LoRA is off)
+    enable_lora: bool = False
+    max_loras: int = 0
+    max_lora_rank: int = 0
+    max_cpu_loras: int = 0
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -11,6 +11,7 @@ from engine_worker.config import EngineArgs
 from engine_worker.engine import LLMEngine
 from engine_worker.engine_info import EngineInfo
 from engine_worker.input_processor import PromptType
+from engine_worker.lora.request import LoRARequest
 from engine_worker.outputs import EmbeddingRequestOutput, RequestOutput
 from engine_worker.pooling_params import PoolingParams
 from engine_worker.sampling_params import RequestOutputKind, SamplingParams
@@ -44,15 +45,18 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """Generate completions for every prompt; outputs come back in the prompts' order.
 
         A prompt is a string, a list of token ids, or ``{"prompt": ...}`` /
-        ``{"prompt_token_ids": [...]}``. One SamplingParams applies to all, or give one each.
+        ``{"prompt_token_ids": [...]}``. One SamplingParams applies to all, or give one each;
+        likewise ``lora_request`` (None: the base model), as vLLM takes it.
         """
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
+        loras = self._as_lora_list(lora_request, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError("priority: needs one value per prompt")
         # Validate every request before queueing any, so a bad one leaves no half-run batch.
@@ -65,7 +69,8 @@ class LLM:
                 request_id = str(next(self._counter))
                 self.engine.add_request(request_id, prompt,
                                         p.clone(output_kind=RequestOutputKind.FINAL_ONLY),
-                                        priority=0 if priority is None else priority[i])
+                                        priority=0 if priority is None else priority[i],
+                                        lora_request=loras[i])
                 request_ids.append(request_id)
         except ValueError:
             self.engine.abort_request(request_ids)
@@ -102,7 +107,9 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and
         generate the assistant's reply."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
@@ -111,7 +118,7 @@ class LLM:
                    for c in conversations]
         token_prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         outputs = self.generate([{"prompt_token_ids": t} for t in token_prompts],
-                                sampling_params, use_tqdm=use_tqdm)
+                                sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         for output, text in zip(outputs, prompts):
             output.prompt = text
         return outputs
@@ -144,6 +151,15 @@ class LLM:
         if len(params) != n:
             raise ValueError(f"sampling_params: got {len(params)} for {n} prompts")
         return params
+
+    @staticmethod
+    def _as_lora_list(lora_request, n: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        loras = list(lora_request)
+        if len(loras) != n:
+            raise ValueError(f"lora_request: got {len(loras)} for {n} prompts")
+        return loras
 
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():

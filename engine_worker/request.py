@@ -52,7 +52,7 @@ class Request:
                  "eos_token_ids", "max_tokens", "arrival_time", "priority", "status",
                  "num_computed_tokens", "stop_reason", "num_preemptions", "admit_seq",
                  "cache_salt", "block_hashes", "num_cached_tokens", "fork_children",
-                 "grammar", "pooling_params", "reads_prefix_cache")
+                 "grammar", "pooling_params", "reads_prefix_cache", "lora_name")
 
     def __init__(self, req_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None, eos_token_ids: frozenset[int],
@@ -61,7 +61,8 @@ class Request:
                  fork_children: tuple[tuple[str, SamplingParams], ...] = (),
                  grammar: RequestGrammar | None = None, *,
                  pooling_params: PoolingParams | None = None,
-                 reads_prefix_cache: bool | None = None) -> None:
+                 reads_prefix_cache: bool | None = None,
+                 lora_name: str | None = None) -> None:
         self.req_id = req_id
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
@@ -87,13 +88,15 @@ class Request:
             reads_prefix_cache = (sampling_params is None
                                   or sampling_params.prompt_logprobs is None)
         self.reads_prefix_cache = reads_prefix_cache
+        self.lora_name = lora_name  # the LoRA adapter it runs under (None: the base model)
 
     def fork(self, req_id: str, params: SamplingParams) -> Request:
         """A sibling sample sharing this request's computed prompt (and, in the cache, its
         blocks), taken before the first sampled token is appended."""
         child = Request(req_id, self.prompt_token_ids, params, self.eos_token_ids,
                         self.max_tokens, self.arrival_time, self.priority, self.cache_salt,
-                        grammar=None if self.grammar is None else self.grammar.fork())
+                        grammar=None if self.grammar is None else self.grammar.fork(),
+                        lora_name=self.lora_name)
         child.num_computed_tokens = self.num_computed_tokens
         child.block_hashes = list(self.block_hashes)
         child.num_cached_tokens = self.num_cached_tokens

@@ -37,6 +37,7 @@ class NewRequestData:
     block_ids: tuple[int, ...]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None
+    lora_name: str | None = None  # the adapter it runs under (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,8 +15,10 @@ A *full* KV block of ``block_size`` tokens is named by a 64-bit hash that chains
     for each extra key (a UTF-8 string):   uint32 byte length, then the bytes
 
 ``ROOT_HASH`` is the first 8 bytes, little-endian, of SHA-256(b"quire.block.v1.root").
-Extra keys isolate caches: the request's ``cache_salt`` is an extra key of its *first* block
-only (the chain carries it to every later block). The values are pinned by a contract test;
+Extra keys isolate caches: the request's ``cache_salt`` (``"salt:<salt>"``) and the LoRA
+adapter it runs under (``"lora:<lora_name>"``, vLLM's ``extra_keys`` for LoRA) are extra keys
+of its *first* block only (the chain carries them into every later block's hash, so two
+adapters never share a block). The values are pinned by a contract test;
 changing anything here is a wire-protocol change (bump the tag and ``BLOCK_HASH_ALGORITHM``).
 """
 
@@ -49,13 +51,15 @@ def hash_block(parent_hash: int, token_ids: Sequence[int],
     return int.from_bytes(h.digest()[:8], "little")
 
 
-def first_block_extra_keys(cache_salt: str | None) -> tuple[str, ...]:
-    return () if not cache_salt else (f"salt:{cache_salt}",)
+def first_block_extra_keys(cache_salt: str | None,
+                           lora_name: str | None = None) -> tuple[str, ...]:
+    salt = () if not cache_salt else (f"salt:{cache_salt}",)
+    return salt + (() if not lora_name else (f"lora:{lora_name}",))
 
 
 def hash_block_tokens(token_ids: Sequence[int], block_size: int, *,
                       cache_salt: str | None = None, parent_hash: int = ROOT_HASH,
-                      start_block: int = 0) -> list[int]:
+                      start_block: int = 0, lora_name: str | None = None) -> list[int]:
     """Hashes of every full block of ``token_ids`` (a trailing partial block has none).
 
     ``start_block``/``parent_hash`` continue a chain already hashed up to that block.
@@ -63,7 +67,7 @@ def hash_block_tokens(token_ids: Sequence[int], block_size: int, *,
     hashes = []
     for index in range(start_block, len(token_ids) // block_size):
         block = token_ids[index * block_size:(index + 1) * block_size]
-        extra = first_block_extra_keys(cache_salt) if index == 0 else ()
+        extra = first_block_extra_keys(cache_salt, lora_name) if index == 0 else ()
         parent_hash = hash_block(parent_hash, block, extra)
         hashes.append(parent_hash)
     return hashes

@@ -50,6 +50,11 @@ class FieldError(ValueError):
         self.field = field
 
 
+class NotFoundError(FieldError):
+    """A field names something that is not here (a LoRA adapter no engine holds): gRPC
+    NOT_FOUND, HTTP 404, the name in the message."""
+
+
 def field_of(error: BaseException) -> str | None:
     """The field an error names: a ``FieldError``'s, or what an upstream status carried."""
     if isinstance(error, FieldError):

@@ -30,6 +30,8 @@ class StackConfig:
     policy: str = "prefix_aware"
     startup_timeout_s: float = 600.0
     once: bool = False  # exit after the example request (scripts, CI)
+    # the engines' --lora-adapter-dirs: where /v1/load_lora_adapter may load adapters from
+    lora_adapter_dirs: str | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_engines <= 16:
@@ -61,6 +63,8 @@ def changed_engine_flags(ns) -> list[str]:
     for field in dataclasses.fields(EngineArgs):
         value = getattr(ns, field.name)
         if value != field.default:
+            if isinstance(value, (list, tuple)):  # --lora-modules a=/x b=/y: one value
+                value = ",".join(map(str, value))
             flags += ["--" + field.name.replace("_", "-"), str(value)]
     return flags
 
@@ -124,6 +128,8 @@ def start_engines(cfg: StackConfig, engine_flags: list[str]) -> list[EngineProce
     listens. ValueError (before any starts) when their KV caches would not fit together."""
     threads = max(1, (os.cpu_count() or 1) // cfg.num_engines)
     engine_flags = engine_flags + kv_memory_flags(engine_flags, cfg.num_engines)
+    if cfg.lora_adapter_dirs:
+        engine_flags += ["--lora-adapter-dirs", cfg.lora_adapter_dirs]
     started = []
     for _ in range(cfg.num_engines):
         port = _free_port()

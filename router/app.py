@@ -32,6 +32,7 @@ from router.engine_slots import EngineSlots
 from router.flow import FlowController
 from router.gradient_limit import GradientLimit
 from router.flow_config import FlowConfig
+from router.lora_adapters import load_everywhere, unload_everywhere
 from router.metrics import RouterMetrics
 from router.pool import EnginePool, PromptHashes
 from router.server import RequestLimits, RouterServicer
@@ -160,7 +161,12 @@ class RouterServer:
                              engine_states=self.pool.engine_states,
                              draining=lambda: self.servicer.draining,
                              tenant_header=self.servicer.admission.table.header,
-                             max_model_len=self._max_model_len, embed=self.servicer.Embed)
+                             max_model_len=self._max_model_len, embed=self.servicer.Embed,
+                             adapters=self.pool.adapters,
+                             load_adapter=lambda name, path: load_everywhere(
+                                 self.pool, name, path, self.cfg.request_timeout_s),
+                             unload_adapter=lambda name: unload_everywhere(
+                                 self.pool, name, self.cfg.request_timeout_s))
             front = OpenAIFront(seam, self.cfg, self.metrics, host=self.cfg.host,
                                 port=self.cfg.http_port)
             try:

@@ -160,6 +160,23 @@ class EngineConnection(Protocol):
         ...
 
 
+@runtime_checkable
+class LoRACapable(Protocol):
+    """What an engine kind that loads LoRA adapters at run time adds to its connection (the
+    router's /v1/load_lora_adapter reaches only such engines)."""
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str,
+                                timeout_s: float | None = None) -> bool:
+        """Load a LoRA adapter on the engine (a path on the engine); False when it held that
+        one already. ``info.lora_adapters`` lists it afterwards. Failures raise
+        ``grpc.aio.AioRpcError`` with the engine's code (INVALID_ARGUMENT for a bad one)."""
+        ...
+
+    async def unload_lora_adapter(self, lora_name: str, timeout_s: float | None = None) -> None:
+        """Unload a LoRA adapter (NOT_FOUND when the engine holds none by that name)."""
+        ...
+
+
 class EngineReports(Protocol):
     """What a connection tells its pool; the pool applies it to the routing state it owns.
     Every call names the reporting connection, so a pool can ignore one it has replaced."""

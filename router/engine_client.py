@@ -163,6 +163,24 @@ class EngineClient:
         """The engine's ``Embed``; cancelling the caller cancels the call (and the request)."""
         return await self.stub.Embed(request, timeout=timeout_s, metadata=metadata or None)
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str,
+                                timeout_s: float | None = None) -> bool:
+        answer = await self.stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(
+            lora_name=lora_name, lora_path=lora_path), timeout=timeout_s)
+        await self._refresh_info(timeout_s)
+        return answer.loaded
+
+    async def unload_lora_adapter(self, lora_name: str, timeout_s: float | None = None) -> None:
+        await self.stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name=lora_name),
+                                          timeout=timeout_s)
+        await self._refresh_info(timeout_s)
+
+    async def _refresh_info(self, timeout_s: float | None) -> None:
+        """The engine's adapters changed: its ModelInfo again (same process, same identity)."""
+        info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s)
+        if self.info is None or info.incarnation_id == self.info.incarnation_id:
+            self.info = info
+
     async def fetch_tokenizer(self, timeout_s: float | None = None) -> pb.TokenizerFiles:
         """The engine's tokenizer files (``GetTokenizer``)."""
         return await self.stub.GetTokenizer(pb.GetTokenizerRequest(), timeout=timeout_s)

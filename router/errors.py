@@ -5,10 +5,11 @@ from __future__ import annotations
 import grpc
 
 from quire import errors
-from quire.errors import ErrorKind
+from quire.errors import ErrorKind, NotFoundError
 from router.balancer import NoEndpointError
 
 KINDS: errors.ErrorKinds = (
+    (NotFoundError, ErrorKind.NOT_FOUND),  # a FieldError: before ValueError
     (ValueError, ErrorKind.INVALID_ARGUMENT),
     (NoEndpointError, ErrorKind.UNAVAILABLE),
 )

@@ -27,6 +27,7 @@ from quire.ports import PortInUseError
 from quire.tracing import TRACE_HEADERS
 from quire.v1 import engine_pb2 as pb
 from router.auth import OPEN_HTTP_PATHS, ApiKeys
+from router.balancer import NoEndpointError
 from router.config import RouterServerConfig
 from router.http_guard import GuardedAppRunner, RateLimitedLog, deadline_of
 from router.local_call import LocalCall, local_unary
@@ -55,6 +56,7 @@ _RETRY_AFTER_S = "1"  # 503 answers: engines join (or the pool recovers) within 
 # Request bodies are read as sent: no compressed body is inflated (vLLM's server decodes
 # none either), so a gzip bomb is refused at the price of its headers.
 _ACCEPTED_ENCODINGS = frozenset({"", "identity"})
+_LORA_FIELDS = frozenset({"lora_name", "lora_path"})  # vLLM's load/unload_lora_adapter body
 
 
 class BodyError(RequestError):
@@ -82,6 +84,11 @@ class FrontSeam:
     max_model_len: Callable[[], int | None] = lambda: None
     # the router servicer's Embed(request, context), called in process like ``generate``
     embed: Callable[..., Awaitable] | None = None
+    # LoRA: the adapters the serving engines hold (name -> path), and loading / unloading one
+    # on the pool (router.lora_adapters)
+    adapters: Callable[[], dict[str, str]] = dict
+    load_adapter: Callable[[object, object], Awaitable] | None = None
+    unload_adapter: Callable[[object], Awaitable] | None = None
 
 
 class OpenAIFront:
@@ -127,6 +134,8 @@ class OpenAIFront:
                         web.post("/v1/embeddings", self._embeddings),
                         web.post("/tokenize", self._tokenize),
                         web.post("/detokenize", self._detokenize),
+                        web.post("/v1/load_lora_adapter", self._load_lora),
+                        web.post("/v1/unload_lora_adapter", self._unload_lora),
                         web.get("/v1/models", self._models), web.get("/health", self._health),
                         web.get("/metrics", self._metrics),
                         web.get("/debug/decisions", self._decisions)])
@@ -192,7 +201,35 @@ class OpenAIFront:
         return web.json_response({"object": "list", "data": [
             # "root" as vLLM's server gives it: clients such as `vllm bench serve` read it
             {"id": name, "object": "model", "created": 0, "owned_by": "quire",
-             "root": name, "parent": None}]})
+             "root": name, "parent": None}] + [
+            # LoRA adapters as vLLM lists them: their path as root, the base as parent
+            {"id": adapter, "object": "model", "created": 0, "owned_by": "quire",
+             "root": path or adapter, "parent": name}
+            for adapter, path in sorted(self.seam.adapters().items())]})
+
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}: on every engine."""
+        try:
+            body = await self._body(request, known=_LORA_FIELDS)
+            await self.seam.load_adapter(body.get("lora_name"), body.get("lora_path"))
+        except NoEndpointError as e:
+            return error_response(RequestError(str(e), None, 503))
+        except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
+            return self._error(request, e)
+        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added "
+                                 "successfully.")
+
+    async def _unload_lora(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/unload_lora_adapter {"lora_name"}: wherever it is loaded."""
+        try:
+            body = await self._body(request, known=_LORA_FIELDS)
+            await self.seam.unload_adapter(body.get("lora_name"))
+        except NoEndpointError as e:
+            return error_response(RequestError(str(e), None, 503))
+        except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
+            return self._error(request, e)
+        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' removed "
+                                 "successfully.")
 
     async def _health(self, request: web.Request) -> web.Response:
         states = self.seam.engine_states()
@@ -223,7 +260,9 @@ class OpenAIFront:
         call = req = None
         try:
             body = await self._body(request, chat=chat)
-            req = OpenAIRequest(body, chat=chat, model_name=self.model_name,
+            # the name answers carry: the adapter asked for, else the base model
+            req = OpenAIRequest(body, chat=chat,
+                                model_name=self._check_model(body) or self.model_name,
                                 token_text=self.token_text)
             call = LocalCall(self.seam.generate, await self._generate_request(req),
                              timeout_s=self.cfg.request_timeout_s,
@@ -257,7 +296,7 @@ class OpenAIFront:
         calls = []
         try:
             body = await self._body(request, known=EMBEDDING_FIELDS)
-            self._check_model(body)
+            self._check_model(body, adapters=False)
             req = EmbeddingsRequest.from_body(body, self.cfg.max_prompt_chars)
             metadata = self._forwarded_metadata(request)
             for item in req.inputs:
@@ -334,12 +373,17 @@ class OpenAIFront:
             raise RequestError("no engine is available yet", None, 503)
         return value
 
-    def _check_model(self, body: dict) -> None:
+    def _check_model(self, body: dict, adapters: bool = True) -> str:
+        """The LoRA adapter the body's ``model`` names ("" for the base model); 404 for a
+        model that is neither (or an adapter where ``adapters`` is False)."""
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise RequestError(f"model: must be a string, got {shown(model)}", "model")
-        if model is not None and model != self.model_name:
-            raise RequestError(f"model: the model {shown(model)} does not exist", "model", 404)
+        if model is None or model == self.model_name:
+            return ""
+        if adapters and model in self.seam.adapters():
+            return model
+        raise RequestError(f"model: the model {shown(model)} does not exist", "model", 404)
 
     async def _body(self, request: web.Request, *, chat: bool = False,
                     known: frozenset[str] | None = None) -> dict:
@@ -392,12 +436,12 @@ class OpenAIFront:
 
     async def _generate_request(self, req: OpenAIRequest) -> pb.GenerateRequest:
         body = req.body
-        self._check_model(body)
+        lora_name = self._check_model(body)
         cfg = self.cfg
         out = pb.GenerateRequest(request_id=req.id, sampling=sampling_options(
             body, chat=req.chat, max_n=cfg.max_n, max_tokens_limit=cfg.max_tokens_limit,
             max_stop_strings=cfg.max_stop_strings, max_stop_string_len=cfg.max_stop_string_len),
-            priority=request_priority(body))
+            priority=request_priority(body), lora_name=lora_name)
         if req.chat:
             messages = chat_messages(body, cfg.max_prompt_chars)
             schema = req.tools.schema() if req.tools is not None else None

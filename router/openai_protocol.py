@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 from aiohttp import web
 
-from quire.errors import FieldError, field_of, http_status
+from quire.errors import FieldError, NotFoundError, field_of, http_status
 from quire.limits import (DEFAULT_MAX_N, UINT32_MAX, check_min_tokens, check_n,
                           check_sampling)
 from quire.list_limits import MAX_CHAT_MESSAGES, MAX_CONTENT_PARTS, MAX_STOP_TOKEN_IDS
@@ -53,6 +53,9 @@ def error_response(error: BaseException, aliases: dict[str, str] | None = None
     param = retry_after = None
     if isinstance(error, RequestError):
         status, message, param = error.status, str(error), error.param
+    elif isinstance(error, FieldError):  # the router's own checks (LoRA adapters' names)
+        status = 404 if isinstance(error, NotFoundError) else 400
+        message, param = str(error), error.field
     elif isinstance(error, grpc.aio.AioRpcError):
         status, message = http_status(error.code()), error.details() or ""
         message = message or error.code().name

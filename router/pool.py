@@ -251,6 +251,24 @@ class EnginePool:
         return [m.load for m in self._members.values()
                 if m.client.healthy and m.load is not None]
 
+    def holding_adapter(self, lora_name: str) -> set[str]:
+        """Serving engines whose LoRA adapters include ``lora_name``."""
+        return {c.engine_id for c in self.serving()
+                if c.info is not None and lora_name in c.info.lora_adapters}
+
+    def adapters(self) -> dict[str, str]:
+        """Every LoRA adapter the serving engines hold: name -> its path (as the first
+        engine listing it reports it; empty for engines that report none)."""
+        found: dict[str, str] = {}
+        for client in self.serving():
+            info = client.info
+            if info is None:
+                continue
+            paths = list(info.lora_adapter_paths) + [""] * len(info.lora_adapters)
+            for name, path in zip(info.lora_adapters, paths):
+                found.setdefault(name, path)
+        return found
+
     def refused(self) -> dict[str, EngineMismatchError]:
         return {eid: m.client.refusal for eid, m in self._members.items()
                 if m.client.refusal is not None}

@@ -13,7 +13,7 @@ request also gets a span (``router.tracing``) whose context goes to the engine a
 
 from __future__ import annotations
 
-from quire.errors import FieldError
+from quire.errors import FieldError, NotFoundError
 import asyncio
 import logging
 import time
@@ -146,13 +146,14 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         long = (len(prompt) > _LONG_TEXT_CHARS if isinstance(prompt, str)
                 else len(prompt) > _LONG_PROMPT_TOKENS)
         salt = request.cache_salt or None
+        lora = request.lora_name or None
         sizes = self.pool.block_sizes() | {identity.block_size}  # read on the loop, not a thread
         if long:  # tokenizing and hashing a long prompt would hold up every other request
-            return await self.tokenize(self._route_prompt, identity, prompt, salt, sizes)
-        return self._route_prompt(identity, prompt, salt, sizes)
+            return await self.tokenize(self._route_prompt, identity, prompt, salt, sizes, lora)
+        return self._route_prompt(identity, prompt, salt, sizes, lora)
 
     def _route_prompt(self, identity: ModelIdentity, prompt, salt: str | None,
-                      sizes: frozenset[int]) -> RoutedPrompt:
+                      sizes: frozenset[int], lora: str | None = None) -> RoutedPrompt:
         if isinstance(prompt, str):
             started = time.perf_counter()
             token_ids = tuple(identity.tokenizer.encode(prompt))
@@ -160,7 +161,8 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         else:
             token_ids = tuple(prompt)
         # hashed at every block size the pool's engines use (a mixed pool: Quire 16, vLLM 128)
-        by_size = {size: tuple(identity.tokenizer.block_hashes(token_ids, size, cache_salt=salt))
+        by_size = {size: tuple(identity.tokenizer.block_hashes(token_ids, size, cache_salt=salt,
+                                                               lora_name=lora))
                    for size in sizes}
         return RoutedPrompt(token_ids=token_ids, block_hashes=by_size[identity.block_size],
                             hashes=PromptHashes(by_size))
@@ -188,6 +190,7 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
         try:
             self.limits.check(request)
+            lacking = self._lacking_adapter(request.lora_name)
             prompt = await self.prepare(request)
         except (ValueError, NoEndpointError) as e:
             await abort_with(context, e)
@@ -199,7 +202,7 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         forward.token_ids.ids[:] = prompt.token_ids  # sets the oneof: the engine skips tokenizing
         forward.request_id = request.request_id or uuid.uuid4().hex
         session_key = self._session_key(context)
-        tried: set[str] = self._unable("generate")
+        tried: set[str] = self._unable("generate") | lacking
         last_error: BaseException | None = None
         for attempt in range(1, self.max_attempts + 1):
             placed = time.perf_counter()
@@ -252,6 +255,17 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
             finally:
                 await stream.aclose()
         await abort_with(context, last_error)
+
+    def _lacking_adapter(self, lora_name: str) -> set[str]:
+        """Engines not holding the request's LoRA adapter (none for the base model); a
+        NotFoundError naming it when no serving engine holds it."""
+        if not lora_name:
+            return set()
+        holding = self.pool.holding_adapter(lora_name)
+        if not holding:
+            raise NotFoundError("lora_name", f"the LoRA adapter {lora_name!r} is not loaded "
+                                "on any engine")
+        return set(self.pool.clients) - holding
 
     def _unable(self, task: str) -> set[str]:
         """Engines not to place ``task`` on ("generate": --runner pooling engines; "embed":
@@ -355,6 +369,7 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         if not infos:
             await abort_with(context, NoEndpointError("no engine is serving"))
         first = infos[0]
+        adapters = self.pool.adapters()
         # Hashing fields are equal on every engine (admission checked them); capacity adds up
         # and the length limit is the smallest, so any engine can take what the router accepts.
         return pb.ModelInfo(
@@ -363,7 +378,13 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
             block_hash_seed=first.block_hash_seed, tokenizer_digest=first.tokenizer_digest,
             vocab_size=first.vocab_size,
             enable_prefix_caching=all(i.enable_prefix_caching for i in infos),
-            num_kv_blocks=sum(i.num_kv_blocks for i in infos))
+            num_kv_blocks=sum(i.num_kv_blocks for i in infos),
+            # LoRA: every adapter some engine holds (the router places it on those)
+            enable_lora=any(i.enable_lora for i in infos),
+            max_loras=max(i.max_loras for i in infos),
+            max_lora_rank=max(i.max_lora_rank for i in infos),
+            max_cpu_loras=max(i.max_cpu_loras for i in infos),
+            lora_adapters=list(adapters), lora_adapter_paths=list(adapters.values()))
 
     async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:
         """The first serving engine's tokenizer files (engines of a kind that serves none, such

@@ -94,9 +94,11 @@ class RouterTokenizer:
                                      add_generation_prompt=add_generation_prompt, **variables)
 
     def block_hashes(self, token_ids: Sequence[int], block_size: int,
-                     cache_salt: str | None = None) -> list[int]:
-        """The engine's hashes of every full block of ``token_ids``."""
-        return hash_block_tokens(token_ids, block_size, cache_salt=cache_salt)
+                     cache_salt: str | None = None, lora_name: str | None = None) -> list[int]:
+        """The engine's hashes of every full block of ``token_ids`` (under the LoRA adapter
+        ``lora_name``, None: the base model)."""
+        return hash_block_tokens(token_ids, block_size, cache_salt=cache_salt,
+                                 lora_name=lora_name)
 
 
 def _token_text(value) -> str | None:

@@ -86,7 +86,9 @@ def parse_load(metrics_text: str) -> pb.LoadReport:
 def completion_body(model: str, request: pb.GenerateRequest) -> dict:
     """vLLM's /v1/completions body for a router request (prompt as token ids)."""
     s = request.sampling
-    body: dict = {"model": model, "prompt": list(request.token_ids.ids), "stream": True,
+    # a LoRA adapter is a model of its own on vLLM's OpenAI server
+    body: dict = {"model": request.lora_name or model, "prompt": list(request.token_ids.ids),
+                  "stream": True,
                   "stream_options": {"include_usage": True}, "return_token_ids": True,
                   "ignore_eos": s.ignore_eos,
                   "include_stop_str_in_output": s.include_stop_str_in_output}
@@ -216,12 +218,43 @@ class VllmEngineClient:
         async with self._session.get(f"{self.base_url}/v1/models") as resp:
             resp.raise_for_status()
             models = (await resp.json())["data"]
-        model = models[0]
+        # the base model, then its LoRA adapters (listed with their ``parent``, vLLM's way)
+        model = next((m for m in models if not m.get("parent")), models[0])
+        adapters = [m for m in models if m.get("parent") == model["id"]]
         self.model = model["id"]
         return pb.ModelInfo(model_name=model["id"], max_model_len=model.get("max_model_len") or 0,
                             block_size=self.vllm.block_size,
                             block_hash_algorithm=BLOCK_HASH_ALGORITHM, block_hash_seed=ROOT_HASH,
-                            enable_prefix_caching=True)
+                            enable_prefix_caching=True, enable_lora=bool(adapters),
+                            lora_adapters=[m["id"] for m in adapters],
+                            lora_adapter_paths=[str(m.get("root") or "") for m in adapters])
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str,
+                                timeout_s: float | None = None) -> bool:
+        """vLLM's /v1/load_lora_adapter (its server needs VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+        await self._post("/v1/load_lora_adapter", {"lora_name": lora_name,
+                                                   "lora_path": lora_path}, timeout_s)
+        return True
+
+    async def unload_lora_adapter(self, lora_name: str, timeout_s: float | None = None) -> None:
+        await self._post("/v1/unload_lora_adapter", {"lora_name": lora_name}, timeout_s)
+
+    async def _post(self, path: str, body: dict, timeout_s: float | None) -> None:
+        import aiohttp
+
+        if self._session is None:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"vLLM engine {self.engine_id} not ready")
+        try:
+            async with self._session.post(f"{self.base_url}{path}", json=body,
+                                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                if resp.status != 200:
+                    text = (await resp.text())[:500]
+                    code = grpc.StatusCode.NOT_FOUND if resp.status == 404 else \
+                        _HTTP_CODES.get(resp.status, grpc.StatusCode.INTERNAL)
+                    raise rpc_error(code, f"vLLM answered {resp.status}: {text}")
+            self.info = await self._model_info()
+        except (aiohttp.ClientError, OSError) as e:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"vLLM engine {self.engine_id}: {e}")
 
     async def _supervise(self) -> None:
         import aiohttp

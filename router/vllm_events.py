@@ -75,20 +75,26 @@ class VllmBlockTranslator:
         block_size = int(event["block_size"])
         tokens = list(event["token_ids"])
         extra = event.get("extra_keys") or []
+        # vLLM lists a LoRA adapter's name among every block's extra keys; the router's chain
+        # carries it once, as ``lora:<name>`` on the first block (quire.block_hash)
+        lora = event.get("lora_name")
         hashes = []
         first_parent = None if parent_v is None else parent
         for i, vllm_hash in enumerate(event["block_hashes"]):
             block = tokens[i * block_size:(i + 1) * block_size]
             if len(block) != block_size:
                 break  # malformed: fewer token ids than blocks
-            keys = _salt_keys(extra[i] if i < len(extra) else None)
+            keys = _salt_keys([k for k in (extra[i] if i < len(extra) else None) or ()
+                               if k != lora])
+            if lora and i == 0 and parent_v is None:
+                keys += (f"lora:{lora}",)
             parent = hash_block(parent, block, keys)
             self.to_router[vllm_hash] = parent
             hashes.append(parent)
         if not hashes:
             return None
         return BlockStored(tuple(hashes), first_parent, tuple(tokens[:len(hashes) * block_size]),
-                           block_size)
+                           block_size, lora_name=lora or None)
 
 
 def decode_frames(frames: Sequence[bytes]) -> tuple[int, float, list[dict]]:

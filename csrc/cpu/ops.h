@@ -4,7 +4,8 @@
 //
 // Shared sources (this directory): RMSNorm, SwiGLU and RoPE (elementwise.cpp), varlen paged
 // attention and the cache write (paged_attention.cpp), the fused layer halves and the layer
-// stack (llama_block.cpp), GGUF block-quantized linear layers (quant_linear.cpp). Each
+// stack (llama_block.cpp), GGUF block-quantized linear layers (quant_linear.cpp), batched
+// LoRA (lora.cpp). Each
 // instruction set adds, in its own directory, what only it can
 // do: its linear layers (<isa>/linear.h) and its attention dot products and kernels
 // (<isa>/attention.h).
@@ -60,5 +61,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias);
 // the weight's values [N, K] in fp32 or bf16
 at::Tensor dequantize_weight(const at::Tensor& w, at::ScalarType dtype);
+// batched LoRA (lora.cpp): h [T, R] = A[slot[t]] @ x[t]; y[t] += B[slot[t]] @ h[t]
+at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& a, const at::Tensor& slots);
+void lora_expand(at::Tensor& y, const at::Tensor& h, const at::Tensor& b,
+                 const at::Tensor& slots);
 
 }  // namespace QUIRE_NS

@@ -23,11 +23,12 @@ class KVEventRecorder:
         self.seq = 0  # of the last sealed batch
 
     def block_stored(self, block_hashes: list[int], parent_block_hash: int | None,
-                     token_ids: list[int], block_size: int, extra_keys: tuple[str, ...]) -> None:
+                     token_ids: list[int], block_size: int, extra_keys: tuple[str, ...],
+                     lora_name: str | None = None) -> None:
         self._pending.append(BlockStored(
             block_hashes=tuple(block_hashes), parent_block_hash=parent_block_hash,
             token_ids=tuple(token_ids), block_size=block_size, extra_keys=extra_keys,
-            medium=self.medium))
+            medium=self.medium, lora_name=lora_name))
 
     def block_removed(self, block_hashes: Iterable[int]) -> None:
         self._pending.append(BlockRemoved(block_hashes=tuple(block_hashes), medium=self.medium))

@@ -141,7 +141,7 @@ class KVCacheManager:
 
     def cache_full_blocks(self, req_id: str, block_hashes: Sequence[int],
                           num_computed_tokens: int, token_ids: Sequence[int],
-                          cache_salt: str | None) -> None:
+                          cache_salt: str | None, lora_name: str | None = None) -> None:
         """Confirm the request's registered blocks that the finished step computed, and
         announce them (``BlockStored``, one event per run of consecutive blocks)."""
         pending = self._req_pending.get(req_id)
@@ -157,7 +157,7 @@ class KVCacheManager:
             if k == len(done) or done[k] != done[k - 1] + 1:
                 run = done[start:k]
                 self._emit_stored([block_hashes[i] for i in run], run[0], block_hashes,
-                                  token_ids, cache_salt)
+                                  token_ids, cache_salt, lora_name)
                 start = k
 
     def has_pending(self, req_id: str) -> bool:
@@ -175,14 +175,16 @@ class KVCacheManager:
             self.pool.uncache(table[i])
 
     def _emit_stored(self, run: list[int], start: int, block_hashes: Sequence[int],
-                     token_ids: Sequence[int], cache_salt: str | None) -> None:
+                     token_ids: Sequence[int], cache_salt: str | None,
+                     lora_name: str | None) -> None:
         if self.events is None:
             return
         bs = self.block_size
         self.events.block_stored(
             run, parent_block_hash=block_hashes[start - 1] if start else None,
             token_ids=list(token_ids[start * bs:(start + len(run)) * bs]), block_size=bs,
-            extra_keys=first_block_extra_keys(cache_salt) if start == 0 else ())
+            extra_keys=first_block_extra_keys(cache_salt, lora_name) if start == 0 else (),
+            lora_name=lora_name)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_worker.grammar import GrammarBitmask
+from engine_worker.lora.manager import LoRAManager
 from engine_worker.model_runner.graphs import CudaGraphDecoder
 from engine_worker.model_runner.inputs import build_step_inputs
 from engine_worker.model_runner.sampling_inputs import build_sampling_metadata
@@ -49,6 +50,7 @@ class RunnerRequestState:
     prompt_logprobs_from: int = 0  # prompt positions before this already have logprobs
     pooling: PoolingParams | None = None
     pooled: torch.Tensor | None = None  # the pooling method's running state, [hidden] fp32
+    lora_name: str | None = None  # the adapter it runs under (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,11 +86,13 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, vocab_size: int, eos_token_ids: frozenset[int],
                  seed: int, graphs: CudaGraphDecoder | None = None,
-                 pooler: Pooler | None = None) -> None:
+                 pooler: Pooler | None = None, lora: LoRAManager | None = None) -> None:
         """``graphs``: decode-only steps replayed from its captured graphs (captured over
         ``kv_caches``); None runs every step eagerly. ``pooler``: how pooling requests'
-        hidden states become their vectors (needed once one is sent)."""
+        hidden states become their vectors (needed once one is sent). ``lora``: the adapters
+        requests may run under (None: LoRA is off)."""
         self.model = model
+        self.lora = lora
         self.pooler = pooler
         self.graphs = graphs
         self.kv_caches = kv_caches
@@ -108,7 +112,8 @@ class ModelRunner:
                 req_id=new.req_id, token_ids=list(new.prompt_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids), params=new.sampling_params,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-                generator=self._generator(new.sampling_params), pooling=new.pooling_params)
+                generator=self._generator(new.sampling_params), pooling=new.pooling_params,
+                lora_name=new.lora_name)
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]
             if cached.replace_block_table:
@@ -167,12 +172,17 @@ class ModelRunner:
     def _forward(self, states, counts) -> tuple[torch.Tensor, list[int]]:
         """Hidden states of the step's tokens [num_tokens, hidden_size] and each request's
         first row: from a graph for a decode-only step that fits one, else eagerly."""
-        step = self.graphs.prepare(states, counts) if self.graphs is not None else None
+        lora = None if self.lora is None else \
+            self.lora.step_batch([s.lora_name for s in states], counts)
+        step = self.graphs.prepare(states, counts) \
+            if self.graphs is not None and lora is None else None
         if step is not None:
             return self.graphs.run(step), list(range(len(states)))
         input_ids, positions, meta, query_starts = build_step_inputs(states, counts,
                                                                      self.block_size, self.device)
-        return self.model(input_ids, positions, self.kv_caches, meta), query_starts
+        if lora is None:
+            return self.model(input_ids, positions, self.kv_caches, meta), query_starts
+        return self.model(input_ids, positions, self.kv_caches, meta, lora), query_starts
 
     def _sample(self, states, counts, query_starts, rows, hidden, forks, spec_token_ids,
                 grammar_bitmask: GrammarBitmask | None) -> _DeviceSamples:
@@ -321,7 +331,7 @@ class ModelRunner:
                 block_ids=list(parent.block_ids),
                 num_computed_tokens=parent.num_computed_tokens + num_scheduled,
                 generator=self._generator(fork.sampling_params),
-                prompt_logprobs_from=parent.num_prompt_tokens)
+                prompt_logprobs_from=parent.num_prompt_tokens, lora_name=parent.lora_name)
             self.requests[fork.req_id] = child
             children.append(child)
         return children

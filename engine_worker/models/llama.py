@@ -11,7 +11,7 @@ Checkpoint naming and layout quirks live in ``engine_worker.weights.loader``, ne
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -21,6 +21,9 @@ from engine_worker.backends.base import Backend, LayersFn, LinearWeights
 from engine_worker.layers.linear import Linear
 from engine_worker.layers.norm import RMSNorm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding
+
+if TYPE_CHECKING:
+    from engine_worker.lora.slots import LoRABatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +90,11 @@ class LlamaAttention(nn.Module):
     """Grouped-query attention over the paged KV cache: a fused QKV projection, RoPE on q and
     k, attention (the backend's), and the output projection."""
 
-    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: Backend) -> None:
+    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: Backend,
+                 layer: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        self.layer = layer  # which slot of a LoRA batch's per-layer weights is this layer's
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias,
                                backend.linear, backend.pack_weight)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, backend.linear,
@@ -99,18 +104,24 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
         # x: [num_tokens, hidden_size] -> [num_tokens, hidden_size]
-        q, k, v = self.qkv_rope(positions, x)
+        q, k, v = self.qkv_rope(positions, x, lora)
         out = self.attention.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.cfg.q_size))
+        out = out.reshape(-1, self.cfg.q_size)
+        y = self.o_proj(out)
+        return y if lora is None else lora.add(y, out, self.layer, "o_proj")
 
-    def qkv_rope(self, positions: torch.Tensor,
-                 x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv_rope(self, positions: torch.Tensor, x: torch.Tensor,
+                 lora: LoRABatch | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # x: [num_tokens, hidden_size] -> q [num_tokens, num_heads, head_dim],
         # k, v [num_tokens, num_kv_heads, head_dim]
         cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if lora is not None:  # each token's adapter delta, on top of the base projection
+            qkv = lora.add(qkv, x, self.layer, "qkv_proj")
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -121,34 +132,39 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU (Shazeer, 2020) over a fused gate/up projection."""
 
-    def __init__(self, cfg: LlamaConfig, backend: Backend) -> None:
+    def __init__(self, cfg: LlamaConfig, backend: Backend, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
                                    backend.linear, backend.pack_weight)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias,
                                 backend.linear, backend.pack_weight)
         self.silu_and_mul = backend.silu_and_mul
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         # x: [num_tokens, hidden_size] -> [num_tokens, hidden_size]
-        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
+        if lora is None:
+            return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
+        h = self.silu_and_mul(lora.add(self.gate_up_proj(x), x, self.layer, "gate_up_proj"))
+        return lora.add(self.down_proj(h), h, self.layer, "down_proj")
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm: h = x + attention(norm(x)); out = h + mlp(norm(h))."""
 
-    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: Backend) -> None:
+    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: Backend,
+                 layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm)
-        self.self_attn = LlamaAttention(cfg, rotary, backend)
+        self.self_attn = LlamaAttention(cfg, rotary, backend, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
                                                 backend.rms_norm)
-        self.mlp = LlamaMLP(cfg, backend)
+        self.mlp = LlamaMLP(cfg, backend, layer)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+                meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
+        h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, lora)
+        return h + self.mlp(self.post_attention_layernorm(h), lora)
 
     def export(self) -> LlamaLayerWeights:
         attn, mlp = self.self_attn, self.mlp
@@ -172,8 +188,8 @@ class LlamaForCausalLM(nn.Module):
         self.layer_stack: LayersFn | None = None  # every layer in one call, where the backend can
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.rope, max_position, device, backend.rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, backend)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, backend, i)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -182,15 +198,27 @@ class LlamaForCausalLM(nn.Module):
                                   backend.pack_weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                lora: LoRABatch | None = None) -> torch.Tensor:
+        """``lora``: the step's adapters per token (None: every token runs the base model,
+        through the fused stack where the backend has one)."""
         # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]
         x = self.embed_tokens(input_ids)
-        if self.layer_stack is not None:
+        if self.layer_stack is not None and lora is None:
             x = self.layer_stack(x, positions, kv_caches, meta)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
-                x = layer(positions, x, kv_cache, meta)
+                x = layer(positions, x, kv_cache, meta, lora)
         return self.norm(x)
+
+    def lora_projections(self) -> dict[str, tuple[tuple[str, int, int], ...]]:
+        """Fused projection -> the PEFT modules it concatenates: (name, in, out) each."""
+        cfg = self.cfg
+        h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        return {"qkv_proj": (("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv)),
+                "o_proj": (("o_proj", q, h),),
+                "gate_up_proj": (("gate_proj", h, i), ("up_proj", h, i)),
+                "down_proj": (("down_proj", i, h),)}
 
     def pack_weights(self) -> None:
         """Once the checkpoint is loaded: every linear weight into the backend's layout, then

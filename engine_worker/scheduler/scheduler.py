@@ -6,7 +6,10 @@ Order of a step:
    recomputed later) until the request fits;
 2. if nothing was preempted, admit waiting requests while budget, ``max_num_seqs`` and free
    blocks allow; a request starts from its longest cached prefix, and a prompt longer than the
-   remaining budget is prefilled in chunks.
+   remaining budget is prefilled in chunks. With LoRA, a request whose adapter would make the
+   running set exceed ``max_loras`` distinct adapters waits (vLLM's ``curr_loras`` rule) and
+   later ones may pass it, but only for ``LORA_MAX_SKIPPED_STEPS`` steps: after that nothing
+   passes it until its adapter fits, so no adapter starves.
 With a ``Speculator``, a request in its decode phase may also verify draft tokens in step 1:
 they are budgeted as extra tokens of its step (and given up before anything is preempted for
 them); after the step the rejected drafts' slots are given back (``KVCacheManager.trim``).
@@ -33,6 +36,9 @@ from quire.block_hash import ROOT_HASH, hash_block_tokens
 
 logger = logging.getLogger(__name__)
 
+# steps a waiting request may be passed by later ones because its adapter did not fit
+LORA_MAX_SKIPPED_STEPS = 8
+
 
 class Scheduler:
     """Decides which requests run each step and how many tokens each computes."""
@@ -40,9 +46,11 @@ class Scheduler:
     def __init__(self, *, kv_cache_manager: KVCacheManager, max_num_batched_tokens: int,
                  max_num_seqs: int, max_model_len: int, policy: str = "fcfs",
                  long_prefill_token_threshold: int = 0,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, max_loras: int | None = None) -> None:
         """``speculator``: proposes draft tokens for decoding requests (None: no speculative
-        decoding)."""
+        decoding). ``max_loras``: distinct LoRA adapters the running set may hold."""
+        self.max_loras = max_loras
+        self._lora_skipped_steps: dict[str, int] = {}  # req_id -> steps passed over
         self.kv = kv_cache_manager
         self.speculator = speculator
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -76,7 +84,8 @@ class Scheduler:
         if request.num_tokens // self.kv.block_size > len(hashes):
             hashes.extend(hash_block_tokens(
                 request.all_token_ids, self.kv.block_size, cache_salt=request.cache_salt,
-                parent_hash=hashes[-1] if hashes else ROOT_HASH, start_block=len(hashes)))
+                parent_hash=hashes[-1] if hashes else ROOT_HASH, start_block=len(hashes),
+                lora_name=request.lora_name))
 
     def finish_requests(self, req_ids, status: RequestStatus) -> list[Request]:
         """End requests from outside a step (abort, stop string); frees their blocks."""
@@ -177,10 +186,19 @@ class Scheduler:
                        allocations: dict[str, Allocation]) -> int:
         # samples of running n > 1 requests that will join the batch when they fork
         num_seqs = len(self.running) + sum(len(r.fork_children) for r in self.running)
+        loras = {r.lora_name for r in self.running if r.lora_name is not None}
+        passed_over: list[Request] = []
         while len(self.waiting) and budget > 0:
             request = self.waiting.peek()
             if num_seqs + 1 + len(request.fork_children) > self.max_num_seqs:
                 break
+            if not self._lora_fits(request, loras):
+                skipped = self._lora_skipped_steps.get(request.req_id, 0) + 1
+                self._lora_skipped_steps[request.req_id] = skipped
+                if skipped > LORA_MAX_SKIPPED_STEPS:
+                    break  # it has waited long enough: nothing passes it any more
+                passed_over.append(self.waiting.pop())
+                continue
             allocation, num_computed, num_new, prefix = self._allocate_on_admission(request,
                                                                                    budget)
             if allocation is None:
@@ -193,11 +211,24 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.admit_seq = next(self._admit_counter)
             self.running.append(request)
+            self._lora_skipped_steps.pop(request.req_id, None)
+            if request.lora_name is not None:
+                loras.add(request.lora_name)
             num_seqs += 1 + len(request.fork_children)
             num_scheduled[request.req_id] = num_new
             allocations[request.req_id] = allocation
             budget -= num_new
+        for request in reversed(passed_over):  # back at the head, in their order
+            self.waiting.add_preempted(request)
         return budget
+
+    def _lora_fits(self, request: Request, loras: set[str]) -> bool:
+        return request.lora_name is None or request.lora_name in loras or \
+            self.max_loras is None or len(loras) < self.max_loras
+
+    def lora_in_use(self, lora_name: str) -> int:
+        """Unfinished requests running under the adapter."""
+        return sum(r.lora_name == lora_name for r in self.requests.values())
 
     def _allocate_on_admission(self, request: Request, budget: int):
         prefix = NO_PREFIX
@@ -256,7 +287,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=tuple(self.kv.get_block_ids(req_id)),
                     num_computed_tokens=request.num_computed_tokens,
-                    pooling_params=request.pooling_params))
+                    pooling_params=request.pooling_params, lora_name=request.lora_name))
                 continue
             replace = req_id in self._to_resume or req_id in self._trimmed or \
                 bool(allocation.copies)
@@ -300,7 +331,7 @@ class Scheduler:
             if self.kv.has_pending(req_id):  # all_token_ids copies: only when needed
                 self.kv.cache_full_blocks(req_id, request.block_hashes,
                                           request.num_computed_tokens, request.all_token_ids,
-                                          request.cache_salt)
+                                          request.cache_salt, request.lora_name)
             if request.pooling_params is not None:
                 if req_id in runner_output.pooled:
                     outputs.append(self._finish_pooling(request, runner_output.pooled[req_id]))
@@ -377,6 +408,7 @@ class Scheduler:
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self._lora_skipped_steps.pop(request.req_id, None)
         self.kv.free(request.req_id)
         del self.requests[request.req_id]
         self._to_resume.discard(request.req_id)

@@ -17,6 +17,7 @@ from engine_worker.metrics import EngineMetrics, MetricsServer
 from engine_worker.server.async_engine import AsyncEngine
 from engine_worker.server.config import ServerConfig
 from engine_worker.server.convert import RequestLimits
+from engine_worker.lora.paths import parse_adapter_dirs
 from engine_worker.server.servicer import EngineServicer
 from quire.grpc_server import NO_PORT_REUSE, BadRequestBytes, PortInUseError, bind_port
 from quire.signals import shutdown_event
@@ -59,7 +60,9 @@ class EngineServer:
                                max_tokens=cfg.max_tokens_limit)
         self.servicer = EngineServicer(self.async_engine, info=engine.info,
                                        model_name=model_name, limits=limits,
-                                       spans=_span_factory(tracing, model_name))
+                                       spans=_span_factory(tracing, model_name),
+                                       lora_adapter_dirs=parse_adapter_dirs(
+                                           cfg.lora_adapter_dirs))
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None

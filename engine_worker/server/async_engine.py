@@ -64,6 +64,16 @@ class AddRequest:
     cache_salt: str | None
     stream: OutputCollector
     added: Future
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CallEngine:
+    """Run ``fn(engine)`` between steps (LoRA adapters in and out); ``done`` resolves to its
+    result or its exception."""
+
+    fn: Callable[[LLMEngine], object]
+    done: Future
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +99,8 @@ class Wake:
     """Nothing to do: wakes an idle loop (to notice it is stopping)."""
 
 
-Command = AddRequest | AbortRequest | SubscribeKVEvents | UnsubscribeKVEvents | Wake
+Command = (AddRequest | AbortRequest | SubscribeKVEvents | UnsubscribeKVEvents | CallEngine
+           | Wake)
 
 
 class AsyncEngine:
@@ -137,8 +148,8 @@ class AsyncEngine:
 
     # ------------------------------------------------------------- asyncio side
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None,
+                       lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield DELTA outputs until the request finishes. Leaving the loop early (cancel,
         deadline, closed stream) aborts the request in the engine."""
         if not self.alive:
@@ -152,7 +163,7 @@ class AsyncEngine:
         stream = OutputCollector()
         added: Future = Future()
         self._commands.put(AddRequest(request_id, prompt, params, priority, cache_salt, stream,
-                                      added))
+                                      added, lora_name))
         try:
             await asyncio.wrap_future(added)  # raises ValueError / QueueFullError from the loop
         except asyncio.CancelledError:  # the caller left while the add was queued or running
@@ -177,7 +188,8 @@ class AsyncEngine:
                 self._commands.put(AbortRequest(request_id))
 
     async def embed(self, request_id: str, prompt: PromptType, params: PoolingParams, *,
-                    priority: int = 0, cache_salt: str | None = None) -> PoolingRequestOutput:
+                    priority: int = 0, cache_salt: str | None = None,
+                    lora_name: str | None = None) -> PoolingRequestOutput:
         """The prompt's pooled vector (a pooling request, batched with the engine's other
         work). Cancelling the caller aborts the request in the engine."""
         if not self.alive:
@@ -186,7 +198,7 @@ class AsyncEngine:
         stream = OutputCollector()
         added: Future = Future()
         self._commands.put(AddRequest(request_id, prompt, params, priority, cache_salt, stream,
-                                      added))
+                                      added, lora_name))
         try:
             await asyncio.wrap_future(added)  # raises ValueError / QueueFullError from the loop
             return await stream.get()  # its one output; the engine's failure raises here
@@ -200,6 +212,14 @@ class AsyncEngine:
         taken: Future = Future()
         self._commands.put(SubscribeKVEvents(sink, taken))
         return await asyncio.wrap_future(taken), sink
+
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """``fn(engine)`` on the loop thread, between steps; its result (or exception)."""
+        if not self.alive:
+            raise EngineUnavailableError(self.dead_reason or "the engine is shutting down")
+        done: Future = Future()
+        self._commands.put(CallEngine(fn, done))
+        return await asyncio.wrap_future(done)
 
     def unsubscribe_kv_events(self, sink: asyncio.Queue) -> None:
         self._commands.put(UnsubscribeKVEvents(sink))
@@ -248,6 +268,12 @@ class AsyncEngine:
             case UnsubscribeKVEvents(sink=sink):
                 if sink in self._subscribers:
                     self._subscribers.remove(sink)
+            case CallEngine(fn=fn, done=done):
+                if done.set_running_or_notify_cancel():
+                    try:
+                        done.set_result(fn(self.engine))
+                    except Exception as e:  # noqa: BLE001 - the caller's to map
+                        done.set_exception(e)
             case Wake():
                 pass
 
@@ -267,7 +293,8 @@ class AsyncEngine:
             return
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    priority=command.priority, cache_salt=command.cache_salt)
+                                    priority=command.priority, cache_salt=command.cache_salt,
+                                    lora_request=command.lora_name)
         except ValueError as e:
             added.set_exception(e)
             return

@@ -39,6 +39,9 @@ class ServerConfig:
     # so server threads sharing the cores do not stall the whole team; each parallel region pays
     # a wake-up) or active (spin); see engine_worker/server/threads.py
     omp_wait_policy: str = "default"
+    # LoRA adapters loaded at run time (LoadLoRAAdapter, the router's /v1/load_lora_adapter)
+    # must lie inside one of these directories (comma-separated); None: run-time loading off
+    lora_adapter_dirs: str | None = None
 
     def __post_init__(self) -> None:
         check_wait_policy(self.omp_wait_policy)

@@ -7,9 +7,10 @@ import grpc
 from engine_worker.engine import EngineDeadError
 from engine_worker.server.async_engine import EngineUnavailableError, QueueFullError
 from quire import errors
-from quire.errors import ErrorKind
+from quire.errors import ErrorKind, NotFoundError
 
 KINDS: errors.ErrorKinds = (
+    (NotFoundError, ErrorKind.NOT_FOUND),  # a FieldError: before ValueError
     (ValueError, ErrorKind.INVALID_ARGUMENT),
     (QueueFullError, ErrorKind.RESOURCE_EXHAUSTED),
     (EngineUnavailableError, ErrorKind.UNAVAILABLE),

@@ -35,8 +35,12 @@ def vllm_event(event: KVEvent) -> dict:
                "parent_block_hash": event.parent_block_hash,
                "token_ids": list(event.token_ids), "block_size": event.block_size,
                "lora_id": None, "medium": event.medium.upper(), "lora_name": event.lora_name}
-        if event.extra_keys:  # vLLM: one entry per block; Quire's keys are the first block's
-            out["extra_keys"] = [list(event.extra_keys)] + [None] * (len(event.block_hashes) - 1)
+        if event.extra_keys or event.lora_name:
+            # vLLM: one entry per block, the LoRA adapter's name in each; Quire's own keys
+            # (the cache salt) are the first block's
+            lora = [event.lora_name] if event.lora_name else []
+            first = [k for k in event.extra_keys if not k.startswith("lora:")] + lora
+            out["extra_keys"] = [first or None] + [lora or None] * (len(event.block_hashes) - 1)
         return out
     if isinstance(event, BlockRemoved):
         return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes),

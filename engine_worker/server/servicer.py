@@ -10,15 +10,19 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
 
-from engine_worker.server.async_engine import AsyncEngine
+from engine_worker.lora.cache import UnknownLoRAError
+from engine_worker.lora.paths import check_adapter_path
+from engine_worker.server.async_engine import AsyncEngine, EngineUnavailableError
 from engine_worker.server.convert import (RequestLimits, embed_request_from_proto,
                                           embed_response_to_proto, request_from_proto,
                                           response_to_proto)
 from engine_worker.server.errors import abort_with
+from quire.errors import FieldError
 from quire.tokenizer_digest import TOKENIZER_FILES
 from quire.kv_events import batch_to_proto, snapshot_to_proto
 from quire.load_stream import load_reports
@@ -36,10 +40,12 @@ logger = logging.getLogger(__name__)
 class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     def __init__(self, engine: AsyncEngine, *, info: EngineInfo, model_name: str,
                  limits: RequestLimits,
-                 spans: Callable[[pb.GenerateRequest, object], EngineSpan] | None = None
-                 ) -> None:
+                 spans: Callable[[pb.GenerateRequest, object], EngineSpan] | None = None,
+                 lora_adapter_dirs: tuple[Path, ...] = ()) -> None:
         """``info``: the engine's facts (GetModelInfo, GetTokenizer); ``spans`` (request,
-        invocation metadata) -> an ``EngineSpan``: given when tracing is on, None when off."""
+        invocation metadata) -> an ``EngineSpan``: given when tracing is on, None when off;
+        ``lora_adapter_dirs``: where LoadLoRAAdapter may read adapters (empty: nowhere)."""
+        self.lora_adapter_dirs = lora_adapter_dirs
         self.engine = engine
         self.info = info
         self.spans = spans
@@ -65,7 +71,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         counts: dict[int, int] = {}
         try:
             async for output in self.engine.generate(request.request_id, prompt, params,
-                                                     priority=priority, cache_salt=salt):
+                                                     priority=priority, cache_salt=salt,
+                                                     lora_name=request.lora_name or None):
                 if span is not None:
                     span.observe(output)
                 message = response_to_proto(output, first,
@@ -112,8 +119,18 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos))
+        loras = {}
+        if info.enable_lora:  # read between steps, on the engine's thread
+            try:
+                loras = await self.engine.call(lambda engine: engine.list_loras())
+            except EngineUnavailableError:
+                pass  # a dead engine still says what it is; it serves no adapter
+        lora_fields = dict(enable_lora=info.enable_lora, max_loras=info.max_loras,
+                           max_lora_rank=info.max_lora_rank, max_cpu_loras=info.max_cpu_loras,
+                           lora_adapters=list(loras),
+                           lora_adapter_paths=[r.lora_path for r in loras.values()])
         return pb.ModelInfo(
-            model_name=self.model_name, max_model_len=info.max_model_len,
+            **lora_fields, model_name=self.model_name, max_model_len=info.max_model_len,
             block_size=info.block_size, block_hash_algorithm=info.block_hash_algorithm,
             block_hash_seed=info.block_hash_seed, tokenizer_digest=info.tokenizer_digest,
             vocab_size=info.vocab_size, enable_prefix_caching=info.enable_prefix_caching,
@@ -124,6 +141,32 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             pooling_type=info.pooling_type, pooling_normalize=info.pooling_normalize,
             hidden_size=info.hidden_size,
             incarnation_id=self.incarnation_id, **spec_fields)
+
+    async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest,
+                              context) -> pb.LoadLoRAAdapterResponse:
+        """Load, check and register an adapter from inside the adapter directories."""
+        try:
+            if not request.lora_name:
+                raise FieldError("lora_name", "must be a non-empty string")
+            path = check_adapter_path(request.lora_path, self.lora_adapter_dirs)
+            loaded = await self.engine.call(lambda engine: engine.add_lora(
+                engine.lora_request_for(request.lora_name, path)))
+        except Exception as e:  # noqa: BLE001 - mapped to a status, named where known
+            await abort_with(context, e)
+            return pb.LoadLoRAAdapterResponse()  # not reached: abort raises
+        logger.info("LoRA adapter %r loaded from %s", request.lora_name, path)
+        return pb.LoadLoRAAdapterResponse(loaded=loaded)
+
+    async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest,
+                                context) -> pb.UnloadLoRAAdapterResponse:
+        try:
+            removed = await self.engine.call(lambda engine: engine.remove_lora(
+                request.lora_name))
+            if not removed:
+                raise UnknownLoRAError(request.lora_name)
+        except Exception as e:  # noqa: BLE001 - mapped to a status, named where known
+            await abort_with(context, e)
+        return pb.UnloadLoRAAdapterResponse()
 
     async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:
         """The files a router needs to tokenize exactly as this engine does."""

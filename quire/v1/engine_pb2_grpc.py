@@ -64,6 +64,16 @@ class EngineServiceStub:
                 request_serializer=quire_dot_v1_dot_engine__pb2.StreamKVEventsRequest.SerializeToString,
                 response_deserializer=quire_dot_v1_dot_engine__pb2.KVEventsMessage.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/quire.v1.EngineService/LoadLoRAAdapter',
+                request_serializer=quire_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=quire_dot_v1_dot_engine__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/quire.v1.EngineService/UnloadLoRAAdapter',
+                request_serializer=quire_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=quire_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -117,6 +127,24 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Load, check and register a LoRA adapter (a PEFT directory the engine can read) so that
+        requests may name it (vLLM's /v1/load_lora_adapter). A bad adapter (rank above
+        max_lora_rank, a module the model lacks, an unreadable file) is INVALID_ARGUMENT and
+        changes nothing (also when LoRA is off: enable_lora named).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Unregister a LoRA adapter (vLLM's /v1/unload_lora_adapter): NOT_FOUND when none has the
+        name, INVALID_ARGUMENT while requests run under it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +177,16 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.StreamKVEvents,
                     request_deserializer=quire_dot_v1_dot_engine__pb2.StreamKVEventsRequest.FromString,
                     response_serializer=quire_dot_v1_dot_engine__pb2.KVEventsMessage.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=quire_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=quire_dot_v1_dot_engine__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=quire_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=quire_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -313,6 +351,60 @@ class EngineService:
             '/quire.v1.EngineService/StreamKVEvents',
             quire_dot_v1_dot_engine__pb2.StreamKVEventsRequest.SerializeToString,
             quire_dot_v1_dot_engine__pb2.KVEventsMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quire.v1.EngineService/LoadLoRAAdapter',
+            quire_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            quire_dot_v1_dot_engine__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quire.v1.EngineService/UnloadLoRAAdapter',
+            quire_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            quire_dot_v1_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,52 @@
+"""The runner's LoRA collaborator: registered adapters, their host LRU, the device slots and
+the ops, turned into one ``LoRABatch`` per step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine_worker.lora.adapter import LoRAModelSpec
+from engine_worker.lora.cache import LoRAAdapterCache
+from engine_worker.lora.config import LoRAConfig
+from engine_worker.lora.ops import LoRAOps, lora_ops_for
+from engine_worker.lora.slots import LoRABatch, LoRASlots
+
+
+class LoRAManager:
+    def __init__(self, cache: LoRAAdapterCache, slots: LoRASlots, ops: LoRAOps,
+                 device: torch.device) -> None:
+        self.cache = cache
+        self.slots = slots
+        self.ops = ops
+        self.device = device
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, config: LoRAConfig, backend_name: str,
+                  dtype: torch.dtype, device: torch.device) -> LoRAManager:
+        projections = model.lora_projections()
+        spec = LoRAModelSpec(num_layers=model.cfg.num_layers,
+                             modules={m: (i, o) for mods in projections.values()
+                                      for m, i, o in mods})
+        return cls(LoRAAdapterCache(spec, config.max_lora_rank, config.max_cpu_loras),
+                   LoRASlots(projections, model.cfg.num_layers, config.max_loras,
+                             config.max_lora_rank, dtype, device),
+                   lora_ops_for(backend_name), device)
+
+    def remove(self, name: str) -> bool:
+        self.slots.forget(name)
+        return self.cache.remove(name)
+
+    def step_batch(self, lora_names: Sequence[str | None], counts: Sequence[int]
+                   ) -> LoRABatch | None:
+        """``lora_names[i]``: the adapter of the step's request i (None: base), which runs
+        ``counts[i]`` tokens, requests in step order."""
+        names = list(dict.fromkeys(n for n in lora_names if n is not None))
+        if not names:
+            return None
+        adapters = [self.cache.get(n, keep=names) for n in names]
+        slot_of = self.slots.activate(adapters)
+        token_slots = [slot_of[name] if name is not None else 0
+                       for name, n in zip(lora_names, counts) for _ in range(n)]
+        return self.slots.batch(token_slots, self.ops, self.device)
