@@ -163,6 +163,32 @@ class DeviceConfig:
                    f"must be a positive integer, got {self.num_threads!r}")
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp",)
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How one model is split across processes (vLLM's names). ``tensor_parallel_size`` ranks
+    each hold a slice of every layer; the engine core (scheduler, sampling) is rank 0, in the
+    engine's own process, and the other ranks are worker processes it starts (``mp``) and
+    talks to over torch.distributed (``engine_worker.distributed``)."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
+               "tensor_parallel_size",
+               f"must be a positive integer, got {self.tensor_parallel_size!r}")
+        _check(self.distributed_executor_backend in DISTRIBUTED_EXECUTOR_BACKENDS,
+               "distributed_executor_backend", f"must be one of "
+               f"{DISTRIBUTED_EXECUTOR_BACKENDS}, got {self.distributed_executor_backend!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """All groups together; built once by ``EngineArgs.create_engine_config``."""
@@ -172,6 +198,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass(slots=True)
@@ -202,6 +229,8 @@ class EngineArgs:
     runner: str = "generate"
     # JSON text (a flag), a dict or a PoolerConfig: {"pooling_type": ..., "normalize": ...}
     pooler_config: str | None = None
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
     def create_engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -222,4 +251,7 @@ class EngineArgs:
                                 attention_backend=self.attention_backend,
                                 enforce_eager=self.enforce_eager),
             speculative=SpeculativeConfig.parse(self.speculative_config),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend),
         )

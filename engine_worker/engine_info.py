@@ -70,6 +70,12 @@ class EngineInfo:
     pooling_type: str = "LAST"  # "LAST", "MEAN" or "CLS"
     pooling_normalize: bool = True  # embeddings are L2-normalised unless a request says not
     hidden_size: int = 0  # the embeddings' dimension
+    # ---- tensor parallelism: ranks, how they run ("mp"; "" alone) and their all-reduce
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = ""
+    all_reduce_backend: str = "none"  # "gloo", "nccl", "shm"; "none" with one rank
+    worker_pids: tuple[int, ...] = ()  # the worker processes of ranks 1 .. tp - 1
 
     @property
     def kv_capacity_tokens(self) -> int:

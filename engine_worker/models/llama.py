@@ -18,6 +18,8 @@ from torch import nn
 
 from engine_worker.attention.metadata import AttentionMetadata
 from engine_worker.backends.base import Backend, LayersFn, LinearWeights
+from engine_worker.distributed.comm import Collectives, WholeModel
+from engine_worker.distributed.shard import TPShard
 from engine_worker.layers.linear import Linear
 from engine_worker.layers.norm import RMSNorm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding
@@ -85,14 +87,20 @@ class LlamaStack:
 
 class LlamaAttention(nn.Module):
     """Grouped-query attention over the paged KV cache: a fused QKV projection, RoPE on q and
-    k, attention (the backend's), and the output projection."""
+    k, attention (the backend's), and the output projection. Under tensor parallelism it holds
+    its rank's heads (``shard``): q/k/v column-parallel, o row-parallel (its output is a
+    partial sum the decoder layer all-reduces)."""
 
-    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: Backend) -> None:
+    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: Backend,
+                 shard: TPShard) -> None:
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias,
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
+        self.q_size = shard.num_heads * cfg.head_dim
+        self.kv_size = shard.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias,
                                backend.linear, backend.pack_weight)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, backend.linear,
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, backend.linear,
                              backend.pack_weight)
         self.rotary = rotary
         self.attention = backend.attention
@@ -103,29 +111,31 @@ class LlamaAttention(nn.Module):
         # x: [num_tokens, hidden_size] -> [num_tokens, hidden_size]
         q, k, v = self.qkv_rope(positions, x)
         out = self.attention.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.cfg.q_size))
+        return self.o_proj(out.reshape(-1, self.q_size))
 
     def qkv_rope(self, positions: torch.Tensor,
                  x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # x: [num_tokens, hidden_size] -> q [num_tokens, num_heads, head_dim],
         # k, v [num_tokens, num_kv_heads, head_dim]
-        cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        head_dim = self.cfg.head_dim
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, head_dim)
+        k = k.view(-1, self.num_kv_heads, head_dim)
+        v = v.view(-1, self.num_kv_heads, head_dim)
         q, k = self.rotary(positions, q, k)
         return q, k, v
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU (Shazeer, 2020) over a fused gate/up projection."""
+    """SwiGLU (Shazeer, 2020) over a fused gate/up projection (gate/up column-parallel, down
+    row-parallel under tensor parallelism)."""
 
-    def __init__(self, cfg: LlamaConfig, backend: Backend) -> None:
+    def __init__(self, cfg: LlamaConfig, backend: Backend, shard: TPShard) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
+        width = shard.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * width, cfg.mlp_bias,
                                    backend.linear, backend.pack_weight)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias,
+        self.down_proj = Linear(width, cfg.hidden_size, cfg.mlp_bias,
                                 backend.linear, backend.pack_weight)
         self.silu_and_mul = backend.silu_and_mul
 
@@ -135,20 +145,24 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm: h = x + attention(norm(x)); out = h + mlp(norm(h))."""
+    """Pre-norm: h = x + attention(norm(x)); out = h + mlp(norm(h)). Under tensor
+    parallelism attention's and the MLP's outputs are partial sums: one all-reduce each."""
 
-    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: Backend) -> None:
+    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: Backend,
+                 shard: TPShard, comm: Collectives) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm)
-        self.self_attn = LlamaAttention(cfg, rotary, backend)
+        self.self_attn = LlamaAttention(cfg, rotary, backend, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
                                                 backend.rms_norm)
-        self.mlp = LlamaMLP(cfg, backend)
+        self.mlp = LlamaMLP(cfg, backend, shard)
+        self.all_reduce = comm.all_reduce
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.all_reduce(self.self_attn(positions, self.input_layernorm(x), kv_cache,
+                                               meta))
+        return h + self.all_reduce(self.mlp(self.post_attention_layernorm(h)))
 
     def export(self) -> LlamaLayerWeights:
         attn, mlp = self.self_attn, self.mlp
@@ -159,38 +173,58 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward`` returns final hidden states; ``compute_logits`` projects the rows to sample."""
+    """``forward`` returns final hidden states; ``compute_logits`` projects the rows to sample.
+    ``shard``/``comm``: this rank's slice under tensor parallelism and its collectives (the
+    whole model and identities by default); the embedding and logits are split by vocabulary
+    rows, and ``compute_logits`` returns every rank the full logits."""
 
     def __init__(self, cfg: LlamaConfig, backend: Backend, max_position: int,
-                 device: torch.device) -> None:
+                 device: torch.device, shard: TPShard | None = None,
+                 comm: Collectives | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.shard = shard or TPShard.whole(
+            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+            intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size)
+        self.comm = comm or WholeModel()
         self.backend = backend
         self.logits_packed = None
         # the loader's other form of a tied embedding for the logits (a GGUF's blocks), if any
         self.tied_logits_weight: torch.Tensor | None = None
         self.layer_stack: LayersFn | None = None  # every layer in one call, where the backend can
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        vocab_rows = self.shard.vocab_per_rank
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.rope, max_position, device, backend.rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, backend)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, backend, self.shard,
+                                                      self.comm)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, backend.linear,
+            self.lm_head = Linear(cfg.hidden_size, vocab_rows, False, backend.linear,
                                   backend.pack_weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         if self.layer_stack is not None:
             x = self.layer_stack(x, positions, kv_caches, meta)
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x = layer(positions, x, kv_cache, meta)
         return self.norm(x)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel under tensor parallelism: each rank looks up the ids in its rows
+        (zeros for the others) and the all-reduce assembles every row."""
+        if not self.shard.is_split:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.shard.vocab_start
+        mine = (local >= 0) & (local < self.shard.vocab_per_rank)
+        x = self.embed_tokens(torch.where(mine, local, 0)) * mine.unsqueeze(-1)
+        return self.comm.all_reduce(x)
 
     def pack_weights(self) -> None:
         """Once the checkpoint is loaded: every linear weight into the backend's layout, then
@@ -201,14 +235,16 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         self.logits_packed = (self.backend.pack_weight(self._logits_weight())
                               if self.lm_head is None else self.lm_head.packed)
-        self.layer_stack = self.backend.fuse(self.export())
+        # a fused stack runs every layer in one call: no place for the all-reduces between them
+        self.layer_stack = None if self.shard.is_split else self.backend.fuse(self.export())
 
     def export(self) -> LlamaStack:
         """The decoder layers' loaded (and packed) weights and shapes, as plain data."""
         cfg = self.cfg
         return LlamaStack(
             layers=tuple(layer.export() for layer in self.layers), hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            num_heads=self.shard.num_heads, num_kv_heads=self.shard.num_kv_heads,
+            head_dim=cfg.head_dim,
             rms_norm_eps=cfg.rms_norm_eps, attention_scale=cfg.head_dim ** -0.5,
             rope_cos=self.rotary.cos, rope_sin=self.rotary.sin)
 
@@ -221,5 +257,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden_size] -> fp32 logits [num_rows, vocab_size]
-        return self.backend.linear(hidden, self._logits_weight(), None,
-                                   self.logits_packed).float()
+        logits = self.backend.linear(hidden, self._logits_weight(), None,
+                                     self.logits_packed).float()
+        if not self.shard.is_split:
+            return logits
+        # every rank gets the whole row and samples it as rank 0 does (vLLM v1's way), so
+        # the ranks' request states stay equal without a second message
+        return self.comm.all_gather_last(logits)[:, :self.cfg.vocab_size]

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine_worker.backends.base import Backend
+from engine_worker.distributed.shard import TPShard, shard_llama_state
 from engine_worker.weights.gguf_weights import dequantize_blocks, read_gguf_state
 from engine_worker.models.registry import lookup_architecture
 from engine_worker.progress import progress
@@ -62,17 +63,24 @@ def derive_max_model_len(hf_config: dict[str, Any], requested: int | None) -> in
 
 def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, backend: Backend,
                max_model_len: int | None, gguf: Path | None = None,
-               strict_quantization: bool = False) -> LoadedModel:
+               strict_quantization: bool = False, comm: Any = None) -> LoadedModel:
     """Build the model on the meta device, load the checkpoint into it (cast to ``dtype`` on
     ``device``), then let ``backend`` pack the weights its way. With ``gguf``, the weights come
     from that file, the block types ``backend`` multiplies natively kept as blocks
-    (``strict_quantization``: another block type in a linear layer is an error, not widened)."""
+    (``strict_quantization``: another block type in a linear layer is an error, not widened).
+    ``comm`` (a ``distributed.comm.TPComm``): load this rank's tensor-parallel slice, cut from
+    the full checkpoint, into a model whose layers reduce and gather over it."""
     hf_config = read_hf_config(model_dir)
     arch_name, arch = lookup_architecture(hf_config)
     cfg = arch.parse_config(hf_config)
     max_len = derive_max_model_len(hf_config, max_model_len)
+    shard = None
+    if comm is not None and comm.world_size > 1:
+        shard = TPShard.of(comm.rank, comm.world_size, num_heads=cfg.num_heads,
+                           num_kv_heads=cfg.num_kv_heads,
+                           intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size)
     with torch.device("meta"):
-        model = arch.model_cls(cfg, backend, max_len, device)
+        model = arch.model_cls(cfg, backend, max_len, device, shard=shard, comm=comm)
     summary = ""
     if gguf is not None:
         with progress(logger, f"Loading weights from {gguf.name} (native GGUF blocks)"):
@@ -87,6 +95,9 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, bac
     else:
         with progress(logger, f"Loading weights from {model_dir.name}"):
             state = _read_state_dict(model_dir, dtype=dtype, device=device)
+    if shard is not None:
+        state = shard_llama_state(state, shard=shard, num_heads=cfg.num_heads,
+                                  num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
     expected = set(model.state_dict())
     missing = expected - state.keys()
     unexpected = state.keys() - expected
