@@ -397,6 +397,8 @@ class LLMEngine:
             reason = None if self._executor is None else self._executor.wait_for_failure(2.0)
             if self.dead_reason is None:
                 self.dead_reason = reason or f"{type(e).__name__}: {e}"
+            if self._executor is not None:  # the workers may wait on us: stop them
+                self._executor.shutdown()
             raise
         core_outputs = self._scheduler.update_from_output(scheduler_output, runner_output)
         new_outputs, stopped = self.output_processor.process(core_outputs)

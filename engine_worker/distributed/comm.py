@@ -3,18 +3,25 @@
 Groups are made from a ``TCPStore`` and held by the engine that made them (``ProcessGroupGloo``
 / ``ProcessGroupNCCL`` objects, never torch's default group), so one process can hold several
 engines, and nothing here is module state. The step broadcast is pickled plain data in a uint8
-tensor over the CPU group (gloo); activations go over the device group: gloo on a CPU, NCCL on
-CUDA. ``WholeModel`` is the single-process stand-in: every collective is the identity.
+tensor over the CPU group (gloo); activations go over the device group: NCCL on CUDA; on a CPU
+shared memory between the ranks (``distributed.shm``) where /dev/shm serves, with gloo for
+tensors larger than a slot and as the fallback (the start block says which runs and why).
+``WholeModel`` is the single-process stand-in: every collective is the identity.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
+from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+from engine_worker.distributed.shm import ShmCollectives, new_shm_path, shm_unavailable_reason
 
 _HEADER_BYTES = 8
 _BROADCAST_BYTES = 16 * 1024  # one broadcast carries a step up to this size, a second the rest
@@ -70,18 +77,24 @@ class TPComm:
     row-parallel layers' partial outputs, the vocab-parallel embedding); ``all_gather_last``
     concatenates every rank's slice along the last dimension (the logits)."""
 
-    def __init__(self, cpu: GlooGroup, device_pg: Any, name: str) -> None:
+    def __init__(self, cpu: GlooGroup, device_pg: Any, name: str,
+                 shm: ShmCollectives | None = None) -> None:
         self.cpu = cpu
         self.device_pg = device_pg
         self.rank = cpu.rank
         self.world_size = cpu.world_size
         self.name = name  # the all-reduce that runs, for the start block
+        self.shm = shm  # every rank has one or none; each call's size decides alike everywhere
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_reduce(x)
         self.device_pg.allreduce([x]).wait()
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_gather_last(x)
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         self.device_pg.allgather([parts], [x]).wait()
@@ -118,11 +131,38 @@ class TPComm:
                 pass
 
 
-def make_comm(store: dist.Store, rank: int, world_size: int, device: torch.device) -> TPComm:
-    """Gloo for control and CPU activations; NCCL for activations on CUDA."""
+def make_comm(store: dist.Store, rank: int, world_size: int, device: torch.device,
+              failed: Callable[[], str | None] = lambda: None) -> TPComm:
+    """Gloo for control; activations over shared memory on a CPU (gloo where it cannot run),
+    NCCL on CUDA. ``failed``: polled by a rank waiting in shared memory (why to give up)."""
     cpu = GlooGroup(store, rank, world_size)
     if device.type != "cuda":
-        return TPComm(cpu, cpu.pg, "gloo")
+        return _cpu_comm(cpu, failed)
     options = dist.ProcessGroupNCCL.Options()
     nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size, options)
     return TPComm(cpu, nccl, "nccl")
+
+
+def _cpu_comm(cpu: GlooGroup, failed: Callable[[], str | None]) -> TPComm:
+    """Rank 0 decides and creates the segment; every other rank maps it; rank 0 unlinks it
+    once all have, so nothing is left in /dev/shm however the ranks end."""
+    decision, shm = None, None
+    if cpu.rank == 0:
+        reason = shm_unavailable_reason(cpu.world_size)
+        if reason is None:
+            path = new_shm_path()
+            shm = ShmCollectives(path, 0, cpu.world_size, create=True, failed=failed)
+            decision = ("shm", str(path))
+        else:
+            decision = ("gloo", f"shared memory unavailable: {reason}")
+    kind, detail = TPComm(cpu, cpu.pg, "gloo").broadcast_object(decision)
+    if kind == "gloo":
+        return TPComm(cpu, cpu.pg, f"gloo ({detail})")
+    if shm is None:
+        shm = ShmCollectives(Path(detail), cpu.rank, cpu.world_size, create=False,
+                             failed=failed)
+    cpu.pg.barrier().wait()
+    if cpu.rank == 0:
+        os.unlink(detail)
+    return TPComm(cpu, cpu.pg, f"shm (gloo for tensors over {shm.slot_bytes >> 20} MiB)",
+                  shm=shm)

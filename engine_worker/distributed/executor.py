@@ -57,7 +57,8 @@ class MultiprocExecutor:
         self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
         self._watcher.start()
         self.comm: TPComm = make_comm(store, 0, spec.world_size,
-                                      worker_device(spec.device, 0))
+                                      worker_device(spec.device, 0),
+                                      failed=lambda: self.failure)
         self._store = store
 
     @property

@@ -95,8 +95,10 @@ def _serve(spec: WorkerSpec) -> None:
     device = worker_device(spec.device, spec.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    parent_pid = os.getppid()
     comm = make_comm(make_store(spec.rank, spec.world_size, spec.store_port), spec.rank,
-                     spec.world_size, device)
+                     spec.world_size, device,
+                     failed=lambda: None if os.getppid() == parent_pid else "the engine exited")
     backend = select_backend(spec.kernels, device, spec.attention_backend)
     loaded = load_model(spec.model_dir, dtype=spec.dtype, device=device,
                         backend=backend.backend, max_model_len=spec.max_model_len, comm=comm)

@@ -73,7 +73,7 @@ def assert_parallel_equal(expected, actual) -> None:
 
 
 def test_tp2_greedy_equals_one_process_with_chunked_prefill_and_prefix_caching(tp2, single):
-    assert tp2.info.tensor_parallel_size == 2 and tp2.info.all_reduce_backend == "gloo"
+    assert tp2.info.tensor_parallel_size == 2 and tp2.info.all_reduce_backend.startswith("shm")
     assert len(tp2.info.worker_pids) == 1
     expected = single.generate(PROMPTS, GREEDY, use_tqdm=False)
     first = tp2.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -222,7 +222,7 @@ def test_quire_engine_serves_with_tp2_over_grpc_and_drains_on_sigterm(tiny_model
         stub = engine_pb2_grpc.EngineServiceStub(channel)
         info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
         assert (info.tensor_parallel_size, info.pipeline_parallel_size,
-                info.all_reduce_backend, info.distributed_executor_backend) == (2, 1, "gloo",
+                info.all_reduce_backend[:3], info.distributed_executor_backend) == (2, 1, "shm",
                                                                                 "mp")
         tokens, _, last = _collect(stub.Generate(_request([1, 2, 3, 4], max_tokens=5)))
         assert len(tokens) == 5 and last.finished
@@ -241,3 +241,14 @@ def test_quire_engine_serves_with_tp2_over_grpc_and_drains_on_sigterm(tiny_model
     finally:
         proc.kill()
         _kill_all(children)
+
+
+def test_quire_up_runs_a_tp2_engine_behind_the_router(tiny_model_dir):
+    result = subprocess.run(
+        [sys.executable, "-m", "quire_cli", "up", "--model", str(tiny_model_dir), "--dtype",
+         "float32", "--kv-cache-memory-bytes", str(1 << 24), "--router-port", "0",
+         "--http-port", "0", "--num-engines", "1", "--tensor-parallel-size", "2", "--once",
+         "true"], capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "tensor_parallel_size=2" in result.stderr
+    assert re.search(r"example: 'What is the capital of France\?' -> '.+'", result.stdout)
