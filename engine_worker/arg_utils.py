@@ -38,6 +38,8 @@ _HELP = {
     "tensor_parallel_size": "ranks one model is split across (heads, MLP and vocabulary "
                             "sliced per rank; one process each, torch.distributed between "
                             "them)",
+    "pipeline_parallel_size": "pipeline stages: contiguous runs of layers, one stage after "
+                              "another (each split in tensor_parallel_size ranks)",
     "distributed_executor_backend": "how the ranks run: mp (one worker process per rank "
                                     "beside the engine's own, rank 0)",
     "kernels": "kernel backend: auto (on a CPU the compiled CPU kernels where they build, else "

@@ -171,22 +171,28 @@ class ParallelConfig:
     """How one model is split across processes (vLLM's names). ``tensor_parallel_size`` ranks
     each hold a slice of every layer; the engine core (scheduler, sampling) is rank 0, in the
     engine's own process, and the other ranks are worker processes it starts (``mp``) and
-    talks to over torch.distributed (``engine_worker.distributed``)."""
+    talks to over torch.distributed (``engine_worker.distributed``).
+    ``pipeline_parallel_size`` stages hold contiguous runs of layers, each stage split in
+    ``tensor_parallel_size`` ranks."""
 
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         _check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
                "tensor_parallel_size",
                f"must be a positive integer, got {self.tensor_parallel_size!r}")
+        _check(_is_int(self.pipeline_parallel_size) and self.pipeline_parallel_size >= 1,
+               "pipeline_parallel_size",
+               f"must be a positive integer, got {self.pipeline_parallel_size!r}")
         _check(self.distributed_executor_backend in DISTRIBUTED_EXECUTOR_BACKENDS,
                "distributed_executor_backend", f"must be one of "
                f"{DISTRIBUTED_EXECUTOR_BACKENDS}, got {self.distributed_executor_backend!r}")
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +236,7 @@ class EngineArgs:
     # JSON text (a flag), a dict or a PoolerConfig: {"pooling_type": ..., "normalize": ...}
     pooler_config: str | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
 
     def create_engine_config(self) -> EngineConfig:
@@ -253,5 +260,6 @@ class EngineArgs:
             speculative=SpeculativeConfig.parse(self.speculative_config),
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend),
         )

@@ -21,7 +21,7 @@ import torch
 from engine_worker.backends import select_backend
 from engine_worker.config import EngineArgs, EngineConfig
 from engine_worker.distributed.executor import MultiprocExecutor
-from engine_worker.distributed.shard import TPShard
+from engine_worker.distributed.shard import PPStage, TPShard
 from engine_worker.distributed.worker import WorkerSpec, WorkerStart
 from engine_worker.engine_info import EngineInfo
 from engine_worker.grammar import GrammarCompilerCache
@@ -159,26 +159,30 @@ class LLMEngine:
     def _start_workers(self) -> MultiprocExecutor:
         """Tensor parallelism: check the model splits, then start ranks 1 .. tp - 1 (they load
         their slices while this process loads rank 0's)."""
-        tp = self.config.parallel.tensor_parallel_size
+        parallel = self.config.parallel
+        tp, world_size = parallel.tensor_parallel_size, parallel.world_size
         _, arch = lookup_architecture(hf := read_hf_config(self._model_dir))
         cfg = arch.parse_config(hf)
         TPShard.of(0, tp, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                    intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size)
+        PPStage.of(0, parallel.pipeline_parallel_size, cfg.num_layers)
         if self._quantization.native:
             raise ValueError("quantization: tensor_parallel_size > 1 runs float weights only; "
                              "load this GGUF with quantization=dequantize")
-        if self._device.type == "cuda" and torch.cuda.device_count() < tp:
-            raise ValueError(f"tensor_parallel_size: {tp} needs {tp} GPUs, torch sees "
-                             f"{torch.cuda.device_count()}")
-        spec = WorkerSpec(rank=0, world_size=tp, store_port=0, model_dir=self._model_dir,
+        if self._device.type == "cuda" and torch.cuda.device_count() < world_size:
+            raise ValueError(f"tensor_parallel_size: {tp} x pipeline_parallel_size "
+                             f"{parallel.pipeline_parallel_size} needs {world_size} GPUs, "
+                             f"torch sees {torch.cuda.device_count()}")
+        spec = WorkerSpec(rank=0, world_size=world_size, tensor_parallel_size=tp, store_port=0,
+                          model_dir=self._model_dir,
                           dtype=self._dtype, device=self._device.type,
                           kernels=self._backend.name,
                           attention_backend=self._backend.backend.attention.name,
                           max_model_len=self.config.model.max_model_len,
                           num_threads=torch.get_num_threads(),
                           log_level=logging.getLogger().getEffectiveLevel())
-        with progress(logger, f"Starting {tp - 1} tensor-parallel worker process"
-                              f"{'es' if tp > 2 else ''}"):
+        with progress(logger, f"Starting {world_size - 1} worker process"
+                              f"{'es' if world_size > 2 else ''} (one a rank)"):
             return MultiprocExecutor(spec, on_failure=self._worker_failed)
 
     def _worker_failed(self, reason: str) -> None:
@@ -208,7 +212,9 @@ class LLMEngine:
         return choose_cuda_graphs(
             # a pooling runner never decodes: nothing to capture
             device=self._device, enforce_eager=self.config.device.enforce_eager
-            or self.config.model.runner == "pooling",
+            or self.config.model.runner == "pooling"
+            # collectives inside captured graphs are unproven here: eager under parallelism
+            or self.config.parallel.world_size > 1,
             attention=self._backend.backend.attention.name,
             fused_layers=model.layer_stack is not None, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens)
@@ -267,13 +273,10 @@ class LLMEngine:
                                    self.config.cache.block_size, self._device)
 
     def _allocate_kv_cache(self, model, num_blocks: int) -> list[torch.Tensor]:
-        cfg = model.cfg
         with progress(logger, "Allocating the KV cache"):
             # one tensor a layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
-            return [allocate_zeroed((2, num_blocks, self.config.cache.block_size,
-                                     model.shard.num_kv_heads, cfg.head_dim), self._dtype,
-                                    self._device)
-                    for _ in range(cfg.num_layers)]
+            return [allocate_zeroed(shape, self._dtype, self._device)
+                    for shape in model.kv_cache_shapes(num_blocks, self.config.cache.block_size)]
 
     def _build(self, model, kv_caches: list[torch.Tensor], num_blocks: int) -> None:
         """The collaborators: graphs (captured over the real cache), KV events, the cache
@@ -333,6 +336,7 @@ class LLMEngine:
             pooling_normalize=self._pooler.config.normalize,
             hidden_size=loaded.model.cfg.hidden_size,
             tensor_parallel_size=self.config.parallel.tensor_parallel_size,
+            pipeline_parallel_size=self.config.parallel.pipeline_parallel_size,
             distributed_executor_backend=("" if self._executor is None
                                           else self.config.parallel.distributed_executor_backend),
             all_reduce_backend=("none" if self._executor is None

@@ -255,7 +255,8 @@ def main(ns: argparse.Namespace) -> int:
                       (cfg.router_host, cfg.http_port, "http_port")])
     resolve_model_once(ns.model)
     engines = start_engines(cfg, changed_engine_flags(ns),
-                            ranks_per_engine=ns.tensor_parallel_size)
+                            ranks_per_engine=ns.tensor_parallel_size
+                            * ns.pipeline_parallel_size)
     try:
         return asyncio.run(run_stack(cfg, engines, flow))
     finally:

@@ -60,22 +60,25 @@ def make_store(rank: int, world_size: int, port: int) -> dist.TCPStore:
 
 
 class GlooGroup:
-    """The ranks' process group on the CPU (the control broadcast, and CPU activations)."""
+    """A process group on the CPU: every rank (the step broadcast, pipeline stages' hidden
+    states) or one stage's tensor-parallel ranks (their CPU activations)."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
+    def __init__(self, store: dist.Store, rank: int, world_size: int,
+                 prefix: str = "gloo") -> None:
         options = dist.ProcessGroupGloo._Options()
         options._timeout = _IDLE_TIMEOUT
         options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, world_size,
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size,
                                         options)
         self.rank = rank
         self.world_size = world_size
 
 
 class TPComm:
-    """One rank's collectives. ``all_reduce`` sums in place over the device group (the
-    row-parallel layers' partial outputs, the vocab-parallel embedding); ``all_gather_last``
-    concatenates every rank's slice along the last dimension (the logits)."""
+    """One tensor-parallel group's collectives (``rank`` / ``world_size`` are within it).
+    ``all_reduce`` sums in place over the device group (the row-parallel layers' partial
+    outputs, the vocab-parallel embedding); ``all_gather_last`` concatenates every rank's
+    slice along the last dimension (the logits). With one rank both are the identity."""
 
     def __init__(self, cpu: GlooGroup, device_pg: Any, name: str,
                  shm: ShmCollectives | None = None) -> None:
@@ -87,12 +90,16 @@ class TPComm:
         self.shm = shm  # every rank has one or none; each call's size decides alike everywhere
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
         if self.shm is not None and self.shm.fits(x):
             return self.shm.all_reduce(x)
         self.device_pg.allreduce([x]).wait()
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
         if self.shm is not None and self.shm.fits(x):
             return self.shm.all_gather_last(x)
         x = x.contiguous()
@@ -122,30 +129,74 @@ class TPComm:
             data = bytes(buf[_HEADER_BYTES:_HEADER_BYTES + size].numpy())
         return obj if self.rank == 0 else pickle.loads(data)
 
-    def abort(self) -> None:
-        """Fail every pending collective of this rank (a peer died)."""
-        for pg in {id(self.cpu.pg): self.cpu.pg, id(self.device_pg): self.device_pg}.values():
-            try:
-                pg.abort()
-            except Exception:  # already broken: nothing left to fail
-                pass
+
+
+class ParallelComm:
+    """One rank of ``num_stages`` pipeline stages of ``tp.world_size`` ranks each (rank =
+    stage * tp + tp rank): ``tp`` for the layers' collectives, and over every rank the step
+    broadcast from rank 0 and the stages' hidden states (each stage's rank sends to the same
+    tensor-parallel rank of the next; the last stage's final hidden states go to every rank,
+    which then all compute the logits and sample alike)."""
+
+    def __init__(self, world: GlooGroup, tp: TPComm, num_stages: int) -> None:
+        self.world = world
+        self.tp = tp
+        self.num_stages = num_stages
+        self.stage = world.rank // tp.world_size
+
+    # the layers' collectives, as the model calls them
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(x)
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather_last(x)
+
+    @property
+    def name(self) -> str:
+        return self.tp.name if self.tp.world_size > 1 else "none"
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        return TPComm(self.world, self.world.pg, "").broadcast_object(obj)
+
+    def send_to_next_stage(self, x: torch.Tensor) -> None:
+        self.world.pg.send([x.contiguous()], self.world.rank + self.tp.world_size, 0).wait()
+
+    def recv_from_previous_stage(self, x: torch.Tensor) -> torch.Tensor:
+        self.world.pg.recv([x], self.world.rank - self.tp.world_size, 0).wait()
+        return x
+
+    def broadcast_from_last_stage(self, x: torch.Tensor) -> torch.Tensor:
+        """The last stage's tensor-parallel rank 0 sends ``x`` (its final hidden states)."""
+        self.world.pg.broadcast(x, (self.num_stages - 1) * self.tp.world_size).wait()
+        return x
+
+    def barrier(self) -> None:
+        self.world.pg.barrier().wait()
+
 
 
 def make_comm(store: dist.Store, rank: int, world_size: int, device: torch.device,
-              failed: Callable[[], str | None] = lambda: None) -> TPComm:
-    """Gloo for control; activations over shared memory on a CPU (gloo where it cannot run),
-    NCCL on CUDA. ``failed``: polled by a rank waiting in shared memory (why to give up)."""
-    cpu = GlooGroup(store, rank, world_size)
+              failed: Callable[[], str | None] = lambda: None,
+              tensor_parallel_size: int | None = None) -> ParallelComm:
+    """Gloo for control and between stages; activations within a stage over shared memory
+    on a CPU (gloo where it cannot run), NCCL on CUDA. ``failed``: polled by a rank waiting
+    in shared memory (why to give up)."""
+    tp = tensor_parallel_size or world_size
+    world = GlooGroup(store, rank, world_size, "world")
+    stage, tp_rank = divmod(rank, tp)
+    cpu = world if tp == world_size else GlooGroup(store, tp_rank, tp, f"tp{stage}")
     if device.type != "cuda":
-        return _cpu_comm(cpu, failed)
+        return ParallelComm(world, _cpu_comm(cpu, failed), world_size // tp)
     options = dist.ProcessGroupNCCL.Options()
-    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size, options)
-    return TPComm(cpu, nccl, "nccl")
+    nccl = dist.ProcessGroupNCCL(dist.PrefixStore(f"nccl{stage}", store), tp_rank, tp, options)
+    return ParallelComm(world, TPComm(cpu, nccl, "nccl"), world_size // tp)
 
 
 def _cpu_comm(cpu: GlooGroup, failed: Callable[[], str | None]) -> TPComm:
     """Rank 0 decides and creates the segment; every other rank maps it; rank 0 unlinks it
     once all have, so nothing is left in /dev/shm however the ranks end."""
+    if cpu.world_size == 1:
+        return TPComm(cpu, cpu.pg, "none")
     decision, shm = None, None
     if cpu.rank == 0:
         reason = shm_unavailable_reason(cpu.world_size)

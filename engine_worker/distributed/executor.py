@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import replace
 
-from engine_worker.distributed.comm import TPComm, make_comm, make_store
+from engine_worker.distributed.comm import ParallelComm, make_comm, make_store
 from engine_worker.distributed.worker import WorkerSpec, WorkerStart, run_worker, \
     worker_device
 from engine_worker.model_runner.runner import ModelRunner
@@ -30,8 +30,9 @@ _STOP_TIMEOUT_S = 10.0
 
 
 class MultiprocExecutor:
-    """Starts ranks 1 .. world_size - 1 from ``spec`` (its rank and port are filled in) and
-    joins them as rank 0; ``comm`` is rank 0's collectives, for its own shard."""
+    """Starts ranks 1 .. world_size - 1 (tensor x pipeline) from ``spec`` (its rank and port
+    are filled in) and joins them as rank 0; ``comm`` is rank 0's collectives, for its own
+    shard."""
 
     def __init__(self, spec: WorkerSpec, on_failure: Callable[[str], None]) -> None:
         self._on_failure = on_failure
@@ -56,9 +57,10 @@ class MultiprocExecutor:
                     ", ".join(str(p.pid) for p in self._procs))
         self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
         self._watcher.start()
-        self.comm: TPComm = make_comm(store, 0, spec.world_size,
-                                      worker_device(spec.device, 0),
-                                      failed=lambda: self.failure)
+        self.comm: ParallelComm = make_comm(store, 0, spec.world_size,
+                                            worker_device(spec.device, 0),
+                                            failed=lambda: self.failure,
+                                            tensor_parallel_size=spec.tensor_parallel_size)
         self._store = store
 
     @property
@@ -69,7 +71,7 @@ class MultiprocExecutor:
         """After rank 0 sized the KV cache: every worker allocates its slice and builds its
         runner; returns once all are ready."""
         self.comm.broadcast_object(start)
-        self.comm.cpu.pg.barrier().wait()
+        self.comm.barrier()
 
     def execute(self, runner: ModelRunner, out: SchedulerOutput) -> ModelRunnerOutput:
         """One step on every rank; rank 0's output is the engine's."""

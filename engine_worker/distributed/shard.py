@@ -53,6 +53,40 @@ class TPShard:
         return self.size > 1
 
 
+@dataclass(frozen=True, slots=True)
+class PPStage:
+    """One pipeline stage: decoder layers ``[layer_start, layer_end)``, contiguous, split as
+    evenly as the count allows. ``PPStage.whole(n)`` is the single-stage model."""
+
+    stage: int
+    num_stages: int
+    layer_start: int
+    layer_end: int
+
+    @classmethod
+    def whole(cls, num_layers: int) -> PPStage:
+        return cls(0, 1, 0, num_layers)
+
+    @classmethod
+    def of(cls, stage: int, num_stages: int, num_layers: int) -> PPStage:
+        if num_layers < num_stages:
+            raise ValueError(f"pipeline_parallel_size: {num_stages} exceeds the model's "
+                             f"{num_layers} layers")
+        return cls(stage, num_stages, stage * num_layers // num_stages,
+                   (stage + 1) * num_layers // num_stages)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def owns(self, layer: int) -> bool:
+        return self.layer_start <= layer < self.layer_end
+
+
 def check_divisible(size: int, *, num_heads: int, num_kv_heads: int,
                     intermediate_size: int) -> None:
     """ValueError (naming ``tensor_parallel_size`` and the model's number) unless ``size``

@@ -31,7 +31,8 @@ class WorkerSpec:
     """What rank 0 decided at start that a worker must build the same way (sent at spawn)."""
 
     rank: int
-    world_size: int
+    world_size: int  # tensor_parallel_size x pipeline_parallel_size
+    tensor_parallel_size: int
     store_port: int
     model_dir: Path
     dtype: torch.dtype
@@ -98,18 +99,18 @@ def _serve(spec: WorkerSpec) -> None:
     parent_pid = os.getppid()
     comm = make_comm(make_store(spec.rank, spec.world_size, spec.store_port), spec.rank,
                      spec.world_size, device,
-                     failed=lambda: None if os.getppid() == parent_pid else "the engine exited")
+                     failed=lambda: None if os.getppid() == parent_pid else "the engine exited",
+                     tensor_parallel_size=spec.tensor_parallel_size)
     backend = select_backend(spec.kernels, device, spec.attention_backend)
     loaded = load_model(spec.model_dir, dtype=spec.dtype, device=device,
                         backend=backend.backend, max_model_len=spec.max_model_len, comm=comm)
     model = loaded.model
     start: WorkerStart = comm.broadcast_object()
-    kv_caches = [allocate_zeroed((2, start.num_blocks, start.block_size,
-                                  model.shard.num_kv_heads, model.cfg.head_dim),
-                                 spec.dtype, device) for _ in range(model.cfg.num_layers)]
+    kv_caches = [allocate_zeroed(shape, spec.dtype, device)
+                 for shape in model.kv_cache_shapes(start.num_blocks, start.block_size)]
     runner = ModelRunner(model, kv_caches, start.block_size, device, model.cfg.vocab_size,
                          start.eos_token_ids, start.seed, pooler=Pooler(start.pooler_config))
-    comm.cpu.pg.barrier().wait()  # every rank ready: rank 0 may announce and serve
+    comm.barrier()  # every rank ready: rank 0 may announce and serve
     while True:
         step = comm.broadcast_object()
         if step is None:  # rank 0 is shutting down

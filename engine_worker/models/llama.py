@@ -19,7 +19,7 @@ from torch import nn
 from engine_worker.attention.metadata import AttentionMetadata
 from engine_worker.backends.base import Backend, LayersFn, LinearWeights
 from engine_worker.distributed.comm import Collectives, WholeModel
-from engine_worker.distributed.shard import TPShard
+from engine_worker.distributed.shard import PPStage, TPShard
 from engine_worker.layers.linear import Linear
 from engine_worker.layers.norm import RMSNorm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding
@@ -85,6 +85,12 @@ class LlamaStack:
     rope_sin: torch.Tensor  # [max_position, head_dim] fp32
 
 
+def whole_shard(cfg: LlamaConfig) -> TPShard:
+    """One rank holding every head, the whole MLP and the whole vocabulary."""
+    return TPShard.whole(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                         intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size)
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query attention over the paged KV cache: a fused QKV projection, RoPE on q and
     k, attention (the backend's), and the output projection. Under tensor parallelism it holds
@@ -92,9 +98,10 @@ class LlamaAttention(nn.Module):
     partial sum the decoder layer all-reduces)."""
 
     def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: Backend,
-                 shard: TPShard) -> None:
+                 shard: TPShard | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        shard = shard or whole_shard(cfg)
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.q_size = shard.num_heads * cfg.head_dim
         self.kv_size = shard.num_kv_heads * cfg.head_dim
@@ -130,9 +137,9 @@ class LlamaMLP(nn.Module):
     """SwiGLU (Shazeer, 2020) over a fused gate/up projection (gate/up column-parallel, down
     row-parallel under tensor parallelism)."""
 
-    def __init__(self, cfg: LlamaConfig, backend: Backend, shard: TPShard) -> None:
+    def __init__(self, cfg: LlamaConfig, backend: Backend, shard: TPShard | None = None) -> None:
         super().__init__()
-        width = shard.intermediate_size
+        width = (shard or whole_shard(cfg)).intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * width, cfg.mlp_bias,
                                    backend.linear, backend.pack_weight)
         self.down_proj = Linear(width, cfg.hidden_size, cfg.mlp_bias,
@@ -149,14 +156,14 @@ class LlamaDecoderLayer(nn.Module):
     parallelism attention's and the MLP's outputs are partial sums: one all-reduce each."""
 
     def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: Backend,
-                 shard: TPShard, comm: Collectives) -> None:
+                 shard: TPShard | None = None, comm: Collectives | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm)
         self.self_attn = LlamaAttention(cfg, rotary, backend, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
                                                 backend.rms_norm)
         self.mlp = LlamaMLP(cfg, backend, shard)
-        self.all_reduce = comm.all_reduce
+        self.all_reduce = (comm or WholeModel()).all_reduce
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -172,21 +179,26 @@ class LlamaDecoderLayer(nn.Module):
             gate_up_proj=mlp.gate_up_proj.export(), down_proj=mlp.down_proj.export())
 
 
+class OtherStageLayer(nn.Module):
+    """The place of a decoder layer another pipeline stage holds (no weights here)."""
+
+
 class LlamaForCausalLM(nn.Module):
     """``forward`` returns final hidden states; ``compute_logits`` projects the rows to sample.
     ``shard``/``comm``: this rank's slice under tensor parallelism and its collectives (the
     whole model and identities by default); the embedding and logits are split by vocabulary
-    rows, and ``compute_logits`` returns every rank the full logits."""
+    rows, and ``compute_logits`` returns every rank the full logits. ``stage``: the layers
+    this rank's pipeline stage holds; the hidden states come from the previous stage and go
+    to the next, and the last stage's final hidden states to every rank."""
 
     def __init__(self, cfg: LlamaConfig, backend: Backend, max_position: int,
                  device: torch.device, shard: TPShard | None = None,
-                 comm: Collectives | None = None) -> None:
+                 comm: Collectives | None = None, stage: PPStage | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.shard = shard or TPShard.whole(
-            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-            intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size)
+        self.shard = shard or whole_shard(cfg)
         self.comm = comm or WholeModel()
+        self.stage = stage or PPStage.whole(cfg.num_layers)
         self.backend = backend
         self.logits_packed = None
         # the loader's other form of a tied embedding for the logits (a GGUF's blocks), if any
@@ -195,9 +207,9 @@ class LlamaForCausalLM(nn.Module):
         vocab_rows = self.shard.vocab_per_rank
         self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.rope, max_position, device, backend.rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, backend, self.shard,
-                                                      self.comm)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, self.rotary, backend, self.shard, self.comm)
+            if self.stage.owns(i) else OtherStageLayer() for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -208,13 +220,30 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]
-        x = self._embed(input_ids)
+        stage = self.stage
+        if stage.is_first:
+            x = self._embed(input_ids)
+        else:
+            x = self.comm.recv_from_previous_stage(torch.empty(
+                input_ids.shape[0], self.cfg.hidden_size, dtype=self.norm.weight.dtype,
+                device=input_ids.device))
         if self.layer_stack is not None:
             x = self.layer_stack(x, positions, kv_caches, meta)
         else:
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                x = layer(positions, x, kv_cache, meta)
-        return self.norm(x)
+            for i in range(stage.layer_start, stage.layer_end):
+                x = self.layers[i](positions, x, kv_caches[i], meta)
+        if stage.num_stages == 1:
+            return self.norm(x)
+        if not stage.is_last:
+            self.comm.send_to_next_stage(x)
+        return self.comm.broadcast_from_last_stage(self.norm(x) if stage.is_last else x)
+
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        """Each layer's KV cache tensor: [2, num_blocks, block_size, kv heads, head_dim] for
+        this rank's layers and heads; no heads (no memory) for another stage's layers."""
+        return [(2, num_blocks, block_size,
+                 self.shard.num_kv_heads if self.stage.owns(i) else 0, self.cfg.head_dim)
+                for i in range(self.cfg.num_layers)]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel under tensor parallelism: each rank looks up the ids in its rows
@@ -233,6 +262,10 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+        if self.stage.num_stages > 1:  # one call over every layer: this rank holds some
+            self.logits_packed = (self.backend.pack_weight(self._logits_weight())
+                                  if self.lm_head is None else self.lm_head.packed)
+            return
         self.logits_packed = (self.backend.pack_weight(self._logits_weight())
                               if self.lm_head is None else self.lm_head.packed)
         # a fused stack runs every layer in one call: no place for the all-reduces between them
@@ -242,7 +275,8 @@ class LlamaForCausalLM(nn.Module):
         """The decoder layers' loaded (and packed) weights and shapes, as plain data."""
         cfg = self.cfg
         return LlamaStack(
-            layers=tuple(layer.export() for layer in self.layers), hidden_size=cfg.hidden_size,
+            layers=tuple(layer.export() for layer in self.layers
+                         if isinstance(layer, LlamaDecoderLayer)), hidden_size=cfg.hidden_size,
             num_heads=self.shard.num_heads, num_kv_heads=self.shard.num_kv_heads,
             head_dim=cfg.head_dim,
             rms_norm_eps=cfg.rms_norm_eps, attention_scale=cfg.head_dim ** -0.5,

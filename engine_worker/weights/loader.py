@@ -19,7 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine_worker.backends.base import Backend
-from engine_worker.distributed.shard import TPShard, shard_llama_state
+from engine_worker.distributed.shard import PPStage, TPShard, shard_llama_state
 from engine_worker.weights.gguf_weights import dequantize_blocks, read_gguf_state
 from engine_worker.models.registry import lookup_architecture
 from engine_worker.progress import progress
@@ -68,19 +68,22 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, bac
     ``device``), then let ``backend`` pack the weights its way. With ``gguf``, the weights come
     from that file, the block types ``backend`` multiplies natively kept as blocks
     (``strict_quantization``: another block type in a linear layer is an error, not widened).
-    ``comm`` (a ``distributed.comm.TPComm``): load this rank's tensor-parallel slice, cut from
-    the full checkpoint, into a model whose layers reduce and gather over it."""
+    ``comm`` (a ``distributed.comm.ParallelComm``): load this rank's tensor-parallel slice of
+    its pipeline stage's layers, cut from the full checkpoint, into a model whose layers
+    reduce, gather and pass hidden states over it."""
     hf_config = read_hf_config(model_dir)
     arch_name, arch = lookup_architecture(hf_config)
     cfg = arch.parse_config(hf_config)
     max_len = derive_max_model_len(hf_config, max_model_len)
-    shard = None
-    if comm is not None and comm.world_size > 1:
-        shard = TPShard.of(comm.rank, comm.world_size, num_heads=cfg.num_heads,
+    shard = stage = None
+    if comm is not None:
+        shard = TPShard.of(comm.tp.rank, comm.tp.world_size, num_heads=cfg.num_heads,
                            num_kv_heads=cfg.num_kv_heads,
                            intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size)
+        stage = PPStage.of(comm.stage, comm.num_stages, cfg.num_layers)
     with torch.device("meta"):
-        model = arch.model_cls(cfg, backend, max_len, device, shard=shard, comm=comm)
+        model = arch.model_cls(cfg, backend, max_len, device, shard=shard, comm=comm,
+                               stage=stage)
     summary = ""
     if gguf is not None:
         with progress(logger, f"Loading weights from {gguf.name} (native GGUF blocks)"):
@@ -99,6 +102,9 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, bac
         state = shard_llama_state(state, shard=shard, num_heads=cfg.num_heads,
                                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
     expected = set(model.state_dict())
+    if stage is not None:  # other stages' layers: theirs to load
+        state = {k: v for k, v in state.items()
+                 if k in expected or not k.startswith("layers.")}
     missing = expected - state.keys()
     unexpected = state.keys() - expected
     if missing:

@@ -1,4 +1,5 @@
-"""Tensor parallelism on CPU (gloo): tp 2 and 4 against the single-process engine, the
+"""Tensor and pipeline parallelism on CPU (shared memory, gloo): tp 2 and 4, pp 2 and 2 x 2
+against the single-process engine, the
 features that must not notice it, `quire engine --tensor-parallel-size 2` over gRPC, and the
 workers' lifecycle (no orphans after SIGKILL of the engine, a dead worker fails the engine
 loudly, SIGTERM drains).
@@ -103,6 +104,26 @@ def test_tp4_replicates_kv_heads_and_matches_one_process(tiny_model_dir):
     with LLM(str(tiny_model_dir), tensor_parallel_size=4, **ENGINE) as llm:
         assert len(llm.info.worker_pids) == 3
         assert_parallel_equal(expected, llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
+def test_pipeline_stages_match_one_process(bias_model_dir, single, tp, pp):
+    # 3 layers: stage 0 holds layer 0, stage 1 layers 1 and 2
+    expected = single.generate(PROMPTS, GREEDY, use_tqdm=False)
+    with LLM(str(bias_model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp,
+             **ENGINE) as llm:
+        assert (llm.info.tensor_parallel_size, llm.info.pipeline_parallel_size) == (tp, pp)
+        assert len(llm.info.worker_pids) == tp * pp - 1
+        assert_parallel_equal(expected, llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # from the prefix cache
+        assert again[1].num_cached_tokens >= 64
+        assert_parallel_equal(expected, again)
+
+
+def test_more_stages_than_layers_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="pipeline_parallel_size: 4 exceeds the model's 3 "
+                                         "layers"):
+        LLM(str(tiny_model_dir), pipeline_parallel_size=4, **ENGINE)
 
 
 @pytest.mark.parametrize("size, words", [(3, "3 does not divide the model's 4 attention heads"),
