@@ -33,7 +33,15 @@ _HELP = {
     "long_prefill_token_threshold": "cap on one request's prefill chunk (0: none)",
     "seed": "seed of the engine's default random stream",
     "device": "auto, cpu or cuda[:N]",
-    "num_threads": "torch CPU threads",
+    "num_threads": "torch CPU threads (of each rank under tensor parallelism; default there: "
+                   "the CPUs divided among the ranks)",
+    "tensor_parallel_size": "ranks one model is split across (heads, MLP and vocabulary "
+                            "sliced per rank; one process each, torch.distributed between "
+                            "them)",
+    "pipeline_parallel_size": "pipeline stages: contiguous runs of layers, one stage after "
+                              "another (each split in tensor_parallel_size ranks)",
+    "distributed_executor_backend": "how the ranks run: mp (one worker process per rank "
+                                    "beside the engine's own, rank 0)",
     "kernels": "kernel backend: auto (on a CPU the compiled CPU kernels where they build, else "
                "torch; on CUDA triton; said at start), cpu (AVX-512), cpu-avx2, triton (Triton "
                "paged attention), "

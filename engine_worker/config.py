@@ -164,6 +164,38 @@ class DeviceConfig:
                    f"must be a positive integer, got {self.num_threads!r}")
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp",)
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How one model is split across processes (vLLM's names). ``tensor_parallel_size`` ranks
+    each hold a slice of every layer; the engine core (scheduler, sampling) is rank 0, in the
+    engine's own process, and the other ranks are worker processes it starts (``mp``) and
+    talks to over torch.distributed (``engine_worker.distributed``).
+    ``pipeline_parallel_size`` stages hold contiguous runs of layers, each stage split in
+    ``tensor_parallel_size`` ranks."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
+               "tensor_parallel_size",
+               f"must be a positive integer, got {self.tensor_parallel_size!r}")
+        _check(_is_int(self.pipeline_parallel_size) and self.pipeline_parallel_size >= 1,
+               "pipeline_parallel_size",
+               f"must be a positive integer, got {self.pipeline_parallel_size!r}")
+        _check(self.distributed_executor_backend in DISTRIBUTED_EXECUTOR_BACKENDS,
+               "distributed_executor_backend", f"must be one of "
+               f"{DISTRIBUTED_EXECUTOR_BACKENDS}, got {self.distributed_executor_backend!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """All groups together; built once by ``EngineArgs.create_engine_config``."""
@@ -174,6 +206,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     lora: LoRAConfig | None = None  # None: LoRA adapters are off (enable_lora false)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass(slots=True)
@@ -211,12 +244,21 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
     def create_engine_config(self) -> EngineConfig:
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora: must be a boolean, got {self.enable_lora!r}")
         # adapters given at start turn LoRA on (vLLM asks for --enable-lora as well)
         enable_lora = self.enable_lora or bool(self.lora_modules)
+        if enable_lora and (self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1):
+            # the workers' runners hold no adapter slots yet: refuse rather than run the base
+            raise ValueError(
+                f"enable_lora: LoRA adapters do not run split across processes yet "
+                f"(tensor_parallel_size={self.tensor_parallel_size}, "
+                f"pipeline_parallel_size={self.pipeline_parallel_size}); use one process")
         return EngineConfig(
             model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                               max_model_len=self.max_model_len, seed=self.seed,
@@ -238,4 +280,8 @@ class EngineArgs:
             lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                             max_cpu_loras=self.max_cpu_loras, lora_modules=self.lora_modules)
             if enable_lora else None,
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend),
         )

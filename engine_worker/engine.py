@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +20,9 @@ import torch
 
 from engine_worker.backends import select_backend
 from engine_worker.config import EngineArgs, EngineConfig
+from engine_worker.distributed.executor import MultiprocExecutor
+from engine_worker.distributed.shard import PPStage, TPShard
+from engine_worker.distributed.worker import WorkerSpec, WorkerStart
 from engine_worker.engine_info import EngineInfo
 from engine_worker.grammar import GrammarCompilerCache
 from engine_worker.input_processor import InputProcessor, PromptType
@@ -46,7 +50,8 @@ from engine_worker.scheduler.scheduler import Scheduler
 from engine_worker.spec_decode.methods import build_speculator
 from engine_worker.step_types import SchedulerStats
 from engine_worker.tokenizer import Tokenizer
-from engine_worker.weights.loader import LoadedModel, load_model
+from engine_worker.weights.loader import LoadedModel, load_model, read_hf_config
+from engine_worker.models.registry import lookup_architecture
 from engine_worker.weights.quantization import choose_quantization
 from engine_worker.weights.resolve import (EMBEDDED_MODEL_ID, gguf_path_of, resolve_model,
                                            resolve_model_dir)
@@ -100,8 +105,13 @@ class LLMEngine:
         allocate the KV cache, build the collaborators, record the facts and announce them."""
         start = time.monotonic()
         self.config = config
+        self.dead_reason: str | None = None  # set when a step failed; the engine is unusable
+        self._executor: MultiprocExecutor | None = None
+        world_size = config.parallel.world_size
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
+        elif world_size > 1:  # the ranks share the cores: one torch team each
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
         self._device = select_device(config.device.device)
         self._speculator = build_speculator(config.speculative, self._device.type)
         self._backend = select_backend(config.device.kernels, self._device,
@@ -115,16 +125,34 @@ class LLMEngine:
         self._tokenizer_dir = (resolve_model_dir(config.model.tokenizer)
                                if config.model.tokenizer else self._model_dir)
         self._dtype = select_dtype(config.model.dtype, self._device, self._backend.name)
+        if world_size > 1:
+            self._executor = self._start_workers()
+        try:
+            self._start_rank0(start)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_rank0(self, start: float) -> None:
+        """The rest of the start, in this process: the engine core and rank 0's shard."""
+        config = self.config
         loaded, self.tokenizer = self._load_model_and_tokenizer()
         self._max_model_len = loaded.max_model_len
         self._pooler = Pooler(config.model.pooler_config.resolved(self._model_dir))
         self._graph_choice = self._choose_cuda_graphs(loaded.model)
         size = self._size_kv_cache(loaded.model)
+        if self._executor is not None:
+            with progress(logger, "Starting the tensor-parallel workers' runners"):
+                self._executor.start_workers(WorkerStart(
+                    num_blocks=size.num_blocks, block_size=config.cache.block_size,
+                    eos_token_ids=self.tokenizer.eos_token_ids, seed=config.model.seed,
+                    pooler_config=self._pooler.config))
         kv_caches = self._allocate_kv_cache(loaded.model, size.num_blocks)
         self._build(loaded.model, kv_caches, size.num_blocks)
+        self._execute = (self.runner.execute if self._executor is None
+                         else lambda out: self._executor.execute(self.runner, out))
         self.info = self._facts(loaded, size)
         self._pending_outputs: list[RequestOutput] = []
-        self.dead_reason: str | None = None  # set when a step failed; the engine is unusable
         self._load_lora_modules()
         self._announce(time.monotonic() - start)
 
@@ -133,11 +161,54 @@ class LLMEngine:
         return cls(args.create_engine_config())
 
     # ------------------------------------------------------------------- start-up
+    def _start_workers(self) -> MultiprocExecutor:
+        """Tensor parallelism: check the model splits, then start ranks 1 .. tp - 1 (they load
+        their slices while this process loads rank 0's)."""
+        parallel = self.config.parallel
+        tp, world_size = parallel.tensor_parallel_size, parallel.world_size
+        _, arch = lookup_architecture(hf := read_hf_config(self._model_dir))
+        cfg = arch.parse_config(hf)
+        TPShard.of(0, tp, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                   intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size)
+        PPStage.of(0, parallel.pipeline_parallel_size, cfg.num_layers)
+        if self._quantization.native:
+            raise ValueError("quantization: tensor_parallel_size > 1 runs float weights only; "
+                             "load this GGUF with quantization=dequantize")
+        if self._device.type == "cuda" and torch.cuda.device_count() < world_size:
+            raise ValueError(f"tensor_parallel_size: {tp} x pipeline_parallel_size "
+                             f"{parallel.pipeline_parallel_size} needs {world_size} GPUs, "
+                             f"torch sees {torch.cuda.device_count()}")
+        spec = WorkerSpec(rank=0, world_size=world_size, tensor_parallel_size=tp, store_port=0,
+                          model_dir=self._model_dir,
+                          dtype=self._dtype, device=self._device.type,
+                          kernels=self._backend.name,
+                          attention_backend=self._backend.backend.attention.name,
+                          max_model_len=self.config.model.max_model_len,
+                          num_threads=torch.get_num_threads(),
+                          log_level=logging.getLogger().getEffectiveLevel())
+        with progress(logger, f"Starting {world_size - 1} worker process"
+                              f"{'es' if world_size > 2 else ''} (one a rank)"):
+            return MultiprocExecutor(spec, on_failure=self._worker_failed)
+
+    def _worker_failed(self, reason: str) -> None:
+        # from the executor's watcher thread: the next step (or the server's loop) sees it
+        if self.dead_reason is None:
+            self.dead_reason = reason
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op for one process); the engine serves
+        nothing more afterwards. Also done when the engine is collected or Python exits."""
+        if self._executor is not None:
+            self._executor.shutdown()
+            if self.dead_reason is None:
+                self.dead_reason = "the engine was shut down"
+
     def _load_model_and_tokenizer(self) -> tuple[LoadedModel, Tokenizer]:
         loaded = load_model(self._model_dir, dtype=self._dtype, device=self._device,
                             backend=self._backend.backend,
                             max_model_len=self.config.model.max_model_len,
-                            gguf=self._source.gguf, strict_quantization=self._quantization.strict)
+                            gguf=self._source.gguf, strict_quantization=self._quantization.strict,
+                            comm=None if self._executor is None else self._executor.comm)
         with progress(logger, "Loading the tokenizer"):
             return loaded, Tokenizer(self._tokenizer_dir)
 
@@ -146,7 +217,9 @@ class LLMEngine:
         return choose_cuda_graphs(
             # a pooling runner never decodes: nothing to capture
             device=self._device, enforce_eager=self.config.device.enforce_eager
-            or self.config.model.runner == "pooling",
+            or self.config.model.runner == "pooling"
+            # collectives inside captured graphs are unproven here: eager under parallelism
+            or self.config.parallel.world_size > 1,
             attention=self._backend.backend.attention.name,
             fused_layers=model.layer_stack is not None, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens)
@@ -156,8 +229,11 @@ class LLMEngine:
         was given, else the given size or a share of the available memory."""
         cache, cfg = self.config.cache, model.cfg
         block_bytes = bytes_per_block(num_layers=cfg.num_layers, block_size=cache.block_size,
-                                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                      num_kv_heads=model.shard.num_kv_heads,
+                                      head_dim=cfg.head_dim,
                                       dtype_bytes=torch.finfo(self._dtype).bits // 8)
+        if self._device.type == "cpu":  # the ranks' slices share this host's memory
+            block_bytes *= model.shard.size
         profile = None
         if self._device.type == "cuda" and cache.kv_cache_memory_bytes is None:
             profile = self._profile_memory(model)
@@ -202,12 +278,10 @@ class LLMEngine:
                                    self.config.cache.block_size, self._device)
 
     def _allocate_kv_cache(self, model, num_blocks: int) -> list[torch.Tensor]:
-        cfg = model.cfg
         with progress(logger, "Allocating the KV cache"):
             # one tensor a layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
-            return [allocate_zeroed((2, num_blocks, self.config.cache.block_size,
-                                     cfg.num_kv_heads, cfg.head_dim), self._dtype, self._device)
-                    for _ in range(cfg.num_layers)]
+            return [allocate_zeroed(shape, self._dtype, self._device)
+                    for shape in model.kv_cache_shapes(num_blocks, self.config.cache.block_size)]
 
     def _build(self, model, kv_caches: list[torch.Tensor], num_blocks: int) -> None:
         """The collaborators: graphs (captured over the real cache), KV events, the cache
@@ -269,7 +343,15 @@ class LLMEngine:
             tokenizer_digest=tokenizer_dir_digest(self._tokenizer_dir),
             runner=self.config.model.runner, pooling_type=self._pooler.config.pooling_type,
             pooling_normalize=self._pooler.config.normalize,
-            hidden_size=loaded.model.cfg.hidden_size, **self._lora_facts())
+            hidden_size=loaded.model.cfg.hidden_size,
+            tensor_parallel_size=self.config.parallel.tensor_parallel_size,
+            pipeline_parallel_size=self.config.parallel.pipeline_parallel_size,
+            distributed_executor_backend=("" if self._executor is None
+                                          else self.config.parallel.distributed_executor_backend),
+            all_reduce_backend=("none" if self._executor is None
+                                else self._executor.comm.name),
+            worker_pids=() if self._executor is None else tuple(self._executor.pids),
+            **self._lora_facts())
 
     def _lora_facts(self) -> dict:
         lora = self.config.lora
@@ -384,13 +466,18 @@ class LLMEngine:
         if scheduler_output.preempted_req_ids:
             self.output_processor.mark_preempted(scheduler_output.preempted_req_ids, now)
         try:
-            runner_output = self.runner.execute(scheduler_output)
+            runner_output = self._execute(scheduler_output)
         except BaseException as e:
             # The step's K/V is unknown: nothing it was to compute may be found, and the engine
             # refuses further work (the server reports it dead so the pod is restarted).
             self._kv_cache_manager.discard_pending()
             self._pending_outputs = outputs
-            self.dead_reason = f"{type(e).__name__}: {e}"
+            # a dead worker breaks the collective first; the watcher then names it
+            reason = None if self._executor is None else self._executor.wait_for_failure(2.0)
+            if self.dead_reason is None:
+                self.dead_reason = reason or f"{type(e).__name__}: {e}"
+            if self._executor is not None:  # the workers may wait on us: stop them
+                self._executor.shutdown()
             raise
         core_outputs = self._scheduler.update_from_output(scheduler_output, runner_output)
         new_outputs, stopped = self.output_processor.process(core_outputs)

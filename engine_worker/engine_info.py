@@ -75,6 +75,12 @@ class EngineInfo:
     max_loras: int = 0
     max_lora_rank: int = 0
     max_cpu_loras: int = 0
+    # ---- tensor parallelism: ranks, how they run ("mp"; "" alone) and their all-reduce
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = ""
+    all_reduce_backend: str = "none"  # "gloo", "nccl", "shm"; "none" with one rank
+    worker_pids: tuple[int, ...] = ()  # the worker processes of ranks 1 .. tp - 1
 
     @property
     def kv_capacity_tokens(self) -> int:

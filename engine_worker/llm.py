@@ -34,6 +34,17 @@ class LLM:
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel worker processes (nothing to stop with one rank;
+        also done when the LLM is collected or Python exits)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     @property
     def info(self) -> EngineInfo:
         """What the engine runs, fixed at start: model, device, dtype, kernel backend, KV cache

@@ -60,6 +60,12 @@ def start_summary(info: EngineInfo, *, elapsed_s: float) -> str:
         lines.insert(3, f"  Quantization: {info.quantization_summary}")
     if info.memory is not None:
         lines.append(f"  Memory: {info.memory}")
+    if info.tensor_parallel_size * info.pipeline_parallel_size > 1:
+        lines.append(f"  Parallel: tensor_parallel_size={info.tensor_parallel_size} x "
+                     f"pipeline_parallel_size={info.pipeline_parallel_size} "
+                     f"({info.distributed_executor_backend}: this process is rank 0, workers "
+                     f"pids {', '.join(map(str, info.worker_pids))}), all-reduce "
+                     f"{info.all_reduce_backend}; KV cache and attention split by KV head")
     if info.speculative_config:
         lines.append(f"  Speculative decoding: {info.speculative_config}")
     lines.append(f"  Max model len: {info.max_model_len} tokens "

@@ -36,5 +36,8 @@ def main(ns: argparse.Namespace) -> int:
 
     logging.getLogger("engine_worker.server.threads").info(
         "Threads: %s", plan.describe(torch.get_num_threads()))
-    asyncio.run(serve(engine, cfg))
+    try:
+        asyncio.run(serve(engine, cfg))
+    finally:
+        engine.shutdown()  # tensor-parallel workers stop with the engine
     return 0

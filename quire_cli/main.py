@@ -55,6 +55,10 @@ BENCHMARKS = Group("benchmarks", {
     "serve": Command("routing policies compared on engine processes under Poisson arrivals",
                      "quire_cli.bench.serve_config:add_serve_args",
                      "quire_cli.bench.serve:run_from_args"),
+    "tensor-parallel": Command("one request's decode: the model split across ranks vs one "
+                               "process, same cores",
+                               "quire_cli.bench.tensor_parallel:add_tensor_parallel_args",
+                               "quire_cli.bench.tensor_parallel:run_from_args"),
     "serving": Command("quire up vs vLLM's OpenAI server under vLLM's serving benchmark client",
                        "quire_cli.bench.serving:add_serving_args",
                        "quire_cli.bench.serving:run_from_args"),

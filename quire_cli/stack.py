@@ -123,10 +123,12 @@ def kv_memory_flags(engine_flags: list[str], num_engines: int) -> list[str]:
     return ["--kv-cache-memory-bytes", str(share)]
 
 
-def start_engines(cfg: StackConfig, engine_flags: list[str]) -> list[EngineProcess]:
+def start_engines(cfg: StackConfig, engine_flags: list[str],
+                  ranks_per_engine: int = 1) -> list[EngineProcess]:
     """Start the engines, each with a metrics port, and wait until each prints that it
-    listens. ValueError (before any starts) when their KV caches would not fit together."""
-    threads = max(1, (os.cpu_count() or 1) // cfg.num_engines)
+    listens. ValueError (before any starts) when their KV caches would not fit together.
+    ``ranks_per_engine``: an engine's tensor-parallel processes, which share its cores."""
+    threads = max(1, (os.cpu_count() or 1) // (cfg.num_engines * ranks_per_engine))
     engine_flags = engine_flags + kv_memory_flags(engine_flags, cfg.num_engines)
     if cfg.lora_adapter_dirs:
         engine_flags += ["--lora-adapter-dirs", cfg.lora_adapter_dirs]
@@ -258,7 +260,9 @@ def main(ns: argparse.Namespace) -> int:
     check_ports_free([(cfg.router_host, cfg.router_port, "router_port"),
                       (cfg.router_host, cfg.http_port, "http_port")])
     resolve_model_once(ns.model)
-    engines = start_engines(cfg, changed_engine_flags(ns))
+    engines = start_engines(cfg, changed_engine_flags(ns),
+                            ranks_per_engine=ns.tensor_parallel_size
+                            * ns.pipeline_parallel_size)
     try:
         return asyncio.run(run_stack(cfg, engines, flow))
     finally:

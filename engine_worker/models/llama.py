@@ -18,6 +18,8 @@ from torch import nn
 
 from engine_worker.attention.metadata import AttentionMetadata
 from engine_worker.backends.base import Backend, LayersFn, LinearWeights
+from engine_worker.distributed.comm import Collectives, WholeModel
+from engine_worker.distributed.shard import PPStage, TPShard
 from engine_worker.layers.linear import Linear
 from engine_worker.layers.norm import RMSNorm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding
@@ -86,18 +88,30 @@ class LlamaStack:
     rope_sin: torch.Tensor  # [max_position, head_dim] fp32
 
 
+def whole_shard(cfg: LlamaConfig) -> TPShard:
+    """One rank holding every head, the whole MLP and the whole vocabulary."""
+    return TPShard.whole(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                         intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size)
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query attention over the paged KV cache: a fused QKV projection, RoPE on q and
-    k, attention (the backend's), and the output projection."""
+    k, attention (the backend's), and the output projection. Under tensor parallelism it holds
+    its rank's heads (``shard``): q/k/v column-parallel, o row-parallel (its output is a
+    partial sum the decoder layer all-reduces)."""
 
     def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: Backend,
-                 layer: int = 0) -> None:
+                 layer: int = 0, shard: TPShard | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.layer = layer  # which slot of a LoRA batch's per-layer weights is this layer's
-        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.qkv_bias,
+        shard = shard or whole_shard(cfg)
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
+        self.q_size = shard.num_heads * cfg.head_dim
+        self.kv_size = shard.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias,
                                backend.linear, backend.pack_weight)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.o_bias, backend.linear,
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, backend.linear,
                              backend.pack_weight)
         self.rotary = rotary
         self.attention = backend.attention
@@ -108,7 +122,7 @@ class LlamaAttention(nn.Module):
         # x: [num_tokens, hidden_size] -> [num_tokens, hidden_size]
         q, k, v = self.qkv_rope(positions, x, lora)
         out = self.attention.forward(q, k, v, kv_cache, meta, self.scale)
-        out = out.reshape(-1, self.cfg.q_size)
+        out = out.reshape(-1, self.q_size)
         y = self.o_proj(out)
         return y if lora is None else lora.add(y, out, self.layer, "o_proj")
 
@@ -117,27 +131,30 @@ class LlamaAttention(nn.Module):
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # x: [num_tokens, hidden_size] -> q [num_tokens, num_heads, head_dim],
         # k, v [num_tokens, num_kv_heads, head_dim]
-        cfg = self.cfg
+        head_dim = self.cfg.head_dim
         qkv = self.qkv_proj(x)
         if lora is not None:  # each token's adapter delta, on top of the base projection
             qkv = lora.add(qkv, x, self.layer, "qkv_proj")
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, head_dim)
+        k = k.view(-1, self.num_kv_heads, head_dim)
+        v = v.view(-1, self.num_kv_heads, head_dim)
         q, k = self.rotary(positions, q, k)
         return q, k, v
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU (Shazeer, 2020) over a fused gate/up projection."""
+    """SwiGLU (Shazeer, 2020) over a fused gate/up projection (gate/up column-parallel, down
+    row-parallel under tensor parallelism)."""
 
-    def __init__(self, cfg: LlamaConfig, backend: Backend, layer: int = 0) -> None:
+    def __init__(self, cfg: LlamaConfig, backend: Backend, layer: int = 0,
+                 shard: TPShard | None = None) -> None:
         super().__init__()
         self.layer = layer
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
+        width = (shard or whole_shard(cfg)).intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * width, cfg.mlp_bias,
                                    backend.linear, backend.pack_weight)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias,
+        self.down_proj = Linear(width, cfg.hidden_size, cfg.mlp_bias,
                                 backend.linear, backend.pack_weight)
         self.silu_and_mul = backend.silu_and_mul
 
@@ -150,21 +167,25 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm: h = x + attention(norm(x)); out = h + mlp(norm(h))."""
+    """Pre-norm: h = x + attention(norm(x)); out = h + mlp(norm(h)). Under tensor
+    parallelism attention's and the MLP's outputs are partial sums: one all-reduce each."""
 
     def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, backend: Backend,
-                 layer: int = 0) -> None:
+                 layer: int = 0, shard: TPShard | None = None,
+                 comm: Collectives | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm)
-        self.self_attn = LlamaAttention(cfg, rotary, backend, layer)
+        self.self_attn = LlamaAttention(cfg, rotary, backend, layer, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
                                                 backend.rms_norm)
-        self.mlp = LlamaMLP(cfg, backend, layer)
+        self.mlp = LlamaMLP(cfg, backend, layer, shard)
+        self.all_reduce = (comm or WholeModel()).all_reduce
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, lora: LoRABatch | None = None) -> torch.Tensor:
-        h = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, lora)
-        return h + self.mlp(self.post_attention_layernorm(h), lora)
+        h = x + self.all_reduce(self.self_attn(positions, self.input_layernorm(x), kv_cache,
+                                               meta, lora))
+        return h + self.all_reduce(self.mlp(self.post_attention_layernorm(h), lora))
 
     def export(self) -> LlamaLayerWeights:
         attn, mlp = self.self_attn, self.mlp
@@ -174,27 +195,42 @@ class LlamaDecoderLayer(nn.Module):
             gate_up_proj=mlp.gate_up_proj.export(), down_proj=mlp.down_proj.export())
 
 
+class OtherStageLayer(nn.Module):
+    """The place of a decoder layer another pipeline stage holds (no weights here)."""
+
+
 class LlamaForCausalLM(nn.Module):
-    """``forward`` returns final hidden states; ``compute_logits`` projects the rows to sample."""
+    """``forward`` returns final hidden states; ``compute_logits`` projects the rows to sample.
+    ``shard``/``comm``: this rank's slice under tensor parallelism and its collectives (the
+    whole model and identities by default); the embedding and logits are split by vocabulary
+    rows, and ``compute_logits`` returns every rank the full logits. ``stage``: the layers
+    this rank's pipeline stage holds; the hidden states come from the previous stage and go
+    to the next, and the last stage's final hidden states to every rank."""
 
     def __init__(self, cfg: LlamaConfig, backend: Backend, max_position: int,
-                 device: torch.device) -> None:
+                 device: torch.device, shard: TPShard | None = None,
+                 comm: Collectives | None = None, stage: PPStage | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.shard = shard or whole_shard(cfg)
+        self.comm = comm or WholeModel()
+        self.stage = stage or PPStage.whole(cfg.num_layers)
         self.backend = backend
         self.logits_packed = None
         # the loader's other form of a tied embedding for the logits (a GGUF's blocks), if any
         self.tied_logits_weight: torch.Tensor | None = None
         self.layer_stack: LayersFn | None = None  # every layer in one call, where the backend can
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        vocab_rows = self.shard.vocab_per_rank
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.rope, max_position, device, backend.rope)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary, backend, i)
-                                    for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, self.rotary, backend, i, self.shard, self.comm)
+            if self.stage.owns(i) else OtherStageLayer() for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, backend.linear,
+            self.lm_head = Linear(cfg.hidden_size, vocab_rows, False, backend.linear,
                                   backend.pack_weight)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -203,13 +239,40 @@ class LlamaForCausalLM(nn.Module):
         """``lora``: the step's adapters per token (None: every token runs the base model,
         through the fused stack where the backend has one)."""
         # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]
-        x = self.embed_tokens(input_ids)
+        stage = self.stage
+        if stage.is_first:
+            x = self._embed(input_ids)
+        else:
+            x = self.comm.recv_from_previous_stage(torch.empty(
+                input_ids.shape[0], self.cfg.hidden_size, dtype=self.norm.weight.dtype,
+                device=input_ids.device))
         if self.layer_stack is not None and lora is None:
             x = self.layer_stack(x, positions, kv_caches, meta)
         else:
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                x = layer(positions, x, kv_cache, meta, lora)
-        return self.norm(x)
+            for i in range(stage.layer_start, stage.layer_end):
+                x = self.layers[i](positions, x, kv_caches[i], meta, lora)
+        if stage.num_stages == 1:
+            return self.norm(x)
+        if not stage.is_last:
+            self.comm.send_to_next_stage(x)
+        return self.comm.broadcast_from_last_stage(self.norm(x) if stage.is_last else x)
+
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        """Each layer's KV cache tensor: [2, num_blocks, block_size, kv heads, head_dim] for
+        this rank's layers and heads; no heads (no memory) for another stage's layers."""
+        return [(2, num_blocks, block_size,
+                 self.shard.num_kv_heads if self.stage.owns(i) else 0, self.cfg.head_dim)
+                for i in range(self.cfg.num_layers)]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel under tensor parallelism: each rank looks up the ids in its rows
+        (zeros for the others) and the all-reduce assembles every row."""
+        if not self.shard.is_split:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.shard.vocab_start
+        mine = (local >= 0) & (local < self.shard.vocab_per_rank)
+        x = self.embed_tokens(torch.where(mine, local, 0)) * mine.unsqueeze(-1)
+        return self.comm.all_reduce(x)
 
     def lora_projections(self) -> dict[str, tuple[tuple[str, int, int], ...]]:
         """Fused projection -> the PEFT modules it concatenates: (name, in, out) each."""
@@ -227,16 +290,23 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+        if self.stage.num_stages > 1:  # one call over every layer: this rank holds some
+            self.logits_packed = (self.backend.pack_weight(self._logits_weight())
+                                  if self.lm_head is None else self.lm_head.packed)
+            return
         self.logits_packed = (self.backend.pack_weight(self._logits_weight())
                               if self.lm_head is None else self.lm_head.packed)
-        self.layer_stack = self.backend.fuse(self.export())
+        # a fused stack runs every layer in one call: no place for the all-reduces between them
+        self.layer_stack = None if self.shard.is_split else self.backend.fuse(self.export())
 
     def export(self) -> LlamaStack:
         """The decoder layers' loaded (and packed) weights and shapes, as plain data."""
         cfg = self.cfg
         return LlamaStack(
-            layers=tuple(layer.export() for layer in self.layers), hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            layers=tuple(layer.export() for layer in self.layers
+                         if isinstance(layer, LlamaDecoderLayer)), hidden_size=cfg.hidden_size,
+            num_heads=self.shard.num_heads, num_kv_heads=self.shard.num_kv_heads,
+            head_dim=cfg.head_dim,
             rms_norm_eps=cfg.rms_norm_eps, attention_scale=cfg.head_dim ** -0.5,
             rope_cos=self.rotary.cos, rope_sin=self.rotary.sin)
 
@@ -249,5 +319,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden_size] -> fp32 logits [num_rows, vocab_size]
-        return self.backend.linear(hidden, self._logits_weight(), None,
-                                   self.logits_packed).float()
+        logits = self.backend.linear(hidden, self._logits_weight(), None,
+                                     self.logits_packed).float()
+        if not self.shard.is_split:
+            return logits
+        # every rank gets the whole row and samples it as rank 0 does (vLLM v1's way), so
+        # the ranks' request states stay equal without a second message
+        return self.comm.all_gather_last(logits)[:, :self.cfg.vocab_size]

@@ -228,6 +228,10 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         while not self._stopping.is_set():
+            if engine.dead_reason is not None:  # e.g. a tensor-parallel worker died while idle
+                logger.error("the engine failed; it stops serving: %s", engine.dead_reason)
+                self._die(engine.dead_reason)
+                return
             idle = not engine.has_unfinished_requests()
             self._drain_commands(block=idle)
             if not engine.has_unfinished_requests():
@@ -236,7 +240,7 @@ class AsyncEngine:
                 result = engine.step()
             except Exception as e:  # the engine is dead: end every stream, never hang one
                 logger.exception("engine step failed; the engine stops serving")
-                self._die(f"{type(e).__name__}: {e}")
+                self._die(engine.dead_reason or f"{type(e).__name__}: {e}")
                 return
             self._deliver(result.outputs)
             self._after_step(result.stats, result.kv_event_batches)

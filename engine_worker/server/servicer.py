@@ -139,7 +139,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             cuda_graphs=info.cuda_graphs, quantization=info.quantization,
             speculative_config=info.speculative_config, runner=info.runner,
             pooling_type=info.pooling_type, pooling_normalize=info.pooling_normalize,
-            hidden_size=info.hidden_size,
+            hidden_size=info.hidden_size, tensor_parallel_size=info.tensor_parallel_size,
+            pipeline_parallel_size=info.pipeline_parallel_size,
+            all_reduce_backend=info.all_reduce_backend,
+            distributed_executor_backend=info.distributed_executor_backend,
             incarnation_id=self.incarnation_id, **spec_fields)
 
     async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest,

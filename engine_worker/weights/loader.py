@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine_worker.backends.base import Backend
+from engine_worker.distributed.shard import PPStage, TPShard, shard_llama_state
 from engine_worker.weights.gguf_weights import dequantize_blocks, read_gguf_state
 from engine_worker.models.registry import lookup_architecture
 from engine_worker.progress import progress
@@ -62,17 +63,27 @@ def derive_max_model_len(hf_config: dict[str, Any], requested: int | None) -> in
 
 def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, backend: Backend,
                max_model_len: int | None, gguf: Path | None = None,
-               strict_quantization: bool = False) -> LoadedModel:
+               strict_quantization: bool = False, comm: Any = None) -> LoadedModel:
     """Build the model on the meta device, load the checkpoint into it (cast to ``dtype`` on
     ``device``), then let ``backend`` pack the weights its way. With ``gguf``, the weights come
     from that file, the block types ``backend`` multiplies natively kept as blocks
-    (``strict_quantization``: another block type in a linear layer is an error, not widened)."""
+    (``strict_quantization``: another block type in a linear layer is an error, not widened).
+    ``comm`` (a ``distributed.comm.ParallelComm``): load this rank's tensor-parallel slice of
+    its pipeline stage's layers, cut from the full checkpoint, into a model whose layers
+    reduce, gather and pass hidden states over it."""
     hf_config = read_hf_config(model_dir)
     arch_name, arch = lookup_architecture(hf_config)
     cfg = arch.parse_config(hf_config)
     max_len = derive_max_model_len(hf_config, max_model_len)
+    shard = stage = None
+    if comm is not None:
+        shard = TPShard.of(comm.tp.rank, comm.tp.world_size, num_heads=cfg.num_heads,
+                           num_kv_heads=cfg.num_kv_heads,
+                           intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size)
+        stage = PPStage.of(comm.stage, comm.num_stages, cfg.num_layers)
     with torch.device("meta"):
-        model = arch.model_cls(cfg, backend, max_len, device)
+        model = arch.model_cls(cfg, backend, max_len, device, shard=shard, comm=comm,
+                               stage=stage)
     summary = ""
     if gguf is not None:
         with progress(logger, f"Loading weights from {gguf.name} (native GGUF blocks)"):
@@ -87,7 +98,13 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, bac
     else:
         with progress(logger, f"Loading weights from {model_dir.name}"):
             state = _read_state_dict(model_dir, dtype=dtype, device=device)
+    if shard is not None:
+        state = shard_llama_state(state, shard=shard, num_heads=cfg.num_heads,
+                                  num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
     expected = set(model.state_dict())
+    if stage is not None:  # other stages' layers: theirs to load
+        state = {k: v for k, v in state.items()
+                 if k in expected or not k.startswith("layers.")}
     missing = expected - state.keys()
     unexpected = state.keys() - expected
     if missing:

@@ -225,6 +225,31 @@ def test_gpu_requests_only_in_the_gpu_profile(render):
     assert c["image"].startswith("quire/engine-cpu:")
 
 
+def test_tensor_parallel_engines_request_a_gpu_a_rank_and_a_memory_backed_shm(render):
+    gpu = one(render({"engine": {"config": {"tensorParallelSize": 4,
+                                            "pipelineParallelSize": 2}}}),
+              "StatefulSet", "engine")
+    spec = pod_spec(gpu)
+    c = spec["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == "8"
+    assert env_of(c)["QUIRE_TENSOR_PARALLEL_SIZE"] == "4"
+    assert env_of(c)["QUIRE_PIPELINE_PARALLEL_SIZE"] == "2"
+    assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    shm = next(v for v in spec["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    # a larger gpu.count stays; on a CPU the ranks ask for no GPU
+    more = one(render({"engine": {"gpu": {"count": 16}, "config": {"tensorParallelSize": 2}}}),
+               "StatefulSet", "engine")
+    assert pod_spec(more)["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "16"
+    cpu = one(render({"engine": {"gpu": {"enabled": False},
+                                 "config": {"tensorParallelSize": 2}}}), "StatefulSet", "engine")
+    c = pod_spec(cpu)["containers"][0]
+    assert not any("gpu" in k for k in {**c["resources"].get("limits", {}),
+                                        **c["resources"].get("requests", {})})
+    assert env_of(c)["QUIRE_TENSOR_PARALLEL_SIZE"] == "2"
+
+
 def test_engine_options_become_quire_variables(render):
     objects = render(load_values("multi-replica-values.yaml"))
     env = env_of(pod_spec(one(objects, "StatefulSet", "engine"))["containers"][0])

@@ -12,12 +12,14 @@
 {{- end }}
 {{- end }}
 
-{{/* Container resources with the GPUs added. */}}
+{{/* Container resources with the GPUs added: gpu.count, at least one a rank (tensor x pipeline). */}}
 {{- define "quire.engineResources" -}}
 {{- $e := .Values.engine }}
 {{- $res := deepCopy $e.resources }}
 {{- if $e.gpu.enabled }}
-{{- $gpus := dict $e.gpu.resourceName (toString (int $e.gpu.count)) }}
+{{- $ranks := mul (int (default 1 $e.config.tensorParallelSize)) (int (default 1 $e.config.pipelineParallelSize)) }}
+{{- $count := max (int $e.gpu.count) $ranks }}
+{{- $gpus := dict $e.gpu.resourceName (toString $count) }}
 {{- $_ := set $res "limits" (merge (default (dict) $res.limits) $gpus) }}
 {{- $_ := set $res "requests" (merge (default (dict) $res.requests) (deepCopy $gpus)) }}
 {{- end }}

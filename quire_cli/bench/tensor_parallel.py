@@ -1,0 +1,138 @@
+"""``quire bench tensor-parallel``: one request's decode speed with the model split across
+ranks against the single process, on the same cores, in one run.
+
+The model is a random-weight Llama whose heads split (12 layers, hidden 768, 12 heads, 4 KV
+heads, MLP 2048, SmolLM2's vocabulary: about 113M parameters), made once into the cache and
+loaded by both engines. The single process runs ``--threads`` torch threads; each of the
+``--tensor-parallel-size`` ranks runs ``threads / tp``. Both engines stay up and take turns
+(``--repeats`` rounds), so a noisy machine weighs on both alike; each figure is one greedy
+request of ``--output-len`` tokens after its first (EOS ignored), the median of its rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine_worker.arg_utils import add_engine_args, engine_args_from_namespace
+from quire.config_args import require_at_least
+from quire_cli.bench.prompts import random_prompt
+from quire_cli.bench.report import write_json
+
+MODEL_SHAPE = dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12,
+                   num_key_value_heads=4, intermediate_size=2048, vocab_size=49152)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallelBenchConfig:
+    output_len: int = 128
+    prompt_len: int = 32
+    repeats: int = 3
+    threads: int = 2
+    output_json: str = "bench_results/tensor_parallel.json"
+
+    def __post_init__(self) -> None:
+        require_at_least(self, ("prompt_len", "repeats", "threads"))
+        require_at_least(self, ("output_len",), minimum=8)
+
+
+def add_tensor_parallel_args(parser: argparse.ArgumentParser) -> None:
+    d = TensorParallelBenchConfig()
+    for name in ("output_len", "prompt_len", "repeats", "threads"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    parser.add_argument("--output-json", default=d.output_json)
+    add_engine_args(parser)
+    parser.set_defaults(tensor_parallel_size=2, kv_cache_memory_bytes=1 << 28)
+
+
+def bench_model_dir() -> Path:
+    """The random 113M Llama (made on first use; seed 0), beside the embedded tokenizer."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from engine_worker.config import quire_cache_dir
+    from engine_worker.weights.resolve import resolve_model_dir
+
+    out = quire_cache_dir() / "bench" / "llama-113m-12h-4kv"
+    if (out / "config.json").exists():
+        return out
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**MODEL_SHAPE, max_position_embeddings=2048,
+                                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer = resolve_model_dir(None)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer / name).exists():
+            shutil.copy(tokenizer / name, out / name)
+    return out
+
+
+def decode_rate(engine, prompt: list[int], output_len: int) -> float:
+    """Tokens per second of one greedy request after its first token."""
+    from engine_worker import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    engine.add_request(f"tp-{random.random()}", {"prompt_token_ids": prompt}, params)
+    first = None
+    while engine.has_unfinished_requests():
+        if engine.step().outputs and first is None:
+            first = time.perf_counter()
+    return (output_len - 1) / (time.perf_counter() - first)
+
+
+def run_from_args(ns: argparse.Namespace) -> int:
+    import dataclasses
+
+    import torch
+
+    from engine_worker.engine import LLMEngine
+
+    cfg = TensorParallelBenchConfig(output_len=ns.output_len, prompt_len=ns.prompt_len,
+                                    repeats=ns.repeats, threads=ns.threads,
+                                    output_json=ns.output_json)
+    ns.model = str(bench_model_dir())
+    args = engine_args_from_namespace(ns)
+    tp = args.tensor_parallel_size
+    single = LLMEngine.from_engine_args(dataclasses.replace(
+        args, tensor_parallel_size=1, pipeline_parallel_size=1, num_threads=cfg.threads))
+    split = LLMEngine.from_engine_args(dataclasses.replace(
+        args, num_threads=max(1, cfg.threads // (tp * args.pipeline_parallel_size))))
+    torch.set_num_threads(cfg.threads)  # the single process's (the split one set its own)
+    rng = random.Random(0)
+    runs: dict[str, list[float]] = {"single": [], "split": []}
+    try:
+        for name, engine in (("single", single), ("split", split)):  # warm-up
+            decode_rate(engine, random_prompt(rng, cfg.prompt_len, 49152), 8)
+        for _ in range(cfg.repeats):
+            for name, engine, threads in (("single", single, cfg.threads),
+                                          ("split", split, split.info.num_threads)):
+                torch.set_num_threads(threads)
+                runs[name].append(decode_rate(engine, random_prompt(rng, cfg.prompt_len,
+                                                                    49152), cfg.output_len))
+    finally:
+        split.shutdown()
+    single_rate, split_rate = statistics.median(runs["single"]), statistics.median(runs["split"])
+    result = {
+        "model": MODEL_SHAPE, "dtype": str(single.info.dtype), "backend": single.info.backend,
+        "single": {"threads": cfg.threads, "decode_tokens_per_s": single_rate,
+                   "runs": runs["single"]},
+        "split": {"tensor_parallel_size": tp,
+                  "pipeline_parallel_size": args.pipeline_parallel_size,
+                  "threads_per_rank": split.info.num_threads,
+                  "all_reduce": split.info.all_reduce_backend,
+                  "decode_tokens_per_s": split_rate, "runs": runs["split"]},
+        "ratio": split_rate / single_rate,
+    }
+    print(f"one request, {cfg.output_len} tokens, {single.info.dtype}, {single.info.backend}: "
+          f"single process ({cfg.threads} threads) {single_rate:.1f} tok/s; "
+          f"tp={tp} x pp={args.pipeline_parallel_size} ({split.info.num_threads} thread a rank, "
+          f"all-reduce {split.info.all_reduce_backend}) {split_rate:.1f} tok/s; "
+          f"ratio {result['ratio']:.2f}")
+    write_json(cfg.output_json, result)
+    return 0
