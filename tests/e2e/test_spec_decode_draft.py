@@ -80,6 +80,8 @@ def test_small_draft_is_identical_batched_and_with_prefix_caching(tiny_model_dir
     assert _tokens(llm) == expected
     first = _spec_stats(llm)
     assert first.num_drafts > 0
+    # adaptivity: the random draft is mostly rejected, so requests verify fewer than k drafts
+    assert first.num_draft_tokens < 0.6 * 4 * first.num_drafts
     assert _tokens(llm) == expected  # again: the prompts hit the target's prefix cache
     assert llm.engine.stats().kv_cache.prefix_cache_hits > 0
     assert _spec_stats(llm).num_drafts > first.num_drafts
@@ -152,3 +154,17 @@ def test_a_draft_of_another_vocabulary_or_shorter_context_is_refused_at_start(
                                          r"the target 1024"):
         _llm(tiny_model_dir, _spec(short))
     _llm(tiny_model_dir, _spec(short), max_model_len=128)  # fits once the target is capped
+
+
+def test_seeded_sampling_is_token_identical_with_a_draft(tiny_model_dir, draft_dir):
+    """Greedy drafts are a point-mass q: a seeded sampled request keeps its tokens (position i
+    takes the i-th draw of its stream, and a draft is accepted exactly when that draw picks
+    it), whatever the draft proposed."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=30, seed=11 + i, max_tokens=m,
+                             ignore_eos=True, presence_penalty=0.2)
+              for i, m in enumerate(MAX_TOKENS)]
+    want = _tokens(_llm(tiny_model_dir), params=params)
+    llm = _llm(tiny_model_dir, _spec(tiny_model_dir))
+    assert _tokens(llm, params=params) == want
+    stats = _spec_stats(llm)
+    assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens
