@@ -57,8 +57,9 @@ _HELP = {
                      "with triton attention)",
     "speculative_config": "speculative decoding, as vLLM's JSON: '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 5, "
-                          "\"prompt_lookup_min\": 2}' (also disable_by_batch_size; "
-                          "default: off)",
+                          "\"prompt_lookup_min\": 2}', '{\"method\": \"suffix\", ...}' or a "
+                          "draft model '{\"model\": \"DIR\", \"num_speculative_tokens\": 4}' "
+                          "(also disable_by_batch_size; default: off)",
     "enable_lora": "serve LoRA adapters (PEFT directories) beside the base model",
     "max_loras": "LoRA adapters usable in one step (device slots)",
     "max_lora_rank": "largest LoRA rank accepted",

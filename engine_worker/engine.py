@@ -47,7 +47,9 @@ from engine_worker.progress import progress, start_summary
 from engine_worker.request import RequestStatus
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.scheduler.scheduler import Scheduler
-from engine_worker.spec_decode.methods import build_speculator
+from engine_worker.spec_decode.draft_model import DraftShape
+from engine_worker.spec_decode.methods import TargetFacts, build_speculator
+from engine_worker.spec_decode.speculator import Speculator
 from engine_worker.step_types import SchedulerStats
 from engine_worker.tokenizer import Tokenizer
 from engine_worker.weights.loader import LoadedModel, load_model, read_hf_config
@@ -113,7 +115,6 @@ class LLMEngine:
         elif world_size > 1:  # the ranks share the cores: one torch team each
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
         self._device = select_device(config.device.device)
-        self._speculator = build_speculator(config.speculative, self._device.type)
         self._backend = select_backend(config.device.kernels, self._device,
                                        config.device.attention_backend)
         self._quantization = choose_quantization(
@@ -141,6 +142,7 @@ class LLMEngine:
         self._pooler = Pooler(config.model.pooler_config.resolved(self._model_dir))
         self._graph_choice = self._choose_cuda_graphs(loaded.model)
         size = self._size_kv_cache(loaded.model)
+        self._speculator = self._build_speculator(loaded, size.num_blocks)
         if self._executor is not None:
             with progress(logger, "Starting the tensor-parallel workers' runners"):
                 self._executor.start_workers(WorkerStart(
@@ -276,6 +278,18 @@ class LLMEngine:
     def _graph_decoder(self, model) -> CudaGraphDecoder:
         return build_graph_decoder(model, self._graph_choice.sizes, self._max_model_len,
                                    self.config.cache.block_size, self._device)
+
+    def _build_speculator(self, loaded: LoadedModel, num_blocks: int) -> Speculator | None:
+        """The speculator of ``speculative_config`` (a draft model is loaded here, on the
+        target's device, dtype and kernels, and checked against the target)."""
+        target = TargetFacts(
+            device=self._device, dtype=self._dtype, backend=self._backend.backend,
+            shape=DraftShape(vocab_size=loaded.model.cfg.vocab_size,
+                             block_size=self.config.cache.block_size,
+                             max_model_len=self._max_model_len),
+            num_kv_blocks=num_blocks, tokenizer_digest=tokenizer_dir_digest(self._tokenizer_dir))
+        return build_speculator(self.config.speculative, self._device.type, target,
+                                native_quantized=self._quantization.native)
 
     def _allocate_kv_cache(self, model, num_blocks: int) -> list[torch.Tensor]:
         with progress(logger, "Allocating the KV cache"):

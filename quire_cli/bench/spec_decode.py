@@ -5,6 +5,8 @@ built in this process (the same flags, one with ``--speculative-config``):
 
 - *repeat*: "repeat this passage" over a ~500-token passage in the prompt, where n-gram
   proposals come from the prompt and are mostly accepted;
+- *edit*: "rewrite this passage with these small edits" over the same passage (a name, a
+  year and a word replaced): proposals are accepted except around the edits;
 - *open*: an open-ended request, where proposals are rare and mostly rejected (a small
   model's greedy text repeats itself, though, so it may gain too);
 - *batch* (``--batch-requests``): the long-tailed random workload of ``bench throughput``,
@@ -63,6 +65,10 @@ PASSAGE = (
 PROMPTS = {
     "repeat": "Repeat the following passage exactly, word for word, with nothing before or "
               "after it:\n\n" + PASSAGE,
+    "edit": "Rewrite the following passage with three small edits: the keeper's name is "
+            "Peter Grey instead of Thomas Hale, the tower was built in 1858 instead of 1852, "
+            "and the museum is called the harbour museum. Keep every other word exactly as it "
+            "is, and write nothing before or after the passage:\n\n" + PASSAGE,
     "open": "Write a story about a young cook who travels to a distant city to open a "
             "restaurant, describing the people she meets along the way.",
 }
@@ -76,6 +82,9 @@ class SpecBenchConfig:
     spec_config: str = ('{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 5, "prompt_lookup_min": 2}')
     output_json: str = "bench_results/spec_decode.json"
+    # vLLM's CPU build side by side (its venv's python; empty: skip), on the same prompts
+    vllm_python: str = ""
+    vllm_dtype: str = "float32"  # its bf16 on an AVX2 CPU is torch's emulated matmul
 
     def __post_init__(self) -> None:
         require_at_least(self, ("repeats",))
@@ -92,6 +101,10 @@ def add_spec_decode_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-config", default=d.spec_config,
                         help="the speculative_config of the 'on' engine (JSON)")
     parser.add_argument("--output-json", default=d.output_json)
+    parser.add_argument("--vllm-python", default=d.vllm_python,
+                        help="vLLM's CPU build's python: its ngram method on the same prompts, "
+                             "on vs off taking turns (empty: skip)")
+    parser.add_argument("--vllm-dtype", default=d.vllm_dtype)
     add_bench_engine_args(parser)
 
 
@@ -145,6 +158,33 @@ def _batched(engines, cfg: SpecBenchConfig) -> dict:
     return {"runs": runs, "ratio": statistics.median(runs["ratios"]),
             "off_tokens_per_s": statistics.median(runs["off"]),
             "on_tokens_per_s": statistics.median(runs["on"])}
+
+
+def _vllm(cfg: SpecBenchConfig, prompts: dict[str, list[int]], model_dir) -> dict:
+    """vLLM's side (``vllm_spec_peer.py`` in its venv): the same prompts' token ids, the same
+    speculative_config, its decode speed on vs off; or the error it stopped with."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    script = Path(__file__).with_name("vllm_spec_peer.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        requests, output = Path(tmp) / "requests.json", Path(tmp) / "out.json"
+        requests.write_text(json.dumps({
+            "prompts": prompts, "output_len": cfg.output_len, "repeats": cfg.repeats,
+            "spec_config": json.loads(cfg.spec_config), "model": str(model_dir),
+            "dtype": cfg.vllm_dtype}))
+        env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE",
+                                                                      "1")}
+        proc = subprocess.run([cfg.vllm_python, "-I", str(script), "--requests", str(requests),
+                               "--output", str(output)], env=env, capture_output=True,
+                              text=True)
+        for line in proc.stdout.splitlines():
+            if line.startswith("vLLM "):
+                print(f"  {line}", file=sys.stderr)
+        if not output.exists():
+            return {"error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
+        return json.loads(output.read_text())
 
 
 def _prompts(engine) -> dict[str, list[int]]:
@@ -208,6 +248,19 @@ def run_from_args(ns: argparse.Namespace) -> int:
         print(f"{'batch':<10}{b['off_tokens_per_s']:>12.1f}{b['on_tokens_per_s']:>12.1f}"
               f"{b['ratio']:>7.2f}x  ({cfg.batch_requests} requests, output tok/s)")
         report["on_spec_decoding"] = _spec_report(engines["on"])
+    if cfg.vllm_python:
+        from engine_worker.weights.resolve import resolve_model_dir
+
+        # the safetensors directory (a GGUF the engine ran natively is converted for vLLM)
+        report["vllm"] = v = _vllm(cfg, prompts, resolve_model_dir(base_args.model))
+        for name in prompts:
+            if name in v:
+                print(f"vLLM {name:<5}{v[name]['off_tokens_per_s']:>12.1f}"
+                      f"{v[name]['on_tokens_per_s']:>12.1f}{v[name]['ratio']:>7.2f}x  "
+                      f"{v[name]['same_tokens']}")
+        for key in ("error", "off_error", "on_error", "warmup_error"):
+            if key in v:
+                print(f"vLLM {key}: {v[key]}")
     spec = report["on_spec_decoding"]
     print(f"acceptance: {spec['acceptance_rate']:.2f} of draft tokens, "
           f"{spec['mean_acceptance_length']:.2f} tokens per verifying step")
