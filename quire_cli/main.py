@@ -40,7 +40,7 @@ BENCHMARKS = Group("benchmarks", {
     "latency": Command("one request: decode speed and TTFT vs transformers",
                        "quire_cli.bench.latency:add_latency_args",
                        "quire_cli.bench.latency:run_from_args"),
-    "compare": Command("Quire vs vLLM's CPU build on the same requests, one run",
+    "compare": Command("Quire vs vLLM's CPU build (or --peer llama.cpp) on the same requests, one run",
                        "quire_cli.bench.compare:add_compare_args",
                        "quire_cli.bench.compare:run_from_args"),
     "prefix-cache": Command("shared-prefix workload, prefix caching on vs off",

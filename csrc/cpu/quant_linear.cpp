@@ -7,6 +7,18 @@
 //   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes nibbles  w = d * q + m,    q in 0..15
 //   Q8_0 (34 bytes): fp16 d, 32 int8                   w = d * q
 // Byte j of the nibbles holds weight j in its low half and weight j + 16 in its high half.
+// The k-quants (Q4_K_M and the like) come in super-blocks of 256 weights, [N, K / 256, bytes]:
+//   Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of
+//                     nibbles; sub-block j (32 weights): w = d * sc_j * q - dmin * m_j
+//   Q5_K (176 bytes): as Q4_K plus 32 bytes of fifth bits (q in 0..31)
+//   Q6_K (210 bytes): 128 bytes of low nibbles, 64 of two-bit highs, sixteen int8 scales (one
+//                     per 16 weights), fp16 d; w = d * sc_i * (q - 32), q in 0..63
+// Repacked, each super-block's eight sub-blocks become blocks of 32 shaped as Q4_1's (nibbles
+// in the order above; Q5_K's fifth bits as a 32-bit mask a block, Q6_K's highs two bits a
+// weight, eight bytes a block) after its scales unpacked to bytes: Q4_K 148 bytes, Q5_K 180,
+// Q6_K 210. One super-block is then exactly the legacy kernel's group of eight blocks: one
+// vector of d * sc_j * d_x, one of dmin * m_j * d_x * sum(q_x), and Q4_1's inner loop (Q6_K:
+// signed quants, its two scales a block multiplied in the integer pair sums).
 //
 // Repacked (repack_gguf, once at load; int8 [N, K / 32, block_bytes], the same bytes a row,
 // regrouped): row n is [d of every block (fp16)] [m of every block (Q4_1)] [every block's
@@ -50,17 +62,25 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kDecodeRows = 4;  // up to here: int8 dot products on the weight as stored
 
-enum class QType { kQ4_0, kQ4_1, kQ8_0 };
+enum class QType { kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
 
-QType qtype_of(int64_t block_bytes) {
+// The type of a weight's blocks, by their bytes as the file has them (uint8) or repacked
+// (int8: the k-quants' unpacked scales take a few bytes more).
+QType qtype_of(int64_t block_bytes, bool repacked) {
   switch (block_bytes) {
     case 18: return QType::kQ4_0;
     case 20: return QType::kQ4_1;
     case 34: return QType::kQ8_0;
-    default:
-      TORCH_CHECK(false, "quantized weight: blocks of ", block_bytes,
-                  " bytes are none of Q4_0 (18), Q4_1 (20), Q8_0 (34)");
+    case 210: return QType::kQ6_K;
+    case 144: if (!repacked) return QType::kQ4_K; break;
+    case 176: if (!repacked) return QType::kQ5_K; break;
+    case 148: if (repacked) return QType::kQ4_K; break;
+    case 180: if (repacked) return QType::kQ5_K; break;
+    default: break;
   }
+  TORCH_CHECK(false, "quantized weight: blocks of ", block_bytes, " bytes (",
+              repacked ? "repacked" : "as stored", ") are none of Q4_0 (18), Q4_1 (20), "
+              "Q8_0 (34), Q4_K (144), Q5_K (176), Q6_K (210)");
 }
 
 // f(std::integral_constant<QType, T>{}) for the weight's type: the kernels unroll over it.
@@ -70,11 +90,24 @@ void with_qtype(QType t, F f) {
     case QType::kQ4_0: f(std::integral_constant<QType, QType::kQ4_0>{}); break;
     case QType::kQ4_1: f(std::integral_constant<QType, QType::kQ4_1>{}); break;
     case QType::kQ8_0: f(std::integral_constant<QType, QType::kQ8_0>{}); break;
+    case QType::kQ4_K: f(std::integral_constant<QType, QType::kQ4_K>{}); break;
+    case QType::kQ5_K: f(std::integral_constant<QType, QType::kQ5_K>{}); break;
+    case QType::kQ6_K: f(std::integral_constant<QType, QType::kQ6_K>{}); break;
   }
 }
 
 template <QType T>
-constexpr int64_t kBytes = T == QType::kQ4_0 ? 18 : T == QType::kQ4_1 ? 20 : 34;
+constexpr bool kIsK = T == QType::kQ4_K || T == QType::kQ5_K || T == QType::kQ6_K;
+// weights a block (a super-block for the k-quants) and its bytes repacked
+template <QType T>
+constexpr int64_t kValues = kIsK<T> ? 256 : 32;
+template <QType T>
+constexpr int64_t kBytes = T == QType::kQ4_0 ? 18 : T == QType::kQ4_1 ? 20 : T == QType::kQ8_0 ? 34
+                           : T == QType::kQ4_K ? 148 : T == QType::kQ5_K ? 180 : 210;
+
+int64_t values_per_block(QType t) {
+  return t == QType::kQ4_K || t == QType::kQ5_K || t == QType::kQ6_K ? 256 : kBlock;
+}
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -221,13 +254,213 @@ inline void dot_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, const int8
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + hsum(off[r]) + tail[r];
 }
 
+
+// ---- the k-quants, repacked: one super-block of 256 weights is eight blocks of 32 ----------
+
+// Where a repacked super-block keeps its parts.
+template <QType T>
+struct SuperBlock {
+  // Q4_K / Q5_K: d, dmin (fp16), eight scales and eight mins (bytes), 8 x 16 bytes of nibbles,
+  // Q5_K then eight 32-bit masks of fifth bits. Q6_K: d, sixteen int8 scales, 8 x 16 bytes of
+  // low nibbles, 8 x 8 bytes of two-bit highs.
+  static constexpr int64_t kScales = T == QType::kQ6_K ? 2 : 4;
+  static constexpr int64_t kMins = 12;
+  static constexpr int64_t kQuants = T == QType::kQ6_K ? 18 : 20;
+  static constexpr int64_t kHighs = kQuants + 128;
+};
+
+// 32 bytes: 0x10 where bit i of the four bytes at p is set (weight i's fifth bit), else 0.
+inline __m256i fifth_bits(const uint8_t* p) {
+  uint32_t x;
+  std::memcpy(&x, p, sizeof(x));
+  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                            0x0101010101010101, 0);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(int(x)), shuffle);
+  // byte i keeps only bit i % 8 clear in the mask: all ones exactly where that bit is set
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)),
+                          _mm256_set1_epi8(0x10));
+}
+
+// 32 bytes (high << 4) from a Q6_K block's eight bytes of highs: byte j holds the two high
+// bits of weights j, j + 8, j + 16, j + 24 in its bits 0-1, 2-3, 4-5, 6-7.
+inline __m256i high_pairs(const uint8_t* p) {
+  int64_t x;
+  std::memcpy(&x, p, sizeof(x));
+  const __m256i v = _mm256_srlv_epi64(_mm256_set1_epi64x(x), _mm256_set_epi64x(6, 4, 2, 0));
+  return _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi8(3)), 4);  // < 4: stays in byte
+}
+
+// Block j's quants as bytes in weight order: 0..15 (Q4_K), 0..31 (Q5_K), -32..31 (Q6_K).
+template <QType T>
+inline __m256i k_quants(const uint8_t* sb, int j) {
+  using S = SuperBlock<T>;
+  const __m256i low = nibbles(sb + S::kQuants + 16 * j);
+  if constexpr (T == QType::kQ4_K) return low;
+  if constexpr (T == QType::kQ5_K) return _mm256_or_si256(low, fifth_bits(sb + S::kHighs + 4 * j));
+  return _mm256_sub_epi8(_mm256_or_si256(low, high_pairs(sb + S::kHighs + 8 * j)),
+                         _mm256_set1_epi8(32));
+}
+
+// Q6_K block j's two scales as int16 lanes: 8 of sc[2j] (weights 0..15), 8 of sc[2j + 1].
+inline __m256i scale_pair(const uint8_t* sc) {
+  int16_t two;
+  std::memcpy(&two, sc, sizeof(two));
+  const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128(two),
+                                          _mm_set_epi64x(0x0101010101010101, 0));
+  return _mm256_cvtepi8_epi16(spread);
+}
+
+// Block j of super-block sb against x's block y, as 8 float partial sums (Q6_K's scales in).
+template <QType T>
+inline __m256 k_block_dot(const uint8_t* sb, int j, __m256i y) {
+  const __m256i q = k_quants<T>(sb, j);
+  if constexpr (T == QType::kQ6_K) {
+    // |q| * (y with q's sign), pair sums <= 2 * 32 * 127, times scales <= 128: exact in int32
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(y, q));
+    const __m256i scaled = _mm256_madd_epi16(
+        pairs, scale_pair(sb + SuperBlock<T>::kScales + 2 * j));
+    return _mm256_cvtepi32_ps(scaled);
+  } else {
+    return dot_u8_i8(q, y);
+  }
+}
+
+inline __m256 bytes8(const uint8_t* p) {  // eight unsigned bytes as floats
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+      reinterpret_cast<const __m128i*>(p))));
+}
+
+// dot_rows for the k-quants: a super-block's eight scales (d * sc_j * d_x) as one vector,
+// Q4_K / Q5_K's mins as one FMA (dmin * m_j * d_x * sum(q_x), subtracted at the end).
+template <QType T, int R>
+inline void dot_rows_k(const uint8_t* w, int64_t row_bytes, int64_t nsb, const int8_t* xq,
+                       const float* xd, const float* xdsum, float* out) {
+  using S = SuperBlock<T>;
+  __m256 acc[R], off[R];
+  for (int r = 0; r < R; ++r) acc[r] = off[r] = _mm256_setzero_ps();
+  alignas(32) float scale[R][8];
+  for (int64_t s = 0; s < nsb; ++s) {
+    const __m256 dx = _mm256_loadu_ps(xd + 8 * s);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* sb = w + r * row_bytes + s * kBytes<T>;
+      const __m256 d = _mm256_set1_ps(half_at(sb));
+      if constexpr (T == QType::kQ6_K) {
+        _mm256_store_ps(scale[r], _mm256_mul_ps(d, dx));
+      } else {
+        _mm256_store_ps(scale[r], _mm256_mul_ps(_mm256_mul_ps(d, bytes8(sb + S::kScales)), dx));
+        const __m256 dmin = _mm256_set1_ps(half_at(sb + 2));
+        off[r] = _mm256_fmadd_ps(_mm256_mul_ps(dmin, bytes8(sb + S::kMins)),
+                                 _mm256_loadu_ps(xdsum + 8 * s), off[r]);
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      const __m256i y = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(xq + (8 * s + j) * kBlock));
+      for (int r = 0; r < R; ++r) {
+        const __m256 dot = k_block_dot<T>(w + r * row_bytes + s * kBytes<T>, j, y);
+        acc[r] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(&scale[r][j]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) - hsum(off[r]);
+}
+
+// Block b of a repacked k-quant row as fp32 into out[0 .. 32), in gguf's order of operations
+// ((d * sc) * q - dmin * m; Q6_K (d * sc) * (q - 32)): the same floats as its dequantize.
+template <QType T>
+inline void dequant_block_k(const uint8_t* row, int64_t b, float* out) {
+  using S = SuperBlock<T>;
+  const uint8_t* sb = row + (b / 8) * kBytes<T>;
+  const int j = int(b % 8);
+  const __m256i q = k_quants<T>(sb, j);
+  const float d = half_at(sb);
+  const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+  for (int i = 0; i < 4; ++i) {
+    const __m128i eight = _mm_srli_si128(halves[i / 2], 8 * (i % 2));
+    if constexpr (T == QType::kQ6_K) {
+      const int8_t sc = int8_t(sb[S::kScales + 2 * j + i / 2]);
+      const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight));
+      _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(_mm256_set1_ps(d * float(sc)), v));
+    } else {
+      const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight));
+      const float dsc = d * float(sb[S::kScales + j]);
+      const float dm = half_at(sb + 2) * float(sb[S::kMins + j]);
+      _mm256_storeu_ps(out + 8 * i, _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(dsc), v),
+                                                  _mm256_set1_ps(dm)));
+    }
+  }
+}
+
+// One super-block from the file's layout (ggml's block_q4_K / q5_K / q6_K) into SuperBlock's.
+template <QType T>
+void repack_super_block(const uint8_t* in, uint8_t* o) {
+  using S = SuperBlock<T>;
+  uint8_t q[256];
+  if constexpr (T == QType::kQ6_K) {
+    const uint8_t *ql = in, *qh = in + 128;
+    for (int h = 0; h < 2; ++h, ql += 64, qh += 32)
+      for (int l = 0; l < 32; ++l) {
+        uint8_t* v = q + 128 * h + l;
+        v[0] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+        v[32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+        v[64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+        v[96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+      }
+    std::memcpy(o, in + 208, 2);  // d
+    std::memcpy(o + S::kScales, in + 192, 16);
+  } else {
+    const uint8_t* sc = in + 4;  // ggml's get_scale_min_k4
+    for (int j = 0; j < 8; ++j) {
+      o[S::kScales + j] = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+      o[S::kMins + j] = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+    std::memcpy(o, in, 4);  // d, dmin
+    const uint8_t* qh = in + 16;  // Q5_K
+    const uint8_t* qs = T == QType::kQ5_K ? in + 48 : in + 16;
+    for (int c = 0; c < 4; ++c)
+      for (int l = 0; l < 32; ++l) {
+        q[64 * c + l] = qs[32 * c + l] & 0xF;
+        q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+        if constexpr (T == QType::kQ5_K) {
+          q[64 * c + l] |= ((qh[l] >> (2 * c)) & 1) << 4;
+          q[64 * c + 32 + l] |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+        }
+      }
+  }
+  for (int b = 0; b < 8; ++b) {
+    const uint8_t* v = q + 32 * b;
+    for (int i = 0; i < 16; ++i) o[S::kQuants + 16 * b + i] = (v[i] & 0xF) | ((v[i + 16] & 0xF) << 4);
+    if constexpr (T == QType::kQ5_K) {
+      uint32_t bits = 0;
+      for (int i = 0; i < 32; ++i) bits |= uint32_t((v[i] >> 4) & 1) << i;
+      std::memcpy(o + S::kHighs + 4 * b, &bits, sizeof(bits));
+    } else if constexpr (T == QType::kQ6_K) {
+      for (int j = 0; j < 8; ++j) {
+        uint8_t byte = 0;
+        for (int k = 0; k < 4; ++k) byte |= ((v[8 * k + j] >> 4) & 3) << (2 * k);
+        o[S::kHighs + 8 * b + j] = byte;
+      }
+    }
+  }
+}
+
 constexpr int kRowGroup = 4;  // weight rows sharing each load of x's block
 
 template <QType T>
 void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                  float* out) {
-  const int64_t num_blocks = K / kBlock, row_bytes = num_blocks * kBytes<T>;
+  const int64_t num_blocks = K / kBlock, row_bytes = K / kValues<T> * kBytes<T>;
   const int64_t num_groups = (N + kRowGroup - 1) / kRowGroup;
+  // the kernel for R rows: the k-quants' runs over super-blocks, the others' over blocks
+  auto rows_dot = [&](auto rows, const uint8_t* wr, const int8_t* q, const float* d,
+                      const float* ds, float* o) {
+    constexpr int R = decltype(rows)::value;
+    if constexpr (kIsK<T>)
+      dot_rows_k<T, R>(wr, row_bytes, K / kValues<T>, q, d, ds, o);
+    else
+      dot_rows<T, R>(wr, row_bytes, num_blocks, q, d, ds, o);
+  };
   at::parallel_for(0, num_groups, 8, [&](int64_t g0, int64_t g1) {
     float tmp[kRowGroup];
     for (int64_t g = g0; g < g1; ++g) {
@@ -237,10 +470,11 @@ void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w
         const float* d = xq.d.data() + m * num_blocks;
         const float* ds = xq.dsum.data() + m * num_blocks;
         if (rows == kRowGroup) {
-          dot_rows<T, kRowGroup>(w + n * row_bytes, row_bytes, num_blocks, q, d, ds, tmp);
+          rows_dot(std::integral_constant<int, kRowGroup>{}, w + n * row_bytes, q, d, ds, tmp);
         } else {
           for (int64_t r = 0; r < rows; ++r)
-            dot_rows<T, 1>(w + (n + r) * row_bytes, row_bytes, num_blocks, q, d, ds, tmp + r);
+            rows_dot(std::integral_constant<int, 1>{}, w + (n + r) * row_bytes, q, d, ds,
+                     tmp + r);
         }
         std::memcpy(out + m * N + n, tmp, rows * sizeof(float));
       }
@@ -272,12 +506,15 @@ inline void dequant_block(const uint8_t* row, int64_t nb, int64_t b, float* out)
 
 template <QType T, typename O>
 void dequantize_into(const uint8_t* w, int64_t N, int64_t K, O* out) {
-  const int64_t num_blocks = K / kBlock, row_bytes = num_blocks * kBytes<T>;
+  const int64_t num_blocks = K / kBlock, row_bytes = K / kValues<T> * kBytes<T>;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     alignas(64) float tmp[kBlock];
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t b = 0; b < num_blocks; ++b) {
-        dequant_block<T>(w + n * row_bytes, num_blocks, b, tmp);
+        if constexpr (kIsK<T>)
+          dequant_block_k<T>(w + n * row_bytes, b, tmp);
+        else
+          dequant_block<T>(w + n * row_bytes, num_blocks, b, tmp);
         O* o = out + n * K + b * kBlock;
         if constexpr (std::is_same_v<O, float>) {
           std::memcpy(o, tmp, sizeof(tmp));
@@ -291,6 +528,23 @@ void dequantize_into(const uint8_t* w, int64_t N, int64_t K, O* out) {
 // The file's layout (uint8) regrouped row by row as RowLayout says (int8, same shape).
 at::Tensor repack(const at::Tensor& w) {
   const int64_t N = w.size(0), nb = w.size(1), B = w.size(2);
+  const QType type = qtype_of(B, false);
+  if (type == QType::kQ4_K || type == QType::kQ5_K || type == QType::kQ6_K) {
+    at::Tensor out;
+    with_qtype(type, [&](auto t) {
+      constexpr QType T = decltype(t)::value;
+      if constexpr (kIsK<T>) {
+        out = at::empty({N, nb, kBytes<T>}, w.options().dtype(at::kChar));
+        const uint8_t* src = w.data_ptr<uint8_t>();
+        uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr<int8_t>());
+        at::parallel_for(0, N * nb, 256, [&](int64_t i0, int64_t i1) {
+          for (int64_t i = i0; i < i1; ++i)
+            repack_super_block<T>(src + i * B, dst + i * kBytes<T>);
+        });
+      }
+    });
+    return out;
+  }
   const int64_t head = B == 20 ? 4 : 2, quant_bytes = B - head;
   at::Tensor out = at::empty(w.sizes(), w.options().dtype(at::kChar));
   const uint8_t* src = w.data_ptr<uint8_t>();
@@ -314,9 +568,9 @@ at::Tensor repack(const at::Tensor& w) {
 at::Tensor repacked(const at::Tensor& w, const char* name) {
   TORCH_CHECK((w.scalar_type() == at::kByte || w.scalar_type() == at::kChar) && w.dim() == 3 &&
                   w.is_contiguous(),
-              name, ": a quantized weight is contiguous [N, K / 32, block bytes], uint8 as the "
+              name, ": a quantized weight is contiguous [N, K / 32 (K / 256: k-quants), block bytes], uint8 as the "
               "GGUF file lays it out or int8 from repack_gguf");
-  qtype_of(w.size(2));
+  qtype_of(w.size(2), w.scalar_type() == at::kChar);
   return w.scalar_type() == at::kChar ? w : repack(w);
 }
 
@@ -335,10 +589,11 @@ at::Tensor dequantize_weight(const at::Tensor& w_in, at::ScalarType dtype) {
   const at::Tensor w = repacked(w_in, "dequantize_weight");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "dequantize_weight: into fp32 or bf16");
-  const int64_t N = w.size(0), K = w.size(1) * kBlock;
+  const QType type = qtype_of(w.size(2), true);
+  const int64_t N = w.size(0), K = w.size(1) * values_per_block(type);
   at::Tensor out = at::empty({N, K}, w.options().dtype(dtype));
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
-  with_qtype(qtype_of(w.size(2)), [&](auto t) {
+  with_qtype(type, [&](auto t) {
     constexpr QType T = decltype(t)::value;
     if (dtype == at::kFloat)
       dequantize_into<T>(wp, N, K, out.data_ptr<float>());
@@ -351,7 +606,8 @@ at::Tensor dequantize_weight(const at::Tensor& w_in, at::ScalarType dtype) {
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w_in,
                         const std::optional<at::Tensor>& bias) {
   const at::Tensor w = repacked(w_in, "quant_linear");
-  const int64_t N = w.size(0), K = w.size(1) * kBlock;
+  const QType type = qtype_of(w.size(2), true);
+  const int64_t N = w.size(0), K = w.size(1) * values_per_block(type);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_linear: x must be fp32 or bf16 [M, K] with the weight's K = ", K);
@@ -362,7 +618,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w_in,
   if (M == 0) return out.to(x.scalar_type());
   const QuantizedRows xq = quantize_rows(xf.data_ptr<float>(), M, K);
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
-  with_qtype(qtype_of(w.size(2)), [&](auto t) {
+  with_qtype(type, [&](auto t) {
     decode_rows<decltype(t)::value>(xq, M, K, wp, N, out.data_ptr<float>());
   });
   if (bias.has_value()) {

@@ -25,7 +25,8 @@ from engine_worker.backends.base import LinearWeights
 from engine_worker.platform import to_huge_pages
 
 # GGUF block types csrc/cpu/quant_linear.cpp multiplies as stored, by their block bytes
-GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34,
+                    "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # the k-quants: 256 weights a block
 GGUF_NATIVE_TYPES = frozenset(GGUF_BLOCK_BYTES)
 
 SKINNY_MAX_ROWS = 8  # up to here a linear layer is a weight stream: the bf16 kernel wins

@@ -156,13 +156,14 @@ def read_gguf_state(path: Path, *, dtype: torch.dtype, native_types: frozenset[s
 
 
 def dequantize_blocks(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Blocks [N, K / 32, bytes] (a type ``read_gguf_state`` keeps) as values [N, K]."""
+    """Blocks [N, K / 32 (K / 256: k-quants), bytes] (a type ``read_gguf_state`` keeps) as
+    values [N, K]."""
     import gguf
     from gguf.quants import dequantize
 
-    by_bytes = {gguf.GGML_QUANT_SIZES[t][1]: t for t in (gguf.GGMLQuantizationType.Q4_0,
-                                                         gguf.GGMLQuantizationType.Q4_1,
-                                                         gguf.GGMLQuantizationType.Q8_0)}
+    qt = gguf.GGMLQuantizationType
+    by_bytes = {gguf.GGML_QUANT_SIZES[t][1]: t
+                for t in (qt.Q4_0, qt.Q4_1, qt.Q8_0, qt.Q4_K, qt.Q5_K, qt.Q6_K)}
     n, num_blocks, nbytes = blocks.shape
     values = dequantize(blocks.reshape(n, num_blocks * nbytes).numpy(), by_bytes[nbytes])
-    return torch.from_numpy(values.reshape(n, num_blocks * 32)).to(dtype)
+    return torch.from_numpy(values.reshape(n, -1)).to(dtype)

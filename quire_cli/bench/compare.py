@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_worker.arg_utils import add_bench_engine_args, engine_args_from_namespace
+from quire_cli.bench.llama_compare import add_llama_args
 from quire_cli.bench.prompts import random_prompt
 from quire_cli.bench.throughput import Workload, make_workload
 from quire_cli.bench.vllm_peer import measure
@@ -100,6 +101,10 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true",
                    help="decode every workload request to its max_tokens (default: stop at EOS)")
     p = parser.add_argument_group("systems")
+    p.add_argument("--peer", choices=("vllm", "llama.cpp"), default="vllm",
+                   help="vllm: Quire vs vLLM's CPU build; llama.cpp: Quire's native GGUF "
+                        "kernels vs its de-quantized bf16 path vs llama.cpp on one GGUF "
+                        "(bench/llama_compare.py)")
     p.add_argument("--dtypes", default=d.dtypes,
                    help="dtypes to run, e.g. float32,bfloat16 (both systems) or "
                         "quire=bfloat16,vllm=float32; each system's best counts (this, "
@@ -117,6 +122,7 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
     o = parser.add_argument_group("output")
     o.add_argument("--output-json", default=d.output_json)
     o.add_argument("--output-plot", default=None, help="PNG (default: beside the JSON)")
+    add_llama_args(parser)
     add_bench_engine_args(parser)
 
 
@@ -279,6 +285,10 @@ def _vllm_python(cfg: CompareConfig, install: bool) -> str:
 def run_from_args(ns: argparse.Namespace) -> int:
     from engine_worker.weights.resolve import resolve_model_dir
 
+    if ns.peer == "llama.cpp":
+        from quire_cli.bench.llama_compare import run_from_args as run_llama_compare
+
+        return run_llama_compare(ns)
     cfg = dataclass_from_namespace(CompareConfig, ns)
     engine_args = engine_args_from_namespace(ns)
     dtypes = parse_dtypes(cfg.dtypes)

@@ -92,10 +92,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def num_parameters(model: torch.nn.Module) -> int:
-    """Weights, not bytes: a GGUF block-quantized weight (uint8 [N, K / 32, block bytes])
-    holds N * K."""
-    return sum(p.shape[0] * p.shape[1] * 32 if p.dtype == torch.uint8 and p.dim() == 3
-               else p.numel() for p in model.parameters())
+    """Weights, not bytes: a GGUF block-quantized weight (uint8 [N, K / 32, block bytes], or
+    K / 256 for the k-quants' blocks of 144 bytes and more) holds N * K."""
+    return sum(p.shape[0] * p.shape[1] * (256 if p.shape[2] >= 144 else 32)
+               if p.dtype == torch.uint8 and p.dim() == 3 else p.numel()
+               for p in model.parameters())
 
 
 def decode_fraction(tokens_per_s: float, model_bytes: int, limits: MachineLimits) -> float:

@@ -122,3 +122,77 @@ def test_the_loaders_repacked_layout_gives_the_same_bits(cpu_kernels, qtype):
         x = torch.randn(rows, 320)
         assert torch.equal(cpu_kernels.ops.quant_linear(x, packed, None),
                            cpu_kernels.ops.quant_linear(x, blocks, None))
+
+
+# ---- the k-quants (Q4_K_M's types): super-blocks of 256 weights ------------------------------
+# gguf cannot quantize into them, and any bytes are a valid block once d and dmin are sane
+# numbers: random blocks, de-quantized by gguf's reference. Real files (llama.cpp's quantizer)
+# are tested in tests/unit/test_gguf_kquants.py.
+K_TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
+
+
+def k_quantized(n: int, k: int, qtype: QT, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random [n, k] super-blocks of ``qtype``: (uint8 [n, k / 256, bytes], gguf's fp32 values)."""
+    rng = np.random.default_rng(seed)
+    type_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, size=(n, k // 256, type_bytes), dtype=np.uint8)
+
+    def halves(scale: float) -> np.ndarray:
+        values = (rng.uniform(0.5, 1.5, size=(n, k // 256)) * scale).astype(np.float16)
+        return values.view(np.uint8).reshape(n, k // 256, 2)
+
+    if qtype == QT.Q6_K:
+        raw[..., 208:210] = halves(1e-4)  # d; the int8 scales span -128..127
+    else:
+        raw[..., 0:2], raw[..., 2:4] = halves(2e-3), halves(2e-3)  # d, dmin
+    ref = dequantize(raw.reshape(n, -1), qtype).astype(np.float32)
+    return torch.from_numpy(raw), torch.from_numpy(ref)
+
+
+@pytest.mark.cpu_ops("quant_linear", "dequantize_weight", "repack_gguf")
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+def test_k_quants_dequantize_matches_gguf(cpu_kernels, qtype):
+    blocks, ref = k_quantized(24, 512, qtype)
+    for w in (blocks, cpu_kernels.ops.repack_gguf(blocks)):  # the file's layout and ours
+        torch.testing.assert_close(cpu_kernels.ops.dequantize_weight(w, torch.float32), ref,
+                                   rtol=0, atol=0)
+    torch.testing.assert_close(cpu_kernels.ops.dequantize_weight(blocks, torch.bfloat16),
+                               ref.bfloat16(), rtol=0, atol=0)
+
+
+@pytest.mark.cpu_ops("quant_linear", "repack_gguf")
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("n", [64, 37])
+def test_k_quants_decode_within_the_int8_rounding_bound(cpu_kernels, qtype, rows, n):
+    blocks, ref = k_quantized(n, 768, qtype, seed=rows)
+    x = torch.randn(rows, 768)
+    x[0, :32] *= 20
+    bias = torch.randn(n)
+    expected = x @ ref.T + bias
+    bound = x_rounding_bound(x, ref) * 1.01 + 1e-4
+    # random blocks' weights are far from zero-mean (the mins), so |w| sums run high against
+    # the outputs: a looser check than the legacy types' 0.1, still far below the output
+    assert bound.mean() < 0.3 * expected.abs().mean()
+    out = cpu_kernels.ops.quant_linear(x, blocks, bias)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    assert ((out - expected).abs() <= bound).all(), (out - expected).abs().max()
+    packed = cpu_kernels.ops.repack_gguf(blocks)
+    assert torch.equal(cpu_kernels.ops.quant_linear(x, packed, bias), out)
+
+
+@pytest.mark.cpu_ops("quant_linear")
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [5, 33])
+def test_k_quants_prefill_matches_dequantize_then_matmul(cpu_kernels, qtype, rows):
+    blocks, ref = k_quantized(40, 512, qtype)
+    x = torch.randn(rows, 512)
+    out = cpu_kernels.ops.quant_linear(x, blocks, None)
+    torch.testing.assert_close(out, x @ ref.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.cpu_ops("quant_linear")
+def test_k_quant_rows_that_are_not_whole_super_blocks_are_refused(cpu_kernels):
+    with pytest.raises(RuntimeError, match=r"Q4_K \(144\), Q5_K \(176\), Q6_K \(210\)"):
+        cpu_kernels.ops.quant_linear(torch.randn(1, 64), torch.zeros(4, 2, 145, dtype=torch.uint8),
+                                     None)
