@@ -2,9 +2,8 @@
 ``weights.int4_layouts``, int32 [N, G, group / 8 + 1]) through the Triton 4-bit kernel
 (``triton_int4_kernel.py``), every other weight through ``F.linear`` (cuBLAS on a GPU).
 
-Launch choices are host facts only (shapes and dtypes): 16 rows (the smallest ``tl.dot``) for
-decode-sized batches, 64 for prefill; 64 output columns; BLOCK_K 64 where it divides the group
-(32 otherwise, and under the interpreter, where each iteration costs ~10 ms). bf16 is computed
+Launch choices are host facts only (shapes and dtypes, ``int4_launch``); under the interpreter
+tiles are small (each iteration costs ~10 ms there). bf16 is computed
 in fp32 under the interpreter, whose bf16 arithmetic is wrong (FIELD-NOTES).
 """
 
@@ -38,10 +37,15 @@ class Int4Launch:
 
 def int4_launch(num_rows: int, group: int, dtype: torch.dtype, has_bias: bool,
                 interpret: bool) -> Int4Launch:
-    block_k = 64 if group % 64 == 0 and not interpret else 32
-    return Int4Launch(group=group, block_m=16 if num_rows <= 16 or interpret else 64,
-                      block_n=32 if interpret else 64, block_k=block_k, has_bias=has_bias,
-                      ieee=dtype == torch.float32)
+    """A whole group a K step for decode (one scale load a row; 128 at most; 64 for more
+    rows), 32 under the interpreter;
+    decode-sized batches in one 16-row tile over 32-column tiles (more programs than SMs for
+    a 4096-wide layer), more rows in 64 x 64 tiles."""
+    small = num_rows <= 16 or interpret
+    widest = 128 if small else 64  # a 64 x 128 code tile alone fills the registers
+    block_k = 32 if interpret else max(d for d in (32, 64, widest) if group % d == 0)
+    return Int4Launch(group=group, block_m=16 if small else 64, block_n=32 if small else 64,
+                      block_k=block_k, has_bias=has_bias, ieee=dtype == torch.float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +82,7 @@ def int4_linear(x: torch.Tensor, weight: Int4GroupsWeight,
     if m == 0:
         return out.to(out_dtype)
     launch = int4_launch(m, weight.group, x.dtype, bias is not None, interpret)
-    grid = (triton_cdiv(m, launch.block_m), triton_cdiv(n, launch.block_n))
+    grid = (triton_cdiv(n, launch.block_n), triton_cdiv(m, launch.block_m))
     int4_linear_kernel[grid](x, weight.packed, bias if bias is not None else out, out, m, n, k,
                              x.stride(0), out.stride(0), **launch.constexprs())
     return out.to(out_dtype)

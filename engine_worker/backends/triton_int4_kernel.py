@@ -5,8 +5,9 @@ Layout (int32 [N, G, WORDS], WORDS = GROUP / 8 + 1): for output row n and group 
 words of codes in input order (code i of a word at bits 4i), then a header word: the group's
 fp16 scale in bits 0..15 and its zero point in bits 16..23.
 
-Each program owns a [BLOCK_M, BLOCK_N] tile of out and walks K in steps of BLOCK_K, which
-divides GROUP, so a step lies in one group: the step's codes minus the zero point are small
+Each program owns a [BLOCK_M, BLOCK_N] tile of out (computed as its transpose, so that the
+weight tile is read as stored: each output row's words contiguous) and walks K in steps of
+BLOCK_K, which divides GROUP, so a step lies in one group: the step's codes minus the zero point are small
 integers (-16..15, exact in fp16 / bf16), multiplied by x with ``tl.dot``, and the partial sum
 is scaled once by the group's scale in fp32. The weights are thus exact; the only rounding is
 x's own dtype and the fp32 accumulation (fp32 x: IEEE dots, never TF32).
@@ -25,39 +26,41 @@ def int4_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stri
                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
     WORDS: tl.constexpr = GROUP // 8 + 1
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4
     m_ok = offs_m < M
     n_ok = offs_n < N
     row_words = (K // GROUP) * WORDS  # words of one output row
     # [BLOCK_N] start of each row's words; int64: N * row_words can pass 2^31
     w_rows = w_ptr + offs_n.to(tl.int64) * row_words
-    word_of_k = (offs_k % GROUP) // 8  # [BLOCK_K] within the group (BLOCK_K divides GROUP)
-    shift_of_k = (offs_k % 8) * 4
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # the tile is computed transposed, out^T [BLOCK_N, BLOCK_M]: the weight tile is then
+    # loaded as stored (each row's words contiguous) and x's small tile is the one turned
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         group = k0 // GROUP
-        in_group = (k0 % GROUP) // 8
-        # x: [BLOCK_M, BLOCK_K]
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :],
-                    mask=m_ok[:, None], other=0.0)
-        # codes: [BLOCK_K, BLOCK_N], word (k, n) of row n's group
-        words = tl.load(w_rows[None, :] + group * WORDS + in_group + word_of_k[:, None],
-                        mask=n_ok[None, :], other=0)
-        codes = (words >> shift_of_k[:, None]) & 0xF
+        word0 = group * WORDS + (k0 % GROUP) // 8
+        # x^T: [BLOCK_K, BLOCK_M]
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None],
+                     mask=m_ok[None, :], other=0.0)
+        # words [BLOCK_N, BLOCK_K / 8] -> codes [BLOCK_N, BLOCK_K] in input order
+        words = tl.load(w_rows[:, None] + word0 + offs_w[None, :], mask=n_ok[:, None], other=0)
+        codes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF,
+                           (BLOCK_N, BLOCK_K))
         header = tl.load(w_rows + group * WORDS + GROUP // 8, mask=n_ok, other=0)  # [BLOCK_N]
         zero = (header >> 16) & 0xFF
         scale = (header & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        w = (codes - zero[None, :]).to(x.dtype)  # small integers: exact in any float type
+        w = (codes - zero[:, None]).to(xt.dtype)  # small integers: exact in any float type
         if IEEE:
-            part = tl.dot(x, w, input_precision="ieee")
+            part = tl.dot(w, xt, input_precision="ieee")
         else:
-            part = tl.dot(x, w)
-        acc += part * scale[None, :]
+            part = tl.dot(w, xt)
+        acc += part * scale[:, None]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
+             acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
