@@ -1,8 +1,8 @@
 """The ``triton`` backend: Triton paged attention (``attention/triton_backend.py``) for the
 whole varlen step, AWQ / GPTQ 4-bit weights through the Triton int4 kernel
-(``backends/triton_int4.py``), with the reference ops for the rest of the layer (cuBLAS matmuls
-through ``F.linear`` on a GPU). The default on CUDA. On a CPU it runs only under Triton's interpreter
-(``TRITON_INTERPRET=1``), which is how the tests check it without a GPU."""
+(``backends/triton_int4.py``), with the reference ops for the rest of the layer (cuBLAS
+matmuls through ``F.linear`` on a GPU). The default on CUDA. On a CPU it runs only under
+Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check it without a GPU."""
 
 from __future__ import annotations
 

@@ -7,10 +7,10 @@ fp16 scale in bits 0..15 and its zero point in bits 16..23.
 
 Each program owns a [BLOCK_M, BLOCK_N] tile of out (computed as its transpose, so that the
 weight tile is read as stored: each output row's words contiguous) and walks K in steps of
-BLOCK_K, which divides GROUP, so a step lies in one group: the step's codes minus the zero point are small
-integers (-16..15, exact in fp16 / bf16), multiplied by x with ``tl.dot``, and the partial sum
-is scaled once by the group's scale in fp32. The weights are thus exact; the only rounding is
-x's own dtype and the fp32 accumulation (fp32 x: IEEE dots, never TF32).
+BLOCK_K, which divides GROUP, so a step lies in one group: the step's codes minus the zero
+point are small integers (-16..15, exact in fp16 / bf16), multiplied by x with ``tl.dot``, and
+the partial sum is scaled once by the group's scale in fp32. The weights are thus exact; the
+only rounding is x's own dtype and the fp32 accumulation (fp32 x: IEEE dots, never TF32).
 
 Imported only where Triton runs (a CUDA device, or ``TRITON_INTERPRET=1`` set before import).
 """

@@ -75,7 +75,8 @@ def to_int4_groups(layer: Int4Groups) -> torch.Tensor:
     return torch.cat([words, header[:, :, None]], dim=2).contiguous()
 
 
-def dequantize_int4_groups(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_int4_groups(packed: torch.Tensor,
+                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``to_int4_groups``'s layout back to values [N, K] (the tests' and the reference's)."""
     n, groups, width = packed.shape
     words, header = packed[:, :, :-1], packed[:, :, -1]

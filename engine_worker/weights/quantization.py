@@ -49,8 +49,9 @@ class QuantizationChoice:
 def choose_quantization(requested: str, *, checkpoint_format: str | None,
                         backend: str, native_types: frozenset[str]) -> QuantizationChoice:
     """``requested``: one of ``QUANTIZATION_CHOICES``; ``checkpoint_format``: ``"gguf"`` for a
-    GGUF file, ``"awq"`` / ``"gptq"`` for those checkpoints, None for a float checkpoint; ``native_types``: the GGUF types ``backend`` (its
-    registry name) multiplies natively. Raises ValueError naming ``quantization``."""
+    GGUF file, ``"awq"`` / ``"gptq"`` for those checkpoints, None for a float checkpoint;
+    ``native_types``: the GGUF types ``backend`` (its registry name) multiplies natively.
+    Raises ValueError naming ``quantization``."""
     if requested not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization: must be one of {QUANTIZATION_CHOICES}, "
                          f"got {requested!r}")
