@@ -16,14 +16,16 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine_worker.attention.triton_aot import _TYPES, _resources
-from engine_worker.backends.triton_int4 import int4_launch
+from engine_worker.backends.triton_int4 import DENSE_ROWS, int4_launch
 
 
 @dataclass(frozen=True, slots=True)
 class Int4Variant:
     dtype: str  # "float16" | "bfloat16" | "float32"
     group: int
-    num_rows: int  # decides the row tile: up to 16 (decode) or more (prefill)
+    # decides the launch: up to 16 the fused kernel's decode tiles, then its 64-row tiles, from
+    # triton_int4.DENSE_ROWS the de-quantize kernel (then cuBLAS)
+    num_rows: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +41,7 @@ class CompiledInt4Variant:
 VARIANTS = tuple(Int4Variant(dtype, group, rows)
                  for dtype in ("float16", "bfloat16", "float32")
                  for group in (128, 32)
-                 for rows in (1, 256))
+                 for rows in (1, 24, 256))
 
 
 def _signature(dtype: str) -> dict[str, str]:
@@ -53,15 +55,23 @@ def compile_variant(variant: Int4Variant, arch: int) -> CompiledInt4Variant:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from engine_worker.backends.triton_int4_kernel import int4_linear_kernel
+    from engine_worker.backends.triton_int4_kernel import (int4_dequantize_kernel,
+                                                           int4_linear_kernel)
 
     dtype = getattr(torch, variant.dtype)
-    launch = int4_launch(variant.num_rows, variant.group, dtype, has_bias=True,
-                         interpret=False)
-    constexprs = launch.constexprs()
-    signature = _signature(variant.dtype) | {name: "constexpr" for name in constexprs}
-    kernel = triton.compile(ASTSource(fn=int4_linear_kernel, signature=signature,
-                                      constexprs=constexprs),
+    if variant.num_rows >= DENSE_ROWS:
+        fn = int4_dequantize_kernel
+        constexprs = {"GROUP": variant.group, "BLOCK_N": 32,
+                      "BLOCK_K": max(d for d in (32, 64, 128) if variant.group % d == 0)}
+        t = "*" + _TYPES[dtype]
+        signature = {"w_ptr": "*i32", "out_ptr": t, "N": "i32", "K": "i32"}
+    else:
+        fn = int4_linear_kernel
+        constexprs = int4_launch(variant.num_rows, variant.group, dtype, has_bias=True,
+                                 interpret=False).constexprs()
+        signature = _signature(variant.dtype)
+    signature |= {name: "constexpr" for name in constexprs}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                             target=GPUTarget("cuda", arch, 32))
     registers, local, shared_static = _resources(kernel.asm["cubin"])
     shared = max(shared_static, kernel.metadata.shared)

@@ -64,3 +64,29 @@ def int4_linear_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stri
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None],
              acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+
+@triton.jit
+def int4_dequantize_kernel(w_ptr, out_ptr, N, K, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+    """The whole weight de-quantized into out [N, K] (its dtype): for many rows, where cuBLAS
+    on the dense weight beats the fused kernel's tiles (see ``triton_int4.DENSE_ROWS``)."""
+    WORDS: tl.constexpr = GROUP // 8 + 1
+    pid_n = tl.program_id(0)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4
+    n_ok = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64) * ((K // GROUP) * WORDS)
+    group = k0 // GROUP
+    words = tl.load(w_rows[:, None] + group * WORDS + (k0 % GROUP) // 8 + offs_w[None, :],
+                    mask=n_ok[:, None], other=0)
+    codes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
+    header = tl.load(w_rows + group * WORDS + GROUP // 8, mask=n_ok, other=0)
+    zero = (header >> 16) & 0xFF
+    scale = (header & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    w = (codes - zero[:, None]).to(tl.float32) * scale[:, None]
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :],
+             w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None])

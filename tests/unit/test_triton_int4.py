@@ -72,3 +72,16 @@ def test_float_weights_still_go_through_f_linear():
     assert backend.pack_weight(w) is None
     x = torch.randn(3, 16)
     torch.testing.assert_close(backend.linear(x, w, None, None), x @ w.T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_dequantize_kernel_is_exact(dtype, group):
+    """The many-rows path's de-quantization (then cuBLAS): each value (code - zero) * scale in
+    fp32, rounded once to the dtype, exactly as the reference computes it."""
+    from engine_worker.backends.triton_int4 import int4_dequantize
+    from engine_worker.weights.int4_layouts import dequantize_int4_groups
+
+    weight, _ = _layer("gptq", group, sym=False)
+    out = int4_dequantize(resolve_triton(torch.device("cpu")).pack_weight(weight), dtype)
+    assert torch.equal(out, dequantize_int4_groups(weight).to(dtype))
