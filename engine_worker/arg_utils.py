@@ -17,8 +17,9 @@ _HELP = {
     "dtype": "auto (bf16 where supported), bfloat16, float16 or float32",
     "quantization": "how a quantized checkpoint runs: auto (its own format natively where the "
                     "kernels have it, else de-quantized; said at start), gguf (GGUF Q4_0, Q4_1 "
-                    "and Q8_0 blocks multiplied as stored, else an error) or dequantize (every "
-                    "weight widened to dtype at load)",
+                    "and Q8_0 blocks multiplied as stored, else an error), awq / gptq (a 4-bit AWQ "
+                    "or GPTQ safetensors checkpoint's weights multiplied as packed, else an "
+                    "error) or dequantize (every weight widened to dtype at load)",
     "max_model_len": "longest sequence (prompt + output) in tokens",
     "block_size": "tokens per KV block",
     "kv_cache_memory_bytes": "KV cache budget in bytes (overrides gpu_memory_utilization)",

@@ -16,7 +16,7 @@ from engine_worker.spec_decode.config import SpeculativeConfig
 from engine_worker.pooler_config import RUNNERS, PoolerConfig
 
 DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
-QUANTIZATION_NAMES = ("auto", "gguf", "dequantize")  # weights.quantization says what each does
+QUANTIZATION_NAMES = ("auto", "gguf", "awq", "gptq", "dequantize")  # weights.quantization says what each does
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
                   "float": "float32"}
 

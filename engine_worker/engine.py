@@ -54,6 +54,8 @@ from engine_worker.step_types import SchedulerStats
 from engine_worker.tokenizer import Tokenizer
 from engine_worker.weights.loader import LoadedModel, load_model, read_hf_config
 from engine_worker.models.registry import lookup_architecture
+from engine_worker.weights.int4_checkpoint import INT4_METHODS
+from engine_worker.weights.int4_choice import checkpoint_format_of
 from engine_worker.weights.quantization import choose_quantization
 from engine_worker.weights.resolve import (EMBEDDED_MODEL_ID, gguf_path_of, resolve_model,
                                            resolve_model_dir)
@@ -119,7 +121,7 @@ class LLMEngine:
                                        config.device.attention_backend)
         self._quantization = choose_quantization(
             config.model.quantization,
-            checkpoint_format="gguf" if gguf_path_of(config.model.model) else None,
+            checkpoint_format=checkpoint_format_of(config.model.model),
             backend=self._backend.name, native_types=self._backend.backend.quantized_types)
         self._source = resolve_model(config.model.model, native_gguf=self._quantization.native)
         self._model_dir = self._source.model_dir
@@ -210,7 +212,8 @@ class LLMEngine:
                             backend=self._backend.backend,
                             max_model_len=self.config.model.max_model_len,
                             gguf=self._source.gguf, strict_quantization=self._quantization.strict,
-                            comm=None if self._executor is None else self._executor.comm)
+                            comm=None if self._executor is None else self._executor.comm,
+                            int4_native=self._quantization.method in INT4_METHODS)
         with progress(logger, "Loading the tokenizer"):
             return loaded, Tokenizer(self._tokenizer_dir)
 

@@ -43,7 +43,7 @@ class EngineInfo:
     backend_summary: str  # one line for the log: name (what it is): reason
     cuda_graphs: str  # "on (35 batch sizes, 1 to 256)", "off (cpu)", "off (enforce_eager)"
     # how the weights are held (weights.quantization): "gguf" (blocks multiplied natively),
-    # "dequantize" (a quantized checkpoint widened to dtype) or "none" (a float checkpoint);
+    # "awq" / "gptq" (4-bit packed weights multiplied natively), "dequantize" (a quantized checkpoint widened to dtype) or "none" (a float checkpoint);
     # part of the cache identity: K/V differ between a 4-bit and a 16-bit engine
     quantization: str
     quantization_summary: str  # one line for the start block: method: why (tensor types)

@@ -122,7 +122,7 @@ class EngineMetrics:
 
         # What runs, as an info-style gauge (always 1): a fallback to the reference ops costs
         # 5-10x and an alert can match on backend="torch" where "cpu" was expected.
-        # quantization: how the weights are held ("gguf", "dequantize", "none")
+        # quantization: how the weights are held ("gguf", "awq", "gptq", "dequantize", "none")
         Gauge("quire:backend_info",
               "Kernel backend the engine runs, why, and how its weights are held (value 1).",
               ["model_name", "backend", "reason", "quantization"], registry=r

@@ -65,9 +65,9 @@ class ModelExpectation:
     block_hash_algorithm: str
     block_hash_seed: int
     tokenizer_digest: str
-    # how the weights are held (ModelInfo.quantization: "gguf", "dequantize", "none"; "" from
-    # engines that do not say): 4-bit and 16-bit engines compute different K/V for one prefix,
-    # so they never share a prefix domain
+    # how the weights are held (ModelInfo.quantization: "gguf", "awq", "gptq", "dequantize",
+    # "none"; "" from engines that do not say): 4-bit and 16-bit engines compute different K/V
+    # for one prefix, so they never share a prefix domain
     quantization: str = ""
 
     def __post_init__(self) -> None:

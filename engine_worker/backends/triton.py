@@ -1,7 +1,8 @@
 """The ``triton`` backend: Triton paged attention (``attention/triton_backend.py``) for the
-whole varlen step, with the reference ops for the rest of the layer (cuBLAS matmuls through
-``F.linear`` on a GPU). The default on CUDA. On a CPU it runs only under Triton's interpreter
-(``TRITON_INTERPRET=1``), which is how the tests check it without a GPU."""
+whole varlen step, AWQ / GPTQ 4-bit weights through the Triton int4 kernel
+(``backends/triton_int4.py``), with the reference ops for the rest of the layer (cuBLAS
+matmuls through ``F.linear`` on a GPU). The default on CUDA. On a CPU it runs only under
+Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check it without a GPU."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import dataclasses
 import torch
 
 from engine_worker.backends.base import Backend
+from engine_worker.backends import triton_int4
 from engine_worker.backends.reference import REFERENCE
 from engine_worker.ops import Unavailable
+from engine_worker.weights.int4_layouts import INT4_GROUPS_TYPE
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
@@ -26,7 +29,7 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-DESCRIPTION = "Triton paged attention, reference ops elsewhere"
+DESCRIPTION = "Triton paged attention and int4 linear layers, reference ops elsewhere"
 
 
 def _attention():
@@ -42,7 +45,9 @@ def resolve_triton(device: torch.device) -> Backend | Unavailable:
     if reason is not None:
         return Unavailable(reason)
     return dataclasses.replace(REFERENCE, name="triton", description=DESCRIPTION,
-                               attention=_attention())
+                               attention=_attention(), linear=triton_int4.linear,
+                               pack_weight=triton_int4.pack_weight,
+                               quantized_types=frozenset({INT4_GROUPS_TYPE}))
 
 
 def with_attention(backend: Backend, attention_backend: str) -> Backend:

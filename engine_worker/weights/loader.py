@@ -21,6 +21,8 @@ from torch import nn
 from engine_worker.backends.base import Backend
 from engine_worker.distributed.shard import PPStage, TPShard, shard_llama_state
 from engine_worker.weights.gguf_weights import dequantize_blocks, read_gguf_state
+from engine_worker.weights.int4_checkpoint import Int4Config, int4_layers, parse_int4_config
+from engine_worker.weights.int4_layouts import int4_layout, pack_layers
 from engine_worker.models.registry import lookup_architecture
 from engine_worker.progress import progress
 
@@ -40,7 +42,7 @@ class LoadedModel:
     architecture: str
     hf_config: dict[str, Any]
     max_model_len: int
-    weights_summary: str = ""  # a GGUF's tensor types as loaded (empty for safetensors)
+    weights_summary: str = ""  # a GGUF's tensor types / an AWQ or GPTQ config, as loaded
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
@@ -63,14 +65,17 @@ def derive_max_model_len(hf_config: dict[str, Any], requested: int | None) -> in
 
 def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, backend: Backend,
                max_model_len: int | None, gguf: Path | None = None,
-               strict_quantization: bool = False, comm: Any = None) -> LoadedModel:
+               strict_quantization: bool = False, comm: Any = None,
+               int4_native: bool = False) -> LoadedModel:
     """Build the model on the meta device, load the checkpoint into it (cast to ``dtype`` on
     ``device``), then let ``backend`` pack the weights its way. With ``gguf``, the weights come
     from that file, the block types ``backend`` multiplies natively kept as blocks
     (``strict_quantization``: another block type in a linear layer is an error, not widened).
     ``comm`` (a ``distributed.comm.ParallelComm``): load this rank's tensor-parallel slice of
     its pipeline stage's layers, cut from the full checkpoint, into a model whose layers
-    reduce, gather and pass hidden states over it."""
+    reduce, gather and pass hidden states over it.
+    An AWQ / GPTQ checkpoint's layers are repacked into the layout ``backend`` multiplies
+    (``int4_native``) or de-quantized to ``dtype``."""
     hf_config = read_hf_config(model_dir)
     arch_name, arch = lookup_architecture(hf_config)
     cfg = arch.parse_config(hf_config)
@@ -96,8 +101,17 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, bac
         if gstate.tied_logits is not None and getattr(cfg, "tie_word_embeddings", False):
             model.tied_logits_weight = gstate.tied_logits  # the logits stream blocks too
     else:
+        int4 = parse_int4_config(hf_config)
+        layout = int4_layout(backend.quantized_types) if int4_native else None
         with progress(logger, f"Loading weights from {model_dir.name}"):
-            state = _read_state_dict(model_dir, dtype=dtype, device=device)
+            state = _read_state_dict(model_dir, dtype=dtype, device=device, int4=int4,
+                                     int4_layout=layout)
+        if int4 is not None:
+            summary = f"{int4.describe()}, " + (f"as {layout}" if layout else "de-quantized")
+            _assign_blocks(model, state)
+        if shard is not None and int4 is not None:
+            raise ValueError(f"quantization: {int4.describe()} weights do not split across "
+                             f"tensor-parallel ranks yet; use tensor_parallel_size=1")
     if shard is not None:
         state = shard_llama_state(state, shard=shard, num_heads=cfg.num_heads,
                                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
@@ -122,17 +136,24 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, bac
 
 
 def _assign_blocks(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Block-quantized weights (uint8 [N, K / 32, bytes]) replace their float parameters
-    first, so that ``load_state_dict`` finds the shapes equal and assigns them as they are."""
+    """Block-quantized weights (uint8 [N, K / 32, bytes], or an int4 layout's int32) replace
+    their float parameters first, so that ``load_state_dict`` finds the shapes equal and
+    assigns them as they are."""
     for name, tensor in state.items():
-        if tensor.dtype == torch.uint8:
+        if _is_packed(tensor):
             module_name, _, param = name.rpartition(".")
             setattr(model.get_submodule(module_name), param,
                     nn.Parameter(tensor, requires_grad=False))
 
 
-def _read_state_dict(model_dir: Path, *, dtype: torch.dtype,
-                     device: torch.device) -> dict[str, torch.Tensor]:
+def _is_packed(tensor: torch.Tensor) -> bool:
+    """Quantized weights kept as packed (never cast): GGUF blocks, the int4 group layout."""
+    return tensor.dtype in (torch.uint8, torch.int32) and tensor.dim() == 3
+
+
+def _read_state_dict(model_dir: Path, *, dtype: torch.dtype, device: torch.device,
+                     int4: Int4Config | None = None,
+                     int4_layout: str | None = None) -> dict[str, torch.Tensor]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model: no *.safetensors files in {model_dir}")
@@ -144,6 +165,8 @@ def _read_state_dict(model_dir: Path, *, dtype: torch.dtype,
             for name in f.keys():
                 if not _IGNORED.search(name):
                     raw[name.removeprefix("model.")] = f.get_tensor(name)
+    if int4 is not None:  # AWQ / GPTQ: each layer's packed tensors become its weight
+        raw.update(pack_layers(int4_layers(raw, int4), int4_layout, dtype))
     return _fused_state(raw, dtype=dtype, device=device)
 
 
@@ -156,7 +179,7 @@ def _fused_state(raw: dict[str, torch.Tensor], *, dtype: torch.dtype,
             continue  # consumed by a fusion
         fused = _fuse(name, raw, dtype)
         target, tensor = fused if fused else (name, raw.pop(name))
-        if tensor.dtype != torch.uint8:
+        if not _is_packed(tensor):
             tensor = tensor.to(dtype=dtype)
         state[target] = tensor.to(device=device).contiguous()
     return state
@@ -165,7 +188,8 @@ def _fused_state(raw: dict[str, torch.Tensor], *, dtype: torch.dtype,
 def _cat_rows(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """Parts stacked along the output rows: blocks of one type as blocks, else as values (a
     mix of types, as GGUF's Q4_K_M gives V another type than Q and K, is de-quantized)."""
-    if all(p.dtype == torch.uint8 for p in parts) and len({p.shape[1:] for p in parts}) == 1:
+    if all(_is_packed(p) and p.dtype == parts[0].dtype for p in parts) \
+            and len({p.shape[1:] for p in parts}) == 1:
         return torch.cat(parts, dim=0)
     return torch.cat([dequantize_blocks(p, dtype) if p.dtype == torch.uint8 else p.to(dtype)
                       for p in parts], dim=0)

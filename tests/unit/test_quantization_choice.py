@@ -45,5 +45,5 @@ def test_dequantize_is_todays_path_and_a_float_checkpoint_has_nothing_to_do():
 
 def test_an_unknown_value_names_the_field():
     with pytest.raises(ValueError, match=r"^quantization: must be one of \('auto', 'gguf', "
-                                         r"'dequantize'\), got 'awq'"):
-        EngineArgs(quantization="awq").create_engine_config()
+                                         r"'awq', 'gptq', 'dequantize'\), got 'fp8'"):
+        EngineArgs(quantization="fp8").create_engine_config()
