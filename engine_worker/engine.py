@@ -283,7 +283,8 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         processed = self.input_processor.process(request_id, prompt, params, arrival, priority,
                                                  cache_salt)
-        if params.structured_outputs is not None:  # compiled already when the server sent it
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            # compiled already when the server sent it
             processed.request.grammar = self.grammars.matcher(params.structured_outputs)
         clash = [s for s in processed.sample_ids if self.output_processor.is_live_sample(s)]
         if clash:

@@ -21,8 +21,8 @@ from quire.limits import (DEFAULT_MAX_N, UINT32_MAX, check_min_tokens, check_n,
                           check_sampling)
 from quire.list_limits import MAX_CHAT_MESSAGES, MAX_CONTENT_PARTS, MAX_STOP_TOKEN_IDS
 from quire.structured_outputs import check_logit_bias, structured_outputs_kind
+from quire.tool_calls import ToolCallStream, ToolChoice, tool_choice_of
 from quire.v1 import engine_pb2 as pb
-from router.tool_calls import ToolCallStream, ToolChoice, tool_choice_of
 from router.admission import RETRY_AFTER_METADATA
 
 logger = logging.getLogger(__name__)
