@@ -14,7 +14,9 @@ from engine_worker.input_processor import PromptType
 from engine_worker.lora.request import LoRARequest
 from engine_worker.outputs import EmbeddingRequestOutput, RequestOutput
 from engine_worker.pooling_params import PoolingParams
-from engine_worker.sampling_params import RequestOutputKind, SamplingParams
+from engine_worker.sampling_params import (RequestOutputKind, SamplingParams,
+                                           StructuredOutputsParams)
+from quire.tool_calls import render_inputs, tool_choice_of
 
 
 class LLM:
@@ -119,19 +121,52 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+             parallel_tool_calls: bool | None = None,
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
              ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and
-        generate the assistant's reply."""
+        generate the assistant's reply.
+
+        ``tools`` (OpenAI's function tools) go to the template, or are written into the
+        prompt in the Hermes format when the template ignores them; ``tool_choice`` ("auto",
+        the default with tools, "none", "required" or ``{"type": "function", "function":
+        {"name": ...}}``) and ``parallel_tool_calls`` as in the OpenAI API: "required" and a
+        named function are enforced by a JSON-schema grammar. Each completion's parsed calls
+        are in ``output.outputs[i].tool_calls`` (``text`` stays the raw output).
+        ``role: "tool"`` messages and earlier assistant ``tool_calls`` render too."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        choice = tool_choice_of({"tools": tools, "tool_choice": tool_choice,
+                                 "parallel_tool_calls": parallel_tool_calls})
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with "
+                             "add_generation_prompt")
         tokenizer = self.engine.tokenizer
-        prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
-                   for c in conversations]
+        template = getattr(tokenizer.hf, "chat_template", None)
+        prompts = []
+        for conversation in conversations:
+            if not isinstance(conversation, list) or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str)
+                    for m in conversation):
+                raise ValueError("messages: a conversation is a list of {role, content} dicts")
+            rendered, template_tools = render_inputs(conversation, choice, template)
+            prompts.append(tokenizer.apply_chat_template(
+                rendered, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tools=template_tools,
+                **(chat_template_kwargs or {})))
         token_prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        params = self._as_params_list(sampling_params, len(prompts))
+        if choice is not None and choice.schema() is not None:
+            params = [_enforce_tool_schema(p, choice.schema()) for p in params]
         outputs = self.generate([{"prompt_token_ids": t} for t in token_prompts],
-                                sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+                                params, use_tqdm=use_tqdm, lora_request=lora_request)
         for output, text in zip(outputs, prompts):
             output.prompt = text
+            if choice is not None:
+                for completion in output.outputs:
+                    _, calls = choice.parse(completion.text)
+                    completion.tool_calls = [c.as_json() for c in calls] or None
         return outputs
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
@@ -188,6 +223,16 @@ class LLM:
         if bar is not None:
             bar.close()
         return [results[r] for r in request_ids]
+
+
+def _enforce_tool_schema(params: SamplingParams, schema: dict) -> SamplingParams:
+    """tool_choice required / named: the output is constrained to the calls' JSON schema."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError("sampling_params: must be SamplingParams")
+    if params.structured_outputs is not None:
+        raise ValueError("tool_choice: required or a named function cannot be combined with "
+                         "structured_outputs")
+    return params.clone(structured_outputs=StructuredOutputsParams(json=schema))
 
 
 class _Progress:

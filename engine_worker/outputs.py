@@ -29,6 +29,9 @@ class CompletionOutput:
     logprobs: list[LogprobsDict] | None
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
+    # LLM.chat with tools: the calls parsed out of ``text``, in OpenAI's shape ({"id", "type":
+    # "function", "function": {"name", "arguments"}}); None without tools or when it called none
+    tool_calls: list[dict] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from quire.errors import field_of
 from quire.ports import PortInUseError
+from quire.tool_calls import ToolChoice, render_inputs
 from quire.tracing import TRACE_HEADERS
 from quire.v1 import engine_pb2 as pb
 from router.auth import OPEN_HTTP_PATHS, ApiKeys
@@ -32,7 +33,6 @@ from router.config import RouterServerConfig
 from router.http_guard import GuardedAppRunner, RateLimitedLog, deadline_of
 from router.local_call import LocalCall, local_unary
 from router.metrics import RouterMetrics
-from router.tool_calls import ToolChoice, render_inputs
 from router.openai_protocol import (FINISH, RequestError, chat_messages, check_body,
                                     error_response, request_priority, sampling_options, shown,
                                     sse, token_list,

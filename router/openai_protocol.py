@@ -21,8 +21,8 @@ from quire.limits import (DEFAULT_MAX_N, UINT32_MAX, check_min_tokens, check_n,
                           check_sampling)
 from quire.list_limits import MAX_CHAT_MESSAGES, MAX_CONTENT_PARTS, MAX_STOP_TOKEN_IDS
 from quire.structured_outputs import check_logit_bias, structured_outputs_kind
+from quire.tool_calls import ToolCallStream, ToolChoice, tool_choice_of
 from quire.v1 import engine_pb2 as pb
-from router.tool_calls import ToolCallStream, ToolChoice, tool_choice_of
 from router.admission import RETRY_AFTER_METADATA
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,12 @@ _SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
     "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p", "repetition_penalty",
     "min_tokens", "stop_token_ids", "ignore_eos", "logit_bias", "response_format",
-    "structured_outputs", "priority"})
+    "structured_outputs", "priority"}) | frozenset({"guided_json", "guided_regex",
+                                                    "guided_choice", "guided_grammar"})
+# vLLM's older extra-body names of structured outputs (still read by vLLM, deprecated there):
+# each is one structured_outputs kind, refused under its own name
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
 # Accepted and ignored: they change nothing about what is generated.
 IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 # Accepted only in the form that means "off" (the feature is not implemented): any other value is
@@ -292,9 +297,11 @@ def structured_outputs_of(body: dict) -> pb.StructuredOutputs | None:
     """OpenAI's ``response_format`` or vLLM's extra-body ``structured_outputs`` as the wire's
     ``StructuredOutputs`` (None: unconstrained); RequestError naming the field."""
     fmt, extra = body.get("response_format"), body.get("structured_outputs")
-    if fmt is not None and extra is not None:
-        raise RequestError("response_format: cannot be combined with structured_outputs",
-                           "response_format")
+    guided = [name for name in GUIDED_FIELDS if body.get(name) is not None]
+    given = (["response_format"] if fmt is not None else []) + (
+        ["structured_outputs"] if extra is not None else []) + guided
+    if len(given) > 1:
+        raise RequestError(f"{given[0]}: cannot be combined with {given[1]}", given[0])
     spec, field = None, "structured_outputs"
     if fmt is not None:
         spec, field = _response_format_spec(fmt), "response_format"
@@ -302,12 +309,16 @@ def structured_outputs_of(body: dict) -> pb.StructuredOutputs | None:
         if not isinstance(extra, dict):
             raise RequestError("structured_outputs: must be an object", "structured_outputs")
         spec = {k: v for k, v in extra.items() if v is not None}
+    elif guided:
+        field = guided[0]
+        spec = {GUIDED_FIELDS[field]: body[field]}
     if spec is None:
         return None
     try:
         kind, value = structured_outputs_kind(spec, field)
     except FieldError as e:
-        raise RequestError(str(e), e.field) from None
+        name = field if field in GUIDED_FIELDS else e.field  # guided_json, not guided_json.json
+        raise RequestError(name + str(e).removeprefix(e.field), name) from None
     out = pb.StructuredOutputs()
     if kind == "choice":
         out.choice.choices[:] = value
@@ -440,6 +451,9 @@ class OpenAIRequest:
         self.field_aliases: dict[str, str] = {}
         if body.get("response_format") is not None:
             self.field_aliases["structured_outputs.json"] = "response_format"
+        for name, kind in GUIDED_FIELDS.items():
+            if body.get(name) is not None:
+                self.field_aliases[f"structured_outputs.{kind}"] = name
         self.tools: ToolChoice | None = None
         if chat:
             try:
@@ -448,7 +462,8 @@ class OpenAIRequest:
                 raise RequestError(str(e), e.field) from None
         if self.tools is not None and self.tools.schema() is not None:
             if body.get("response_format") is not None or \
-                    body.get("structured_outputs") is not None:
+                    body.get("structured_outputs") is not None or \
+                    any(body.get(name) is not None for name in GUIDED_FIELDS):
                 raise RequestError("tool_choice: required or a named function cannot be "
                                    "combined with response_format or structured_outputs",
                                    "tool_choice")

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -60,7 +62,10 @@ def hf_embed(model, inputs: list[list[int]], batch_size: int, pooling_type: str,
     return out
 
 
-def run(engine_args, inputs: list[list[int]], hf_batch_size: int) -> dict:
+def run(engine_args, inputs: list[list[int]], hf_batch_size: int, repeats: int = 1) -> dict:
+    """Both sides loaded side by side, then timed taking turns (Quire, transformers, Quire,
+    ...) ``repeats`` times each, so a machine whose load changes weighs on both; the first
+    turn's figures head the report, every turn's ratio and their median follow."""
     import torch
     import transformers
 
@@ -69,33 +74,39 @@ def run(engine_args, inputs: list[list[int]], hf_batch_size: int) -> dict:
     llm = LLM(**dataclasses.asdict(engine_args))
     info = llm.info
     prompts = [{"prompt_token_ids": p} for p in inputs]
-    llm.embed(prompts[:4], use_tqdm=False)  # warm-up
-    llm.engine.reset_prefix_cache()  # every input computed, as on the other side
-    start = time.perf_counter()
-    ours = llm.embed(prompts, use_tqdm=False)
-    quire_s = time.perf_counter() - start
-    vectors = [torch.tensor(o.outputs.embedding) for o in ours]
-    del llm, ours
-    gc.collect()
-
     model = transformers.AutoModel.from_pretrained(info.model_dir, dtype=info.dtype).eval()
+    llm.embed(prompts[:4], use_tqdm=False)  # warm-ups
     hf_embed(model, inputs[:4], hf_batch_size, info.pooling_type, info.pooling_normalize)
-    start = time.perf_counter()
-    theirs = hf_embed(model, inputs, hf_batch_size, info.pooling_type, info.pooling_normalize)
-    hf_s = time.perf_counter() - start
-    cosine = min(torch.nn.functional.cosine_similarity(a, b, dim=0).item()
-                 for a, b in zip(vectors, theirs))
+    turns, cosine = [], 1.0
+    for _ in range(repeats):
+        llm.engine.reset_prefix_cache()  # every input computed, as on the other side
+        start = time.perf_counter()
+        ours = llm.embed(prompts, use_tqdm=False)
+        quire_s = time.perf_counter() - start
+        start = time.perf_counter()
+        theirs = hf_embed(model, inputs, hf_batch_size, info.pooling_type,
+                          info.pooling_normalize)
+        hf_s = time.perf_counter() - start
+        cosine = min([cosine] + [torch.nn.functional.cosine_similarity(
+            torch.tensor(o.outputs.embedding), b, dim=0).item() for o, b in zip(ours, theirs)])
+        turns.append({"quire_s": quire_s, "hf_s": hf_s, "ratio": hf_s / quire_s})
+        del ours, theirs
+        gc.collect()
     num_tokens = sum(len(p) for p in inputs)
+    quire_s, hf_s = turns[0]["quire_s"], turns[0]["hf_s"]
     return {
         "num_inputs": len(inputs), "num_tokens": num_tokens,
         "pooling_type": info.pooling_type, "normalize": info.pooling_normalize,
         "dtype": str(info.dtype).removeprefix("torch."), "kernels": info.backend,
+        "quantization": info.quantization,
         "num_threads": info.num_threads,
         "quire": {"elapsed_s": quire_s, "inputs_per_s": len(inputs) / quire_s,
                   "tokens_per_s": num_tokens / quire_s},
         "hf": {"elapsed_s": hf_s, "inputs_per_s": len(inputs) / hf_s,
                "tokens_per_s": num_tokens / hf_s, "batch_size": hf_batch_size},
         "ratio": hf_s / quire_s, "min_cosine_similarity": cosine,
+        "turns": turns, "ratio_median": statistics.median(t["ratio"] for t in turns),
+        "loadavg_1m_at_end": os.getloadavg()[0],
     }
 
 
@@ -106,6 +117,9 @@ def add_embed_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-batch-size", type=int, default=32,
                         help="transformers' batch size (sentence-transformers' default: 32)")
     parser.add_argument("--workload-seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="time both sides this many times, taking turns; each turn's "
+                             "ratio and the median are reported")
     parser.add_argument("--output-json", type=Path, default=Path("bench_results/embed.json"))
     add_engine_args(parser)
     # fp32 on both sides by default: a Zen 3 has no bf16 arithmetic (FIELD-NOTES.md)
@@ -114,7 +128,9 @@ def add_embed_args(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(ns: argparse.Namespace) -> int:
     inputs = make_inputs(ns.num_inputs, ns.min_len, ns.max_len, ns.workload_seed)
-    result = run(engine_args_from_namespace(ns), inputs, ns.hf_batch_size)
+    if ns.repeats < 1:
+        raise ValueError(f"repeats: must be >= 1, got {ns.repeats}")
+    result = run(engine_args_from_namespace(ns), inputs, ns.hf_batch_size, ns.repeats)
     result["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(ns).items()
                         if k != "func"}
     q, hf = result["quire"], result["hf"]
@@ -126,6 +142,9 @@ def run_from_args(ns: argparse.Namespace) -> int:
           f"{hf['tokens_per_s']:9.0f} tok/s (batches of {hf['batch_size']}, sorted by length)")
     print(f"quire / transformers: x{result['ratio']:.2f}; smallest cosine similarity "
           f"{result['min_cosine_similarity']:.6f}")
+    if len(result["turns"]) > 1:
+        print("every turn: " + ", ".join(f"x{t['ratio']:.2f}" for t in result["turns"])
+              + f"; median x{result['ratio_median']:.2f}")
     write_json(result, ns.output_json)
     print(f"wrote {ns.output_json}")
     return 0

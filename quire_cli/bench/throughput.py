@@ -112,9 +112,11 @@ class BenchConfig:
     output_json: str = "bench_results/throughput.json"
     output_plot: str | None = None
     json_schema: str | None = None  # a JSON schema file: also run with it on every request
+    schema_repeats: int = 1  # runs without and with the schema, taking turns, this many each
 
     def __post_init__(self) -> None:
         require_at_least(self, ("num_prompts", "min_input_len", "min_output_len",
+                                "schema_repeats",
                                 "hf_batch_size", "sweep_prompt_len", "sweep_output_len"))
         _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -195,6 +197,10 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
                    help="also run Quire's workload with this JSON schema as every request's "
                         "structured output (vLLM's structured_outputs.json) and report its "
                         "throughput against the run without one")
+    o.add_argument("--schema-repeats", type=int, default=d.schema_repeats,
+                   help="with --json-schema: this many runs without and with the schema, "
+                        "taking turns (without, with, without, ...); each pair's ratio and "
+                        "their median are reported")
     add_bench_engine_args(parser)
 
 
@@ -225,6 +231,7 @@ def time_quire(llm, workload: Workload, warmup: Workload, ignore_eos: bool,
     """``json_schema``: every request's structured output (its grammar, compiled in the
     warm-up, may end a request before its max_tokens, even with ``ignore_eos``)."""
     llm.generate(*_requests(warmup, True, sampling, json_schema), use_tqdm=False)
+    llm.engine.reset_prefix_cache()  # an earlier run of the same prompts gives no head start
     prompts, params = _requests(workload, ignore_eos, sampling, json_schema)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -358,18 +365,29 @@ def _environment(engine) -> dict:
 
 def _write_json(path: Path, cfg: BenchConfig, engine_args: EngineArgs, env: dict,
                 workload: Workload, results: list[SystemResult], ratio, sweep,
-                with_schema: SystemResult | None = None) -> None:
+                schema_pairs: list[tuple[SystemResult, SystemResult]] = ()) -> None:
     by_system = {r.system: dataclasses.asdict(r) for r in results}
     report = {"config": {**dataclasses.asdict(cfg), "engine": dataclasses.asdict(engine_args)},
               "environment": {**env, "loadavg_1m_at_end": os.getloadavg()[0]},
               "workload": workload.summary(), "quire": by_system["quire"],
               "hf": by_system.get("transformers"), "ratio_output_tokens_per_s": ratio,
               "batch_size_sweep": [dataclasses.asdict(p) for p in sweep]}
-    if with_schema is not None:  # the same workload, a JSON schema on every request
+    if schema_pairs:  # the same workload, a JSON schema on every request
+        with_schema = schema_pairs[0][1]
         report["json_schema"] = dataclasses.asdict(with_schema) | {
             "ratio_output_tokens_per_s_vs_plain":
-                with_schema.output_tokens_per_s / results[0].output_tokens_per_s}
+                with_schema.output_tokens_per_s / results[0].output_tokens_per_s,
+            "schema": _load_schema(cfg.json_schema),
+            # every turn, in the order run: (without, with) and the with / without ratio
+            "turns": [{"plain": dataclasses.asdict(p), "json_schema": dataclasses.asdict(j),
+                       "ratio": j.output_tokens_per_s / p.output_tokens_per_s}
+                      for p, j in schema_pairs],
+            "ratio_median": _schema_median(schema_pairs)}
     print(f"wrote {write_json(report, path)}")
+
+
+def _schema_median(pairs) -> float:
+    return statistics.median(j.output_tokens_per_s / p.output_tokens_per_s for p, j in pairs)
 
 
 def _print_sweep(sweep) -> None:
@@ -402,11 +420,18 @@ def run_from_args(ns: argparse.Namespace) -> int:
     schema = _load_schema(cfg.json_schema)
     results = [time_quire(llm, workload, warmup, cfg.ignore_eos, sampling=sampling)]
     with_schema = None
-    if schema is not None:
-        print(f"quire: {cfg.num_prompts} requests with the JSON schema", file=sys.stderr)
-        with_schema = time_quire(llm, workload, warmup, cfg.ignore_eos,
-                                 system="quire+json-schema", sampling=sampling,
-                                 json_schema=schema)
+    schema_pairs: list[tuple[SystemResult, SystemResult]] = []
+    for turn in range(cfg.schema_repeats if schema is not None else 0):
+        # taking turns, so a machine that slows down or speeds up weighs on both sides
+        plain = results[0] if turn == 0 else time_quire(llm, workload, warmup, cfg.ignore_eos,
+                                                        sampling=sampling)
+        print(f"quire: {cfg.num_prompts} requests with the JSON schema ({turn + 1} of "
+              f"{cfg.schema_repeats})", file=sys.stderr)
+        schema_pairs.append((plain, time_quire(llm, workload, warmup, cfg.ignore_eos,
+                                               system="quire+json-schema", sampling=sampling,
+                                               json_schema=schema)))
+    if schema_pairs:
+        with_schema = schema_pairs[0][1]
     info = engine.info
     model_dir, dtype, device = info.model_dir, info.dtype, info.device
     parameters = num_parameters(engine.runner.model)
@@ -434,14 +459,15 @@ def run_from_args(ns: argparse.Namespace) -> int:
           f"{fraction:.0%} of the matmul peak (2 x {parameters / 1e6:.1f}M FLOPs a token)")
     if sweep:
         _print_sweep(sweep)
-    if with_schema is not None:
-        schema_ratio = with_schema.output_tokens_per_s / results[0].output_tokens_per_s
-        print(f"with the JSON schema: {with_schema.output_tokens_per_s:.1f} output tok/s "
-              f"({with_schema.num_output_tokens} tokens) against "
-              f"{results[0].output_tokens_per_s:.1f} ({results[0].num_output_tokens}) "
-              f"without: {schema_ratio:.2f}x")
+    for plain, schema_run in schema_pairs:
+        print(f"with the JSON schema: {schema_run.output_tokens_per_s:.1f} output tok/s "
+              f"({schema_run.num_output_tokens} tokens) against "
+              f"{plain.output_tokens_per_s:.1f} ({plain.num_output_tokens}) "
+              f"without: {schema_run.output_tokens_per_s / plain.output_tokens_per_s:.2f}x")
+    if len(schema_pairs) > 1:
+        print(f"median of {len(schema_pairs)} pairs: {_schema_median(schema_pairs):.2f}x")
     _write_json(Path(cfg.output_json), cfg, engine_args, env, workload, results, ratio, sweep,
-                with_schema)
+                schema_pairs)
     if _write_plot(cfg.plot_path, results, sweep):
         print(f"wrote {cfg.plot_path}")
     return 0

@@ -19,7 +19,7 @@ def test_bench_embed_report(tiny_model_dir, tmp_path, pooling_type):
         [sys.executable, "-m", "quire_cli", "bench", "embed", "--model", str(tiny_model_dir),
          "--kv-cache-memory-bytes", str(1 << 24), "--num-inputs", "10", "--min-len", "1",
          "--max-len", "70", "--hf-batch-size", "4", "--max-num-batched-tokens", "64",
-         "--pooler-config", json.dumps({"pooling_type": pooling_type}),
+         "--pooler-config", json.dumps({"pooling_type": pooling_type}), "--repeats", "2",
          "--output-json", str(out)],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -31,3 +31,8 @@ def test_bench_embed_report(tiny_model_dir, tmp_path, pooling_type):
                                             / report["quire"]["elapsed_s"])
     assert report["quire"]["tokens_per_s"] * report["quire"]["elapsed_s"] == \
         pytest.approx(report["num_tokens"])
+    first, second = report["turns"]  # taking turns; the first heads the report
+    assert first["quire_s"] == report["quire"]["elapsed_s"] and first["hf_s"] == \
+        report["hf"]["elapsed_s"]
+    assert second["ratio"] == pytest.approx(second["hf_s"] / second["quire_s"])
+    assert report["ratio_median"] == pytest.approx((first["ratio"] + second["ratio"]) / 2)

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from quire.errors import FieldError
-from router.tool_calls import ToolCallStream, render_inputs, tool_choice_of
+from quire.tool_calls import ToolCallStream, render_inputs, tool_choice_of
 from router.tokenizer import RouterTokenizer
 
 WEATHER = {"type": "function", "function": {

@@ -1,5 +1,7 @@
 """Tool calling on chat completions: OpenAI's ``tools`` / ``tool_choice`` /
-``parallel_tool_calls`` checked, rendered into the prompt, enforced and parsed back.
+``parallel_tool_calls`` checked, rendered into the prompt, enforced and parsed back. Shared by
+the router's OpenAI front and the offline ``LLM.chat``, so both render, enforce and parse calls
+the same way (plain Python: no torch, no grammar engine).
 
 - **Rendering.** A chat template that reads ``tools`` gets them (``apply_chat_template(...,
   tools=...)``) with the conversation as OpenAI sent it (a call's ``arguments`` decoded to an
