@@ -143,7 +143,10 @@ class LLMEngine:
             device=self._device, enforce_eager=self.config.device.enforce_eager
             or self.config.model.runner == "pooling",
             attention=self._backend.backend.attention.name,
-            fused_layers=model.layer_stack is not None, max_num_seqs=sched.max_num_seqs,
+            # a fused stack says whether its launches are graph-ready (backends/base.py)
+            fused_layers=model.layer_stack is not None
+            and not getattr(model.layer_stack, "graph_ready", False),
+            max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens)
 
     def _size_kv_cache(self, model) -> KVCacheSize:
