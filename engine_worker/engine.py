@@ -226,7 +226,10 @@ class LLMEngine:
             # collectives inside captured graphs are unproven here: eager under parallelism
             or self.config.parallel.world_size > 1,
             attention=self._backend.backend.attention.name,
-            fused_layers=model.layer_stack is not None, max_num_seqs=sched.max_num_seqs,
+            # a fused stack says whether its launches are graph-ready (backends/base.py)
+            fused_layers=model.layer_stack is not None
+            and not getattr(model.layer_stack, "graph_ready", False),
+            max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens)
 
     def _size_kv_cache(self, model) -> KVCacheSize:

@@ -51,6 +51,8 @@ class LinearWeights:
 
 # (x, positions, kv_caches, meta, attention_ns=None) -> x after every layer. ``attention_ns``
 # (int64 [1]), where given, gets the fused call's cache-write and attention time added to it.
+# One whose ``graph_ready`` attribute is true launches only kernels sized by tensor shapes, with
+# no host read of a device value: the engine then captures it in CUDA graphs.
 LayersFn = Callable[..., torch.Tensor]
 # a model's exported stack (its weights and shapes as data) -> all its layers as one call, or
 # None where these weights or shapes need the per-layer path

@@ -1,20 +1,31 @@
 """The ``triton`` backend: Triton paged attention (``attention/triton_backend.py``) for the
-whole varlen step, AWQ / GPTQ 4-bit weights through the Triton int4 kernel
-(``backends/triton_int4.py``), with the reference ops for the rest of the layer (cuBLAS
-matmuls through ``F.linear`` on a GPU). The default on CUDA. On a CPU it runs only under
-Triton's interpreter (``TRITON_INTERPRET=1``), which is how the tests check it without a GPU."""
+whole varlen step, Triton kernels for the layer's small ops (``backends/triton_ops.py``:
+RMSNorm, residual add + RMSNorm, SiLU-and-mul, RoPE in place), AWQ / GPTQ 4-bit weights
+through the Triton int4 kernel (``backends/triton_int4.py``) and cuBLAS matmuls through
+``F.linear`` for the rest. The default on CUDA. On a CPU it runs only under Triton's
+interpreter (``TRITON_INTERPRET=1``), which is how the tests check it without a GPU.
+
+Its fused Llama stack runs the same layers with each residual add folded into the RMSNorm
+after it (vLLM's ``fused_add_rms_norm``): per layer two norm launches instead of two adds and
+two norms of five to eight kernels each. It launches only shape-dependent kernels, so CUDA
+graphs capture it (``graph_ready``)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from engine_worker.backends.base import Backend
+from engine_worker.attention.metadata import AttentionMetadata
 from engine_worker.backends import triton_int4
+from engine_worker.backends.base import AttentionBackend, Backend, LinearFn
 from engine_worker.backends.reference import REFERENCE
 from engine_worker.ops import Unavailable
 from engine_worker.weights.int4_layouts import INT4_GROUPS_TYPE
+
+if TYPE_CHECKING:
+    from engine_worker.models.llama import LlamaLayerWeights, LlamaStack
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
@@ -29,7 +40,8 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-DESCRIPTION = "Triton paged attention and int4 linear layers, reference ops elsewhere"
+DESCRIPTION = ("Triton paged attention, fused norm / SwiGLU / RoPE kernels and int4 linear "
+               "layers")
 
 
 def _attention():
@@ -44,10 +56,81 @@ def resolve_triton(device: torch.device) -> Backend | Unavailable:
     reason = triton_unavailable_reason(device)
     if reason is not None:
         return Unavailable(reason)
-    return dataclasses.replace(REFERENCE, name="triton", description=DESCRIPTION,
-                               attention=_attention(), linear=triton_int4.linear,
-                               pack_weight=triton_int4.pack_weight,
-                               quantized_types=frozenset({INT4_GROUPS_TYPE}))
+    from engine_worker.backends import triton_ops
+
+    attention = _attention()
+    return dataclasses.replace(
+        REFERENCE, name="triton", description=DESCRIPTION, rms_norm=triton_ops.rms_norm,
+        silu_and_mul=triton_ops.silu_and_mul, rope=triton_ops.rope, attention=attention,
+        linear=triton_int4.linear, pack_weight=triton_int4.pack_weight,
+        quantized_types=frozenset({INT4_GROUPS_TYPE}),
+        fused_stacks={"llama": lambda stack: TritonLlamaLayers(stack, triton_int4.linear,
+                                                               attention)})
+
+
+class TritonLlamaLayers:
+    """A Llama-layout stack's layers, the residual stream kept beside the normed activations
+    so that each add runs inside the next norm's kernel. The same ops as the per-layer path
+    (``models/llama.py``) otherwise, in the model's dtype. ``x`` (the embeddings) is read,
+    never written."""
+
+    # launches depend on tensor shapes only: CUDA graphs may capture it (engine.py)
+    graph_ready: ClassVar[bool] = True
+
+    __slots__ = ("stack", "linear", "attention", "q_size", "kv_size")
+
+    def __init__(self, stack: LlamaStack, linear: LinearFn, attention: AttentionBackend) -> None:
+        self.stack = stack
+        self.linear = linear
+        self.attention = attention
+        self.q_size = stack.num_heads * stack.head_dim
+        self.kv_size = stack.num_kv_heads * stack.head_dim
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 meta: AttentionMetadata, attention_ns: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        # x: [num_tokens, hidden_size] -> the residual stream after every layer
+        from engine_worker.backends.triton_ops import fused_add_rms_norm, rms_norm
+
+        stack = self.stack
+        eps = stack.rms_norm_eps
+        layers = stack.layers
+        if not layers:
+            return x
+        residual = x.clone()
+        h = rms_norm(residual, layers[0].input_norm, eps)
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
+            attn = self._attention(layer, h, positions, kv_cache, meta)
+            h = fused_add_rms_norm(attn, residual, layer.post_attention_norm, eps)
+            mlp = self._mlp(layer, h)
+            if i + 1 < len(layers):
+                h = fused_add_rms_norm(mlp, residual, layers[i + 1].input_norm, eps)
+            else:
+                residual.add_(mlp)
+        return residual
+
+    def _attention(self, layer: LlamaLayerWeights, h: torch.Tensor, positions: torch.Tensor,
+                   kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        from engine_worker.backends.triton_ops import rope
+
+        stack = self.stack
+        lin = layer.qkv_proj
+        q, k, v = self.linear(h, lin.weight, lin.bias, lin.packed).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = rope(positions, q.view(-1, stack.num_heads, stack.head_dim),
+                    k.view(-1, stack.num_kv_heads, stack.head_dim), stack.rope_cos,
+                    stack.rope_sin)
+        out = self.attention.forward(q, k, v.view(-1, stack.num_kv_heads, stack.head_dim),
+                                     kv_cache, meta, stack.attention_scale)
+        lin = layer.o_proj
+        return self.linear(out.reshape(-1, self.q_size), lin.weight, lin.bias, lin.packed)
+
+    def _mlp(self, layer: LlamaLayerWeights, h: torch.Tensor) -> torch.Tensor:
+        from engine_worker.backends.triton_ops import silu_and_mul
+
+        up, down = layer.gate_up_proj, layer.down_proj
+        return self.linear(silu_and_mul(self.linear(h, up.weight, up.bias, up.packed)),
+                           down.weight, down.bias, down.packed)
 
 
 def with_attention(backend: Backend, attention_backend: str) -> Backend:
