@@ -153,8 +153,6 @@ class LLMEngine:
                     pooler_config=self._pooler.config))
         kv_caches = self._allocate_kv_cache(loaded.model, size.num_blocks)
         self._build(loaded.model, kv_caches, size.num_blocks)
-        self._execute = (self.runner.execute if self._executor is None
-                         else lambda out: self._executor.execute(self.runner, out))
         self.info = self._facts(loaded, size)
         self._pending_outputs: list[RequestOutput] = []
         self._load_lora_modules()
@@ -486,7 +484,8 @@ class LLMEngine:
         if scheduler_output.preempted_req_ids:
             self.output_processor.mark_preempted(scheduler_output.preempted_req_ids, now)
         try:
-            runner_output = self._execute(scheduler_output)
+            runner_output = (self.runner.execute(scheduler_output) if self._executor is None
+                             else self._executor.execute(self.runner, scheduler_output))
         except BaseException as e:
             # The step's K/V is unknown: nothing it was to compute may be found, and the engine
             # refuses further work (the server reports it dead so the pod is restarted).
@@ -497,7 +496,7 @@ class LLMEngine:
             if self.dead_reason is None:
                 self.dead_reason = reason or f"{type(e).__name__}: {e}"
             if self._executor is not None:  # the workers may wait on us: stop them
-                self._executor.shutdown()
+                self._executor.abandon()
             raise
         core_outputs = self._scheduler.update_from_output(scheduler_output, runner_output)
         new_outputs, stopped = self.output_processor.process(core_outputs)

@@ -100,7 +100,7 @@ class MultiprocExecutor:
         return self.failure
 
     def shutdown(self) -> None:
-        """Tell the workers to stop, wait for them (kill any that do not), free the groups."""
+        """Tell the idle workers to stop, wait for them (kill any that do not)."""
         if self._stopping.is_set():
             return
         self._stopping.set()
@@ -109,6 +109,12 @@ class MultiprocExecutor:
                 self.comm.broadcast_object(None)
             except Exception:  # a worker died meanwhile: the processes are stopped below
                 pass
+        self._finalizer()
+
+    def abandon(self) -> None:
+        """After a failed step: the workers may wait in a collective that will never
+        complete, so no message can reach them; their pipes' end stops them."""
+        self._stopping.set()
         self._finalizer()
 
 

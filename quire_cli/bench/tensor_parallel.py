@@ -134,5 +134,5 @@ def run_from_args(ns: argparse.Namespace) -> int:
           f"tp={tp} x pp={args.pipeline_parallel_size} ({split.info.num_threads} thread a rank, "
           f"all-reduce {split.info.all_reduce_backend}) {split_rate:.1f} tok/s; "
           f"ratio {result['ratio']:.2f}")
-    write_json(cfg.output_json, result)
+    write_json(result, cfg.output_json)
     return 0
