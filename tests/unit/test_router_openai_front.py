@@ -74,7 +74,7 @@ def test_before_the_model_is_known_models_and_requests_answer_503_with_retry_aft
     404 for the placeholder once the engines' model is known."""
     states = {"serving": 0, "not_serving": 0, "unreachable": 1, "refused": 0}
     model = [None]
-    seam = FrontSeam(grpc_port=1, keys=ApiKeys([]), session_header="x-session-id",
+    seam = FrontSeam(generate=_no_generate, keys=ApiKeys([]), session_header="x-session-id",
                      model_name=lambda: model[0], tokenizer=lambda: None,
                      engine_states=lambda: dict(states), draining=lambda: False)
 
