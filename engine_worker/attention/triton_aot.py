@@ -7,6 +7,9 @@ here. ``cuobjdump -res-usage`` (also in the wheel) reports registers, spills and
 
     python -m engine_worker.attention.triton_aot --arch 80 90
 
+Also the layer's small-op kernels (``backends/triton_ops.py``: RMSNorm with and without the
+residual add, SiLU-and-mul, RoPE), at the hidden and head sizes of ``OP_VARIANTS``.
+
 Run it in a process without ``TRITON_INTERPRET`` (the interpreter replaces ``@triton.jit``).
 """
 
@@ -102,6 +105,72 @@ def compile_variant(variant: Variant, arch: int) -> CompiledVariant:
     return CompiledVariant(arch, variant, registers, local, shared, kernel.metadata.num_warps)
 
 
+@dataclass(frozen=True, slots=True)
+class OpVariant:
+    """One launch of a small-op kernel: ``op`` is ``rms_norm``, ``add_rms_norm``,
+    ``silu_and_mul`` or ``rope``; ``size`` the hidden size (norms), the width (SiLU) or
+    ``(heads, kv_heads, head_dim)`` (RoPE)."""
+
+    op: str
+    dtype: str
+    size: int | tuple[int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledOp:
+    arch: int
+    variant: OpVariant
+    registers: int
+    spilled_bytes: int
+    shared_bytes: int
+    num_warps: int
+
+
+OP_VARIANTS = tuple(
+    OpVariant(op, dtype, size)
+    for dtype in ("float16", "bfloat16", "float32")
+    for op, sizes in (("rms_norm", (576, 4096, 8192)), ("add_rms_norm", (576, 4096, 8192)),
+                      ("silu_and_mul", (1536,)), ("rope", ((9, 3, 64), (32, 8, 128))))
+    for size in sizes
+)
+
+
+def _op_launch(variant: OpVariant):
+    """(kernel, signature, constexprs, num_warps) of a small-op variant."""
+    from engine_worker.backends import triton_ops as ops
+
+    t = "*" + _TYPES[getattr(torch, variant.dtype)]
+    if variant.op in ("rms_norm", "add_rms_norm"):
+        block, warps = ops.norm_launch(variant.size)
+        sig = {"out_ptr": t, "x_ptr": t, "res_in_ptr": t, "res_out_ptr": t, "w_ptr": t,
+               "stride_out": "i32", "stride_x": "i32", "stride_res_in": "i32",
+               "stride_res_out": "i32", "n_cols": "i32", "eps": "fp32"}
+        constexprs = {"ADD_RESIDUAL": variant.op == "add_rms_norm", "BLOCK": block}
+        return ops.rms_norm_kernel, sig, constexprs, warps
+    if variant.op == "silu_and_mul":
+        sig = {"out_ptr": t, "x_ptr": t, "stride_out": "i32", "stride_x": "i32", "width": "i32"}
+        return ops.silu_and_mul_kernel, sig, {"BLOCK": ops.SILU_BLOCK}, 4
+    heads, kv_heads, head_dim = variant.size
+    sig = {"q_ptr": t, "k_ptr": t, "positions_ptr": "*i64", "cos_ptr": "*fp32",
+           "sin_ptr": "*fp32", "stride_q_tok": "i32", "stride_q_head": "i32",
+           "stride_k_tok": "i32", "stride_k_head": "i32", "stride_cos": "i32"}
+    return ops.rope_kernel, sig, ops.rope_launch(heads, kv_heads, head_dim), 4
+
+
+def compile_op(variant: OpVariant, arch: int) -> CompiledOp:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel_fn, signature, constexprs, warps = _op_launch(variant)
+    signature = signature | {name: "constexpr" for name in constexprs}
+    kernel = triton.compile(ASTSource(fn=kernel_fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    registers, local, shared_static = _resources(kernel.asm["cubin"])
+    shared = max(shared_static, kernel.metadata.shared)
+    return CompiledOp(arch, variant, registers, local, shared, kernel.metadata.num_warps)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90])
@@ -118,6 +187,14 @@ def main(argv: list[str] | None = None) -> None:
                       f"d{v.head_dim} block {v.block_size} {'prefill' if v.has_prefill else 'decode'}"
                       f": {result.registers} regs, {result.spilled_bytes} B local, "
                       f"{result.shared_bytes} B shared, {result.num_warps} warps", flush=True)
+        for op in OP_VARIANTS:
+            result = compile_op(op, arch)
+            if args.json:
+                print(json.dumps(asdict(result)), flush=True)
+            else:
+                print(f"sm_{arch} {op.dtype:8} {op.op} {op.size}: {result.registers} regs, "
+                      f"{result.spilled_bytes} B local, {result.shared_bytes} B shared, "
+                      f"{result.num_warps} warps", flush=True)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,11 @@ def attention_launch(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head
         ieee=dtype == torch.float32)
 
 
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    # x: [num_tokens, heads, head_dim]; each token's heads * head_dim values adjacent
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
 def triton_write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
     """Store the step's new keys and values at their slots (negative slots are skipped)."""
@@ -75,8 +80,9 @@ def triton_write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
-    k = k.contiguous()
-    v = v.contiguous()
+    # the kernel reads a token's heads as one row: views into the fused QKV output qualify
+    # as they are (no copy kernel), anything else is copied
+    k, v = _rows_contiguous(k), _rows_contiguous(v)
     row = k.shape[1] * k.shape[2]
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     write_kv_kernel[(num_tokens,)](
@@ -96,8 +102,10 @@ class TritonAttentionBackend:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         torch.ops.quire_triton.write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
-        torch.ops.quire_triton.paged_attention(out, q.contiguous(), kv_cache, meta.block_tables,
+        out = q.new_empty(q.shape)  # contiguous, whatever q's strides
+        # the kernel takes q's token and head strides: a view into the QKV output needs no copy
+        q = q if q.stride(2) == 1 else q.contiguous()
+        torch.ops.quire_triton.paged_attention(out, q, kv_cache, meta.block_tables,
                                                meta.query_start_loc, meta.seq_lens, scale,
                                                bool(meta.prefills))
         return out

@@ -87,3 +87,24 @@ def test_triton_write_kv_skips_negative_slots():
     torch.testing.assert_close(flat[0, 5], k[0])
     torch.testing.assert_close(flat[1, 63], v[2])
     assert flat[:, [i for i in range(64) if i not in (5, 63)]].abs().sum() == 0
+
+
+def test_triton_attention_takes_views_into_a_fused_qkv_output():
+    """q, k and v as the model hands them (views into one QKV row, no copies made): the
+    output and the cache equal those of contiguous copies."""
+    rng = random.Random(11)
+    torch.manual_seed(11)
+    meta = _step(rng, STEPS["mixed"], 16)
+    q, k, v, cache = random_inputs(meta, (4, 2, 64), NUM_BLOCKS, 16, torch.float32)
+    n = q.shape[0]
+    qkv = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+    qv, kv, vv = qkv.split([4 * 64, 2 * 64, 2 * 64], dim=-1)
+    qv, kv, vv = qv.view(n, 4, 64), kv.view(n, 2, 64), vv.view(n, 2, 64)
+    assert not qv.is_contiguous()
+    view_cache = cache.clone()
+    got = TritonAttentionBackend().forward(qv, kv, vv, view_cache, meta, 0.125)
+    want = TritonAttentionBackend().forward(q.contiguous(), k.contiguous(), v.contiguous(),
+                                            cache, meta, 0.125)
+    assert got.is_contiguous()
+    assert torch.equal(view_cache, cache)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

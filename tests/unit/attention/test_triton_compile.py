@@ -49,3 +49,33 @@ def test_attention_kernel_compiles_for_sm80_and_sm90():
         assert c["spilled_bytes"] == 0, c
         assert 0 < c["registers"] <= 255, c
         assert c["shared_bytes"] <= SHARED_LIMIT_BYTES[c["arch"]], c
+
+
+OPS_SCRIPT = """
+import json
+from dataclasses import asdict
+from engine_worker.attention.triton_aot import OP_VARIANTS, compile_op
+variants = [v for v in OP_VARIANTS if v.dtype == "bfloat16" or v.op == "rope"]
+for arch in (80, 90):
+    for v in variants:
+        print(json.dumps(asdict(compile_op(v, arch))), flush=True)
+"""
+
+
+def test_small_op_kernels_compile_for_sm80_and_sm90():
+    """RMSNorm (alone and with the residual add) up to hidden 8192, SiLU-and-mul and RoPE up
+    to 32 heads of 128: no spills, within the register file, in every dtype for RoPE."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-c", OPS_SCRIPT], capture_output=True, text=True,
+                            env=env, cwd=REPO, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = [json.loads(line) for line in result.stdout.splitlines()]
+    assert {c["variant"]["op"] for c in compiled} == {"rms_norm", "add_rms_norm",
+                                                        "silu_and_mul", "rope"}
+    assert len(compiled) == 2 * (3 + 3 + 1 + 2 * 3)
+    for c in compiled:
+        print(c)
+        assert c["spilled_bytes"] == 0, c
+        assert 0 < c["registers"] <= 255, c
+        assert c["shared_bytes"] <= SHARED_LIMIT_BYTES[c["arch"]], c

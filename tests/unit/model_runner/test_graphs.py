@@ -91,12 +91,15 @@ def test_padded_decode_equals_unpadded_reference(triton_model):
         got = triton_model(step.input_ids, step.positions, caches, step.meta)[:3]
         ids, pos, meta, _ = build_step_inputs(states, [1, 1, 1], BLOCK_SIZE,
                                               torch.device("cpu"))
+        # the reference: the layers one by one (not the backend's fused stack), torch attention
         triton_attention = triton_model.layers[0].self_attn.attention
+        stack, triton_model.layer_stack = triton_model.layer_stack, None
         for layer in triton_model.layers:
             layer.self_attn.attention = TorchAttentionBackend()
         try:
             want = triton_model(ids, pos, ref_caches, meta)
         finally:
+            triton_model.layer_stack = stack
             for layer in triton_model.layers:
                 layer.self_attn.attention = triton_attention
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
