@@ -250,6 +250,36 @@ def test_tensor_parallel_engines_request_a_gpu_a_rank_and_a_memory_backed_shm(re
     assert env_of(c)["QUIRE_TENSOR_PARALLEL_SIZE"] == "2"
 
 
+def test_lora_adapters_from_a_volume_or_an_init_container(render):
+    """Adapters from a claim are mounted read-only and become the run-time load directory;
+    an init container fills an emptyDir the engine then reads."""
+    claim = one(render({"engine": {"config": {"maxLoras": 2, "loraModules": "sql=/adapters/sql"},
+                                   "lora": {"volume": {"persistentVolumeClaim": {
+                                       "claimName": "adapters"}}}}}), "StatefulSet", "engine")
+    spec = pod_spec(claim)
+    c = spec["containers"][0]
+    env = env_of(c)
+    assert env["QUIRE_MAX_LORAS"] == "2" and env["QUIRE_LORA_MODULES"] == "sql=/adapters/sql"
+    assert env["QUIRE_LORA_ADAPTER_DIRS"] == "/adapters"
+    assert {"name": "lora-adapters", "mountPath": "/adapters", "readOnly": True} in c["volumeMounts"]
+    volume = next(v for v in spec["volumes"] if v["name"] == "lora-adapters")
+    assert volume["persistentVolumeClaim"] == {"claimName": "adapters"}
+    assert "initContainers" not in spec
+
+    fetched = one(render({"engine": {"lora": {"mountPath": "/srv/lora", "initContainers": [
+        {"name": "fetch", "image": "busybox:1.36", "command": ["sh", "-c", "true"]}]},
+        "config": {"loraAdapterDirs": "/srv/lora,/extra"}}}), "StatefulSet", "engine")
+    spec = pod_spec(fetched)
+    init = next(c for c in spec["initContainers"] if c["name"] == "fetch")
+    assert {"name": "lora-adapters", "mountPath": "/srv/lora"} in init["volumeMounts"]
+    assert next(v for v in spec["volumes"] if v["name"] == "lora-adapters")["emptyDir"] == {}
+    assert env_of(spec["containers"][0])["QUIRE_LORA_ADAPTER_DIRS"] == "/srv/lora,/extra"
+
+    plain = pod_spec(one(render({}), "StatefulSet", "engine"))
+    assert not any(v["name"] == "lora-adapters" for v in plain["volumes"])
+    assert "QUIRE_LORA_ADAPTER_DIRS" not in env_of(plain["containers"][0])
+
+
 def test_engine_options_become_quire_variables(render):
     objects = render(load_values("multi-replica-values.yaml"))
     env = env_of(pod_spec(one(objects, "StatefulSet", "engine"))["containers"][0])
