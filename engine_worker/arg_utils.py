@@ -16,8 +16,8 @@ _HELP = {
     "tokenizer": "tokenizer directory, if not the model's",
     "dtype": "auto (bf16 where supported), bfloat16, float16 or float32",
     "quantization": "how a quantized checkpoint runs: auto (its own format natively where the "
-                    "kernels have it, else de-quantized; said at start), gguf (GGUF Q4_0, Q4_1 "
-                    "and Q8_0 blocks multiplied as stored, else an error), awq / gptq (a 4-bit AWQ "
+                    "kernels have it, else de-quantized; said at start), gguf (GGUF Q4_0, Q4_1, "
+                    "Q8_0, Q4_K, Q5_K and Q6_K blocks multiplied as stored, else an error), awq / gptq (a 4-bit AWQ "
                     "or GPTQ safetensors checkpoint's weights multiplied as packed, else an "
                     "error) or dequantize (every weight widened to dtype at load)",
     "max_model_len": "longest sequence (prompt + output) in tokens",
