@@ -2,14 +2,16 @@
 router's HTTP front to an engine serving the embedded model (SmolLM2), gRPC directly, and the
 offline ``LLM``. Every sampled output (temperature 1, fixed seeds) must parse and validate.
 
-Samples per schema: ``SAMPLES`` (8 here, to keep the run short on 2 cores; the grammar makes
-every one valid by construction, so more samples test the same thing for longer).
+Samples per schema: ``SAMPLES`` (50, the issue's count), whole and streamed, sent as
+concurrent requests of at most ``MAX_N`` samples each (the servers' default bound on ``n``), so
+they decode as one batch.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -18,6 +20,7 @@ import pytest
 from engine_worker import LLM, SamplingParams
 from engine_worker.beam_search import BeamSearchParams
 from engine_worker.sampling_params import StructuredOutputsParams
+from quire.limits import DEFAULT_MAX_N as MAX_N
 from quire.v1 import engine_pb2 as pb
 from tests.e2e.router_harness import (TIMEOUT_S, RunningRouter, address, collect,
                                       engine_fleet)
@@ -25,7 +28,9 @@ from tests.e2e.router_harness import (TIMEOUT_S, RunningRouter, address, collect
 pytestmark = pytest.mark.slow  # the embedded SmolLM2 behind a router
 
 MODEL = "smollm2"
-SAMPLES = 8
+SAMPLES = 50
+# a hang guard, not a timing check: 50 samples of a schema share 2 cores with other work
+SAMPLES_TIMEOUT_S = 10 * TIMEOUT_S
 
 SCHEMAS = {
     "nested": {
@@ -62,7 +67,7 @@ MESSAGES = [{"role": "user", "content": "Describe a person as a JSON object."}]
 
 @pytest.fixture(scope="module")
 def engines(embedded_model_dir):
-    yield from engine_fleet(embedded_model_dir, count=1, kv_cache_memory_bytes=1 << 27)
+    yield from engine_fleet(embedded_model_dir, count=1, kv_cache_memory_bytes=1 << 28)
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +80,28 @@ def router(engines):
 @pytest.fixture(scope="module")
 def client(router):
     with openai.OpenAI(base_url=f"http://127.0.0.1:{router.server.front.port}/v1",
-                       api_key="x", max_retries=0, timeout=TIMEOUT_S) as c:
+                       api_key="x", max_retries=0, timeout=SAMPLES_TIMEOUT_S) as c:
         yield c
+
+
+def _sampled(create, seed: int, **kwargs) -> list:
+    """``SAMPLES`` choices of ``create(**kwargs)``: concurrent requests of at most MAX_N
+    samples, each with its own seed; a streamed request's choices are its joined texts."""
+    sizes = [min(MAX_N, SAMPLES - start) for start in range(0, SAMPLES, MAX_N)]
+    stream = kwargs.get("stream", False)
+
+    def one(i):
+        result = create(n=sizes[i], seed=seed + i, **kwargs)
+        if stream:
+            texts = _streamed_texts(result)
+            assert sorted(texts) == list(range(sizes[i]))
+            return list(texts.values())
+        return list(result.choices)
+
+    with ThreadPoolExecutor(len(sizes)) as pool:
+        out = [c for part in pool.map(one, range(len(sizes))) for c in part]
+    assert len(out) == SAMPLES
+    return out
 
 
 def _json_format(schema):
@@ -87,26 +112,30 @@ def _json_format(schema):
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_sampled_json_validates_against_its_schema(client, name):
     schema = SCHEMAS[name]
-    result = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, n=SAMPLES, temperature=1.0, seed=11, max_tokens=160,
-        response_format=_json_format(schema))
-    assert len(result.choices) == SAMPLES
-    for choice in result.choices:
+    choices = _sampled(client.chat.completions.create, 11, model=MODEL, messages=MESSAGES,
+                       temperature=1.0, max_tokens=160, response_format=_json_format(schema))
+    for choice in choices:
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), schema)
-    assert len({c.message.content for c in result.choices}) > 1  # sampled, not one answer
+    assert len({c.message.content for c in choices}) > 1  # sampled, not one answer
 
 
-def test_streamed_json_validates(client):
-    schema = SCHEMAS["nested"]
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, n=2, temperature=1.0, seed=5, max_tokens=160,
-        response_format=_json_format(schema), stream=True))
-    texts = {0: "", 1: ""}
-    for chunk in chunks:
+def _streamed_texts(stream) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for chunk in stream:
         for choice in chunk.choices:
-            texts[choice.index] += choice.delta.content or ""
-    for text in texts.values():
+            piece = choice.delta.content if hasattr(choice, "delta") else choice.text
+            texts[choice.index] = texts.get(choice.index, "") + (piece or "")
+    return texts
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_streamed_json_validates(client, name):
+    schema = SCHEMAS[name]
+    texts = _sampled(client.chat.completions.create, 5, model=MODEL, messages=MESSAGES,
+                     temperature=1.0, max_tokens=160, response_format=_json_format(schema),
+                     stream=True)
+    for text in texts:
         jsonschema.validate(json.loads(text), schema)
 
 
@@ -118,22 +147,39 @@ def test_json_object_regex_and_choice(client):
         max_tokens=200, response_format={"type": "json_object"})
     done = [c for c in result.choices if c.finish_reason == "stop"]
     assert done and all(isinstance(json.loads(c.message.content), dict) for c in done)
-    result = client.completions.create(
-        model=MODEL, prompt="Call me at", n=SAMPLES, temperature=1.0, seed=4, max_tokens=20,
-        extra_body={"structured_outputs": {"regex": r"\(\d{3}\) \d{3}-\d{4}"}})
-    for choice in result.choices:
-        assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", choice.text), choice.text
+    phone = r"\(\d{3}\) \d{3}-\d{4}"
+    for stream in (False, True):
+        texts = _sampled(client.completions.create, 4, model=MODEL, prompt="Call me at",
+                         temperature=1.0, max_tokens=20, stream=stream,
+                         extra_body={"structured_outputs": {"regex": phone}})
+        for text in texts:
+            text = text if stream else text.text
+            assert re.fullmatch(phone, text), text
     choices = ["positive", "negative", "neutral \"quoted\""]
-    result = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Is this good?"}], n=SAMPLES,
-        temperature=1.0, seed=6, max_tokens=20,
-        extra_body={"structured_outputs": {"choice": choices}})
-    assert all(c.message.content in choices for c in result.choices)
+    picked = _sampled(client.chat.completions.create, 6, model=MODEL,
+                      messages=[{"role": "user", "content": "Is this good?"}],
+                      temperature=1.0, max_tokens=20,
+                      extra_body={"structured_outputs": {"choice": choices}})
+    assert all(c.message.content in choices for c in picked)
     stream = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Is this good?"}], temperature=1.0,
         seed=6, max_tokens=20, stream=True,
         extra_body={"structured_outputs": {"choice": choices}})
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) in choices
+
+
+def test_vllm_guided_fields(client):
+    """vLLM's older names (guided_json / guided_regex / guided_choice) still constrain."""
+    schema = SCHEMAS["enum"]
+    result = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=4, temperature=1.0, seed=8, max_tokens=60,
+        extra_body={"guided_json": schema})
+    for choice in result.choices:
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    result = client.completions.create(model=MODEL, prompt="Pick:", n=4, temperature=1.0,
+                                       seed=8, max_tokens=10,
+                                       extra_body={"guided_choice": ["left", "right"]})
+    assert all(c.text in ("left", "right") for c in result.choices)
 
 
 def test_grpc_structured_outputs_with_n(engines, router):
@@ -203,6 +249,9 @@ def _error(client, **kwargs):
      "non-empty"),
     ({"response_format": {"type": "json_object"},
       "extra_body": {"structured_outputs": {"regex": "a"}}}, "response_format", "combined"),
+    ({"extra_body": {"guided_regex": "(unclosed"}}, "guided_regex", "cannot be compiled"),
+    ({"extra_body": {"guided_json": {"type": "frobnicate"}}}, "guided_json",
+     "cannot be compiled"),
     ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
     ({"logit_bias": {"abc": 1}}, "logit_bias", "token id"),
     ({"logit_bias": {"49152": 1}}, "logit_bias", "token id"),
