@@ -115,6 +115,11 @@ class CpuOps:
                 or stack.hidden_size % width:
             return None
         dtype = self._linear.activation_dtype
+        model_dtype = stack.layers[0].input_norm.dtype if stack.layers else dtype
+        if dtype != torch.float32 and model_dtype != dtype:
+            # the stack writes K/V in its activation dtype: a wider KV cache (an fp32 model
+            # on the AVX-512 set, with GGUF blocks as weights) takes the per-layer path
+            return None
         weights: list[torch.Tensor] = []
         biases: list[torch.Tensor | None] = []
         for layer in stack.layers:
