@@ -146,7 +146,8 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         long = (len(prompt) > _LONG_TEXT_CHARS if isinstance(prompt, str)
                 else len(prompt) > _LONG_PROMPT_TOKENS)
         salt = request.cache_salt or None
-        lora = request.lora_name or None
+        # an EmbedRequest runs the base model: it names no adapter
+        lora = (request.lora_name if isinstance(request, pb.GenerateRequest) else "") or None
         sizes = self.pool.block_sizes() | {identity.block_size}  # read on the loop, not a thread
         if long:  # tokenizing and hashing a long prompt would hold up every other request
             return await self.tokenize(self._route_prompt, identity, prompt, salt, sizes, lora)
