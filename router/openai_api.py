@@ -17,6 +17,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import grpc
@@ -29,6 +30,7 @@ from quire.tracing import TRACE_HEADERS
 from quire.v1 import engine_pb2 as pb
 from router.auth import OPEN_HTTP_PATHS, ApiKeys
 from router.balancer import NoEndpointError
+from router.chat_template import ChatTemplateOptions, flag
 from router.config import RouterServerConfig
 from router.http_guard import GuardedAppRunner, RateLimitedLog, deadline_of
 from router.local_call import LocalCall, local_unary
@@ -444,11 +446,12 @@ class OpenAIFront:
             priority=request_priority(body), lora_name=lora_name)
         if req.chat:
             messages = chat_messages(body, cfg.max_prompt_chars)
+            options = ChatTemplateOptions.from_body(body, messages)
             schema = req.tools.schema() if req.tools is not None else None
             if schema is not None:  # required / named: arguments that always parse
                 out.sampling.structured_outputs.json = json.dumps(schema)
             ids = await asyncio.get_running_loop().run_in_executor(
-                self._render_pool, self._render_chat, messages, req.tools)
+                self._render_pool, self._render_chat, messages, req.tools, options)
             out.token_ids.ids[:] = ids
             return out
         prompt = body.get("prompt")
@@ -458,7 +461,12 @@ class OpenAIFront:
             if len(prompt) > cfg.max_prompt_chars:  # before any copy or tokenizing
                 raise RequestError(f"prompt: at most {cfg.max_prompt_chars} characters, got "
                                    f"{len(prompt)}", "prompt")
-            out.text = prompt
+            if flag(body, "add_special_tokens", True):
+                out.text = prompt  # the engine tokenizes it, as vLLM's default does
+            else:
+                out.token_ids.ids[:] = await asyncio.get_running_loop().run_in_executor(
+                    self._render_pool, partial(self.tokenizer.encode, prompt,
+                                               add_special_tokens=False))
         elif (ids := token_list(prompt)) is not None:
             out.token_ids.ids[:] = ids
         else:
@@ -466,12 +474,11 @@ class OpenAIFront:
                                "(batches of several prompts are not supported)", "prompt")
         return out
 
-    def _render_chat(self, messages: list[dict], tools: ToolChoice | None) -> list[int]:
+    def _render_chat(self, messages: list[dict], tools: ToolChoice | None,
+                     options: ChatTemplateOptions) -> list[int]:
         tokenizer = self.tokenizer
         messages, template_tools = render_inputs(messages, tools, tokenizer.chat_template)
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                             tools=template_tools)
-        return tokenizer.encode(text, add_special_tokens=False)
+        return options.token_ids(tokenizer, messages, template_tools)
 
     def _account(self, usage: pb.Usage) -> None:
         self.metrics.tokens.labels("prompt").inc(usage.prompt_tokens)

@@ -97,8 +97,9 @@ _SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
     "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p", "repetition_penalty",
     "min_tokens", "stop_token_ids", "ignore_eos", "logit_bias", "response_format",
-    "structured_outputs", "priority"}) | frozenset({"guided_json", "guided_regex",
-                                                    "guided_choice", "guided_grammar"})
+    "structured_outputs", "priority", "include_stop_str_in_output", "skip_special_tokens",
+    "spaces_between_special_tokens"}) | frozenset({"guided_json", "guided_regex",
+                                                   "guided_choice", "guided_grammar"})
 # vLLM's older extra-body names of structured outputs (still read by vLLM, deprecated there):
 # each is one structured_outputs kind, refused under its own name
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -113,11 +114,20 @@ _OFF_FORMS: dict[str, Callable[[object, dict], bool]] = {
     "echo": lambda v, body: v is None or v is False,
     "functions": lambda v, body: v is None or v == [],
     "function_call": lambda v, body: v is None or v == "none",
+    # vLLM's default; the detokenizer joins special tokens as the tokenizer writes them
+    "spaces_between_special_tokens": lambda v, body: v is None or v is True,
+    # a template sent in the request is code the router would run: vLLM refuses it too
+    # unless started with --trust-request-chat-template
+    "chat_template": lambda v, body: v is None,
 }
-COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs", "best_of", "suffix", "echo"}
+COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs", "best_of", "suffix", "echo",
+                                        "add_special_tokens"}
+# with vLLM's chat-template fields (router.chat_template reads them)
 CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs",
                                   "top_logprobs", "tools", "tool_choice",
-                                  "functions", "function_call"}
+                                  "functions", "function_call", "add_generation_prompt",
+                                  "continue_final_message", "chat_template_kwargs",
+                                  "add_special_tokens", "chat_template"}
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w{0,63}", re.ASCII)
@@ -272,6 +282,10 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
             raise RequestError("stop_token_ids: must be a list of token ids", "stop_token_ids")
         s.stop_token_ids[:] = ids
     s.ignore_eos = bool(_flag(body, "ignore_eos"))
+    s.include_stop_str_in_output = bool(_flag(body, "include_stop_str_in_output"))
+    skip_special = _flag(body, "skip_special_tokens")
+    if skip_special is not None:
+        s.skip_special_tokens = skip_special
     if body.get("logit_bias") is not None:
         try:
             s.logit_bias.update(check_logit_bias(body["logit_bias"]))

@@ -18,39 +18,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from router.chat_template import CHAT_TEMPLATE_FIELDS, ChatTemplateOptions, flag
 from router.openai_protocol import RequestError, chat_messages, shown, token_list
 
 if TYPE_CHECKING:
     from router.tokenizer import RouterTokenizer
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens",
-                             "add_generation_prompt", "continue_final_message",
-                             "chat_template_kwargs", "return_token_strs"})
+                             "return_token_strs", *CHAT_TEMPLATE_FIELDS})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 _PROMPT_ONLY = ("prompt",)
-_CHAT_ONLY = ("messages", "add_generation_prompt", "continue_final_message",
-              "chat_template_kwargs")
-
-
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise RequestError(f"{name}: must be a boolean, got {shown(value)}", name)
-    return value
+_CHAT_ONLY = ("messages",) + CHAT_TEMPLATE_FIELDS
 
 
 @dataclass(frozen=True, slots=True)
 class TokenizeRequest:
-    """A checked ``/tokenize`` body: ``text`` or ``messages`` (exactly one is set)."""
+    """A checked ``/tokenize`` body: ``text`` or ``messages`` (exactly one is set; ``chat``
+    with ``messages``)."""
 
     text: str | None
     messages: list[dict] | None
     add_special_tokens: bool
-    add_generation_prompt: bool
-    continue_final_message: bool
-    template_kwargs: dict
+    chat: ChatTemplateOptions | None
     return_token_strs: bool
 
     @classmethod
@@ -64,9 +53,10 @@ class TokenizeRequest:
             if name in body:
                 raise RequestError(f"{name}: only with {'prompt' if chat else 'messages'}",
                                    name)
-        text = messages = None
+        text = messages = options = None
         if chat:
             messages = chat_messages(body, max_chars)
+            options = ChatTemplateOptions.from_body(body, messages)
         else:
             text = body["prompt"]
             if not isinstance(text, str):
@@ -74,46 +64,15 @@ class TokenizeRequest:
             if len(text) > max_chars:
                 raise RequestError(f"prompt: at most {max_chars} characters, got {len(text)}",
                                    "prompt")
-        kwargs = body.get("chat_template_kwargs") or {}
-        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-            raise RequestError("chat_template_kwargs: must be an object",
-                               "chat_template_kwargs")
-        reserved = {"messages", "add_generation_prompt", "tools", "documents"} & set(kwargs)
-        if reserved:
-            name = sorted(reserved)[0]
-            raise RequestError(f"chat_template_kwargs: {name!r} cannot be set here",
-                               "chat_template_kwargs")
-        add_generation_prompt = _flag(body, "add_generation_prompt", True)
-        continue_final = _flag(body, "continue_final_message", False)
-        if continue_final and add_generation_prompt and "add_generation_prompt" in body:
-            raise RequestError("continue_final_message: cannot be combined with "
-                               "add_generation_prompt", "continue_final_message")
-        if continue_final and (not messages or messages[-1]["role"] != "assistant"):
-            raise RequestError("continue_final_message: the last message must be the "
-                               "assistant's", "continue_final_message")
         return cls(text=text, messages=messages,
-                   add_special_tokens=_flag(body, "add_special_tokens", not chat),
-                   add_generation_prompt=add_generation_prompt and not continue_final,
-                   continue_final_message=continue_final, template_kwargs=kwargs,
-                   return_token_strs=_flag(body, "return_token_strs", False))
+                   add_special_tokens=flag(body, "add_special_tokens", not chat),
+                   chat=options, return_token_strs=flag(body, "return_token_strs", False))
 
     def token_ids(self, tokenizer: RouterTokenizer) -> list[int]:
         """The ids an engine would be sent for this prompt (chat: the rendered template)."""
-        text = self.text
-        if self.messages is not None:
-            try:
-                text = tokenizer.apply_chat_template(
-                    self.messages, add_generation_prompt=self.add_generation_prompt,
-                    **self.template_kwargs)
-            except ValueError as e:  # no chat template
-                raise RequestError(str(e), "messages") from None
-            if self.continue_final_message:
-                # as vLLM: cut what the template adds after the final message's content
-                final = self.messages[-1]["content"]
-                end = text.rfind(final) if final else -1
-                if end >= 0:
-                    text = text[:end + len(final)]
-        return tokenizer.encode(text, add_special_tokens=self.add_special_tokens)
+        if self.chat is not None:
+            return self.chat.token_ids(tokenizer, self.messages)
+        return tokenizer.encode(self.text, add_special_tokens=self.add_special_tokens)
 
 
 def tokenize_response(request: TokenizeRequest, token_ids: list[int], max_model_len: int,

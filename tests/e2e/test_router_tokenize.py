@@ -102,6 +102,92 @@ def test_chat_prompt_tokens_match_tokenize(router):
     assert result.usage.prompt_tokens == body["count"]
 
 
+def _client(router) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{router.server.http_port}/v1",
+                         api_key=KEY, max_retries=0, timeout=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("fields", [
+    {"add_generation_prompt": False},
+    {"continue_final_message": True, "add_generation_prompt": False},
+    {"add_special_tokens": True},
+    {"chat_template_kwargs": {"enable_thinking": False}},
+])
+def test_chat_template_fields_reach_the_prompt(router, fields):
+    """vLLM's chat-template fields on chat completions: the prompt sent is the one /tokenize
+    renders with the same fields, and each field changes what it should."""
+    messages = MESSAGES + ([{"role": "assistant", "content": "Blue"}]
+                           if fields.get("continue_final_message") else [])
+    _, plain = _post(router, "/tokenize", {"messages": messages})
+    _, expected = _post(router, "/tokenize", {"messages": messages, **fields})
+    with _client(router) as client:
+        result = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                                extra_body=fields)
+    assert result.usage.prompt_tokens == expected["count"]
+    if fields.get("continue_final_message"):  # left open: no end-of-turn after "Blue"
+        text = _post(router, "/detokenize", {"tokens": expected["tokens"]})[1]["prompt"]
+        assert text.endswith("Blue")
+    if "add_generation_prompt" in fields or "continue_final_message" in fields:
+        assert expected["count"] < plain["count"]
+
+
+def test_completion_add_special_tokens(router, engine_tokenizer):
+    text = "The quick brown fox"
+    with _client(router) as client:
+        default = client.completions.create(model=MODEL, prompt=text, max_tokens=1)
+        without = client.completions.create(model=MODEL, prompt=text, max_tokens=1,
+                                            extra_body={"add_special_tokens": False})
+    assert without.usage.prompt_tokens == len(engine_tokenizer.encode(
+        text, add_special_tokens=False))
+    assert default.usage.prompt_tokens == len(engine_tokenizer.encode(text))
+
+
+def test_include_stop_str_and_skip_special_tokens(router, engine_tokenizer):
+    with _client(router) as client:
+        greedy = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+        text = client.completions.create(**greedy).choices[0].text
+        stop = text[len(text) // 2:len(text) // 2 + 2]
+        assert stop.strip(), text  # a visible stop string from the middle of the output
+        cut = client.completions.create(**greedy, stop=[stop]).choices[0].text
+        kept = client.completions.create(**greedy, stop=[stop], extra_body={
+            "include_stop_str_in_output": True}).choices[0].text
+        assert kept == cut + stop and text.startswith(kept)
+        # force the end-of-turn special token: skipped from the text by default, kept on ask
+        special = min(engine_tokenizer.eos_token_ids)
+        forced = dict(model=MODEL, prompt="x", max_tokens=2, temperature=0,
+                      logit_bias={str(special): 100},
+                      extra_body={"ignore_eos": True})
+        hidden = client.completions.create(**forced).choices[0].text
+        shown_text = client.completions.create(**{**forced, "extra_body": {
+            "ignore_eos": True, "skip_special_tokens": False}}).choices[0].text
+    piece = engine_tokenizer.decode([special], skip_special_tokens=False)
+    assert hidden == "" and shown_text == piece * 2
+
+
+@pytest.mark.parametrize("path, body, param, status", [
+    ("/v1/chat/completions", {"messages": MESSAGES, "chat_template": "{{ 1 }}"},
+     "chat_template", 400),
+    ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"tools": 1}},
+     "chat_template_kwargs", 400),
+    ("/v1/chat/completions", {"messages": MESSAGES, "continue_final_message": True},
+     "continue_final_message", 400),
+    ("/v1/chat/completions", {"messages": MESSAGES, "add_generation_prompt": "no"},
+     "add_generation_prompt", 400),
+    ("/v1/completions", {"prompt": "x", "spaces_between_special_tokens": False},
+     "spaces_between_special_tokens", 400),
+    ("/v1/completions", {"prompt": "x", "skip_special_tokens": 1}, "skip_special_tokens", 400),
+    ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": "y"},
+     "include_stop_str_in_output", 400),
+    ("/v1/completions", {"prompt": "x", "add_generation_prompt": True},
+     "add_generation_prompt", 400),
+])
+def test_vllm_extra_fields_bad_input_is_named(router, path, body, param, status):
+    got, answer = _post(router, path, {"model": MODEL, "max_tokens": 1, **body})
+    assert got == status and answer["error"]["param"] == param, answer
+    assert _post(router, "/v1/completions", {"model": MODEL, "prompt": "still served",
+                                             "max_tokens": 1})[0] == 200
+
+
 @pytest.mark.parametrize("path, body, param, status", [
     ("/tokenize", {"model": MODEL}, "prompt", 400),
     ("/tokenize", {"prompt": 5}, "prompt", 400),

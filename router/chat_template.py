@@ -1,0 +1,101 @@
+"""The chat template's options on the router's OpenAI routes, under vLLM's names.
+
+vLLM's chat completions and its chat-form ``/tokenize`` take the same four fields beside
+``messages``: ``add_generation_prompt`` (default true), ``continue_final_message`` (default
+false: the final assistant message is left open for the model to continue),
+``add_special_tokens`` (default false: the template writes its own) and
+``chat_template_kwargs`` (extra variables for the template, e.g. ``{"enable_thinking":
+false}``). Both routes read them here, so a prompt ``/tokenize`` reports is the prompt a chat
+completion sends.
+
+``chat_template`` (a template in the request) is refused, as vLLM refuses it unless its
+server was started with ``--trust-request-chat-template``: a template is code the router runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import jinja2
+
+from router.openai_protocol import RequestError, shown
+
+if TYPE_CHECKING:
+    from router.tokenizer import RouterTokenizer
+
+CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message",
+                        "chat_template_kwargs")
+# Template variables a request may not set: the router sets them itself.
+_RESERVED_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
+
+
+def flag(body: dict, name: str, default: bool) -> bool:
+    """``body[name]`` as a boolean (``default`` when absent or null), else a 400 naming it."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{name}: must be a boolean, got {shown(value)}", name)
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplateOptions:
+    """How a checked conversation becomes prompt token ids."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    template_kwargs: Mapping[str, object] = field(default_factory=dict)
+
+    @classmethod
+    def from_body(cls, body: dict, messages: list[dict]) -> ChatTemplateOptions:
+        """The options of a request whose ``messages`` are already checked."""
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise RequestError("chat_template_kwargs: must be an object",
+                               "chat_template_kwargs")
+        reserved = _RESERVED_KWARGS & set(kwargs)
+        if reserved:
+            raise RequestError(f"chat_template_kwargs: {sorted(reserved)[0]!r} cannot be set "
+                               f"here", "chat_template_kwargs")
+        add_generation_prompt = flag(body, "add_generation_prompt", True)
+        continue_final = flag(body, "continue_final_message", False)
+        if continue_final and add_generation_prompt and "add_generation_prompt" in body:
+            raise RequestError("continue_final_message: cannot be combined with "
+                               "add_generation_prompt", "continue_final_message")
+        if continue_final and (not messages or messages[-1]["role"] != "assistant"):
+            raise RequestError("continue_final_message: the last message must be the "
+                               "assistant's", "continue_final_message")
+        return cls(add_generation_prompt=add_generation_prompt and not continue_final,
+                   continue_final_message=continue_final,
+                   add_special_tokens=flag(body, "add_special_tokens", False),
+                   template_kwargs=kwargs)
+
+    def render(self, tokenizer: RouterTokenizer, messages: list[dict],
+               tools: list[dict] | None = None) -> str:
+        """The prompt text (a 400 naming ``messages`` when the model has no template)."""
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=self.add_generation_prompt, tools=tools,
+                **self.template_kwargs)
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            # no template, or the template refused this conversation (its raise_exception) or
+            # these kwargs: the request's content, as vLLM answers it (400)
+            raise RequestError(f"messages: the chat template failed: {e}"
+                               if not isinstance(e, ValueError) else str(e),
+                               "messages") from None
+        if self.continue_final_message:
+            # as vLLM: cut what the template adds after the final message's content
+            final = messages[-1].get("content") or ""
+            end = text.rfind(final) if isinstance(final, str) and final else -1
+            if end >= 0:
+                text = text[:end + len(final)]
+        return text
+
+    def token_ids(self, tokenizer: RouterTokenizer, messages: list[dict],
+                  tools: list[dict] | None = None) -> list[int]:
+        return tokenizer.encode(self.render(tokenizer, messages, tools),
+                                add_special_tokens=self.add_special_tokens)
