@@ -150,7 +150,7 @@ class LLM:
                     isinstance(m, dict) and isinstance(m.get("role"), str)
                     for m in conversation):
                 raise ValueError("messages: a conversation is a list of {role, content} dicts")
-            rendered, template_tools = render_inputs(conversation, choice, template)
+            rendered, template_tools = render_inputs(conversation, tools, template)
             prompts.append(tokenizer.apply_chat_template(
                 rendered, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tools=template_tools,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from quire.errors import FieldError
@@ -209,11 +210,14 @@ def template_reads_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template
 
 
-def render_inputs(messages: list[dict], choice: ToolChoice | None, template: str | None
+def render_inputs(messages: list[dict], tools: Sequence[dict] | None, template: str | None
                   ) -> tuple[list[dict], list[dict] | None]:
     """(messages, tools) for the chat template: as sent (calls' arguments as objects) when the
-    template reads tools, else in the Hermes format written into the messages themselves."""
-    tools = list(choice.tools) if choice is not None else None
+    template reads tools, else in the Hermes format written into the messages themselves.
+    ``tools``: the request's checked tools, whatever its tool_choice: as vLLM does by default
+    (its ``--exclude-tools-when-tool-choice-none`` off), "none" still shows the model its
+    tools, and only forbids calling them."""
+    tools = list(tools) if tools else None
     if template_reads_tools(template):
         return [_with_argument_objects(m) for m in messages], tools
     out = []

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from quire.errors import field_of
 from quire.ports import PortInUseError
-from quire.tool_calls import ToolChoice, render_inputs
+from quire.tool_calls import render_inputs
 from quire.tracing import TRACE_HEADERS
 from quire.v1 import engine_pb2 as pb
 from router.auth import OPEN_HTTP_PATHS, ApiKeys
@@ -451,7 +451,7 @@ class OpenAIFront:
             if schema is not None:  # required / named: arguments that always parse
                 out.sampling.structured_outputs.json = json.dumps(schema)
             ids = await asyncio.get_running_loop().run_in_executor(
-                self._render_pool, self._render_chat, messages, req.tools, options)
+                self._render_pool, self._render_chat, messages, req.prompt_tools, options)
             out.token_ids.ids[:] = ids
             return out
         prompt = body.get("prompt")
@@ -474,7 +474,7 @@ class OpenAIFront:
                                "(batches of several prompts are not supported)", "prompt")
         return out
 
-    def _render_chat(self, messages: list[dict], tools: ToolChoice | None,
+    def _render_chat(self, messages: list[dict], tools: tuple[dict, ...],
                      options: ChatTemplateOptions) -> list[int]:
         tokenizer = self.tokenizer
         messages, template_tools = render_inputs(messages, tools, tokenizer.chat_template)

@@ -468,12 +468,14 @@ class OpenAIRequest:
         for name, kind in GUIDED_FIELDS.items():
             if body.get(name) is not None:
                 self.field_aliases[f"structured_outputs.{kind}"] = name
-        self.tools: ToolChoice | None = None
+        self.tools: ToolChoice | None = None  # how tools may be called; None: not at all
+        self.prompt_tools: tuple[dict, ...] = ()  # the tools the prompt shows (any choice)
         if chat:
             try:
                 self.tools = tool_choice_of(body)
             except FieldError as e:
                 raise RequestError(str(e), e.field) from None
+            self.prompt_tools = tuple(body.get("tools") or ())
         if self.tools is not None and self.tools.schema() is not None:
             if body.get("response_format") is not None or \
                     body.get("structured_outputs") is not None or \

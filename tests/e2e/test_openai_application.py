@@ -107,6 +107,11 @@ def test_tool_call_round_trip(client, model):
                                              tools=[WEATHER_TOOL], tool_choice="none",
                                              max_tokens=1)
     assert final.usage.prompt_tokens > without.usage.prompt_tokens  # the result was rendered
+    # "none" forbids calls but still shows the tools, as vLLM does by default
+    offered = client.chat.completions.create(model=model, messages=history[:-1],
+                                             tools=[WEATHER_TOOL], max_tokens=1)
+    bare = client.chat.completions.create(model=model, messages=history[:-1], max_tokens=1)
+    assert without.usage.prompt_tokens == offered.usage.prompt_tokens > bare.usage.prompt_tokens
     named = client.chat.completions.create(
         model=model, messages=MESSAGES, tools=[WEATHER_TOOL], max_tokens=64,
         tool_choice={"type": "function", "function": {"name": "get_weather"}})

@@ -116,7 +116,7 @@ def test_rendering_without_template_support_writes_the_hermes_format(embedded_mo
                     {"id": "c1", "type": "function", "function": {
                         "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
                 {"role": "tool", "tool_call_id": "c1", "content": "-3 C"}]
-    rendered, tools = render_inputs(messages, _choice(), tokenizer.chat_template)
+    rendered, tools = render_inputs(messages, _choice().tools, tokenizer.chat_template)
     assert tools is None
     text = tokenizer.apply_chat_template(rendered)
     assert text.startswith("<|im_start|>system\n# Tools") and '"name": "get_weather"' in text
@@ -135,6 +135,6 @@ def test_templates_that_read_tools_get_them():
     messages = [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather",
                                                       "arguments": '{"city": "Oslo"}'}}]}]
-    rendered, tools = render_inputs(messages, _choice(), template)
+    rendered, tools = render_inputs(messages, _choice().tools, template)
     assert tokenizer.apply_chat_template(rendered, tools=tools) == \
         "[get_weather][get_time]assistant:(Oslo)"
