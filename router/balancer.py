@@ -12,6 +12,14 @@ Policies live in ``POLICIES`` (name -> class):
   queue in front of it costs as much as recomputing: a hot shared prefix stays on its warm
   engine only while that is faster than prefilling elsewhere, then spreads (and the new copy
   becomes warm in turn). No threshold: the rates and the queues decide.
+  A request under a LoRA adapter adds what the adapter costs there (``adapter_cost_s``):
+  nothing where requests under it already run (it holds a step slot), else a read from its
+  path where host memory does not hold it, plus the wait for a step slot where every one of
+  the engine's ``max_loras`` is held by another adapter in use. So an adapter stays where it
+  is loaded and its prefix is cached, goes to the cheapest engine when none holds it, and a
+  hot one spreads to another engine once its queue costs more than a load there, never by
+  evicting an adapter that is in use while a free slot is to be had (llm-d's LoRA-affinity
+  failure: piling a hot adapter on one pod, or thrashing slots).
 - ``prefix_affinity``: most cached tokens, load only breaking ties: pure cache affinity, the
   baseline that piles a hot prefix onto one engine (kept to compare against).
 - ``least_loaded``: fewest queued + in-flight tokens, then fewest running requests.
@@ -45,6 +53,31 @@ class RoutingRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterState:
+    """The request's LoRA adapter on one engine, as the router sees it now."""
+
+    in_use: bool  # requests under it run, wait or were just sent there: it has a step slot
+    loaded: bool  # held in the engine's host memory (max_cpu_loras): no read from its path
+    free_slots: int  # step slots (max_loras) not held by another adapter in use there
+    load_s: float  # what one read from its path costs there (measured, else configured)
+    slot_wait_s: float  # how long an adapter in use there holds its slot (a request's time)
+
+    def __post_init__(self) -> None:
+        for name in ("load_s", "slot_wait_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+def adapter_cost_s(adapter: AdapterState | None) -> float:
+    """Seconds the request's adapter adds before its prefill can start there (None: the
+    base model, nothing)."""
+    if adapter is None or adapter.in_use:
+        return 0.0
+    load_s = 0.0 if adapter.loaded else adapter.load_s
+    return load_s + (0.0 if adapter.free_slots > 0 else adapter.slot_wait_s)
+
+
+@dataclass(frozen=True, slots=True)
 class EndpointSnapshot:
     """One engine as the router sees it at decision time."""
 
@@ -59,6 +92,7 @@ class EndpointSnapshot:
     inflight_tokens: int = 0  # tokens the router sent that the load report may not show yet
     prefill_tokens_per_s: float = 2000.0  # measured prefill throughput (router.engine_rates)
     decode_step_s: float = 0.0  # measured time of one decode step there now (0: unknown)
+    adapter: AdapterState | None = None  # the request's LoRA adapter there (None: base model)
 
     def __post_init__(self) -> None:
         for name in ("cached_blocks", "num_running", "num_waiting", "num_queued_tokens",
@@ -102,14 +136,15 @@ class Policy(Protocol):
 class PrefixAware:
     """Estimated TTFT in seconds: the engine's current decode step (its first token is one
     more step) plus the work ahead of the request and its own uncached prompt tokens at the
-    engine's prefill rate."""
+    engine's prefill rate, plus what its LoRA adapter costs there (``adapter_cost_s``)."""
 
     name: ClassVar[str] = "prefix_aware"
 
     def ttft_s(self, request: RoutingRequest, endpoint: EndpointSnapshot) -> float:
         uncached = request.num_prompt_tokens - cached_tokens(request, endpoint)
         ahead = endpoint.num_queued_tokens + endpoint.inflight_tokens
-        return endpoint.decode_step_s + (ahead + uncached) / endpoint.prefill_tokens_per_s
+        return (endpoint.decode_step_s + (ahead + uncached) / endpoint.prefill_tokens_per_s
+                + adapter_cost_s(endpoint.adapter))
 
     def scores(self, request, endpoints):
         return {e.engine_id: self.ttft_s(request, e) for e in endpoints}
