@@ -152,7 +152,7 @@ class PlacementConfig:
     approx_index_blocks: int = 65536  # per engine, for engines whose KV-event feed is down
     vllm_block_size: int = 16  # vLLM engines' KV block size (vLLM's default; its CPU build: 128)
     prefill_tokens_per_s: float = 2000.0  # prefix_aware's estimate of an engine's prefill rate
-    lora_load_s: float = 0.05  # prefix_aware: a LoRA adapter read's cost (engines measure it)
+    lora_load_s: float = 0.05  # prefix_aware: the least a LoRA adapter read is priced at
     connect_timeout_s: float = 10.0
     reconnect_max_backoff_s: float = 5.0
 
@@ -258,8 +258,9 @@ HELP = {
     "max_attempts": "engines tried before the first token (1: no retry)",
     "approx_index_blocks": "per engine, blocks remembered for engines whose KV feed is down",
     "prefill_tokens_per_s": "prefix_aware: assumed prefill rate of an engine",
-    "lora_load_s": "prefix_aware: assumed seconds to read a LoRA adapter into an engine that "
-                   "does not hold it (Quire engines report what it took them)",
+    "lora_load_s": "prefix_aware: seconds a LoRA adapter read costs on an engine whose host "
+                   "memory does not hold it, at least (a Quire engine's measured read time "
+                   "when longer)",
     "engine_tls_ca_file": "TLS to engines: CA bundle that signs their certificates",
     "engine_tls_cert_file": "mutual TLS to engines: the router's client certificate",
     "engine_tls_key_file": "mutual TLS to engines: the router's client key",

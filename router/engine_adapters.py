@@ -63,7 +63,10 @@ class EngineAdapters:
     def state(self, lora_name: str, load: pb.LoadReport | None, *, max_loras: int,
               load_s: float, slot_wait_s: float) -> AdapterState:
         """``lora_name`` on this engine. ``max_loras``: its step slots (the load report's
-        when it says, else this); ``load_s``: a read's cost when the report gives none."""
+        when it says, else this); ``load_s``: the least a read is priced at (the engine's
+        measured read time when longer): a read also pushes another adapter out of host
+        memory, to be read again later, and a price that jumps with every noisy measurement
+        of a small adapter would move adapters back and forth."""
         in_use = self.in_use(load)
         slots = (load.max_loras if load is not None and load.max_loras else max_loras) or 1
         if load is not None and load.loaded_lora_adapters:
@@ -73,4 +76,4 @@ class EngineAdapters:
         measured = load.lora_adapter_load_s if load is not None else 0.0
         return AdapterState(in_use=lora_name in in_use, loaded=loaded or lora_name in in_use,
                             free_slots=slots - len(in_use - {lora_name}),
-                            load_s=measured or load_s, slot_wait_s=slot_wait_s)
+                            load_s=max(measured, load_s), slot_wait_s=slot_wait_s)

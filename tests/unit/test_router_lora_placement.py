@@ -113,8 +113,10 @@ def test_the_load_report_names_loaded_running_and_waiting_adapters():
                            lora_adapter_load_s=0.02)
     seen = EngineAdapters()
     old = seen.state("old", report, max_loras=1, load_s=0.05, slot_wait_s=0.4)
-    assert old == AdapterState(in_use=False, loaded=True, free_slots=1, load_s=0.02,
+    assert old == AdapterState(in_use=False, loaded=True, free_slots=1, load_s=0.05,
                                slot_wait_s=0.4)
+    report.lora_adapter_load_s = 0.2  # a read measured slower than the configured price
+    assert seen.state("old", report, max_loras=1, load_s=0.05, slot_wait_s=0.4).load_s == 0.2
     new = seen.state("new", report, max_loras=1, load_s=0.05, slot_wait_s=0.4)
     assert (new.loaded, new.free_slots) == (False, 1)
     assert seen.state("w", report, max_loras=1, load_s=0.05, slot_wait_s=0.4).in_use
