@@ -14,8 +14,8 @@ Policies live in ``POLICIES`` (name -> class):
   becomes warm in turn). No threshold: the rates and the queues decide.
   A request under a LoRA adapter adds what the adapter costs there (``adapter_cost_s``):
   nothing where requests under it already run (it holds a step slot), else a read from its
-  path where host memory does not hold it, plus the wait for a step slot where every one of
-  the engine's ``max_loras`` is held by another adapter in use. So an adapter stays where it
+  path where host memory does not hold it, plus the wait for a step slot where the engine's
+  ``max_loras`` are held by other adapters in use (and others wait for them before it). So an adapter stays where it
   is loaded and its prefix is cached, goes to the cheapest engine when none holds it, and a
   hot one spreads to another engine once its queue costs more than a load there, never by
   evicting an adapter that is in use while a free slot is to be had (llm-d's LoRA-affinity
@@ -56,25 +56,30 @@ class RoutingRequest:
 class AdapterState:
     """The request's LoRA adapter on one engine, as the router sees it now."""
 
-    in_use: bool  # requests under it run, wait or were just sent there: it has a step slot
+    running: bool  # requests under it run there: it holds a step slot
     loaded: bool  # held in the engine's host memory (max_cpu_loras): no read from its path
-    free_slots: int  # step slots (max_loras) not held by another adapter in use there
-    load_s: float  # what one read from its path costs there (measured, else configured)
-    slot_wait_s: float  # how long an adapter in use there holds its slot (a request's time)
+    num_slot_waits: int  # adapters that must leave a step slot before it has one (0: free)
+    max_loras: int  # the engine's step slots
+    load_s: float  # what one read from its path costs there
+    slot_wait_s: float  # how long an adapter holds a slot there (a request's time)
 
     def __post_init__(self) -> None:
-        for name in ("load_s", "slot_wait_s"):
+        for name in ("num_slot_waits", "load_s", "slot_wait_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
 
 
 def adapter_cost_s(adapter: AdapterState | None) -> float:
     """Seconds the request's adapter adds before its prefill can start there (None: the
-    base model, nothing)."""
-    if adapter is None or adapter.in_use:
+    base model, nothing): a read where host memory lacks it, and a share of a request's time
+    per adapter that must leave a step slot first (with ``max_loras`` slots, one of them
+    frees every ``slot_wait_s / max_loras`` on average)."""
+    if adapter is None or adapter.running:
         return 0.0
     load_s = 0.0 if adapter.loaded else adapter.load_s
-    return load_s + (0.0 if adapter.free_slots > 0 else adapter.slot_wait_s)
+    return load_s + adapter.num_slot_waits * adapter.slot_wait_s / adapter.max_loras
 
 
 @dataclass(frozen=True, slots=True)

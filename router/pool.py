@@ -413,6 +413,7 @@ class EnginePool:
                 if first_at is None:
                     first_at = time.monotonic()
                     member.waiting.pop(key, None)
+                    member.adapters.started(lora_name)
                     member.inflight_tokens -= num_tokens  # prefill done: the load report has it
                     num_tokens = 0
                     member.rates.observe_first_token(ahead + num_uncached_tokens,
@@ -427,7 +428,7 @@ class EnginePool:
         finally:
             member.inflight_tokens -= num_tokens
             member.waiting.pop(key, None)
-            member.adapters.ended(lora_name)
+            member.adapters.ended(lora_name, started=first_at is not None)
             if last_at is not None:
                 member.rates.observe_decode(num_later_tokens, last_at - first_at)
             if first_at is not None:

@@ -17,9 +17,10 @@ BLOCK_SIZE = 16
 REQUEST = RoutingRequest(block_hashes=tuple(range(5)), num_prompt_tokens=80)  # 5 full blocks
 
 
-def adapter(in_use=False, loaded=False, free_slots=1, load_s=0.05, slot_wait_s=1.0):
-    return AdapterState(in_use=in_use, loaded=loaded, free_slots=free_slots, load_s=load_s,
-                        slot_wait_s=slot_wait_s)
+def adapter(running=False, loaded=False, num_slot_waits=0, max_loras=2, load_s=0.05,
+            slot_wait_s=1.0):
+    return AdapterState(running=running, loaded=loaded, num_slot_waits=num_slot_waits,
+                        max_loras=max_loras, load_s=load_s, slot_wait_s=slot_wait_s)
 
 
 def endpoint(engine_id, cached_blocks=0, **kwargs):
@@ -30,13 +31,16 @@ def endpoint(engine_id, cached_blocks=0, **kwargs):
 
 def test_the_cost_term():
     assert adapter_cost_s(None) == 0.0  # the base model
-    assert adapter_cost_s(adapter(in_use=True, free_slots=0)) == 0.0  # it holds a slot already
-    assert adapter_cost_s(adapter(loaded=True, free_slots=1)) == 0.0
-    assert adapter_cost_s(adapter(loaded=False, free_slots=1)) == 0.05  # a read
-    assert adapter_cost_s(adapter(loaded=True, free_slots=0)) == 1.0  # a slot to wait for
-    assert adapter_cost_s(adapter(loaded=False, free_slots=-1)) == 1.05
+    assert adapter_cost_s(adapter(running=True, num_slot_waits=3)) == 0.0  # it holds a slot
+    assert adapter_cost_s(adapter(loaded=True)) == 0.0
+    assert adapter_cost_s(adapter(loaded=False)) == 0.05  # a read
+    # one slot to turn over, of two: half a request's time on average
+    assert adapter_cost_s(adapter(loaded=True, num_slot_waits=1)) == 0.5
+    assert adapter_cost_s(adapter(loaded=False, num_slot_waits=3)) == 1.55
     with pytest.raises(ValueError, match="load_s"):
         adapter(load_s=-1.0)
+    with pytest.raises(ValueError, match="max_loras"):
+        adapter(max_loras=0)
 
 
 def test_prefers_the_engine_holding_the_adapter():
@@ -60,9 +64,9 @@ def test_adapter_and_prefix_score_together():
 
 def test_an_unloaded_adapter_goes_where_it_costs_least():
     # nobody holds it: "a" has a free slot, "b" must wait for one, "c" has a queue
-    endpoints = [endpoint("a", adapter=adapter(free_slots=1), num_queued_tokens=30),
-                 endpoint("b", adapter=adapter(free_slots=0)),
-                 endpoint("c", adapter=adapter(free_slots=2), num_queued_tokens=60)]
+    endpoints = [endpoint("a", adapter=adapter(), num_queued_tokens=30),
+                 endpoint("b", adapter=adapter(num_slot_waits=1)),
+                 endpoint("c", adapter=adapter(), num_queued_tokens=60)]
     decision = choose(REQUEST, endpoints, PrefixAware())
     assert decision.engine_id == "a"
     assert decision.scores["b"] > decision.scores["c"] > decision.scores["a"]
@@ -71,8 +75,8 @@ def test_an_unloaded_adapter_goes_where_it_costs_least():
 def test_a_hot_adapter_spreads_once_its_queue_costs_more_than_a_load():
     def pick(queued):
         return choose(REQUEST, [endpoint("a-hot", 4, num_queued_tokens=queued,
-                                         adapter=adapter(in_use=True, free_slots=0)),
-                                endpoint("b-cold", 0, adapter=adapter(free_slots=1))],
+                                         adapter=adapter(running=True)),
+                                endpoint("b-cold", 0, adapter=adapter())],
                       PrefixAware()).engine_id
 
     # b must read the adapter (0.05 s = 50 tokens) and prefill all 80: the queue on a must
@@ -83,43 +87,48 @@ def test_a_hot_adapter_spreads_once_its_queue_costs_more_than_a_load():
 
 def test_no_thrashing_a_slot_in_use_while_another_engine_has_one_free():
     # both engines read it; "a"'s slots all hold adapters in use, "b" has a free one but a
-    # longer queue (0.5 s): waiting for a slot on "a" (1 s) costs more
-    decision = choose(REQUEST, [endpoint("a", adapter=adapter(free_slots=0)),
-                                endpoint("b", num_queued_tokens=500,
-                                         adapter=adapter(free_slots=1))], PrefixAware())
+    # longer queue (0.4 s): waiting for one of a's two slots (0.5 s) costs more
+    decision = choose(REQUEST, [endpoint("a", adapter=adapter(num_slot_waits=1)),
+                                endpoint("b", num_queued_tokens=400, adapter=adapter())],
+                      PrefixAware())
     assert decision.engine_id == "b"
 
 
 # ------------------------------------------------------------------------- engine adapters
-def test_in_flight_requests_hold_slots_before_the_report_shows_them():
+def test_the_router_s_own_requests_count_before_the_report_shows_them():
     seen = EngineAdapters()
-    seen.sent("x")
-    seen.sent("x")
-    seen.sent("y")
-    state = seen.state("z", None, max_loras=2, load_s=0.05, slot_wait_s=0.4)
-    assert state == AdapterState(in_use=False, loaded=False, free_slots=0, load_s=0.05,
-                                 slot_wait_s=0.4)
-    assert seen.state("x", None, max_loras=2, load_s=0.05, slot_wait_s=0.4).in_use
-    seen.ended("y")
-    assert seen.state("z", None, max_loras=2, load_s=0.05, slot_wait_s=0.4).free_slots == 1
-    seen.ended("x")
-    seen.ended("x")
-    assert seen.inflight == {}
+    for name in ("x", "x", "y"):
+        seen.sent(name)
+    seen.started("x")
+    seen.started("y")
+    # x and y run (both slots held); a second x request waits: z waits for a slot to turn
+    # over, x joins its slot
+    z = seen.state("z", None, max_loras=2, load_s=0.05, slot_wait_s=0.4)
+    assert z == AdapterState(running=False, loaded=False, num_slot_waits=1, max_loras=2,
+                             load_s=0.05, slot_wait_s=0.4)
+    assert seen.state("x", None, max_loras=2, load_s=0.05, slot_wait_s=0.4).running
+    seen.ended("y", started=True)
+    assert seen.state("z", None, max_loras=2, load_s=0.05, slot_wait_s=0.4).num_slot_waits == 0
+    seen.ended("x", started=True)
+    seen.ended("x", started=False)
+    assert (seen.sent_only, seen.streaming) == ({}, {})
 
 
 def test_the_load_report_names_loaded_running_and_waiting_adapters():
-    report = pb.LoadReport(running_lora_adapters=["r"], waiting_lora_adapters=["w"],
-                           loaded_lora_adapters=["old", "r", "w"], max_loras=3,
+    # three slots: r runs; w and v wait (v first) for the two free ones; a new adapter
+    # would be the third in line: one slot must turn over
+    report = pb.LoadReport(running_lora_adapters=["r"], waiting_lora_adapters=["v", "w"],
+                           loaded_lora_adapters=["old", "r"], max_loras=3,
                            lora_adapter_load_s=0.02)
     seen = EngineAdapters()
     old = seen.state("old", report, max_loras=1, load_s=0.05, slot_wait_s=0.4)
-    assert old == AdapterState(in_use=False, loaded=True, free_slots=1, load_s=0.05,
-                               slot_wait_s=0.4)
+    assert old == AdapterState(running=False, loaded=True, num_slot_waits=1, max_loras=3,
+                               load_s=0.05, slot_wait_s=0.4)
     report.lora_adapter_load_s = 0.2  # a read measured slower than the configured price
     assert seen.state("old", report, max_loras=1, load_s=0.05, slot_wait_s=0.4).load_s == 0.2
-    new = seen.state("new", report, max_loras=1, load_s=0.05, slot_wait_s=0.4)
-    assert (new.loaded, new.free_slots) == (False, 1)
-    assert seen.state("w", report, max_loras=1, load_s=0.05, slot_wait_s=0.4).in_use
+    w = seen.state("w", report, max_loras=1, load_s=0.05, slot_wait_s=0.4)
+    assert (w.running, w.loaded, w.num_slot_waits) == (False, True, 0)  # its read is paid
+    assert seen.state("r", report, max_loras=1, load_s=0.05, slot_wait_s=0.4).running
 
 
 def test_kv_events_stand_in_for_an_unreported_host_lru():
