@@ -98,6 +98,9 @@ class EndpointSnapshot:
     prefill_tokens_per_s: float = 2000.0  # measured prefill throughput (router.engine_rates)
     decode_step_s: float = 0.0  # measured time of one decode step there now (0: unknown)
     adapter: AdapterState | None = None  # the request's LoRA adapter there (None: base model)
+    # its waiting requests wait for a LoRA step slot (every one held by adapters in use), so
+    # they say nothing of how many requests its batch could take (router.engine_slots)
+    adapter_bound: bool = False
 
     def __post_init__(self) -> None:
         for name in ("cached_blocks", "num_running", "num_waiting", "num_queued_tokens",

@@ -74,6 +74,15 @@ class EngineAdapters:
             found.update(load.waiting_lora_adapters)
         return found - self.running(load)
 
+    def bound(self, load: pb.LoadReport | None, max_loras: int) -> bool:
+        """Whether requests wait there for a step slot: the running adapters fill them and
+        another adapter's requests wait (vLLM's ``curr_loras`` rule holds them back)."""
+        if load is None or not load.waiting_lora_adapters:
+            return False
+        running = set(load.running_lora_adapters)
+        slots = load.max_loras or max_loras or 1
+        return len(running) >= slots and not set(load.waiting_lora_adapters) <= running
+
     def state(self, lora_name: str, load: pb.LoadReport | None, *, max_loras: int,
               load_s: float, slot_wait_s: float) -> AdapterState:
         """``lora_name`` on this engine. ``max_loras``: its step slots (the load report's

@@ -371,7 +371,9 @@ class EnginePool:
             kv_cache_usage=min(max(load.kv_cache_usage, 0.0), 1.0),
             inflight_tokens=member.inflight_tokens,
             prefill_tokens_per_s=self._prefill_rate(member, now_s),
-            decode_step_s=member.rates.decode_step_s, adapter=self._adapter(member, lora_name))
+            decode_step_s=member.rates.decode_step_s, adapter=self._adapter(member, lora_name),
+            adapter_bound=member.adapters.bound(
+                member.load, client.info.max_loras if client.info is not None else 0))
 
     # ------------------------------------------------------------------- placement
     def record(self, engine_id: str, block_hashes: Sequence[int]) -> None:

@@ -64,6 +64,7 @@ class LoRARouterBenchConfig:
     output_len: int = 32
     zipf_s: float = 1.0
     policies: str = "prefix_aware,round_robin"
+    flow_control: bool = True  # the router's (its default)
     seed: int = 0
     kv_cache_memory_bytes: int = 256 << 20  # per engine
     startup_timeout_s: float = 300.0
@@ -226,7 +227,8 @@ async def measure(policy: str, engines, workload: list[LoRARequest],
     """One policy's run on ``engines`` (fresh, warmed up)."""
     addresses = [e.address for e in engines]
     before = [read_counters(e.metrics_url) for e in engines]
-    async with running_router(addresses, policy, cfg.startup_timeout_s) as router:
+    async with running_router(addresses, policy, cfg.startup_timeout_s,
+                              flow={"flow_control": cfg.flow_control}) as router:
         router.metrics.decisions.capacity = max(router.metrics.decisions.capacity,
                                                 4 * len(workload))
         results, duration_s = await _drive(router.port, workload, cfg, policy)
@@ -252,6 +254,12 @@ async def measure(policy: str, engines, workload: list[LoRARequest],
         "adapters_per_engine": per_engine,
         "requests_per_engine": {f"engine-{i}": sum(r.engine_id == a for r in ok)
                                 for i, a in enumerate(addresses)},
+        "requests": [{"lora_name": w.lora_name, "sent_s": r.sent_s,
+                      "engine": (f"engine-{addresses.index(r.engine_id)}"
+                                 if r.engine_id in addresses else None),
+                      "ttft_s": r.ttft_s if r.chunks else None, "e2e_s": r.e2e_s,
+                      "cached_tokens": r.cached_tokens, "error": r.error}
+                     for w, r in zip(workload, results)],
     }
 
 

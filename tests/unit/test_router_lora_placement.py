@@ -151,3 +151,30 @@ def test_vllm_lora_info_latest_series_wins():
     report = parse_load(text)
     assert (list(report.running_lora_adapters), list(report.waiting_lora_adapters),
             report.max_loras) == (["c"], ["d", "e"], 4)
+
+
+# ------------------------------------------------------------------ flow control's slots
+def test_requests_waiting_for_an_adapter_slot_do_not_shrink_an_engine_s_batch():
+    from router.engine_slots import EngineSlots
+
+    # two adapters run (max_loras 2) and a third one's requests wait: the engine's batch is
+    # not full, an adapter must leave first
+    bound = pb.LoadReport(running_lora_adapters=["a", "b"], waiting_lora_adapters=["c"],
+                          max_loras=2, num_running=2, num_waiting=3)
+    assert EngineAdapters().bound(bound, max_loras=0)
+    assert not EngineAdapters().bound(pb.LoadReport(running_lora_adapters=["a"],
+                                                    waiting_lora_adapters=["c"],
+                                                    max_loras=2), max_loras=0)
+    assert not EngineAdapters().bound(pb.LoadReport(running_lora_adapters=["a", "b"],
+                                                    waiting_lora_adapters=["a"],
+                                                    max_loras=2), max_loras=0)
+
+    def snapshot(adapter_bound):
+        return EndpointSnapshot(engine_id="e", healthy=True, cached_blocks=0, block_size=16,
+                                num_running=2, num_waiting=3, adapter_bound=adapter_bound)
+
+    reports = [snapshot(True)]
+    slots = EngineSlots(lambda: reports, initial=8)
+    assert [slots.observe() for _ in range(3)] == [8, 8, 8]
+    reports[:] = [snapshot(False)]  # waiting for room in the batch: two reports, then 2
+    assert [slots.observe() for _ in range(2)] == [8, 2]
