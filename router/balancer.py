@@ -12,10 +12,12 @@ Policies live in ``POLICIES`` (name -> class):
   queue in front of it costs as much as recomputing: a hot shared prefix stays on its warm
   engine only while that is faster than prefilling elsewhere, then spreads (and the new copy
   becomes warm in turn). No threshold: the rates and the queues decide.
-  A request under a LoRA adapter adds what the adapter costs there (``adapter_cost_s``):
-  nothing where requests under it already run (it holds a step slot), else a read from its
-  path where host memory does not hold it, plus the wait for a step slot where the engine's
-  ``max_loras`` are held by other adapters in use (and others wait for them before it). So an adapter stays where it
+  A request under a LoRA adapter adds what the adapter costs there (``adapter_cost_s``): a
+  read from its path where host memory does not hold it, plus the wait for step slots to
+  turn over where the engine's ``max_loras`` are held by adapters in use and others wait
+  for them before it (nothing where its adapter runs and no other waits: it joins the step;
+  but an engine that keeps other adapters waiting soon lets nothing pass them, so a hot
+  adapter stops being free where it crowds the others out). So an adapter stays where it
   is loaded and its prefix is cached, goes to the cheapest engine when none holds it, and a
   hot one spreads to another engine once its queue costs more than a load there, never by
   evicting an adapter that is in use while a free slot is to be had (llm-d's LoRA-affinity
@@ -58,7 +60,10 @@ class AdapterState:
 
     running: bool  # requests under it run there: it holds a step slot
     loaded: bool  # held in the engine's host memory (max_cpu_loras): no read from its path
-    num_slot_waits: int  # adapters that must leave a step slot before it has one (0: free)
+    # adapters that must leave a step slot before the request runs: before its adapter has
+    # one, or (held already) before the adapters waiting ahead of it have theirs, since the
+    # engine lets nothing pass a request kept waiting for long (0: it runs at once)
+    num_slot_waits: int
     max_loras: int  # the engine's step slots
     load_s: float  # what one read from its path costs there
     slot_wait_s: float  # how long an adapter holds a slot there (a request's time)
@@ -76,9 +81,9 @@ def adapter_cost_s(adapter: AdapterState | None) -> float:
     base model, nothing): a read where host memory lacks it, and a share of a request's time
     per adapter that must leave a step slot first (with ``max_loras`` slots, one of them
     frees every ``slot_wait_s / max_loras`` on average)."""
-    if adapter is None or adapter.running:
+    if adapter is None:
         return 0.0
-    load_s = 0.0 if adapter.loaded else adapter.load_s
+    load_s = 0.0 if adapter.loaded or adapter.running else adapter.load_s
     return load_s + adapter.num_slot_waits * adapter.slot_wait_s / adapter.max_loras
 
 

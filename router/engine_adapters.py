@@ -93,7 +93,9 @@ class EngineAdapters:
 
         Slots: the adapters waiting before it take the free ones first (first come, first
         served), so it waits for as many slots to turn over as it and they need beyond the
-        free ones."""
+        free ones; an adapter that runs needs none for itself, but the engine lets nothing
+        pass a request kept waiting for long (vLLM's scheduler likewise), so it waits for
+        the others' slots all the same."""
         running, pending = self.running(load), self.pending(load)
         slots = (load.max_loras if load is not None and load.max_loras else max_loras) or 1
         if load is not None and load.loaded_lora_adapters:
@@ -101,7 +103,8 @@ class EngineAdapters:
         else:  # no host LRU reported: the adapters that ran there last stand in for it
             loaded = lora_name in list(self.recent)[-slots:]
         free = max(slots - len(running), 0)
-        waits = max(len(pending - {lora_name}) + 1 - free, 0)
+        needs = 0 if lora_name in running else 1
+        waits = max(len(pending - {lora_name}) + needs - free, 0)
         measured = load.lora_adapter_load_s if load is not None else 0.0
         return AdapterState(running=lora_name in running,
                             loaded=loaded or lora_name in running | pending,

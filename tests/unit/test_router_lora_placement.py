@@ -31,7 +31,9 @@ def endpoint(engine_id, cached_blocks=0, **kwargs):
 
 def test_the_cost_term():
     assert adapter_cost_s(None) == 0.0  # the base model
-    assert adapter_cost_s(adapter(running=True, num_slot_waits=3)) == 0.0  # it holds a slot
+    assert adapter_cost_s(adapter(running=True)) == 0.0  # it holds a slot, nobody waits
+    # it holds a slot, but three adapters wait ahead: the engine soon lets nothing pass them
+    assert adapter_cost_s(adapter(running=True, num_slot_waits=3)) == 1.5
     assert adapter_cost_s(adapter(loaded=True)) == 0.0
     assert adapter_cost_s(adapter(loaded=False)) == 0.05  # a read
     # one slot to turn over, of two: half a request's time on average
@@ -128,7 +130,11 @@ def test_the_load_report_names_loaded_running_and_waiting_adapters():
     assert seen.state("old", report, max_loras=1, load_s=0.05, slot_wait_s=0.4).load_s == 0.2
     w = seen.state("w", report, max_loras=1, load_s=0.05, slot_wait_s=0.4)
     assert (w.running, w.loaded, w.num_slot_waits) == (False, True, 0)  # its read is paid
-    assert seen.state("r", report, max_loras=1, load_s=0.05, slot_wait_s=0.4).running
+    r = seen.state("r", report, max_loras=1, load_s=0.05, slot_wait_s=0.4)
+    assert (r.running, r.num_slot_waits) == (True, 0)  # v and w fit in the free slots
+    report.running_lora_adapters.append("s")  # now only one is free: v or w must wait
+    r = seen.state("r", report, max_loras=1, load_s=0.05, slot_wait_s=0.4)
+    assert (r.running, r.num_slot_waits) == (True, 1)
 
 
 def test_kv_events_stand_in_for_an_unreported_host_lru():
