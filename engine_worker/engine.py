@@ -29,7 +29,7 @@ from engine_worker.input_processor import InputProcessor, PromptType
 from engine_worker.kv_cache.events import KVEventRecorder
 from engine_worker.kv_cache.manager import KVCacheManager, KVCacheStats
 from engine_worker.lora.cache import UnknownLoRAError
-from engine_worker.lora.manager import LoRAManager
+from engine_worker.lora.manager import LoRAManager, LoRAStats
 from engine_worker.lora.request import LoRARequest
 from engine_worker.kv_cache.sizing import (MemoryProfile, bytes_per_block, kv_budget_bytes,
                                            num_blocks_for_budget, profiled_kv_budget_bytes)
@@ -77,6 +77,7 @@ class EngineStats:
 
     scheduler: SchedulerStats
     kv_cache: KVCacheStats
+    lora: LoRAStats | None = None  # None: LoRA is off
 
 
 @dataclass(frozen=True, slots=True)
@@ -528,8 +529,9 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """The scheduler's and the KV cache's counts as of now (``step()`` returns them too)."""
+        lora = None if self._lora is None else self._lora.stats(*self._scheduler.lora_names())
         return EngineStats(scheduler=self._scheduler.stats(),
-                           kv_cache=self._kv_cache_manager.stats())
+                           kv_cache=self._kv_cache_manager.stats(), lora=lora)
 
     # ------------------------------------------------------------------- prefix cache
     def kv_cache_snapshot(self) -> KVCacheSnapshot:

@@ -22,6 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 if TYPE_CHECKING:
     from engine_worker.engine_info import EngineInfo
+    from engine_worker.lora.manager import LoRAStats
     from engine_worker.spec_decode.stats import SpecDecodingStats
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -92,6 +93,46 @@ class _SpecDecodeCounters:
             counter.update(total)
 
 
+class _LoRAMetrics:
+    """vLLM's ``vllm:lora_requests_info`` (the adapters running and waiting, as labels; the
+    value is when they were seen) and Quire's load counters, registered only when LoRA is on.
+    A read from the adapter's path (host memory held ``max_cpu_loras`` adapters and this one
+    was not among them) and a write into a step slot (``max_loras``) are what thrashing
+    costs: a router that places by adapter keeps both low."""
+
+    def __init__(self, *, registry: CollectorRegistry, model_name: str, enabled: bool) -> None:
+        self.enabled = enabled
+        if not enabled:
+            return
+        self.model_name = model_name
+        self._info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                           ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+                           registry=registry)
+        self._labels: tuple[str, str, str] | None = None
+
+        def counter(name: str, doc: str) -> _CumulativeCounter:
+            return _CumulativeCounter(Counter(name, doc, ["model_name"], registry=registry
+                                              ).labels(model_name))
+
+        self._adapter_loads = counter("quire:lora_adapter_loads",
+                                      "LoRA adapters read from their path into host memory.")
+        self._slot_loads = counter("quire:lora_slot_loads",
+                                   "LoRA adapters written into a step slot (max_loras).")
+
+    def update(self, stats: LoRAStats) -> None:
+        if not self.enabled:
+            return
+        labels = (str(stats.max_loras), ",".join(stats.running_adapters),
+                  ",".join(stats.waiting_adapters))
+        if labels != self._labels:  # one series: the current sets (vLLM keeps old ones)
+            if self._labels is not None:
+                self._info.remove(*self._labels)
+            self._labels = labels
+        self._info.labels(*labels).set_to_current_time()
+        self._adapter_loads.update(stats.num_adapter_loads)
+        self._slot_loads.update(stats.num_slot_loads)
+
+
 class EngineMetrics:
     """vLLM-compatible metrics of one engine, in a registry of its own.
 
@@ -150,6 +191,7 @@ class EngineMetrics:
             "vllm:num_preemptions", "Cumulative number of preemptions from the engine."))
         self._spec = _SpecDecodeCounters(registry=r, model_name=model_name,
                                          speculative_config=info.speculative_config)
+        self._lora = _LoRAMetrics(registry=r, model_name=model_name, enabled=info.enable_lora)
 
         # Counters fed per finished request.
         self._prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
@@ -178,8 +220,8 @@ class EngineMetrics:
 
     def observe_step(self, *, num_running: int, num_waiting: int, kv_cache_usage: float,
                      prefix_cache_queries: int, prefix_cache_hits: int,
-                     num_preemptions: int, spec_decoding: SpecDecodingStats | None = None
-                     ) -> None:
+                     num_preemptions: int, spec_decoding: SpecDecodingStats | None = None,
+                     lora: LoRAStats | None = None) -> None:
         """Record the engine's state after a step.
 
         ``kv_cache_usage`` is a fraction in [0, 1]. The other arguments are the engine's
@@ -195,6 +237,8 @@ class EngineMetrics:
             self._num_preemptions.update(num_preemptions)
             if spec_decoding is not None:
                 self._spec.update(spec_decoding)
+            if lora is not None:
+                self._lora.update(lora)
 
     def observe_finished(self, *, finish_reason: str, num_prompt_tokens: int,
                          num_generation_tokens: int, arrival_time: float,

@@ -52,6 +52,10 @@ BENCHMARKS = Group("benchmarks", {
     "lora": Command("long-tailed workload over LoRA adapters + base vs base alone",
                     "quire_cli.bench.lora:add_lora_args",
                     "quire_cli.bench.lora:run_from_args"),
+    "lora-router": Command("adapter-aware placement vs round-robin: many LoRA adapters on "
+                           "a few engines",
+                           "quire_cli.bench.lora_router:add_lora_router_args",
+                           "quire_cli.bench.lora_router:run_from_args"),
     "serve": Command("routing policies compared on engine processes under Poisson arrivals",
                      "quire_cli.bench.serve_config:add_serve_args",
                      "quire_cli.bench.serve:run_from_args"),

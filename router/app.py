@@ -60,6 +60,7 @@ class RouterServer:
             connect_timeout_s=placement.connect_timeout_s,
             max_backoff_s=placement.reconnect_max_backoff_s,
             prefill_tokens_per_s=placement.prefill_tokens_per_s,
+            lora_load_s=placement.lora_load_s,
             credentials=tls.credentials(), server_name=tls.engine_tls_server_name,
             assumed_block_size=placement.vllm_block_size)
         self.pool = EnginePool(discovery_impl or make_discovery(discovery), tokenizer=tokenizer,

@@ -12,6 +12,16 @@ Policies live in ``POLICIES`` (name -> class):
   queue in front of it costs as much as recomputing: a hot shared prefix stays on its warm
   engine only while that is faster than prefilling elsewhere, then spreads (and the new copy
   becomes warm in turn). No threshold: the rates and the queues decide.
+  A request under a LoRA adapter adds what the adapter costs there (``adapter_cost_s``): a
+  read from its path where host memory does not hold it, plus the wait for step slots to
+  turn over where the engine's ``max_loras`` are held by adapters in use and others wait
+  for them before it (nothing where its adapter runs and no other waits: it joins the step;
+  but an engine that keeps other adapters waiting soon lets nothing pass them, so a hot
+  adapter stops being free where it crowds the others out). So an adapter stays where it
+  is loaded and its prefix is cached, goes to the cheapest engine when none holds it, and a
+  hot one spreads to another engine once its queue costs more than a load there, never by
+  evicting an adapter that is in use while a free slot is to be had (llm-d's LoRA-affinity
+  failure: piling a hot adapter on one pod, or thrashing slots).
 - ``prefix_affinity``: most cached tokens, load only breaking ties: pure cache affinity, the
   baseline that piles a hot prefix onto one engine (kept to compare against).
 - ``least_loaded``: fewest queued + in-flight tokens, then fewest running requests.
@@ -45,6 +55,39 @@ class RoutingRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterState:
+    """The request's LoRA adapter on one engine, as the router sees it now."""
+
+    running: bool  # requests under it run there: it holds a step slot
+    loaded: bool  # held in the engine's host memory (max_cpu_loras): no read from its path
+    # adapters that must leave a step slot before the request runs: before its adapter has
+    # one, or (held already) before the adapters waiting ahead of it have theirs, since the
+    # engine lets nothing pass a request kept waiting for long (0: it runs at once)
+    num_slot_waits: int
+    max_loras: int  # the engine's step slots
+    load_s: float  # what one read from its path costs there
+    slot_wait_s: float  # how long an adapter holds a slot there (a request's time)
+
+    def __post_init__(self) -> None:
+        for name in ("num_slot_waits", "load_s", "slot_wait_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+
+
+def adapter_cost_s(adapter: AdapterState | None) -> float:
+    """Seconds the request's adapter adds before its prefill can start there (None: the
+    base model, nothing): a read where host memory lacks it, and a share of a request's time
+    per adapter that must leave a step slot first (with ``max_loras`` slots, one of them
+    frees every ``slot_wait_s / max_loras`` on average)."""
+    if adapter is None:
+        return 0.0
+    load_s = 0.0 if adapter.loaded or adapter.running else adapter.load_s
+    return load_s + adapter.num_slot_waits * adapter.slot_wait_s / adapter.max_loras
+
+
+@dataclass(frozen=True, slots=True)
 class EndpointSnapshot:
     """One engine as the router sees it at decision time."""
 
@@ -59,6 +102,10 @@ class EndpointSnapshot:
     inflight_tokens: int = 0  # tokens the router sent that the load report may not show yet
     prefill_tokens_per_s: float = 2000.0  # measured prefill throughput (router.engine_rates)
     decode_step_s: float = 0.0  # measured time of one decode step there now (0: unknown)
+    adapter: AdapterState | None = None  # the request's LoRA adapter there (None: base model)
+    # its waiting requests wait for a LoRA step slot (every one held by adapters in use), so
+    # they say nothing of how many requests its batch could take (router.engine_slots)
+    adapter_bound: bool = False
 
     def __post_init__(self) -> None:
         for name in ("cached_blocks", "num_running", "num_waiting", "num_queued_tokens",
@@ -102,14 +149,15 @@ class Policy(Protocol):
 class PrefixAware:
     """Estimated TTFT in seconds: the engine's current decode step (its first token is one
     more step) plus the work ahead of the request and its own uncached prompt tokens at the
-    engine's prefill rate."""
+    engine's prefill rate, plus what its LoRA adapter costs there (``adapter_cost_s``)."""
 
     name: ClassVar[str] = "prefix_aware"
 
     def ttft_s(self, request: RoutingRequest, endpoint: EndpointSnapshot) -> float:
         uncached = request.num_prompt_tokens - cached_tokens(request, endpoint)
         ahead = endpoint.num_queued_tokens + endpoint.inflight_tokens
-        return endpoint.decode_step_s + (ahead + uncached) / endpoint.prefill_tokens_per_s
+        return (endpoint.decode_step_s + (ahead + uncached) / endpoint.prefill_tokens_per_s
+                + adapter_cost_s(endpoint.adapter))
 
     def scores(self, request, endpoints):
         return {e.engine_id: self.ttft_s(request, e) for e in endpoints}

@@ -152,6 +152,7 @@ class PlacementConfig:
     approx_index_blocks: int = 65536  # per engine, for engines whose KV-event feed is down
     vllm_block_size: int = 16  # vLLM engines' KV block size (vLLM's default; its CPU build: 128)
     prefill_tokens_per_s: float = 2000.0  # prefix_aware's estimate of an engine's prefill rate
+    lora_load_s: float = 0.05  # prefix_aware: the least a LoRA adapter read is priced at
     connect_timeout_s: float = 10.0
     reconnect_max_backoff_s: float = 5.0
 
@@ -170,6 +171,7 @@ class PlacementConfig:
                f"must be >= 1, got {self.vllm_block_size}")
         _check(self.prefill_tokens_per_s > 0, "prefill_tokens_per_s",
                f"must be > 0, got {self.prefill_tokens_per_s}")
+        _check(self.lora_load_s >= 0, "lora_load_s", f"must be >= 0, got {self.lora_load_s}")
         _check(self.connect_timeout_s > 0, "connect_timeout_s",
                f"must be > 0, got {self.connect_timeout_s}")
         _check(self.reconnect_max_backoff_s > 0, "reconnect_max_backoff_s",
@@ -256,6 +258,9 @@ HELP = {
     "max_attempts": "engines tried before the first token (1: no retry)",
     "approx_index_blocks": "per engine, blocks remembered for engines whose KV feed is down",
     "prefill_tokens_per_s": "prefix_aware: assumed prefill rate of an engine",
+    "lora_load_s": "prefix_aware: seconds a LoRA adapter read costs on an engine whose host "
+                   "memory does not hold it, at least (a Quire engine's measured read time "
+                   "when longer)",
     "engine_tls_ca_file": "TLS to engines: CA bundle that signs their certificates",
     "engine_tls_cert_file": "mutual TLS to engines: the router's client certificate",
     "engine_tls_key_file": "mutual TLS to engines: the router's client key",

@@ -98,6 +98,7 @@ class ClientOptions:
     max_backoff_s: float = 5.0
     refused_recheck_s: float = 30.0
     prefill_tokens_per_s: float = 2000.0  # assumed prefill rate, for placement estimates
+    lora_load_s: float = 0.05  # the least a LoRA adapter read is priced at, for placement
     max_message_bytes: int = 64 << 20  # GetTokenizer answers can be tens of MB
     credentials: grpc.ChannelCredentials | None = None  # None: plaintext
     server_name: str | None = None  # TLS: name to check in the engine's certificate

@@ -9,6 +9,8 @@ observes already includes the engine's batch mix, its hardware and its queue dis
 - **Decode step** (s/token of one stream): the time between a stream's first message and its
   last, over the tokens that came after the first: what one more step costs on that engine
   now (it grows with the number of sequences the engine runs).
+- **Request time** (s/request): from sending a request to its last message: how long a
+  request holds what it uses there (a LoRA adapter's step slot, say).
 
 Both are ratios of decayed sums (every new sample multiplies the old sums by ``DECAY``), so a
 long sample weighs more than a short one and the estimate follows a change of load within a
@@ -25,7 +27,7 @@ requests while its first slow prefill is still running, not only after it.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Each sample multiplies the older ones' weight by this: the last ~16 requests dominate. On
 # the engines measured here a load change (a burst starting or ending) turns over that many
@@ -58,6 +60,7 @@ class EngineRates:
     prefill: DecayedRatio  # tokens / seconds
     decode: DecayedRatio  # seconds / tokens (one stream's)
     observed: bool = False  # a prefill sample was taken (False: the rate is the prior)
+    request: DecayedRatio = field(default_factory=DecayedRatio)  # seconds / requests
 
     @classmethod
     def with_prior(cls, prefill_tokens_per_s: float) -> EngineRates:
@@ -72,6 +75,16 @@ class EngineRates:
     @property
     def decode_step_s(self) -> float:
         return self.decode.value(0.0)
+
+    @property
+    def request_s(self) -> float:
+        """Mean time a request stays on the engine (0: none finished yet)."""
+        return self.request.value(0.0)
+
+    def observe_request(self, elapsed_s: float) -> None:
+        """A request ended ``elapsed_s`` after it was sent."""
+        if elapsed_s > 0:
+            self.request.observe(elapsed_s, 1)
 
     def observe_first_token(self, num_tokens: int, ttft_s: float) -> None:
         """``num_tokens`` (work ahead + the request's uncached prompt) were done ``ttft_s``

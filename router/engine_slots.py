@@ -12,7 +12,10 @@ is batching all it can: its slots are then the requests it runs. Per engine:
 - when two reports in a row show requests waiting, its slots become what it runs (at least 1).
 
 The two-report rule skips the moment between a request's arrival and the engine's next step,
-when a request waits without the engine being full.
+when a request waits without the engine being full. A report whose waiting requests wait for
+a LoRA step slot (``adapter_bound``: the running adapters fill ``max_loras``) changes
+nothing: they wait for an adapter to leave, not for room in the batch, and taking them as a
+full batch would hold back the requests that could join a running adapter.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class EngineSlots:
         return sum(learned.slots for learned in self._learned.values())
 
     def _update(self, learned: _Learned, snapshot: EndpointSnapshot) -> None:
+        if snapshot.adapter_bound:
+            learned.waiting_before = False
+            return
         waiting = snapshot.num_waiting > 0
         if waiting and learned.waiting_before:
             learned.slots = max(1, snapshot.num_running)

@@ -31,10 +31,11 @@ from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
 from quire.kv_events import KVCacheSnapshot, KVEventBatch
 from quire.tokenizer_digest import tokenizer_digest
 from quire.v1 import engine_pb2 as pb
-from router.balancer import EndpointSnapshot
+from router.balancer import AdapterState, EndpointSnapshot
 from router.connection import (ClientOptions, ConnectionFactory, EngineConnection,
                                EngineMismatchError, EngineState, ModelExpectation, ModelIdentity)
 from router.endpoint import Discovery, Endpoint
+from router.engine_adapters import EngineAdapters
 from router.engine_kinds import ENGINE_KINDS
 from router.engine_rates import EngineRates, prefill_rate
 from router.prefix_index import ApproximateIndex, PrefixIndex
@@ -69,6 +70,7 @@ class _Member:
     # The engine process last admitted at this address (None: never admitted; "": its kind
     # reports none, so every re-admission after a lost connection counts as a restart).
     incarnation_id: str | None = None
+    adapters: EngineAdapters = field(default_factory=EngineAdapters)  # its LoRA adapters
 
 
 class EnginePool:
@@ -169,8 +171,9 @@ class EnginePool:
         return True
 
     def kv_batch(self, client: EngineConnection, batch: KVEventBatch) -> bool:
-        if self._member(client) is None:
+        if (member := self._member(client)) is None:
             return False
+        member.adapters.stored(getattr(e, "lora_name", None) for e in batch.events)
         return self._exact.apply(client.engine_id, batch)
 
     def kv_feed_lost(self, client: EngineConnection) -> None:
@@ -300,11 +303,13 @@ class EnginePool:
         return frozenset(sizes)
 
     def candidates(self, block_hashes: PromptHashes | Sequence[int],
-                   exclude: Collection[str] = ()) -> list[EndpointSnapshot]:
+                   exclude: Collection[str] = (), lora_name: str | None = None
+                   ) -> list[EndpointSnapshot]:
         """Every member not in ``exclude`` as the balancer sees it now, with the leading blocks
         of the prompt it holds (at its own block size; a plain sequence of hashes is taken as
         every engine's): from the engine's KV feed where it is alive, else from the router's
-        own routing history (approximate)."""
+        own routing history (approximate); and, for a request under the LoRA adapter
+        ``lora_name``, how that adapter stands there."""
         members = {eid: m for eid, m in self._members.items() if eid not in exclude}
         by_size: dict[int, list[str]] = {}
         for engine_id, member in members.items():
@@ -316,7 +321,7 @@ class EnginePool:
             found = self._match(hashes)
             matches.update({eid: found[eid] for eid in engine_ids if eid in found})
         now_s = time.monotonic()
-        return [self._snapshot(member, matches.get(engine_id, 0), now_s)
+        return [self._snapshot(member, matches.get(engine_id, 0), now_s, lora_name)
                 for engine_id, member in members.items()]
 
     def _block_size(self, member: _Member) -> int:
@@ -339,7 +344,23 @@ class EnginePool:
                             [(m.rates, m.waiting.values()) for m in self._members.values()
                              if m is not member], now_s)
 
-    def _snapshot(self, member: _Member, cached_blocks: int, now_s: float) -> EndpointSnapshot:
+    def _request_s(self, member: _Member) -> float:
+        """How long a request holds the engine: measured there, else its peers' mean."""
+        if member.rates.request_s:
+            return member.rates.request_s
+        peers = [m.rates.request_s for m in self._members.values() if m.rates.request_s]
+        return sum(peers) / len(peers) if peers else 0.0
+
+    def _adapter(self, member: _Member, lora_name: str | None) -> AdapterState | None:
+        if not lora_name:
+            return None
+        info = member.client.info
+        return member.adapters.state(
+            lora_name, member.load, max_loras=info.max_loras if info is not None else 0,
+            load_s=self.options.lora_load_s, slot_wait_s=self._request_s(member))
+
+    def _snapshot(self, member: _Member, cached_blocks: int, now_s: float,
+                  lora_name: str | None = None) -> EndpointSnapshot:
         client = member.client
         load = member.load if member.load is not None else pb.LoadReport()
         return EndpointSnapshot(
@@ -350,7 +371,9 @@ class EnginePool:
             kv_cache_usage=min(max(load.kv_cache_usage, 0.0), 1.0),
             inflight_tokens=member.inflight_tokens,
             prefill_tokens_per_s=self._prefill_rate(member, now_s),
-            decode_step_s=member.rates.decode_step_s)
+            decode_step_s=member.rates.decode_step_s, adapter=self._adapter(member, lora_name),
+            adapter_bound=member.adapters.bound(
+                member.load, client.info.max_loras if client.info is not None else 0))
 
     # ------------------------------------------------------------------- placement
     def record(self, engine_id: str, block_hashes: Sequence[int]) -> None:
@@ -379,6 +402,8 @@ class EnginePool:
         # the work the placement estimate put ahead of this request, for the rate it measures
         ahead = member.inflight_tokens + (member.load.num_queued_tokens if member.load else 0)
         member.inflight_tokens += num_tokens
+        lora_name = getattr(request, "lora_name", "") or None
+        member.adapters.sent(lora_name)
         sent = time.monotonic()
         key = object()
         member.waiting[key] = (sent, ahead + num_uncached_tokens)
@@ -390,6 +415,7 @@ class EnginePool:
                 if first_at is None:
                     first_at = time.monotonic()
                     member.waiting.pop(key, None)
+                    member.adapters.started(lora_name)
                     member.inflight_tokens -= num_tokens  # prefill done: the load report has it
                     num_tokens = 0
                     member.rates.observe_first_token(ahead + num_uncached_tokens,
@@ -404,8 +430,11 @@ class EnginePool:
         finally:
             member.inflight_tokens -= num_tokens
             member.waiting.pop(key, None)
+            member.adapters.ended(lora_name, started=first_at is not None)
             if last_at is not None:
                 member.rates.observe_decode(num_later_tokens, last_at - first_at)
+            if first_at is not None:
+                member.rates.observe_request((last_at or first_at) - sent)
             await stream.aclose()
 
     async def embed(self, engine_id: str, request: pb.EmbedRequest, *,

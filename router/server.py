@@ -54,6 +54,7 @@ class RoutedPrompt:
     token_ids: tuple[int, ...]
     block_hashes: tuple[int, ...]  # at the router's first block size
     hashes: PromptHashes  # at every block size the pool's engines use
+    lora_name: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +167,7 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
                                                                lora_name=lora))
                    for size in sizes}
         return RoutedPrompt(token_ids=token_ids, block_hashes=by_size[identity.block_size],
-                            hashes=PromptHashes(by_size))
+                            hashes=PromptHashes(by_size), lora_name=lora)
 
     def place(self, prompt: RoutedPrompt, exclude: set[str],
               session_key: str | None = None) -> Decision:
@@ -174,7 +175,8 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         return choose(RoutingRequest(block_hashes=prompt.block_hashes,
                                      num_prompt_tokens=len(prompt.token_ids),
                                      session_key=session_key),
-                      self.pool.candidates(prompt.hashes, exclude), self.policy)
+                      self.pool.candidates(prompt.hashes, exclude, prompt.lora_name),
+                      self.policy)
 
     def _session_key(self, context) -> str | None:
         for key, value in context.invocation_metadata() or ():

@@ -7,7 +7,8 @@ both fronts treat it as any other engine.
   come back as ``quire.v1`` ``GenerateResponse`` messages. Closing the stream closes the HTTP
   response, which aborts the request in vLLM. The client's W3C ``traceparent`` is forwarded.
 - Health: ``/health`` polled; load: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``
-  and ``vllm:kv_cache_usage_perc`` from ``/metrics``.
+  and ``vllm:kv_cache_usage_perc`` from ``/metrics``, and the LoRA adapters running and
+  waiting from its ``vllm:lora_requests_info``.
 - KV events: vLLM's ZMQ publisher (``router.vllm_events``), re-hashed into the router's domain
   at vLLM's block size; without an event endpoint the pool's approximate index stands in.
 - Admission: ``/v1/models`` must serve the model the pool serves; the block size comes from
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -66,21 +68,40 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
+_LORA_INFO = "vllm:lora_requests_info"
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
 def parse_load(metrics_text: str) -> pb.LoadReport:
-    """The three load gauges of vLLM's Prometheus text (summed over label sets)."""
+    """The three load gauges of vLLM's Prometheus text (summed over label sets), and its
+    LoRA adapters: the latest ``vllm:lora_requests_info`` series (its value is when it was
+    set) names the running and waiting adapters and ``max_lora``."""
     values = dict.fromkeys(_LOAD_METRICS, 0.0)
+    lora: tuple[float, dict[str, str]] | None = None
     for line in metrics_text.splitlines():
         if line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
         if name in values:
-            try:
-                values[name] += float(line.rsplit(" ", 1)[1])
-            except (IndexError, ValueError):
-                continue
-    return pb.LoadReport(num_running=int(values["vllm:num_requests_running"]),
-                         num_waiting=int(values["vllm:num_requests_waiting"]),
-                         kv_cache_usage=values["vllm:kv_cache_usage_perc"])
+            values[name] += value
+        elif name == _LORA_INFO and (lora is None or value >= lora[0]):
+            lora = (value, dict(_LABEL.findall(line.split("{", 1)[-1].rsplit("}", 1)[0])))
+    report = pb.LoadReport(num_running=int(values["vllm:num_requests_running"]),
+                           num_waiting=int(values["vllm:num_requests_waiting"]),
+                           kv_cache_usage=values["vllm:kv_cache_usage_perc"])
+    if lora is not None:
+        labels = lora[1]
+        report.running_lora_adapters[:] = [n for n in
+                                           labels.get("running_lora_adapters", "").split(",") if n]
+        report.waiting_lora_adapters[:] = [n for n in
+                                           labels.get("waiting_lora_adapters", "").split(",") if n]
+        max_lora = labels.get("max_lora", "0")
+        report.max_loras = int(max_lora) if max_lora.isdigit() else 0
+    return report
 
 
 def completion_body(model: str, request: pb.GenerateRequest) -> dict:

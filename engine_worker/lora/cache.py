@@ -8,6 +8,7 @@ that needs it reads it again from its path, as vLLM's worker does.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Collection
 
@@ -33,6 +34,8 @@ class LoRAAdapterCache:
         self.registered: dict[str, LoRARequest] = {}
         self._loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._ids = itertools.count(1)
+        self.num_loads = 0  # adapters read from their path (registering included)
+        self.load_s = 0.0  # the time those reads took, in all
 
     def request_for(self, name: str, path: str) -> LoRARequest:
         """A LoRARequest with an id no registered adapter uses."""
@@ -47,8 +50,7 @@ class LoRAAdapterCache:
                 return False
             raise FieldError("lora_name", f"an adapter named {request.lora_name!r} is "
                              f"already loaded (from {known.lora_path}); unload it first")
-        adapter = load_adapter(request.lora_name, request.lora_path, self.spec,
-                               self.max_lora_rank)
+        adapter = self._read(request.lora_name, request.lora_path)
         self.registered[request.lora_name] = request
         self._remember(adapter, keep=())
         return True
@@ -68,9 +70,16 @@ class LoRAAdapterCache:
         if adapter is not None:
             self._loaded.move_to_end(name)
             return adapter
-        request = self.registered[name]
-        adapter = load_adapter(name, request.lora_path, self.spec, self.max_lora_rank)
+        adapter = self._read(name, self.registered[name].lora_path)
         self._remember(adapter, keep)
+        return adapter
+
+    def _read(self, name: str, path: str) -> LoRAAdapter:
+        """``load_adapter``, counted and timed (a router prices a load by what it took)."""
+        started = time.perf_counter()
+        adapter = load_adapter(name, path, self.spec, self.max_lora_rank)
+        self.num_loads += 1
+        self.load_s += time.perf_counter() - started
         return adapter
 
     def _remember(self, adapter: LoRAAdapter, keep: Collection[str]) -> None:

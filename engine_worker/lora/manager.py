@@ -4,6 +4,7 @@ the ops, turned into one ``LoRABatch`` per step."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -12,6 +13,25 @@ from engine_worker.lora.cache import LoRAAdapterCache
 from engine_worker.lora.config import LoRAConfig
 from engine_worker.lora.ops import LoRAOps, lora_ops_for
 from engine_worker.lora.slots import LoRABatch, LoRASlots
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAStats:
+    """The engine's adapters at one moment: what a router places by (its load report) and
+    what its metrics count. Counts and times are running totals."""
+
+    max_loras: int  # adapters one step can run
+    running_adapters: tuple[str, ...]  # distinct adapters of running requests
+    waiting_adapters: tuple[str, ...]  # ... and of waiting ones
+    loaded_adapters: tuple[str, ...]  # in host memory, least recently used first
+    num_adapter_loads: int  # adapters read from their path (registering included)
+    num_slot_loads: int  # adapters written into a step slot
+    adapter_load_s: float  # the time all those reads took
+
+    @property
+    def mean_load_s(self) -> float:
+        """One read's mean time (0: none yet)."""
+        return self.adapter_load_s / self.num_adapter_loads if self.num_adapter_loads else 0.0
 
 
 class LoRAManager:
@@ -37,6 +57,15 @@ class LoRAManager:
     def remove(self, name: str) -> bool:
         self.slots.forget(name)
         return self.cache.remove(name)
+
+    def stats(self, running: Sequence[str], waiting: Sequence[str]) -> LoRAStats:
+        """Now, given the adapters of the running and waiting requests (the scheduler's)."""
+        return LoRAStats(max_loras=len(self.slots.names) - 1,
+                         running_adapters=tuple(running), waiting_adapters=tuple(waiting),
+                         loaded_adapters=tuple(self.cache.loaded_names),
+                         num_adapter_loads=self.cache.num_loads,
+                         num_slot_loads=self.slots.num_slot_loads,
+                         adapter_load_s=self.cache.load_s)
 
     def step_batch(self, lora_names: Sequence[str | None], counts: Sequence[int]
                    ) -> LoRABatch | None:

@@ -62,6 +62,7 @@ class LoRASlots:
         self.names: list[str | None] = [None] * num_slots  # slot -> adapter held
         self._last_used = [0] * num_slots
         self._clock = 0
+        self.num_slot_loads = 0  # adapters written into a slot, in all
 
     def slot_of(self, name: str) -> int | None:
         return self.names.index(name) if name in self.names else None
@@ -107,6 +108,7 @@ class LoRASlots:
                             weights.lora_b * weights.scaling
                     out += out_features
         self.names[slot] = adapter.name
+        self.num_slot_loads += 1
 
     def batch(self, token_slots: list[int], ops: LoRAOps, device: torch.device
               ) -> LoRABatch | None:

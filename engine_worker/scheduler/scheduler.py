@@ -226,6 +226,13 @@ class Scheduler:
         return request.lora_name is None or request.lora_name in loras or \
             self.max_loras is None or len(loras) < self.max_loras
 
+    def lora_names(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The distinct adapters of the running requests and of the waiting ones (vLLM's
+        ``running_lora_adapters`` / ``waiting_lora_adapters``), each in queue order."""
+        running = dict.fromkeys(r.lora_name for r in self.running if r.lora_name is not None)
+        waiting = dict.fromkeys(r.lora_name for r in self.waiting if r.lora_name is not None)
+        return tuple(running), tuple(waiting)
+
     def lora_in_use(self, lora_name: str) -> int:
         """Unfinished requests running under the adapter."""
         return sum(r.lora_name == lora_name for r in self.requests.values())

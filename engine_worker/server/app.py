@@ -155,7 +155,7 @@ def _step_recorder(metrics: EngineMetrics):
                              prefix_cache_queries=stats.kv_cache.prefix_cache_queries,
                              prefix_cache_hits=stats.kv_cache.prefix_cache_hits,
                              num_preemptions=stats.scheduler.num_preemptions,
-                             spec_decoding=stats.scheduler.spec_decoding)
+                             spec_decoding=stats.scheduler.spec_decoding, lora=stats.lora)
     return record
 
 

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from engine_worker.engine import EngineStats, LLMEngine
+from engine_worker.lora.manager import LoRAStats
 from engine_worker.server.collector import OutputCollector
 from engine_worker.input_processor import PromptType
 from engine_worker.outputs import PoolingRequestOutput, RequestOutput
@@ -49,6 +50,7 @@ class LoadSnapshot:
     kv_cache_usage: float
     timestamp_s: float
     spec_decoding: SpecDecodingStats | None = None  # totals; None when speculation is off
+    lora: LoRAStats | None = None  # None: LoRA is off
 
 
 # ------------------------------------------------------------ commands to the loop thread
@@ -124,7 +126,7 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._ids = itertools.count()
         self.dead_reason: str | None = None
-        self.load = LoadSnapshot(0, 0, 0, 0.0, time.time())
+        self.load = LoadSnapshot(0, 0, 0, 0.0, time.time(), lora=engine.stats().lora)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -278,6 +280,8 @@ class AsyncEngine:
                         done.set_result(fn(self.engine))
                     except Exception as e:  # noqa: BLE001 - the caller's to map
                         done.set_exception(e)
+                    # adapters came or went: the load report says so before any step
+                    self._publish_load(self.engine.stats())
             case Wake():
                 pass
 
@@ -328,12 +332,16 @@ class AsyncEngine:
         if batch:
             self._loop.call_soon_threadsafe(_put_all, batch)
 
-    def _after_step(self, stats: EngineStats, batches: tuple[KVEventBatch, ...]) -> None:
+    def _publish_load(self, stats: EngineStats) -> None:
         self.load = LoadSnapshot(num_running=stats.scheduler.num_running,
                                  num_waiting=stats.scheduler.num_waiting,
                                  num_queued_tokens=stats.scheduler.num_queued_tokens,
                                  kv_cache_usage=stats.kv_cache.usage, timestamp_s=time.time(),
-                                 spec_decoding=stats.scheduler.spec_decoding)
+                                 spec_decoding=stats.scheduler.spec_decoding,
+                                 lora=stats.lora)
+
+    def _after_step(self, stats: EngineStats, batches: tuple[KVEventBatch, ...]) -> None:
+        self._publish_load(stats)
         for batch in batches:
             for sink in self._subscribers:
                 self._loop.call_soon_threadsafe(sink.put_nowait, batch)

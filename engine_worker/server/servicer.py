@@ -187,9 +187,18 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     def _load_report(self) -> pb.LoadReport:
         load = self.engine.load
-        return pb.LoadReport(num_running=load.num_running, num_waiting=load.num_waiting,
-                             num_queued_tokens=load.num_queued_tokens,
-                             kv_cache_usage=load.kv_cache_usage)
+        report = pb.LoadReport(num_running=load.num_running, num_waiting=load.num_waiting,
+                               num_queued_tokens=load.num_queued_tokens,
+                               kv_cache_usage=load.kv_cache_usage)
+        lora = load.lora
+        if lora is not None:  # what a router places adapters by
+            report.running_lora_adapters[:] = lora.running_adapters
+            report.waiting_lora_adapters[:] = lora.waiting_adapters
+            report.loaded_lora_adapters[:] = lora.loaded_adapters
+            report.max_loras = lora.max_loras
+            report.num_lora_adapter_loads = lora.num_adapter_loads
+            report.lora_adapter_load_s = lora.mean_load_s
+        return report
 
     async def StreamKVEvents(self, request, context):
         try:
