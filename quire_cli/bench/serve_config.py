@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from engine_worker.arg_utils import add_engine_args
 from quire.config_args import add_dataclass_args, require_at_least
 from router.balancer import POLICIES
+from router.flow_config import GRADIENT_LIMIT_MODES
 
 # quire_cli.bench.serve.WORKLOADS, then SCENARIOS (runs of their own shape)
 WORKLOAD_NAMES = ("shared_prefix", "no_sharing", "hot_prefix", "two_tenants")
@@ -45,7 +46,7 @@ class ServeBenchConfig:
     light_interval_s: float = 3.0
     light_idle_requests: int = 5
     tenant_max_queue: int = 32
-    gradient_limit: bool = False
+    gradient_limit: str = "auto"
     output_json: str = "bench-serve.json"
     output_png: str = "bench-serve.png"
 
@@ -74,6 +75,8 @@ class ServeBenchConfig:
         if self.max_concurrency < 0:
             raise ValueError(f"max_concurrency: must be >= 0 (0: unlimited), "
                              f"got {self.max_concurrency}")
+        _check_names("gradient_limit", tuple(n.lower() for n in _split(self.gradient_limit)),
+                     GRADIENT_LIMIT_MODES)
         _check_names("policies", self.policy_names, POLICIES)
         _check_names("workloads", self.workload_names, WORKLOAD_NAMES)
 
@@ -110,6 +113,11 @@ class ServeBenchConfig:
         return _split(self.workloads)
 
     @property
+    def gradient_limit_modes(self) -> tuple[str, ...]:
+        """two_tenants: the router's --gradient-limit modes, one run each (normalised)."""
+        return tuple(GRADIENT_LIMIT_MODES[name.lower()] for name in _split(self.gradient_limit))
+
+    @property
     def num_requests(self) -> int:
         return self.num_groups * self.prompts_per_group
 
@@ -142,7 +150,8 @@ SERVE_HELP = {
     "light_interval_s": "two_tenants: seconds between the light tenant's requests",
     "light_idle_requests": "two_tenants: the light tenant's requests on the idle stack first",
     "tenant_max_queue": "two_tenants: the router's per-tenant queue (--max-queue-per-tenant)",
-    "gradient_limit": "two_tenants: the router's --gradient-limit (latency over throughput)",
+    "gradient_limit": "two_tenants: the router's --gradient-limit (auto, on, off; "
+                      "comma-separated: one run of each, in turn)",
     "num_groups": "system prompts (shared_prefix)",
     "prompts_per_group": "requests per system prompt",
     "system_prompt_len": "tokens per system prompt",
