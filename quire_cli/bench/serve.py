@@ -45,6 +45,7 @@ from quire_cli.bench.harness import (FIRST_SAFE_TOKEN_ID, RequestResult, describ
                                      running_router, stream_request)
 from quire_cli.bench.serve_config import WORKLOAD_NAMES, ServeBenchConfig
 from quire_cli.bench.serve_engines import ENGINE_KINDS, RunEngines, counter_deltas
+from quire_cli.bench.restart import measure_restart
 from quire_cli.bench.two_tenants import gradient_limit_modes, measure_two_tenants
 
 
@@ -94,7 +95,8 @@ WORKLOADS: dict[str, Callable] = {
 }
 # Scenarios that drive the router their own way: (engines, policy, cfg, seed[, variant]) -> a
 # run; those with variants (cfg -> names) run once per variant, each on fresh engines.
-SCENARIOS: dict[str, Callable] = {"two_tenants": measure_two_tenants}
+SCENARIOS: dict[str, Callable] = {"two_tenants": measure_two_tenants,
+                                  "restart": measure_restart}
 SCENARIO_VARIANTS: dict[str, Callable] = {"two_tenants": gradient_limit_modes}
 assert (*WORKLOADS, *SCENARIOS) == WORKLOAD_NAMES  # the config validates names without us
 

@@ -13,7 +13,7 @@ from router.balancer import POLICIES
 from router.flow_config import GRADIENT_LIMIT_MODES
 
 # quire_cli.bench.serve.WORKLOADS, then SCENARIOS (runs of their own shape)
-WORKLOAD_NAMES = ("shared_prefix", "no_sharing", "hot_prefix", "two_tenants")
+WORKLOAD_NAMES = ("shared_prefix", "no_sharing", "hot_prefix", "two_tenants", "restart")
 ENGINE_KIND_NAMES = ("quire", "vllm")  # quire_cli.bench.serve_engines.ENGINE_KINDS
 
 
@@ -47,6 +47,10 @@ class ServeBenchConfig:
     light_idle_requests: int = 5
     tenant_max_queue: int = 32
     gradient_limit: str = "auto"
+    # restart (quire_cli.bench.restart)
+    restart_kill_at_s: float = 10.0
+    restart_after_s: float = 20.0
+    restart_window_s: float = 2.0
     output_json: str = "bench-serve.json"
     output_png: str = "bench-serve.png"
 
@@ -69,7 +73,8 @@ class ServeBenchConfig:
             raise ValueError(f"num_routers: must be in [1, 16], got {self.num_routers}")
         require_at_least(self, ("light_idle_requests",))
         require_at_least(self, ("tenant_max_queue",), minimum=0)
-        for name in ("flood_rate", "flood_duration_s", "light_interval_s"):
+        for name in ("flood_rate", "flood_duration_s", "light_interval_s",
+                     "restart_kill_at_s", "restart_after_s", "restart_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.max_concurrency < 0:
@@ -141,7 +146,9 @@ SERVE_HELP = {
     "policies": "comma-separated routing policies to compare",
     "workloads": "comma-separated: shared_prefix, no_sharing, hot_prefix (one system prompt on "
                  "--hot-share of the requests, the rest unique), two_tenants (one tenant floods "
-                 "while another sends a request every --light-interval-s)",
+                 "while another sends a request every --light-interval-s), restart (an engine "
+                 "killed and restarted under shared-prefix traffic: hit rate per window, "
+                 "recovery, client errors)",
     "hot_share": "hot_prefix: share of the requests that carry the one hot system prompt",
     "num_routers": "router replicas; request i goes through replica i mod N, and every "
                    "replica subscribes to every engine's KV events and load",
@@ -152,7 +159,13 @@ SERVE_HELP = {
     "tenant_max_queue": "two_tenants: the router's per-tenant queue (--max-queue-per-tenant)",
     "gradient_limit": "two_tenants: the router's --gradient-limit (auto, on, off; "
                       "comma-separated: one run of each, in turn)",
-    "num_groups": "system prompts (shared_prefix)",
+    "restart_kill_at_s": "restart: when the last engine is killed (SIGKILL) and started "
+                         "again at the same address, under shared-prefix traffic at "
+                         "--request-rate",
+    "restart_after_s": "restart: how long traffic goes on once the router serves the engine "
+                       "again",
+    "restart_window_s": "restart: the hit rate is reported per window of this many seconds",
+    "num_groups": "system prompts (shared_prefix, restart)",
     "prompts_per_group": "requests per system prompt",
     "system_prompt_len": "tokens per system prompt",
     "question_len": "tokens per unique question",
