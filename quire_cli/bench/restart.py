@@ -14,8 +14,8 @@ On fresh engines behind the router:
 Reported (``restart`` in the run): the hit rate (cached / prompt tokens of the requests sent in
 each ``restart_window_s`` window), the steady hit rate (the requests sent in the second half
 before the kill), when the kill, the new process and its return to the router's pool happened,
-the first window from which the hit rate is back at 90% of the steady one (seconds after the
-kill and after the return), and the client-visible errors: those whose stream broke after
+the lowest window after the kill, the first window (after the kill, and after the return) whose
+hit rate is at least 90% of the steady one, and the client-visible errors: those whose stream broke after
 tokens had arrived (a stream cannot move once relayed) and those before any token (a retry on
 the other engine could have served them: the target is none), with the router's retries.
 """
@@ -141,17 +141,18 @@ def restart_report(results, events: dict[str, float], window_s: float, retries: 
     killed, rejoined = events["killed_s"], events["rejoined_s"]
     steady = _hit_rate([r for r in results if killed / 2 <= r.sent_s < killed])
     windows = hit_rate_windows(results, window_s)
-    recovered = None
-    if steady:
-        # the first window from which every later one stays at 90% of the steady hit rate
+
+    def back_after(t_s: float) -> float | None:
+        """Seconds from ``t_s`` to the end of the first window starting at or after it whose
+        hit rate is at least 90% of the steady one (None: none by the end of the run)."""
         for w in windows:
-            if w["start_s"] + window_s <= killed:
-                continue
-            later = [x["hit_rate"] for x in windows if x["start_s"] >= w["start_s"]
-                     and x["hit_rate"] is not None]
-            if later and all(h >= RECOVERED_SHARE * steady for h in later):
-                recovered = w["start_s"] + window_s
-                break
+            if w["start_s"] >= t_s and w["hit_rate"] is not None and steady and \
+                    w["hit_rate"] >= RECOVERED_SHARE * steady:
+                return w["start_s"] + window_s - t_s
+        return None
+
+    after_kill = [w["hit_rate"] for w in windows
+                  if w["start_s"] >= killed and w["hit_rate"] is not None]
     failed = [r for r in results if not r.ok]
     after_tokens = [r for r in failed if r.chunks]
     return {
@@ -159,10 +160,9 @@ def restart_report(results, events: dict[str, float], window_s: float, retries: 
         "steady_hit_rate": steady, "windows": windows,
         "hit_rate_before_kill": steady,
         "hit_rate_after_return": _hit_rate([r for r in results if r.sent_s >= rejoined]),
-        # None: not back at 90% of steady by the end of the run
-        "recovered_s_after_kill": None if recovered is None else max(0.0, recovered - killed),
-        "recovered_s_after_return": None if recovered is None
-        else max(0.0, recovered - rejoined),
+        "lowest_window_hit_rate_after_kill": min(after_kill, default=None),
+        "recovered_s_after_kill": back_after(killed),
+        "recovered_s_after_return": back_after(rejoined),
         "requests_after_return_on_victim": sum(
             1 for r in results if r.ok and r.sent_s >= rejoined and r.engine_id == victim),
         "client_errors": len(failed),
@@ -184,9 +184,10 @@ def print_restart(run: dict) -> None:
     print(f"restart: {run['policy']}: engine killed at {ev['killed_s']:.1f}s, listening again "
           f"at {ev['listening_s']:.1f}s, serving in the router at {ev['rejoined_s']:.1f}s; "
           f"hit rate steady {num(s['steady_hit_rate'], '.2f')}, after the return "
-          f"{num(s['hit_rate_after_return'], '.2f')}; back at 90% of steady "
-          f"{num(s['recovered_s_after_kill'])}s after the kill "
-          f"({num(s['recovered_s_after_return'])}s after the return); client errors "
+          f"{num(s['hit_rate_after_return'], '.2f')}, lowest window after the kill "
+          f"{num(s['lowest_window_hit_rate_after_kill'], '.2f')}; a window at 90% of steady "
+          f"{num(s['recovered_s_after_kill'])}s after the kill, "
+          f"{num(s['recovered_s_after_return'])}s after the return; client errors "
           f"{s['client_errors']} ({s['client_errors_before_tokens']} before any token, "
           f"{s['client_errors_after_tokens']} mid-stream), router retries "
           f"{s['router_retries']}")
