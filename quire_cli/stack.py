@@ -150,6 +150,18 @@ def start_engines(cfg: StackConfig, engine_flags: list[str],
     return engines
 
 
+def restart_engine(engine: EngineProcess) -> EngineProcess:
+    """The same engine command started again (same address and flags: a new incarnation, as
+    a restarted pod), once it listens. RuntimeError if it does not start."""
+    proc = subprocess.Popen(engine.proc.args, stdout=subprocess.PIPE, text=True)
+    listening = re.search(r"listening on .*metrics on (\S+)", proc.stdout.readline())
+    if listening is None:
+        proc.kill()
+        raise RuntimeError(f"engine {engine.address} did not restart (exit code "
+                           f"{proc.wait()})")
+    return EngineProcess(proc, engine.address, listening.group(1))
+
+
 def stop_engines(engines: list[EngineProcess]) -> None:
     for engine in engines:
         if engine.proc.poll() is None:

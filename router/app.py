@@ -94,10 +94,11 @@ class RouterServer:
                             fixed=flow.engine_slots)
         # from one request per engine (the floor), so that the engines' speed with room to
         # spare is seen before the batch grows
-        limit = GradientLimit(1) if flow.gradient_limit else None
+        limit = GradientLimit(1) if flow.gradient_limit != "off" else None
         return FlowController(slots.observe, queue_timeout_s=flow.queue_timeout_s,
                               observer=self.metrics.flow, limit=limit,
-                              limit_floor=lambda: slots.num_engines)
+                              limit_floor=lambda: slots.num_engines,
+                              limit_when_shared=flow.gradient_limit == "auto")
 
     @classmethod
     def static(cls, addresses: Sequence[str], *, tokenizer: str | None = None,

@@ -14,6 +14,15 @@ A request that cannot be admitted is refused with ``FlowRefused`` (RESOURCE_EXHA
 429 at the edge, with the seconds after which a retry may succeed): its tenant's rate limit is
 spent, its tenant's queue is full, or it waited past the queueing deadline or its own.
 A waiting request whose client leaves is removed at once (its task is cancelled).
+
+The number admitted at once is the engines' slots, or fewer under a gradient limit
+(``router.gradient_limit``), which trades throughput for each request's speed. With
+``limit_when_shared`` it applies only while the capacity is shared: while more than one
+*demand class* (a tenant at a priority) has requests waiting or running, or had within
+``DEMAND_WINDOW_S``. One tenant alone then gets every slot (the throughput of the full batch),
+and a light tenant beside a flood gets requests that run near their idle speed rather than in
+the flood's full batch; the window keeps a tenant that sends a request every few seconds
+counted between its requests, so the flood does not refill the batch in each gap.
 """
 
 from __future__ import annotations
@@ -33,6 +42,10 @@ from router.tenants import Tenant
 # Service time assumed before any request has finished, for Retry-After only.
 _INITIAL_SERVICE_S = 1.0
 _SERVICE_EWMA = 0.1  # weight of the newest request in the mean service time
+# How long a demand class counts as sharing the capacity after its last request ended: longer
+# than the gap of a tenant that sends one every few seconds, short enough that a one-off
+# request does not hold the limit for long.
+DEMAND_WINDOW_S = 10.0
 
 
 class FlowRefused(Exception):
@@ -184,16 +197,24 @@ class FlowController:
 
     def __init__(self, capacity: Callable[[], int | None], *, queue_timeout_s: float = 0.0,
                  observer: FlowObserver | None = None, limit: GradientLimit | None = None,
-                 limit_floor: Callable[[], int] = lambda: 1,
+                 limit_floor: Callable[[], int] = lambda: 1, limit_when_shared: bool = False,
+                 demand_window_s: float = DEMAND_WINDOW_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``capacity()``: the slots of the serving engines now (None: no engine serves,
         requests pass through to placement, which answers for itself). ``queue_timeout_s``
         > 0: the longest a request waits here. ``limit``: admits fewer than the slots where
         more would only slow every request down (None: the slots alone), never below
-        ``limit_floor()`` (the serving engines: none should idle)."""
+        ``limit_floor()`` (the serving engines: none should idle). ``limit_when_shared``: the
+        limit applies (and learns) only while more than one demand class has demand (within
+        ``demand_window_s``); otherwise always."""
         self.capacity_of = capacity
         self.limit = limit
         self.limit_floor = limit_floor
+        self.limit_when_shared = limit_when_shared
+        self.demand_window_s = demand_window_s
+        self.limited = False  # whether the limit holds admissions now (else: the slots)
+        self._active: dict[tuple[str, int], int] = {}  # per demand class: waiting + running
+        self._last_seen: dict[tuple[str, int], float] = {}  # when each last had demand
         self.slots: int | None = None  # the engines' slots, as last read
         self.queue_timeout_s = queue_timeout_s
         self.observer = observer or FlowObserver()
@@ -215,8 +236,11 @@ class FlowController:
         if self.capacity is None:  # unknown until the first refresh after an engine joined
             self.refresh()
         limits = self._rate_limits(request, now)
+        self._last_seen[_demand_class(request)] = now  # its demand counts from its arrival
+        self._set_capacity(now)
         if self.capacity is None or (self.inflight < self.capacity and not self._bands):
             self._take(limits, request, now)
+            self._enter(request)
             return self._grant(request, 0.0, now)
         queued = self._queued.get(tenant.name, 0)
         if queued >= tenant.policy.max_queue:
@@ -292,6 +316,7 @@ class FlowController:
         if band is None:
             band = self._bands[request.priority] = _Band()
         band.push(waiter)
+        self._enter(request)
         self._queued[request.tenant.name] = self._queued.get(request.tenant.name, 0) + 1
         self.observer.queued(request, +1)
 
@@ -299,6 +324,7 @@ class FlowController:
         band = self._bands.get(waiter.request.priority)
         if band is not None and band.remove(waiter):
             self._forget(waiter, band)
+            self._leave(waiter.request, self.clock())
 
     def _forget(self, waiter: _Waiter, band: _Band) -> None:
         request = waiter.request
@@ -316,18 +342,18 @@ class FlowController:
         return Admission(self, request, wait_s, now)
 
     def release(self, admission: Admission) -> None:
+        now = self.clock()
         self.inflight -= 1
-        took = self.clock() - admission.admitted_s
+        self._leave(admission.request, now)
+        took = now - admission.admitted_s
         self._service_s += _SERVICE_EWMA * (took - self._service_s)
         started = admission.first_message_s
-        if self.limit is not None and started is not None and admission.num_generated > 1 \
-                and self.slots:
+        if self.limited and started is not None and admission.num_generated > 1 and self.slots:
             # time per output token after the first: what a bigger batch slows down (the
             # prefill before it depends on the prompt, not on the load)
-            per_token_s = (self.clock() - started) / (admission.num_generated - 1)
-            floor = self.limit_floor()
-            self.limit.observe(per_token_s, self.slots, floor)
-            self.capacity = self.limit.value(self.slots, floor)
+            per_token_s = (now - started) / (admission.num_generated - 1)
+            self.limit.observe(per_token_s, self.slots, self.limit_floor())
+        self._set_capacity(now)
         self.dispatch()
 
     def dispatch(self) -> None:
@@ -339,6 +365,7 @@ class FlowController:
             waiter = band.pop()
             self._forget(waiter, band)
             if waiter.future.done():  # its client left in this very instant
+                self._leave(waiter.request, now)
                 continue
             waiter.future.set_result(self._grant(waiter.request, now - waiter.enqueued_s, now))
         self.observer.capacity(self.slots, self.capacity, self.inflight)
@@ -346,13 +373,48 @@ class FlowController:
     # --------------------------------------------------------------- capacity
     def refresh(self) -> None:
         """Read the engines' capacity now and admit what fits."""
-        self.slots = self.capacity_of()
-        self.capacity = self.slots if self.slots is None or self.limit is None \
-            else self.limit.value(self.slots, self.limit_floor())
-        self.dispatch()
         now = self.clock()
+        self.slots = self.capacity_of()
+        for key in [k for k, seen in self._last_seen.items()
+                    if k not in self._active and now - seen > self.demand_window_s]:
+            del self._last_seen[key]
+        self._set_capacity(now)
+        self.dispatch()
         for name in [n for n, limits in self._limits.items() if limits.idle(now)]:
             del self._limits[name]  # a full bucket is what a new tenant gets anyway
+
+    def _set_capacity(self, now: float) -> None:
+        """The admission limit now: the slots, or the gradient limit where it applies."""
+        self.limited = self.slots is not None and self.limit is not None and (
+            not self.limit_when_shared or self.shared(now))
+        self.capacity = self.limit.value(self.slots, self.limit_floor()) if self.limited \
+            else self.slots
+        self.observer.capacity(self.slots, self.capacity, self.inflight)
+
+    def shared(self, now: float | None = None) -> bool:
+        """Whether more than one demand class (tenant, priority) has requests waiting or
+        running, or had within the demand window."""
+        now = self.clock() if now is None else now
+        classes = 0
+        for key, seen in self._last_seen.items():
+            if key in self._active or now - seen <= self.demand_window_s:
+                classes += 1
+                if classes > 1:
+                    return True
+        return False
+
+    def _enter(self, request: FlowRequest) -> None:
+        key = _demand_class(request)
+        self._active[key] = self._active.get(key, 0) + 1
+
+    def _leave(self, request: FlowRequest, now: float) -> None:
+        key = _demand_class(request)
+        left = self._active.get(key, 0) - 1
+        if left > 0:
+            self._active[key] = left
+        else:
+            self._active.pop(key, None)
+            self._last_seen[key] = now  # the window runs from its last request's end
 
     async def run(self, interval_s: float) -> None:
         """Refresh every ``interval_s`` (the engines' load-report period) until cancelled."""
@@ -363,3 +425,7 @@ class FlowController:
     def depth(self) -> dict[str, int]:
         """Waiting requests per tenant."""
         return dict(self._queued)
+
+
+def _demand_class(request: FlowRequest) -> tuple[str, int]:
+    return request.tenant.name, request.priority

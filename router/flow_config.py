@@ -9,16 +9,21 @@ from dataclasses import dataclass
 from router.tenants import TenantPolicy, TenantTable, parse_tenants
 
 
+# --gradient-limit's spellings -> its mode (a boolean, as the flag was before auto, still works)
+GRADIENT_LIMIT_MODES = {"auto": "auto", "on": "on", "off": "off", "true": "on", "false": "off",
+                        "1": "on", "0": "off", "yes": "on", "no": "off"}
+
+
 @dataclass(frozen=True, slots=True)
 class FlowConfig:
     """Admission of requests before placement (``router.flow``)."""
 
     flow_control: bool = True  # False: every request goes straight to placement
     engine_slots: int = 0  # requests in flight per engine; 0: learned from its load reports
-    # Off by default: on a CPU engine per-token time grows with the batch, so the limit holds
-    # concurrency well below what batching needs for throughput (a latency-for-throughput
-    # trade an operator should choose, e.g. for a light tenant's latency beside a flood).
-    gradient_limit: bool = False
+    # auto (default): only while more than one tenant or priority has demand, when the trade
+    # of throughput for latency buys the others their share of speed (router.flow); on:
+    # always (a latency-for-throughput trade on CPU engines); off: never. true / false too.
+    gradient_limit: str = "auto"
     tenant_header: str | None = None  # HTTP header / gRPC metadata key naming the tenant
     tenants: str | None = None  # per-tenant settings: JSON / YAML text, or @path of a file
     max_queue_per_tenant: int = 256  # waiting requests per tenant (more: 429)
@@ -41,6 +46,10 @@ class FlowConfig:
         for name in ("tenant_requests_per_minute", "tenant_tokens_per_minute"):
             check(getattr(self, name) >= 0, name,
                   f"must be >= 0 (0: no limit), got {getattr(self, name)}")
+        mode = GRADIENT_LIMIT_MODES.get(str(self.gradient_limit).strip().lower())
+        check(mode is not None, "gradient_limit",
+              f"choose from auto, on, off (or true / false), got {self.gradient_limit!r}")
+        object.__setattr__(self, "gradient_limit", mode)
         check(self.tenant_header is None or bool(self.tenant_header.strip()), "tenant_header",
               "must not be empty")
         self.table()  # a bad tenants table fails at start, naming the entry
@@ -62,7 +71,9 @@ FLOW_HELP = {
                     "reports: what it runs while it keeps requests waiting)",
     "gradient_limit": "admit fewer requests than the engines' slots where running more only "
                       "makes each one slower (per-token time grows with the batch, as on a "
-                      "CPU): lower latency, less throughput; false (default): fill the slots",
+                      "CPU): auto (default): only while more than one tenant or priority has "
+                      "demand, so one tenant alone gets every slot; on (true): always; off "
+                      "(false): never",
     "tenant_header": "HTTP header / gRPC metadata key naming the tenant (default: the API key)",
     "tenants": "per-tenant weight, priority, max_queue, requests_per_minute, "
                "tokens_per_minute and api_key_sha256: JSON or YAML, or @FILE",

@@ -139,8 +139,9 @@ class FlowMetrics:
         self.slots = Gauge("quire_router_engine_slots", "Requests the serving engines can "
                            "batch together, as the router learned it (-1: unknown)", registry=r)
         self.limit = Gauge("quire_router_admission_limit", "Requests the router admits at once: "
-                           "the engines' slots, or fewer under the gradient limit (-1: "
-                           "unknown)", registry=r)
+                           "the engines' slots, or fewer under the gradient limit (with "
+                           "--gradient-limit auto: only while more than one tenant or priority "
+                           "has demand; -1: unknown)", registry=r)
         self.inflight = Gauge("quire_router_inflight_requests", "Requests admitted and not "
                               "finished", registry=r)
 

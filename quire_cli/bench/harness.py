@@ -144,14 +144,40 @@ def machine_info() -> dict:
 def running_engines(num_engines: int, flags: list[str], startup_timeout_s: float):
     """``num_engines`` fresh ``quire engine`` processes (cold caches); yields their addresses.
     Each gets cpu_count // num_engines torch threads unless ``flags`` set ``--num-threads``."""
+    with engine_processes(num_engines, flags, startup_timeout_s) as control:
+        yield [engine.address for engine in control.engines]
+
+
+class EngineControl:
+    """The engine processes of a run: kill one (SIGKILL, as a crashed pod) and start it again
+    at the same address. ``engines`` always holds the live process of each, for the stop."""
+
+    def __init__(self, engines: list) -> None:
+        self.engines = engines
+
+    def kill(self, i: int) -> None:
+        self.engines[i].proc.kill()
+        self.engines[i].proc.wait()
+
+    def restart(self, i: int) -> None:
+        """Blocks until the new process listens (run it off the event loop)."""
+        from quire_cli.stack import restart_engine
+
+        self.engines[i] = restart_engine(self.engines[i])
+
+
+@contextlib.contextmanager
+def engine_processes(num_engines: int, flags: list[str], startup_timeout_s: float):
+    """As ``running_engines``, yielding an ``EngineControl`` over the processes."""
     from quire_cli.stack import StackConfig, start_engines, stop_engines
 
-    engines = start_engines(StackConfig(num_engines=num_engines,
-                                        startup_timeout_s=startup_timeout_s), flags)
+    control = EngineControl(start_engines(StackConfig(num_engines=num_engines,
+                                                      startup_timeout_s=startup_timeout_s),
+                                          flags))
     try:
-        yield [engine.address for engine in engines]
+        yield control
     finally:
-        stop_engines(engines)
+        stop_engines(control.engines)
 
 
 @contextlib.asynccontextmanager

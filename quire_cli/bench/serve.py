@@ -45,7 +45,8 @@ from quire_cli.bench.harness import (FIRST_SAFE_TOKEN_ID, RequestResult, describ
                                      running_router, stream_request)
 from quire_cli.bench.serve_config import WORKLOAD_NAMES, ServeBenchConfig
 from quire_cli.bench.serve_engines import ENGINE_KINDS, RunEngines, counter_deltas
-from quire_cli.bench.two_tenants import measure_two_tenants
+from quire_cli.bench.restart import measure_restart
+from quire_cli.bench.two_tenants import gradient_limit_modes, measure_two_tenants
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +93,11 @@ WORKLOADS: dict[str, Callable] = {
     "no_sharing": _no_sharing_prompts,
     "hot_prefix": _hot_prefix_prompts,
 }
-# Scenarios that drive the router their own way: (engines, policy, cfg, seed) -> a run.
-SCENARIOS: dict[str, Callable] = {"two_tenants": measure_two_tenants}
+# Scenarios that drive the router their own way: (engines, policy, cfg, seed[, variant]) -> a
+# run; those with variants (cfg -> names) run once per variant, each on fresh engines.
+SCENARIOS: dict[str, Callable] = {"two_tenants": measure_two_tenants,
+                                  "restart": measure_restart}
+SCENARIO_VARIANTS: dict[str, Callable] = {"two_tenants": gradient_limit_modes}
 assert (*WORKLOADS, *SCENARIOS) == WORKLOAD_NAMES  # the config validates names without us
 
 
@@ -226,12 +230,16 @@ async def run_all(cfg: ServeBenchConfig, engines, seed: int) -> list[dict]:
     """Every (workload, policy) run on ``engines`` (a ``serve_engines`` kind, entered)."""
     runs = []
     for workload_name in cfg.workload_names:
-        for policy in cfg.policy_names:
+        variants = SCENARIO_VARIANTS[workload_name](cfg) \
+            if workload_name in SCENARIO_VARIANTS else (None,)
+        for policy, variant in ((p, v) for p in cfg.policy_names for v in variants):
             # Other work on the machine skews a run; its load average is kept beside it.
             load_1m = os.getloadavg()[0]
             async with engines.fresh() as run_engines:
                 if workload_name in SCENARIOS:
-                    run = await SCENARIOS[workload_name](run_engines, policy, cfg, seed)
+                    extra = {} if variant is None else {"variant": variant}
+                    run = await SCENARIOS[workload_name](run_engines, policy, cfg, seed,
+                                                         **extra)
                 else:
                     run = await measure(run_engines, engines.cache_counters, policy,
                                         workload_name, cfg, seed)

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from engine_worker.arg_utils import add_engine_args
 from quire.config_args import add_dataclass_args, require_at_least
 from router.balancer import POLICIES
+from router.flow_config import GRADIENT_LIMIT_MODES
 
 # quire_cli.bench.serve.WORKLOADS, then SCENARIOS (runs of their own shape)
-WORKLOAD_NAMES = ("shared_prefix", "no_sharing", "hot_prefix", "two_tenants")
+WORKLOAD_NAMES = ("shared_prefix", "no_sharing", "hot_prefix", "two_tenants", "restart")
 ENGINE_KIND_NAMES = ("quire", "vllm")  # quire_cli.bench.serve_engines.ENGINE_KINDS
 
 
@@ -45,7 +46,11 @@ class ServeBenchConfig:
     light_interval_s: float = 3.0
     light_idle_requests: int = 5
     tenant_max_queue: int = 32
-    gradient_limit: bool = False
+    gradient_limit: str = "auto"
+    # restart (quire_cli.bench.restart)
+    restart_kill_at_s: float = 10.0
+    restart_after_s: float = 20.0
+    restart_window_s: float = 2.0
     output_json: str = "bench-serve.json"
     output_png: str = "bench-serve.png"
 
@@ -68,12 +73,15 @@ class ServeBenchConfig:
             raise ValueError(f"num_routers: must be in [1, 16], got {self.num_routers}")
         require_at_least(self, ("light_idle_requests",))
         require_at_least(self, ("tenant_max_queue",), minimum=0)
-        for name in ("flood_rate", "flood_duration_s", "light_interval_s"):
+        for name in ("flood_rate", "flood_duration_s", "light_interval_s",
+                     "restart_kill_at_s", "restart_after_s", "restart_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.max_concurrency < 0:
             raise ValueError(f"max_concurrency: must be >= 0 (0: unlimited), "
                              f"got {self.max_concurrency}")
+        _check_names("gradient_limit", tuple(n.lower() for n in _split(self.gradient_limit)),
+                     GRADIENT_LIMIT_MODES)
         _check_names("policies", self.policy_names, POLICIES)
         _check_names("workloads", self.workload_names, WORKLOAD_NAMES)
 
@@ -110,6 +118,11 @@ class ServeBenchConfig:
         return _split(self.workloads)
 
     @property
+    def gradient_limit_modes(self) -> tuple[str, ...]:
+        """two_tenants: the router's --gradient-limit modes, one run each (normalised)."""
+        return tuple(GRADIENT_LIMIT_MODES[name.lower()] for name in _split(self.gradient_limit))
+
+    @property
     def num_requests(self) -> int:
         return self.num_groups * self.prompts_per_group
 
@@ -133,7 +146,9 @@ SERVE_HELP = {
     "policies": "comma-separated routing policies to compare",
     "workloads": "comma-separated: shared_prefix, no_sharing, hot_prefix (one system prompt on "
                  "--hot-share of the requests, the rest unique), two_tenants (one tenant floods "
-                 "while another sends a request every --light-interval-s)",
+                 "while another sends a request every --light-interval-s), restart (an engine "
+                 "killed and restarted under shared-prefix traffic: hit rate per window, "
+                 "recovery, client errors)",
     "hot_share": "hot_prefix: share of the requests that carry the one hot system prompt",
     "num_routers": "router replicas; request i goes through replica i mod N, and every "
                    "replica subscribes to every engine's KV events and load",
@@ -142,8 +157,15 @@ SERVE_HELP = {
     "light_interval_s": "two_tenants: seconds between the light tenant's requests",
     "light_idle_requests": "two_tenants: the light tenant's requests on the idle stack first",
     "tenant_max_queue": "two_tenants: the router's per-tenant queue (--max-queue-per-tenant)",
-    "gradient_limit": "two_tenants: the router's --gradient-limit (latency over throughput)",
-    "num_groups": "system prompts (shared_prefix)",
+    "gradient_limit": "two_tenants: the router's --gradient-limit (auto, on, off; "
+                      "comma-separated: one run of each, in turn)",
+    "restart_kill_at_s": "restart: when the last engine is killed (SIGKILL) and started "
+                         "again at the same address, under shared-prefix traffic at "
+                         "--request-rate",
+    "restart_after_s": "restart: how long traffic goes on once the router serves the engine "
+                       "again",
+    "restart_window_s": "restart: the hit rate is reported per window of this many seconds",
+    "num_groups": "system prompts (shared_prefix, restart)",
     "prompts_per_group": "requests per system prompt",
     "system_prompt_len": "tokens per system prompt",
     "question_len": "tokens per unique question",

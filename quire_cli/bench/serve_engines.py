@@ -21,7 +21,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quire_cli.bench.harness import FIRST_SAFE_TOKEN_ID, model_info, running_engines, warm_up
+from quire_cli.bench.harness import (FIRST_SAFE_TOKEN_ID, EngineControl, engine_processes,
+                                     model_info, warm_up)
 from quire_cli.bench.serve_config import ServeBenchConfig
 
 # vLLM's counters of prompt tokens looked up in its prefix cache, and of those found there
@@ -37,6 +38,7 @@ class RunEngines:
     max_model_len: int
     vocab_size: int
     router_options: dict = field(default_factory=dict)  # tokenizer, placement
+    control: EngineControl | None = None  # kill / restart an engine (Quire engines only)
 
 
 class QuireEngines:
@@ -57,11 +59,12 @@ class QuireEngines:
     @contextlib.asynccontextmanager
     async def fresh(self) -> AsyncIterator[RunEngines]:
         cfg = self.cfg
-        with running_engines(cfg.num_engines, self.flags, cfg.startup_timeout_s) as addresses:
+        with engine_processes(cfg.num_engines, self.flags, cfg.startup_timeout_s) as control:
+            addresses = [engine.address for engine in control.engines]
             info = await model_info(addresses[0])
             await warm_up(addresses, cfg.prompt_len, 2, cfg.request_timeout_s)
             yield RunEngines(tuple(addresses), tuple(addresses), info.max_model_len,
-                             info.vocab_size)
+                             info.vocab_size, control=control)
 
     async def cache_counters(self) -> dict[str, dict[str, float]] | None:
         return None  # a Quire engine's hits are the usage's cached tokens, already counted

@@ -103,6 +103,10 @@ def print_summary(report: dict) -> None:
             from quire_cli.bench.two_tenants import print_two_tenants
 
             print_two_tenants(r)
+        if "restart" in r:
+            from quire_cli.bench.restart import print_restart
+
+            print_restart(r)
     for workload, baselines in report["comparisons"].items():
         for policy, c in baselines.items():
             print(f"{workload}: {REFERENCE_POLICY} vs {policy}: TTFT p50 "

@@ -36,8 +36,15 @@ TENANT_HEADER = "x-tenant-id"
 _SETTLE_S = 5.0  # how long the router and engines get to report nothing running
 
 
-async def measure_two_tenants(engines, policy: str, cfg, seed: int) -> dict:
-    """One run of the scenario on fresh ``engines`` (a ``serve_engines.RunEngines``)."""
+def gradient_limit_modes(cfg) -> tuple[str, ...]:
+    """The router's ``--gradient-limit`` modes to run the scenario with, one run each."""
+    return cfg.gradient_limit_modes
+
+
+async def measure_two_tenants(engines, policy: str, cfg, seed: int,
+                              variant: str = "auto") -> dict:
+    """One run of the scenario on fresh ``engines`` (a ``serve_engines.RunEngines``), the
+    router's gradient limit in mode ``variant``."""
     from quire_cli.bench.serve import summarize
 
     rng = random.Random(f"{seed}-two_tenants")
@@ -48,7 +55,7 @@ async def measure_two_tenants(engines, policy: str, cfg, seed: int) -> dict:
                 for _ in range(cfg.prompt_len)]
 
     flow = {"tenant_header": TENANT_HEADER, "max_queue_per_tenant": cfg.tenant_max_queue,
-            "gradient_limit": cfg.gradient_limit}
+            "gradient_limit": variant}
     async with running_router(engines.urls, policy, cfg.startup_timeout_s, flow=flow,
                               **engines.router_options) as router:
         decisions = router.metrics.decisions
@@ -72,7 +79,7 @@ async def measure_two_tenants(engines, policy: str, cfg, seed: int) -> dict:
             left = await _left_running(router)
         placement_us = [d.placement_us for d in decisions.latest(decisions.capacity)]
     results = idle + light + heavy
-    run = {"policy": policy, "workload": "two_tenants",
+    run = {"policy": policy, "workload": "two_tenants", "gradient_limit": variant,
            **summarize(results, engines.engine_ids, placement_us, duration_s),
            "two_tenants": _scenario_report(idle, light, heavy, left),
            "light_requests": [_row(r) for r in idle + light],
@@ -162,7 +169,8 @@ def print_two_tenants(run: dict) -> None:
         return "-" if value is None else f"{value:.0f}"
 
     ratio = s["light_p90_over_idle_p50"]
-    print(f"two_tenants: {run['policy']}: light tenant e2e p50/p90/max idle {ms(idle['p50'])}/"
+    print(f"two_tenants: {run['policy']}, gradient limit {run.get('gradient_limit')}: light "
+          f"tenant e2e p50/p90/max idle {ms(idle['p50'])}/"
           f"{ms(idle['p90'])}/{ms(idle['max'])} ms, under the flood {ms(flood['p50'])}/"
           f"{ms(flood['p90'])}/{ms(flood['max'])} ms ({flood['num_ok']}/"
           f"{flood['num_requests']} ok): p90 {'-' if ratio is None else f'{ratio:.2f}'}x idle "

@@ -98,3 +98,26 @@ def test_bench_serve_two_tenants(tiny_model_dir, tmp_path):
                                         "engine_running": 0, "engine_waiting": 0}
     assert scenario["light_p90_over_idle_p50"] > 0
     assert run["num_errors"] == heavy["refused_429"]
+
+
+def test_bench_serve_restart(tiny_model_dir, tmp_path):
+    """An engine killed with SIGKILL under shared-prefix traffic and restarted at its address:
+    no request fails before its first token (the router retries it on the other engine), the
+    router serves the new process, and the hit rate is reported per window."""
+    report = _bench(tiny_model_dir, tmp_path, "serve", "--workloads", "restart",
+                    "--policies", "prefix_aware", "--num-engines", "2", "--num-groups", "2",
+                    "--system-prompt-len", "48", "--question-len", "8", "--output-len", "4",
+                    "--request-rate", "8", "--restart-kill-at-s", "3", "--restart-after-s", "3",
+                    "--restart-window-s", "1")
+    (run,) = report["runs"]
+    restart = run["restart"]
+    events = restart["events_s"]
+    assert events["killed_s"] < events["listening_s"] <= events["rejoined_s"]
+    assert restart["client_errors_before_tokens"] == 0, restart["errors"]
+    assert restart["client_errors"] == run["num_errors"] == restart["client_errors_after_tokens"]
+    windows = restart["windows"]
+    assert sum(w["requests"] for w in windows) == run["num_requests"]
+    assert windows[-1]["start_s"] >= events["rejoined_s"] + 1  # traffic went on after
+    assert all(w["hit_rate"] is None or 0.0 <= w["hit_rate"] <= 1.0 for w in windows)
+    # two system prompts of 3 full blocks each: once computed, later requests find them
+    assert restart["steady_hit_rate"] > 0 and restart["hit_rate_after_return"] > 0

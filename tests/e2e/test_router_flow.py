@@ -49,12 +49,12 @@ def inflight(router) -> int:
 
 
 class Blocker:
-    """Holds one of the router's slots until cancelled."""
+    """Holds one of the router's slots until cancelled (as tenant ``name``)."""
 
-    def __init__(self, router) -> None:
+    def __init__(self, router, name: str = "holder") -> None:
         self.router = router
         flow = router.server.flow
-        holder = Tenant("holder", "holder", TenantPolicy())
+        holder = Tenant(name, name, TenantPolicy())
         self.admission = router.call(flow.admit(FlowRequest(holder, 0, 0)))
 
     def cancel(self) -> None:
@@ -248,6 +248,35 @@ def test_http_priority_is_validated_and_forwarded(engine):
             in waits
         first, second = router.decisions(2)  # in the order placed: -2 first
         assert (first.num_prompt_tokens, second.num_prompt_tokens) == (3, 2)
+    finally:
+        router.close()
+
+
+@pytest.mark.parametrize("mode, shared_limit", [("auto", 1), ("off", 2)])
+def test_the_auto_gradient_limit_holds_back_only_while_two_tenants_have_demand(engine, mode,
+                                                                             shared_limit):
+    """--gradient-limit auto (the default): one tenant alone is admitted up to the engine's
+    slots (2); when a second tenant has demand the gradient limit applies, from one request
+    per engine. Off: the slots whatever the tenants."""
+    router = flow_router(engine, engine_slots=2, gradient_limit=mode)
+    try:
+        blockers = [Blocker(router, "heavy") for _ in range(2)]  # the heavy tenant's two
+        heavy = Queued(router, "heavy", tenant="heavy")
+        queue_in_order(router, [heavy])
+        assert router.read(lambda: (router.server.flow.capacity, router.server.flow.limited)) \
+            == (2, False)
+        assert "quire_router_admission_limit 2.0" in _metrics(router)
+        light = Queued(router, "light", tenant="light")
+        light.start()
+        assert wait_for(lambda: depth(router) == 2, TIMEOUT_S)
+        assert router.read(lambda: router.server.flow.capacity) == shared_limit
+        assert f"quire_router_admission_limit {shared_limit}.0" in _metrics(router)
+        for blocker in blockers:
+            blocker.cancel()
+        for queued in (heavy, light):
+            queued.join()
+        assert (heavy.outcome, light.outcome) == ("OK", "OK")
+        settle(router, engine)
     finally:
         router.close()
 

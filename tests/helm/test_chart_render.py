@@ -4,6 +4,7 @@ grace periods, the NetworkPolicy, GPUs, tracing and TLS. Rendered offline; no cl
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -499,4 +500,30 @@ def test_flow_control_values_reach_the_router(render, monkeypatch):
                                                  tokens_per_minute=100000)
     assert table.tenants["batch"].weight == 0.5 and table.key_tenants == {digest: "gold"}
     default_env = env_of(pod_spec(one(render({}), "Deployment", "router"))["containers"][0])
-    assert "QUIRE_TENANTS" not in default_env
+    assert "QUIRE_TENANTS" not in default_env and "QUIRE_GRADIENT_LIMIT" not in default_env
+
+
+@pytest.mark.parametrize("value, mode", [("auto", "auto"), ("off", "off"), (True, "on"),
+                                         (False, "off"), (None, "auto")])
+def test_gradient_limit_value_reaches_the_router(render, monkeypatch, value, mode):
+    """router.config.gradientLimit: auto / on / off, or a boolean as before auto (null: the
+    router's default, auto)."""
+    from quire_cli.main import build_parser
+    from quire.config_args import dataclass_from_namespace
+    from router.flow_config import FlowConfig
+
+    objects = render({"router": {"config": {"gradientLimit": value}}})
+    env = env_of(pod_spec(one(objects, "Deployment", "router"))["containers"][0])
+    with monkeypatch.context() as patch:
+        for name in [n for n in os.environ if n.startswith("QUIRE_")]:
+            patch.delenv(name)
+        for name, text in env.items():
+            if name.startswith("QUIRE_") and isinstance(text, str):
+                patch.setenv(name, text)
+        cfg = dataclass_from_namespace(FlowConfig, build_parser(["router"]).parse_args(["router"]))
+    assert cfg.gradient_limit == mode
+
+
+def test_gradient_limit_value_is_checked_by_the_schema(render):
+    with pytest.raises(Exception, match="gradientLimit"):
+        render({"router": {"config": {"gradientLimit": "sometimes"}}})

@@ -336,3 +336,103 @@ def test_a_tenant_arriving_behind_a_flood_runs_at_the_next_free_slot():
         for task in flood[1:]:
             (await task).release()
     asyncio.run(main())
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_auto_gradient_limit_applies_only_while_the_capacity_is_shared():
+    """--gradient-limit auto: one tenant alone is admitted up to the slots; a second tenant's
+    demand brings the gradient limit in (from one request per engine), and it stays in for
+    the demand window after that tenant's last request, then the slots return."""
+    from router.gradient_limit import GradientLimit
+
+    clock = Clock()
+    heavy, light = tenant("heavy"), tenant("light")
+
+    async def main():
+        flow = FlowController(lambda: 8, limit=GradientLimit(1), limit_floor=lambda: 2,
+                              limit_when_shared=True, demand_window_s=10.0, clock=clock)
+        flow.refresh()
+        assert (flow.capacity, flow.limited) == (8, False)
+        floods = [await flow.admit(req(heavy)) for _ in range(8)]  # every slot, no waiting
+        waiting = [asyncio.create_task(flow.admit(req(heavy))) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert flow.depth() == {"heavy": 2} and flow.capacity == 8
+        late = asyncio.create_task(flow.admit(req(light)))
+        await asyncio.sleep(0)
+        assert flow.limited and flow.capacity == 2  # the floor: one per engine
+        for admission in floods[:6]:  # 8 -> 2 running: none admitted until below the limit
+            admission.release()
+        await settle()
+        assert not late.done() and not any(t.done() for t in waiting)
+        floods[6].release()  # 1 running: one more, the heavy tenant's (it queued first)
+        await settle()
+        assert not late.done() and [t.done() for t in waiting] == [True, False]
+        floods[7].release()  # then the light tenant's turn
+        await settle()
+        assert late.done() and not waiting[1].done()
+        clock.now += 1.0
+        late.result().release()
+        waiting[0].result().release()
+        await settle()
+        assert flow.limited and waiting[1].done()
+        clock.now += 10.5  # the light tenant's window has passed: the slots again
+        flow.refresh()
+        assert (flow.capacity, flow.limited) == (8, False)
+        waiting[1].result().release()
+        assert flow.inflight == 0 and flow.depth() == {}
+        # a priority level is a demand class of its own, as another tenant is
+        clock.now += 20.0
+        flow.refresh()
+        one = await flow.admit(req(heavy))
+        assert not flow.limited
+        two = await flow.admit(req(heavy, priority=-1))
+        assert flow.limited and flow.shared()
+        one.release(), two.release()
+    asyncio.run(main())
+
+
+def test_auto_gradient_limit_learns_only_while_it_applies():
+    from router.gradient_limit import GradientLimit
+
+    clock = Clock()
+
+    async def main():
+        limit = GradientLimit(1)
+        flow = FlowController(lambda: 8, limit=limit, limit_when_shared=True, clock=clock)
+        flow.refresh()
+        admission = await flow.admit(req(tenant("alone")))
+        admission.started()
+        clock.now += 1.0
+        admission.generated(11)
+        admission.release()
+        assert limit.fastest_s is None  # one tenant at full slots teaches the limit nothing
+        # another tenant within the window: the limit applies, from one request
+        first = await flow.admit(req(tenant("other")))
+        assert flow.limited and flow.capacity == 1
+        second = asyncio.create_task(flow.admit(req(tenant("alone"))))
+        await settle()
+        assert not second.done()
+        first.started()
+        clock.now += 0.1
+        first.generated(11)
+        first.release()
+        assert limit.fastest_s == pytest.approx(0.01, rel=1e-9)
+        (await second).release()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("value, mode", [("auto", "auto"), ("ON", "on"), ("off", "off"),
+                                         (True, "on"), (False, "off"), ("true", "on"),
+                                         ("false", "off")])
+def test_gradient_limit_modes(value, mode):
+    assert FlowConfig(gradient_limit=value).gradient_limit == mode
+
+
+def test_gradient_limit_default_is_auto_and_bad_modes_are_named():
+    assert FlowConfig().gradient_limit == "auto"
+    with pytest.raises(ValueError, match="gradient_limit: choose from auto, on, off"):
+        FlowConfig(gradient_limit="sometimes")
