@@ -4,6 +4,10 @@
 //   residual_mlp:   x, attn -> x + o_proj(attn) = h -> h + down(silu(gate) * up)(RMSNorm(h))
 //   llama_layers:   per layer norm_qkv_rope, write_kv, paged_attention, residual_mlp
 //
+// With LoRA (llama_layers' lora_weights and lora_slots), each of the four linears' outputs
+// gets its tokens' adapter deltas (lora.cpp) right after the linear, on the linear's input,
+// as the per-layer path's LoRABatch.add puts them (engine_worker/models/llama.py).
+//
 // Each linear layer comes as two weights, one for few rows (decode, up to kFewRows) and one
 // for more. Each may be
 //   a weight in a layout this instruction set packs (<isa>/linear.h: AVX-512's pack_skinny /
@@ -31,6 +35,7 @@
 #include <string_view>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "ops.h"
 
@@ -62,6 +67,23 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& few, const at::Tensor& 
   return at::linear(x, w, bias);
 }
 
+// One projection's LoRA in a step: its slots' stacked A and B (lora.cpp), the step's token
+// groups and the fused projection's slices.
+struct LoRAProjection {
+  const at::Tensor* a;
+  const at::Tensor* b;
+  const LoRAGroups* groups;
+  std::vector<int64_t> slices;
+};
+
+// y += the LoRA deltas of x's tokens (nothing without a projection)
+void add_lora(at::Tensor& y, const at::Tensor& x, const LoRAProjection* lora) {
+  if (lora == nullptr) return;
+  at::Tensor h = at::zeros({x.size(0), lora->a->size(1)}, x.options());
+  lora_shrink_into(h, x, *lora->a, *lora->groups);
+  lora_expand_into(y, h, *lora->b, *lora->groups, lora->slices);
+}
+
 void check_x(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == kActivationType &&
                   x.size(0) >= 1 && x.size(1) % kHiddenMultiple == 0,
@@ -69,16 +91,18 @@ void check_x(const at::Tensor& x, const char* name) {
               " [tokens >= 1, hidden], hidden % ", kHiddenMultiple, " == 0");
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_rope(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_rope_lora(
     const at::Tensor& x, const at::Tensor& norm_weight, double eps, const at::Tensor& qkv_few,
     const at::Tensor& qkv_many, const std::optional<at::Tensor>& qkv_bias,
     const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
-    int64_t num_kv_heads) {
+    int64_t num_kv_heads, const LoRAProjection* lora) {
   check_x(x, "norm_qkv_rope");
   const int64_t head_dim = cos.size(1), tokens = x.size(0);
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
               "norm_qkv_rope: num_heads must be a positive multiple of num_kv_heads");
-  const at::Tensor qkv = linear(rms_norm(x, norm_weight, eps), qkv_few, qkv_many, qkv_bias);
+  const at::Tensor normed = rms_norm(x, norm_weight, eps);
+  at::Tensor qkv = linear(normed, qkv_few, qkv_many, qkv_bias);
+  add_lora(qkv, normed, lora);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
               "norm_qkv_rope: the QKV weight does not give (heads + 2 kv heads) * head_dim");
   // views into the one [tokens, (heads + 2 kv_heads) * head_dim] output, as torch's split
@@ -91,6 +115,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_rope(
   return {q, k, v};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_rope(
+    const at::Tensor& x, const at::Tensor& norm_weight, double eps, const at::Tensor& qkv_few,
+    const at::Tensor& qkv_many, const std::optional<at::Tensor>& qkv_bias,
+    const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+    int64_t num_kv_heads) {
+  return norm_qkv_rope_lora(x, norm_weight, eps, qkv_few, qkv_many, qkv_bias, positions, cos,
+                            sin, num_heads, num_kv_heads, nullptr);
+}
+
+// lora: null, or the o, gate/up and down projections' LoRA, in that order
+at::Tensor residual_mlp_lora(const at::Tensor& x, const at::Tensor& attn,
+                             const at::Tensor& o_few, const at::Tensor& o_many,
+                             const std::optional<at::Tensor>& o_bias,
+                             const at::Tensor& norm_weight, double eps,
+                             const at::Tensor& gate_up_few, const at::Tensor& gate_up_many,
+                             const std::optional<at::Tensor>& gate_up_bias,
+                             const at::Tensor& down_few, const at::Tensor& down_many,
+                             const std::optional<at::Tensor>& down_bias,
+                             const LoRAProjection* lora) {
+  check_x(x, "residual_mlp");
+  TORCH_CHECK(attn.dim() == 2 && attn.size(0) == x.size(0) && attn.dtype() == x.dtype(),
+              "residual_mlp: attn must be [tokens, heads * head_dim] in x's dtype");
+  const at::Tensor attn_rows = attn.contiguous();
+  at::Tensor h = linear(attn_rows, o_few, o_many, o_bias);
+  TORCH_CHECK(h.sizes() == x.sizes(), "residual_mlp: o_proj must map back to hidden");
+  add_lora(h, attn_rows, lora ? lora + 0 : nullptr);
+  h.add_(x);  // x + o_proj(attn)
+  const at::Tensor normed = rms_norm(h, norm_weight, eps);
+  at::Tensor gate_up = linear(normed, gate_up_few, gate_up_many, gate_up_bias);
+  add_lora(gate_up, normed, lora ? lora + 1 : nullptr);
+  const at::Tensor act = silu_and_mul(gate_up);
+  at::Tensor out = linear(act, down_few, down_many, down_bias);
+  TORCH_CHECK(out.sizes() == x.sizes(), "residual_mlp: down_proj must map back to hidden");
+  add_lora(out, act, lora ? lora + 2 : nullptr);
+  return out.add_(h);
+}
+
 at::Tensor residual_mlp(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& o_few,
                         const at::Tensor& o_many, const std::optional<at::Tensor>& o_bias,
                         const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up_few,
@@ -98,17 +159,8 @@ at::Tensor residual_mlp(const at::Tensor& x, const at::Tensor& attn, const at::T
                         const std::optional<at::Tensor>& gate_up_bias,
                         const at::Tensor& down_few, const at::Tensor& down_many,
                         const std::optional<at::Tensor>& down_bias) {
-  check_x(x, "residual_mlp");
-  TORCH_CHECK(attn.dim() == 2 && attn.size(0) == x.size(0) && attn.dtype() == x.dtype(),
-              "residual_mlp: attn must be [tokens, heads * head_dim] in x's dtype");
-  at::Tensor h = linear(attn.contiguous(), o_few, o_many, o_bias);
-  TORCH_CHECK(h.sizes() == x.sizes(), "residual_mlp: o_proj must map back to hidden");
-  h.add_(x);  // x + o_proj(attn)
-  const at::Tensor act = silu_and_mul(
-      linear(rms_norm(h, norm_weight, eps), gate_up_few, gate_up_many, gate_up_bias));
-  at::Tensor out = linear(act, down_few, down_many, down_bias);
-  TORCH_CHECK(out.sizes() == x.sizes(), "residual_mlp: down_proj must map back to hidden");
-  return out.add_(h);
+  return residual_mlp_lora(x, attn, o_few, o_many, o_bias, norm_weight, eps, gate_up_few,
+                           gate_up_many, gate_up_bias, down_few, down_many, down_bias, nullptr);
 }
 
 // The next layer's K/V of a few short requests, asked for before this layer's MLP streams its
@@ -146,8 +198,11 @@ void prefetch_kv(const at::Tensor& kv_cache, const at::Tensor& block_tables,
 // `weights` holds kWeightsPerLayer tensors a layer, in this order: input norm, QKV (few, many),
 // o_proj (few, many), post-attention norm, gate/up (few, many), down (few, many); `biases`
 // four a layer: QKV, o_proj, gate/up, down. Given `attention_ns` (int64 [1]), the time spent
-// in the cache writes and attention is added to it, for the step profiler.
-constexpr int64_t kWeightsPerLayer = 10, kBiasesPerLayer = 4;
+// in the cache writes and attention is added to it, for the step profiler. With LoRA,
+// `lora_weights` holds eight tensors a layer: A then B (lora.cpp's layouts) of QKV, o_proj,
+// gate/up and down, in the activations' dtype, and `lora_slots` each token's slot (int64
+// [tokens], 0: the base model); QKV's ranks split in three slices (q, k, v), gate/up's in two.
+constexpr int64_t kWeightsPerLayer = 10, kBiasesPerLayer = 4, kLoRAPerLayer = 8;
 
 at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& cos,
                         const at::Tensor& sin, at::TensorList weights,
@@ -155,7 +210,9 @@ at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, con
                         at::TensorList kv_caches, const at::Tensor& slot_mapping,
                         const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                         const at::Tensor& seq_lens, double eps, double scale, int64_t num_heads,
-                        int64_t num_kv_heads, const std::optional<at::Tensor>& attention_ns) {
+                        int64_t num_kv_heads, at::TensorList lora_weights,
+                        const std::optional<at::Tensor>& lora_slots,
+                        const std::optional<at::Tensor>& attention_ns) {
   const int64_t num_layers = int64_t(kv_caches.size());
   TORCH_CHECK(int64_t(weights.size()) == num_layers * kWeightsPerLayer &&
                   int64_t(biases.size()) == num_layers * kBiasesPerLayer,
@@ -166,12 +223,37 @@ at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, con
                 "llama_layers: attention_ns must be one int64");
     timer = attention_ns->data_ptr<int64_t>();
   }
+  LoRAGroups groups;
+  if (lora_slots.has_value()) {
+    TORCH_CHECK(int64_t(lora_weights.size()) == num_layers * kLoRAPerLayer,
+                "llama_layers: 8 LoRA tensors per layer");
+    for (const at::Tensor& w : lora_weights)
+      TORCH_CHECK(w.scalar_type() == kActivationType,
+                  "llama_layers: the LoRA stacks must be in the activations' dtype");
+    TORCH_CHECK(lora_slots->size(0) == x_in.size(0), "llama_layers: one LoRA slot per token");
+    groups = lora_groups(lora_slots->contiguous(), lora_weights[0].size(0));
+  }
+  const bool with_lora = lora_slots.has_value() && !groups.slots.empty();
   at::Tensor x = x_in;
   for (int64_t i = 0; i < num_layers; ++i) {
     const at::Tensor* w = weights.data() + i * kWeightsPerLayer;
     const auto bias = [&](int64_t j) { return biases.get(i * kBiasesPerLayer + j); };
-    auto [q, k, v] = norm_qkv_rope(x, w[0], eps, w[1], w[2], bias(0), positions, cos, sin,
-                                   num_heads, num_kv_heads);
+    const int64_t head_dim = cos.size(1);
+    std::optional<LoRAProjection> qkv_lora;
+    std::vector<LoRAProjection> mlp_lora;  // o, gate/up, down
+    if (with_lora) {
+      const at::Tensor* l = lora_weights.data() + i * kLoRAPerLayer;
+      qkv_lora.emplace(LoRAProjection{&l[0], &l[1], &groups,
+                                      {num_heads * head_dim, num_kv_heads * head_dim,
+                                       num_kv_heads * head_dim}});
+      const int64_t width = l[5].size(2) / 2;
+      mlp_lora = {LoRAProjection{&l[2], &l[3], &groups, {}},
+                  LoRAProjection{&l[4], &l[5], &groups, {width, width}},
+                  LoRAProjection{&l[6], &l[7], &groups, {}}};
+    }
+    auto [q, k, v] = norm_qkv_rope_lora(x, w[0], eps, w[1], w[2], bias(0), positions, cos, sin,
+                                        num_heads, num_kv_heads,
+                                        qkv_lora ? &*qkv_lora : nullptr);
     const auto start = std::chrono::steady_clock::now();
     at::Tensor kv_cache = kv_caches[i];
     write_kv(kv_cache, k, v, slot_mapping);
@@ -182,8 +264,9 @@ at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, con
       *timer += std::chrono::duration_cast<std::chrono::nanoseconds>(
                     std::chrono::steady_clock::now() - start).count();
     if (i + 1 < num_layers) prefetch_kv(kv_caches[i + 1], block_tables, seq_lens);
-    x = residual_mlp(x, attn.view({x.size(0), -1}), w[3], w[4], bias(1), w[5], eps, w[6], w[7],
-                     bias(2), w[8], w[9], bias(3));
+    x = residual_mlp_lora(x, attn.view({x.size(0), -1}), w[3], w[4], bias(1), w[5], eps, w[6],
+                          w[7], bias(2), w[8], w[9], bias(3),
+                          mlp_lora.empty() ? nullptr : mlp_lora.data());
   }
   return x;
 }
@@ -194,7 +277,8 @@ TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
   m.def("llama_layers(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, "
         "Tensor?[] biases, Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, float eps, float scale, int num_heads, "
-        "int num_kv_heads, Tensor(b!)? attention_ns=None) -> Tensor");
+        "int num_kv_heads, Tensor[] lora_weights, Tensor? lora_slots, "
+        "Tensor(b!)? attention_ns=None) -> Tensor");
   m.def("norm_qkv_rope(Tensor x, Tensor norm_weight, float eps, Tensor qkv_skinny, "
         "Tensor qkv_onednn, Tensor? qkv_bias, Tensor positions, Tensor cos, Tensor sin, "
         "int num_heads, int num_kv_heads) -> (Tensor, Tensor, Tensor)");

@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <vector>
 
 #include "vec.h"
 
@@ -61,9 +62,25 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias);
 // the weight's values [N, K] in fp32 or bf16
 at::Tensor dequantize_weight(const at::Tensor& w, at::ScalarType dtype);
-// batched LoRA (lora.cpp): h [T, R] = A[slot[t]] @ x[t]; y[t] += B[slot[t]] @ h[t]
+// batched LoRA (lora.cpp): h [T, R] = A[slot[t]] @ x[t]; y[t] += h[t] @ B[slot[t]], B
+// rank-major [slots, R, N]; `slices`: a fused projection's output sizes (slice i reads its
+// own R / len(slices) ranks), empty for one
 at::Tensor lora_shrink(const at::Tensor& x, const at::Tensor& a, const at::Tensor& slots);
-void lora_expand(at::Tensor& y, const at::Tensor& h, const at::Tensor& b,
-                 const at::Tensor& slots);
+void lora_expand(at::Tensor& y, const at::Tensor& h, const at::Tensor& b, const at::Tensor& slots,
+                 c10::IntArrayRef slices);
+// A step's tokens by adapter slot, made once and shared by every projection of every layer:
+// group i is slot slots[i], its tokens order[starts[i], starts[i + 1]) in token order; base
+// tokens (slot 0 or less) are in none.
+struct LoRAGroups {
+  int64_t num_tokens = 0;
+  std::vector<int64_t> slots, starts, order;
+};
+LoRAGroups lora_groups(const at::Tensor& token_slots, int64_t num_slots);
+// h [T, R] (zeros on base tokens, the caller's) = the shrink; A contiguous in x's dtype
+void lora_shrink_into(at::Tensor& h, const at::Tensor& x, const at::Tensor& a,
+                      const LoRAGroups& groups);
+// y [T, N] += the expand of h [T, R] (contiguous); B contiguous in y's dtype
+void lora_expand_into(at::Tensor& y, const at::Tensor& h, const at::Tensor& b,
+                      const LoRAGroups& groups, c10::IntArrayRef slices);
 
 }  // namespace QUIRE_NS

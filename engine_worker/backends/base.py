@@ -53,7 +53,20 @@ class LinearWeights:
 # (int64 [1]), where given, gets the fused call's cache-write and attention time added to it.
 # One whose ``graph_ready`` attribute is true launches only kernels sized by tensor shapes, with
 # no host read of a device value: the engine then captures it in CUDA graphs.
+# One that runs LoRA steps as well has ``lora_dtype`` (the dtype the adapters' slots must be
+# in for it) and ``takes_lora(batch)``, and takes the step's ``lora=`` (a LoRABatch).
 LayersFn = Callable[..., torch.Tensor]
+
+
+def stack_lora_dtype(stack: LayersFn | None) -> torch.dtype | None:
+    """The dtype a fused stack needs its LoRA slots in; None where it runs no LoRA."""
+    return getattr(stack, "lora_dtype", None)
+
+
+def stack_takes_lora(stack: LayersFn, lora: Any) -> bool:
+    """Whether a fused stack runs this step's LoRA batch itself."""
+    takes = getattr(stack, "takes_lora", None)
+    return takes is not None and takes(lora)
 # a model's exported stack (its weights and shapes as data) -> all its layers as one call, or
 # None where these weights or shapes need the per-layer path
 FuseFn = Callable[[Any], LayersFn | None]

@@ -31,6 +31,7 @@ from engine_worker.ops import CpuKernels, CpuVariant, Unavailable, cannot_run_re
 from engine_worker.progress import progress
 
 if TYPE_CHECKING:
+    from engine_worker.lora.slots import LoRABatch
     from engine_worker.models.llama import LlamaStack
 
 logger = logging.getLogger(__name__)
@@ -138,24 +139,57 @@ class CpuOps:
         return _one_call_layers(self.ops, stack, weights, biases, dtype)
 
 
+# the per-layer LoRA stacks llama_layers takes, in its order (csrc/cpu/llama_block.cpp)
+LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
 def _one_call_layers(ops: Any, stack: LlamaStack, weights: list[torch.Tensor],
                      biases: list[torch.Tensor | None], activation_dtype: torch.dtype) -> LayersFn:
+    return OneCallLayers(ops, stack, weights, biases, activation_dtype,
+                         stack.rope_cos.float(), stack.rope_sin.float())
+
+
+@dataclass(frozen=True, slots=True)
+class OneCallLayers:
     """The decoder layers as one ``ops.llama_layers`` call a step over these weight lists (ten
     tensors and four biases a layer), the residual stream in ``activation_dtype``, the model's
-    own dtype on the way in and out."""
-    cos, sin = stack.rope_cos.float(), stack.rope_sin.float()
+    own dtype on the way in and out. It runs LoRA steps too (``takes_lora``), the adapters'
+    deltas applied inside the call after each linear, from slots in ``activation_dtype`` in
+    the CPU kernels' layout (``lora_dtype``: what the engine allocates them in)."""
 
-    def run(x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-            meta: AttentionMetadata, attention_ns: torch.Tensor | None = None) -> torch.Tensor:
+    ops: Any
+    stack: LlamaStack
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
+    activation_dtype: torch.dtype
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @property
+    def lora_dtype(self) -> torch.dtype:
+        return self.activation_dtype
+
+    def takes_lora(self, lora: LoRABatch) -> bool:
+        return lora.ops.b_rank_major and lora.dtype == self.activation_dtype \
+            and len(lora.a) == len(self.stack.layers)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 meta: AttentionMetadata, attention_ns: torch.Tensor | None = None,
+                 lora: LoRABatch | None = None) -> torch.Tensor:
         # attention_ns (int64 [1]): the op adds its cache-write and attention time to it
-        out = ops.llama_layers(
-            x.to(activation_dtype).contiguous(), positions, cos, sin, weights, biases,
-            kv_caches, meta.slot_mapping, meta.block_tables, meta.query_start_loc,
-            meta.seq_lens, stack.rms_norm_eps, stack.attention_scale, stack.num_heads,
-            stack.num_kv_heads, attention_ns)
+        stack = self.stack
+        lora_weights: list[torch.Tensor] = []
+        lora_slots = None
+        if lora is not None:
+            lora_weights = [w for a, b in zip(lora.a, lora.b) for p in LORA_PROJECTIONS
+                            for w in (a[p], b[p])]
+            lora_slots = lora.groups.token_slots
+        out = self.ops.llama_layers(
+            x.to(self.activation_dtype).contiguous(), positions, self.cos, self.sin,
+            self.weights, self.biases, kv_caches, meta.slot_mapping, meta.block_tables,
+            meta.query_start_loc, meta.seq_lens, stack.rms_norm_eps, stack.attention_scale,
+            stack.num_heads, stack.num_kv_heads, lora_weights, lora_slots, attention_ns)
         return out.to(x.dtype)
-
-    return run
 
 
 class CpuPagedAttentionBackend:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_worker.backends.base import stack_lora_dtype
 from engine_worker.lora.adapter import LoRAModelSpec
 from engine_worker.lora.cache import LoRAAdapterCache
 from engine_worker.lora.config import LoRAConfig
@@ -49,10 +50,16 @@ class LoRAManager:
         spec = LoRAModelSpec(num_layers=model.cfg.num_layers,
                              modules={m: (i, o) for mods in projections.values()
                                       for m, i, o in mods})
+        ops = lora_ops_for(backend_name)
+        # a fused layer stack that runs LoRA takes its slots in its activation dtype (fp32
+        # on AVX2 under a bf16 model), in the layout of the backend's pair
+        stack_dtype = stack_lora_dtype(getattr(model, "layer_stack", None))
+        if stack_dtype is not None and ops.b_rank_major:
+            dtype = stack_dtype
         return cls(LoRAAdapterCache(spec, config.max_lora_rank, config.max_cpu_loras),
                    LoRASlots(projections, model.cfg.num_layers, config.max_loras,
-                             config.max_lora_rank, dtype, device),
-                   lora_ops_for(backend_name), device)
+                             config.max_lora_rank, dtype, device, ops.b_rank_major),
+                   ops, device)
 
     def remove(self, name: str) -> bool:
         self.slots.forget(name)

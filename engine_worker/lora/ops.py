@@ -6,6 +6,12 @@ layer), so the reference below runs one matmul pair per adapter present in the s
 loop over tokens. B is stored pre-scaled (``scaling * B``, see ``slots``). Kernel sets register
 their own pair in ``LORA_OPS`` under their backend's name (the CPU sets: ``csrc/cpu/lora.cpp``,
 per token's slot, ``LoRAGroups.token_slots``); a backend without one runs the reference.
+
+B's layout is the pair's: ``[slots, out, R]`` (the reference's, Triton's) or, where
+``LoRAOps.b_rank_major``, ``[slots, R, out]`` (the CPU kernels': each rank row contiguous over
+the outputs, so the expand is a vector axpy over them). ``slices``: the output sizes of a
+fused projection's parts (q, k, v), whose B is block-diagonal (``slots``); a pair may skip
+the zero blocks, which add exactly nothing.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ class LoRAGroups:
 
 # (x [T, in], A stack [slots, R, in], groups) -> h [T, R] (zero rows for base tokens)
 ShrinkFn = Callable[[torch.Tensor, torch.Tensor, LoRAGroups], torch.Tensor]
-# (y [T, out] updated in place, h [T, R], B stack [slots, out, R], groups) -> None
-ExpandFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LoRAGroups], None]
+# (y [T, out] updated in place, h [T, R], B stack (the pair's layout), groups, slices) -> None
+ExpandFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LoRAGroups, tuple[int, ...]],
+                    None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +44,7 @@ class LoRAOps:
     name: str
     shrink: ShrinkFn
     expand: ExpandFn
+    b_rank_major: bool = False  # B stacks [slots, R, out] rather than [slots, out, R]
 
 
 def shrink_reference(x: torch.Tensor, a: torch.Tensor, groups: LoRAGroups) -> torch.Tensor:
@@ -50,7 +58,7 @@ def shrink_reference(x: torch.Tensor, a: torch.Tensor, groups: LoRAGroups) -> to
 
 
 def expand_reference(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor,
-                     groups: LoRAGroups) -> None:
+                     groups: LoRAGroups, slices: tuple[int, ...] = ()) -> None:
     for slot, index in groups.groups:
         if index is None:
             y += h @ b[slot].T
@@ -69,15 +77,29 @@ def compiled_cpu_ops(variant_name: str) -> LoRAOps:
     kernels = load(VARIANTS[variant_name])
     if isinstance(kernels, Unavailable) or not kernels.has("lora_shrink"):
         return REFERENCE_OPS
-    return kernel_ops(f"cpu-{variant_name}", kernels.ops)
+    return cpu_kernel_ops(f"cpu-{variant_name}", kernels.ops)
 
 
-def kernel_ops(name: str, ops) -> LoRAOps:
-    """A LoRAOps over a torch op namespace holding ``lora_shrink`` / ``lora_expand``."""
+def cpu_kernel_ops(name: str, ops) -> LoRAOps:
+    """A CPU kernel set's pair (``csrc/cpu/lora.cpp``: B rank-major, slices skipped)."""
     def shrink(x, a, groups: LoRAGroups):
         return ops.lora_shrink(x, a, groups.token_slots)
 
-    def expand(y, h, b, groups: LoRAGroups):
+    def expand(y, h, b, groups: LoRAGroups, slices: tuple[int, ...] = ()):
+        if y.stride(-1) != 1:
+            expand_reference(y, h, b.transpose(1, 2), groups)
+            return
+        ops.lora_expand(y, h, b, groups.token_slots, list(slices))
+    return LoRAOps(name, shrink, expand, b_rank_major=True)
+
+
+def kernel_ops(name: str, ops) -> LoRAOps:
+    """A LoRAOps over a torch op namespace holding ``lora_shrink`` / ``lora_expand`` with B
+    ``[slots, out, R]`` (the Triton pair)."""
+    def shrink(x, a, groups: LoRAGroups):
+        return ops.lora_shrink(x, a, groups.token_slots)
+
+    def expand(y, h, b, groups: LoRAGroups, slices: tuple[int, ...] = ()):
         if not y.is_contiguous():
             expand_reference(y, h, b, groups)
             return

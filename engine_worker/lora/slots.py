@@ -5,6 +5,8 @@ gate, up; ``o_proj``; ``down_proj``) two buffers hold every slot's weights::
 
     A [num_slots, num_slices * max_rank, in_features]
     B [num_slots, out_features, num_slices * max_rank]   (slice i's rows read only its columns)
+      or, for a pair whose B is rank-major (``LoRAOps.b_rank_major``: the CPU kernels), its
+      transpose [num_slots, num_slices * max_rank, out_features]
 
 so one shrink and one expand per adapter cover a whole fused projection. Slot 0 is the base
 model (all zeros, never multiplied); a rank below ``max_rank`` is padded with zeros, which add
@@ -35,13 +37,19 @@ class LoRABatch:
     b: tuple[dict[str, torch.Tensor], ...]
     groups: LoRAGroups
     ops: LoRAOps
+    slices: dict[str, tuple[int, ...]]  # projection -> its parts' output sizes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.a[0].values())).dtype
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, projection: str
             ) -> torch.Tensor:
         a = self.a[layer].get(projection)
         if a is not None:
             h = self.ops.shrink(x, a, self.groups)
-            self.ops.expand(y, h, self.b[layer][projection], self.groups)
+            self.ops.expand(y, h, self.b[layer][projection], self.groups,
+                            self.slices[projection])
         return y
 
 
@@ -49,16 +57,23 @@ class LoRASlots:
     """Device slots 1..max_loras, reassigned least recently used first."""
 
     def __init__(self, projections: Projections, num_layers: int, max_loras: int,
-                 max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+                 max_rank: int, dtype: torch.dtype, device: torch.device,
+                 b_rank_major: bool = False) -> None:
         self.projections = projections
         self.max_rank = max_rank
+        self.b_rank_major = b_rank_major
+        self.slices = {p: tuple(m[2] for m in mods) for p, mods in projections.items()}
         num_slots = max_loras + 1
+
+        def b_stack(mods) -> torch.Tensor:
+            out, ranks = sum(m[2] for m in mods), len(mods) * max_rank
+            shape = (num_slots, ranks, out) if b_rank_major else (num_slots, out, ranks)
+            return torch.zeros(shape, dtype=dtype, device=device)
         self.a = tuple({p: torch.zeros(num_slots, len(mods) * max_rank, mods[0][1],
                                        dtype=dtype, device=device)
                         for p, mods in projections.items()} for _ in range(num_layers))
-        self.b = tuple({p: torch.zeros(num_slots, sum(m[2] for m in mods),
-                                       len(mods) * max_rank, dtype=dtype, device=device)
-                        for p, mods in projections.items()} for _ in range(num_layers))
+        self.b = tuple({p: b_stack(mods) for p, mods in projections.items()}
+                       for _ in range(num_layers))
         self.names: list[str | None] = [None] * num_slots  # slot -> adapter held
         self._last_used = [0] * num_slots
         self._clock = 0
@@ -96,6 +111,8 @@ class LoRASlots:
         for layer, (a_stacks, b_stacks) in enumerate(zip(self.a, self.b)):
             for projection, modules in self.projections.items():
                 a, b = a_stacks[projection][slot], b_stacks[projection][slot]
+                if self.b_rank_major:
+                    b = b.T  # written through as [out, R], as the other layout
                 a.zero_()
                 b.zero_()
                 out = 0
@@ -123,4 +140,5 @@ class LoRASlots:
         else:
             groups = tuple((s, (slots == s).nonzero().flatten().to(device)) for s in present)
         return LoRABatch(self.a, self.b,
-                         LoRAGroups(len(token_slots), groups, slots.to(device)), ops)
+                         LoRAGroups(len(token_slots), groups, slots.to(device)), ops,
+                         self.slices)

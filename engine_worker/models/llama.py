@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from engine_worker.attention.metadata import AttentionMetadata
-from engine_worker.backends.base import Backend, LayersFn, LinearWeights
+from engine_worker.backends.base import Backend, LayersFn, LinearWeights, stack_takes_lora
 from engine_worker.distributed.comm import Collectives, WholeModel
 from engine_worker.distributed.shard import PPStage, TPShard
 from engine_worker.layers.linear import Linear
@@ -236,8 +236,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                 lora: LoRABatch | None = None) -> torch.Tensor:
-        """``lora``: the step's adapters per token (None: every token runs the base model,
-        through the fused stack where the backend has one)."""
+        """``lora``: the step's adapters per token (None: every token runs the base model).
+        Through the fused stack where the backend has one and, with LoRA, where it runs it."""
         # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]
         stage = self.stage
         if stage.is_first:
@@ -248,6 +248,8 @@ class LlamaForCausalLM(nn.Module):
                 device=input_ids.device))
         if self.layer_stack is not None and lora is None:
             x = self.layer_stack(x, positions, kv_caches, meta)
+        elif self.layer_stack is not None and stack_takes_lora(self.layer_stack, lora):
+            x = self.layer_stack(x, positions, kv_caches, meta, lora=lora)
         else:
             for i in range(stage.layer_start, stage.layer_end):
                 x = self.layers[i](positions, x, kv_caches[i], meta, lora)

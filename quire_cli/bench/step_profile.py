@@ -31,6 +31,21 @@ from quire_cli.bench.prompts import random_prompt
 PARTS = ("model", "attention", "sampling", "inputs", "scheduling")
 
 
+class _TimedStack:
+    """A fused layer stack that adds its attention time to ``attention_ns``; otherwise the
+    stack itself (what it runs, LoRA included)."""
+
+    def __init__(self, stack, attention_ns) -> None:
+        self._stack = stack
+        self._attention_ns = attention_ns
+
+    def __call__(self, *args, **kwargs):
+        return self._stack(*args, attention_ns=self._attention_ns, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stack, name)
+
+
 class _Timed:
     """A callable that adds its own wall time to ``totals[key]``."""
 
@@ -76,7 +91,7 @@ class StepProfiler:
         self.stack_attention_ns = torch.zeros(1, dtype=torch.int64)
         stack = model.layer_stack
         if stack is not None:
-            model.layer_stack = lambda *args: stack(*args, attention_ns=self.stack_attention_ns)
+            model.layer_stack = _TimedStack(stack, self.stack_attention_ns)
 
     def reset(self) -> None:
         self.totals.clear()

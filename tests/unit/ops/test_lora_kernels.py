@@ -1,13 +1,15 @@
 """The CPU kernel sets' batched LoRA (csrc/cpu/lora.cpp) against the reference pair
 (engine_worker/lora/ops.py), on every variant: mixed slots with base tokens between, one
-adapter on every token, ranks that are not a multiple of the vector width; fp32 and bf16."""
+adapter on every token, ranks that are not a multiple of the vector width; fp32 and bf16; the
+vector tiles (a slot's few tokens) and the matmul path (a slot's many tokens, in one run or
+scattered); a fused projection's block-diagonal B read slice by slice."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine_worker.lora.ops import REFERENCE_OPS, LoRAGroups, kernel_ops
+from engine_worker.lora.ops import REFERENCE_OPS, LoRAGroups, cpu_kernel_ops
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2,
                                                                             atol=2e-2)}
@@ -28,6 +30,8 @@ def _groups(token_slots: list[int]) -> LoRAGroups:
     ([0, 1, 2, 0, 3, 1, 1, 2, 0, 3], 24, 64, 96),
     ([2] * 7, 48, 576, 960),
     ([0, 0, 1], 5, 40, 36),  # rank and widths off the vector width
+    ([0] * 3 + [1] * 20 + [2, 0, 3], 16, 64, 72),  # slot 1: a run of 20 (matmul path)
+    ([1, 2] * 18 + [3] * 5, 12, 40, 100),  # slots 1 and 2: 18 scattered each (matmul path)
 ])
 def test_lora_kernels_match_the_reference(cpu_kernels, dtype, token_slots, rank, k, n):
     g = torch.Generator().manual_seed(0)
@@ -39,16 +43,49 @@ def test_lora_kernels_match_the_reference(cpu_kernels, dtype, token_slots, rank,
     x = torch.randn(len(token_slots), k, generator=g).to(dtype)
     y = torch.randn(len(token_slots), n, generator=g).to(dtype)
     groups = _groups(token_slots)
-    ops = kernel_ops("under-test", cpu_kernels.ops)
+    ops = cpu_kernel_ops("under-test", cpu_kernels.ops)
+    assert ops.b_rank_major
     h_want = REFERENCE_OPS.shrink(x, a, groups)
     h_got = ops.shrink(x, a, groups)
     torch.testing.assert_close(h_got, h_want, **TOLERANCE[dtype])
     want, got = y.clone(), y.clone()
     REFERENCE_OPS.expand(want, h_want, b, groups)
-    ops.expand(got, h_want, b, groups)
+    ops.expand(got, h_want, b.transpose(1, 2).contiguous(), groups, ())
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
     base = [t for t, s in enumerate(token_slots) if s == 0]
     assert torch.equal(got[base], y[base])  # base tokens untouched, bit for bit
+
+
+@pytest.mark.cpu_ops("lora_expand")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("token_slots", [[0, 1, 2, 1, 0, 2], [1] * 17 + [0, 2]],
+                         ids=["tiles", "matmul"])
+def test_expand_by_slices_reads_only_the_diagonal_blocks(cpu_kernels, dtype, token_slots):
+    """A fused projection (q, k, v of 40, 24, 24 outputs, rank 6 each): B block-diagonal as
+    slots.py writes it. Given the slices, the kernel reads only the blocks, so garbage off them
+    must not show; the result is the reference's over the zero-filled B."""
+    g = torch.Generator().manual_seed(2)
+    slices, rank = (40, 24, 24), 6
+    n = sum(slices)
+    b = torch.zeros(3, n, 3 * rank)
+    row = 0
+    for i, size in enumerate(slices):
+        b[1:, row:row + size, i * rank:(i + 1) * rank] = \
+            torch.randn(2, size, rank, generator=g) * 0.1
+        row += size
+    b = b.to(dtype)
+    h = torch.randn(len(token_slots), 3 * rank, generator=g).to(dtype)
+    y = torch.randn(len(token_slots), n, generator=g).to(dtype)
+    groups = _groups(token_slots)
+    want = y.clone()
+    REFERENCE_OPS.expand(want, h, b, groups)
+    rank_major = b.transpose(1, 2).contiguous()
+    off_blocks = rank_major == 0
+    rank_major[off_blocks] = float("nan")  # read off the blocks, it would poison the result
+    rank_major[0] = 0
+    got = y.clone()
+    cpu_kernel_ops("under-test", cpu_kernels.ops).expand(got, h, rank_major, groups, slices)
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
 
 
 @pytest.mark.cpu_ops("lora_shrink")
