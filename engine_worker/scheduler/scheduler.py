@@ -46,14 +46,18 @@ class Scheduler:
     def __init__(self, *, kv_cache_manager: KVCacheManager, max_num_batched_tokens: int,
                  max_num_seqs: int, max_model_len: int, policy: str = "fcfs",
                  long_prefill_token_threshold: int = 0,
-                 speculator: Speculator | None = None, max_loras: int | None = None) -> None:
+                 speculator: Speculator | None = None, max_loras: int | None = None,
+                 pooling_batched_tokens: int | None = None) -> None:
         """``speculator``: proposes draft tokens for decoding requests (None: no speculative
-        decoding). ``max_loras``: distinct LoRA adapters the running set may hold."""
+        decoding). ``max_loras``: distinct LoRA adapters the running set may hold.
+        ``pooling_batched_tokens``: the step's token budget while every unfinished request is
+        a pooling request (None: ``max_num_batched_tokens``); see ``_step_budget``."""
         self.max_loras = max_loras
         self._lora_skipped_steps: dict[str, int] = {}  # req_id -> steps passed over
         self.kv = kv_cache_manager
         self.speculator = speculator
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.pooling_batched_tokens = max(max_num_batched_tokens, pooling_batched_tokens or 0)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.long_prefill_token_threshold = long_prefill_token_threshold
@@ -117,7 +121,7 @@ class Scheduler:
     # ----------------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
         """Form this step's batch. See the module docstring for the order."""
-        budget = self.max_num_batched_tokens
+        budget = self._step_budget()
         num_scheduled: dict[str, int] = {}
         allocations: dict[str, Allocation] = {}
         preempted: list[Request] = []
@@ -167,6 +171,15 @@ class Scheduler:
             budget = self._admit_waiting(budget, num_scheduled, allocations)
 
         return self._build_output(num_scheduled, allocations, preempted, drafts)
+
+    def _step_budget(self) -> int:
+        """The step's token budget. While only pooling requests are unfinished no decode
+        waits behind a long step, so it may take the larger pooling budget: fewer, wider steps
+        (fewer thread fork/joins and weight passes per token)."""
+        if self.pooling_batched_tokens > self.max_num_batched_tokens and self.requests and \
+                all(r.pooling_params is not None for r in self.requests.values()):
+            return self.pooling_batched_tokens
+        return self.max_num_batched_tokens
 
     def _propose(self, request: Request, budget: int) -> tuple[int, ...]:
         """Draft tokens for a request that decodes this step (its last token is the only one

@@ -38,9 +38,11 @@ def assert_close(got, want) -> None:
 
 
 def _llm(model_dir, pooling_type: str, **kwargs) -> LLM:
+    # pooling-only steps take a wider budget than max_num_batched_tokens (on a CPU): the
+    # per-request cap still chunks the 100-token prompt there
     return LLM(str(model_dir), dtype="float32", kv_cache_memory_bytes=1 << 26,
                pooler_config={"pooling_type": pooling_type}, max_num_batched_tokens=64,
-               **kwargs)
+               long_prefill_token_threshold=64, **kwargs)
 
 
 @pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "CLS"])
@@ -172,3 +174,20 @@ def test_preempted_pooling_requests_recompute_their_vector(tiny_model_dir):
     assert preempted, "no pooling request was preempted: the test lost its point"
     assert_close([results[f"e{i}"].outputs.data for i in range(2)],
                  hf_embeddings(tiny_model_dir, prompts, "MEAN"))
+
+
+def test_pooling_only_steps_on_a_cpu_take_the_wider_budget(tiny_model_dir):
+    """Only pooling requests unfinished: one step computes every prompt (210 tokens) although
+    max_num_batched_tokens is 64, and the vectors are the reference's."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=1 << 26,
+              max_num_batched_tokens=64)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"e{i}", {"prompt_token_ids": prompt}, PoolingParams())
+    results, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        results.update((o.request_id, o) for o in engine.step().outputs if o.finished)
+    assert steps == 1
+    assert_close([results[f"e{i}"].outputs.data for i in range(len(PROMPTS))],
+                 hf_embeddings(tiny_model_dir, PROMPTS, "LAST"))

@@ -4,6 +4,8 @@ aborts and stop rules (prefix caching off, so block ids are exact). See schedule
 
 from __future__ import annotations
 
+from engine_worker.kv_cache.manager import KVCacheManager
+from engine_worker.pooling_params import PoolingParams
 from engine_worker.request import Request, RequestStatus
 from engine_worker.scheduler.queue import QUEUE_POLICIES, FCFSQueue, PriorityQueue
 from engine_worker.scheduler.scheduler import Scheduler
@@ -89,6 +91,37 @@ def test_long_prompt_is_chunked_by_the_token_budget():
     out, core = step(sched, runner)
     assert out.num_scheduled_tokens == {"a": 1}
     assert out.cached_requests == (CachedRequestData("a", False, (), 10),)
+
+
+def _pooling_request(req_id: str, num_prompt_tokens: int) -> Request:
+    return Request(req_id, list(range(100, 100 + num_prompt_tokens)), None, frozenset({EOS}), 1,
+                   pooling_params=PoolingParams(normalize=True))
+
+
+def test_pooling_only_steps_take_the_pooling_budget_and_mixed_steps_do_not():
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(kv_cache_manager=kv, max_num_batched_tokens=8, max_num_seqs=8,
+                      max_model_len=1024, pooling_batched_tokens=20)
+    for req_id in "ab":
+        sched.add_request(_pooling_request(req_id, 12))
+    # only pooling requests unfinished: 20 tokens, the second prompt chunked
+    assert sched.schedule().num_scheduled_tokens == {"a": 12, "b": 8}
+
+    mixed = Scheduler(kv_cache_manager=KVCacheManager(64, 4, enable_prefix_caching=False),
+                      max_num_batched_tokens=8, max_num_seqs=8, max_model_len=1024,
+                      pooling_batched_tokens=20)
+    mixed.add_request(_pooling_request("a", 12))
+    mixed.add_request(make_request("g", 3))
+    # a generation request is unfinished: the ordinary budget, so no decode waits longer
+    assert mixed.schedule().num_scheduled_tokens == {"a": 8}
+
+
+def test_pooling_budget_never_lowers_the_ordinary_one():
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(kv_cache_manager=kv, max_num_batched_tokens=16, max_num_seqs=8,
+                      max_model_len=1024, pooling_batched_tokens=4)
+    sched.add_request(_pooling_request("a", 12))
+    assert sched.schedule().num_scheduled_tokens == {"a": 12}
 
 
 def test_long_prefill_token_threshold_caps_each_chunk():
