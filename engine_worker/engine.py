@@ -147,6 +147,10 @@ class LLMEngine:
         loaded, self.tokenizer = self._load_model_and_tokenizer()
         self._max_model_len = loaded.max_model_len
         self._pooler = Pooler(config.model.pooler_config.resolved(self._model_dir))
+        # the adapters' slots before the memory profile (their bytes are counted) and the
+        # graphs (which record the deltas over them)
+        self._lora = None if config.lora is None else LoRAManager.for_model(
+            loaded.model, config.lora, self._backend.name, self._dtype, self._device)
         self._graph_choice = self._choose_cuda_graphs(loaded.model)
         size = self._size_kv_cache(loaded.model)
         self._speculator = self._build_speculator(loaded, size.num_blocks)
@@ -298,8 +302,10 @@ class LLMEngine:
         return max(sched.max_num_batched_tokens, POOLING_STEP_TOKENS)
 
     def _graph_decoder(self, model) -> CudaGraphDecoder:
+        lora_view = self._lora.graph_batch \
+            if self._lora is not None and self._lora.graph_ready else None
         return build_graph_decoder(model, self._graph_choice.sizes, self._max_model_len,
-                                   self.config.cache.block_size, self._device)
+                                   self.config.cache.block_size, self._device, lora_view)
 
     def _build_speculator(self, loaded: LoadedModel, num_blocks: int) -> Speculator | None:
         """The speculator of ``speculative_config`` (a draft model is loaded here, on the
@@ -329,8 +335,6 @@ class LLMEngine:
                 graphs = self._graph_decoder(model)
                 graphs.capture(kv_caches)
         lora = self.config.lora
-        self._lora = None if lora is None else LoRAManager.for_model(
-            model, lora, self._backend.name, self._dtype, self._device)
         self._kv_events = KVEventRecorder(medium=self._device.type)
         self._kv_cache_manager = KVCacheManager(num_blocks, cache.block_size,
                                                 cache.enable_prefix_caching, self._kv_events)

@@ -25,6 +25,7 @@ from engine_worker.ops import Unavailable
 from engine_worker.weights.int4_layouts import INT4_GROUPS_TYPE
 
 if TYPE_CHECKING:
+    from engine_worker.lora.slots import LoRABatch
     from engine_worker.models.llama import LlamaLayerWeights, LlamaStack
 
 
@@ -72,7 +73,9 @@ class TritonLlamaLayers:
     """A Llama-layout stack's layers, the residual stream kept beside the normed activations
     so that each add runs inside the next norm's kernel. The same ops as the per-layer path
     (``models/llama.py``) otherwise, in the model's dtype. ``x`` (the embeddings) is read,
-    never written."""
+    never written. It runs LoRA steps too (``takes_lora``): each adapter delta added onto its
+    projection's output by the step's pair (the Triton one on CUDA), slots in the model's
+    dtype (``lora_dtype``: None, the engine's own)."""
 
     # launches depend on tensor shapes only: CUDA graphs may capture it (engine.py)
     graph_ready: ClassVar[bool] = True
@@ -86,9 +89,14 @@ class TritonLlamaLayers:
         self.q_size = stack.num_heads * stack.head_dim
         self.kv_size = stack.num_kv_heads * stack.head_dim
 
+    lora_dtype: ClassVar[None] = None
+
+    def takes_lora(self, lora: LoRABatch) -> bool:
+        return not lora.ops.b_rank_major and len(lora.a) == len(self.stack.layers)
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 meta: AttentionMetadata, attention_ns: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+                 meta: AttentionMetadata, attention_ns: torch.Tensor | None = None,
+                 lora: LoRABatch | None = None) -> torch.Tensor:
         # x: [num_tokens, hidden_size] -> the residual stream after every layer
         from engine_worker.backends.triton_ops import fused_add_rms_norm, rms_norm
 
@@ -100,37 +108,48 @@ class TritonLlamaLayers:
         residual = x.clone()
         h = rms_norm(residual, layers[0].input_norm, eps)
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
-            attn = self._attention(layer, h, positions, kv_cache, meta)
+            attn = self._attention(i, layer, h, positions, kv_cache, meta, lora)
             h = fused_add_rms_norm(attn, residual, layer.post_attention_norm, eps)
-            mlp = self._mlp(layer, h)
+            mlp = self._mlp(i, layer, h, lora)
             if i + 1 < len(layers):
                 h = fused_add_rms_norm(mlp, residual, layers[i + 1].input_norm, eps)
             else:
                 residual.add_(mlp)
         return residual
 
-    def _attention(self, layer: LlamaLayerWeights, h: torch.Tensor, positions: torch.Tensor,
-                   kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _attention(self, i: int, layer: LlamaLayerWeights, h: torch.Tensor,
+                   positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                   lora: LoRABatch | None) -> torch.Tensor:
         from engine_worker.backends.triton_ops import rope
 
         stack = self.stack
         lin = layer.qkv_proj
-        q, k, v = self.linear(h, lin.weight, lin.bias, lin.packed).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.linear(h, lin.weight, lin.bias, lin.packed)
+        if lora is not None:
+            qkv = lora.add(qkv, h, i, "qkv_proj")
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = rope(positions, q.view(-1, stack.num_heads, stack.head_dim),
                     k.view(-1, stack.num_kv_heads, stack.head_dim), stack.rope_cos,
                     stack.rope_sin)
         out = self.attention.forward(q, k, v.view(-1, stack.num_kv_heads, stack.head_dim),
                                      kv_cache, meta, stack.attention_scale)
         lin = layer.o_proj
-        return self.linear(out.reshape(-1, self.q_size), lin.weight, lin.bias, lin.packed)
+        out = out.reshape(-1, self.q_size)
+        y = self.linear(out, lin.weight, lin.bias, lin.packed)
+        return y if lora is None else lora.add(y, out, i, "o_proj")
 
-    def _mlp(self, layer: LlamaLayerWeights, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, i: int, layer: LlamaLayerWeights, h: torch.Tensor,
+             lora: LoRABatch | None) -> torch.Tensor:
         from engine_worker.backends.triton_ops import silu_and_mul
 
         up, down = layer.gate_up_proj, layer.down_proj
-        return self.linear(silu_and_mul(self.linear(h, up.weight, up.bias, up.packed)),
-                           down.weight, down.bias, down.packed)
+        if lora is None:
+            return self.linear(silu_and_mul(self.linear(h, up.weight, up.bias, up.packed)),
+                               down.weight, down.bias, down.packed)
+        gate_up = lora.add(self.linear(h, up.weight, up.bias, up.packed), h, i, "gate_up_proj")
+        act = silu_and_mul(gate_up)
+        return lora.add(self.linear(act, down.weight, down.bias, down.packed), act, i,
+                        "down_proj")
 
 
 def with_attention(backend: Backend, attention_backend: str) -> Backend:

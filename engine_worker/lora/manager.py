@@ -12,7 +12,7 @@ from engine_worker.backends.base import stack_lora_dtype
 from engine_worker.lora.adapter import LoRAModelSpec
 from engine_worker.lora.cache import LoRAAdapterCache
 from engine_worker.lora.config import LoRAConfig
-from engine_worker.lora.ops import LoRAOps, lora_ops_for
+from engine_worker.lora.ops import LoRAGroups, LoRAOps, lora_ops_for
 from engine_worker.lora.slots import LoRABatch, LoRASlots
 
 
@@ -74,15 +74,31 @@ class LoRAManager:
                          num_slot_loads=self.slots.num_slot_loads,
                          adapter_load_s=self.cache.load_s)
 
-    def step_batch(self, lora_names: Sequence[str | None], counts: Sequence[int]
-                   ) -> LoRABatch | None:
-        """``lora_names[i]``: the adapter of the step's request i (None: base), which runs
-        ``counts[i]`` tokens, requests in step order."""
+    def step_slots(self, lora_names: Sequence[str | None], counts: Sequence[int]
+                   ) -> list[int] | None:
+        """Each token's slot this step (0: base), its adapters placed in slots first;
+        ``lora_names[i]``: the adapter of the step's request i (None: base), which runs
+        ``counts[i]`` tokens, requests in step order. None when every token runs the base."""
         names = list(dict.fromkeys(n for n in lora_names if n is not None))
         if not names:
             return None
         adapters = [self.cache.get(n, keep=names) for n in names]
         slot_of = self.slots.activate(adapters)
-        token_slots = [slot_of[name] if name is not None else 0
-                       for name, n in zip(lora_names, counts) for _ in range(n)]
+        return [slot_of[name] if name is not None else 0
+                for name, n in zip(lora_names, counts) for _ in range(n)]
+
+    def batch(self, token_slots: list[int]) -> LoRABatch | None:
         return self.slots.batch(token_slots, self.ops, self.device)
+
+    @property
+    def graph_ready(self) -> bool:
+        return self.ops.graph_ready
+
+    def graph_batch(self, token_slots: torch.Tensor) -> LoRABatch:
+        """The view a CUDA graph records: every slot's stacks (fixed addresses) and a fixed
+        ``token_slots`` buffer [padded] the decoder fills before each replay (only for a
+        ``graph_ready`` pair, which reads nothing else)."""
+        assert self.ops.graph_ready, f"the {self.ops.name} LoRA pair is not graph-ready"
+        return LoRABatch(self.slots.a, self.slots.b,
+                         LoRAGroups(token_slots.shape[0], (), token_slots), self.ops,
+                         self.slots.slices)

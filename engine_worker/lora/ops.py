@@ -45,6 +45,9 @@ class LoRAOps:
     shrink: ShrinkFn
     expand: ExpandFn
     b_rank_major: bool = False  # B stacks [slots, R, out] rather than [slots, out, R]
+    # reads only ``token_slots`` on the device (never ``groups``' host-built indices), with
+    # launches fixed by shapes: a CUDA graph may record it over a fixed slots buffer
+    graph_ready: bool = False
 
 
 def shrink_reference(x: torch.Tensor, a: torch.Tensor, groups: LoRAGroups) -> torch.Tensor:
@@ -100,11 +103,13 @@ def kernel_ops(name: str, ops) -> LoRAOps:
         return ops.lora_shrink(x, a, groups.token_slots)
 
     def expand(y, h, b, groups: LoRAGroups, slices: tuple[int, ...] = ()):
-        if not y.is_contiguous():
-            expand_reference(y, h, b, groups)
+        if y.stride(-1) == 1:
+            ops.lora_expand(y, h, b, groups.token_slots)
             return
-        ops.lora_expand(y, h, b, groups.token_slots)
-    return LoRAOps(name, shrink, expand)
+        dense = y.contiguous()  # still graph-ready: a copy each way, no host read
+        ops.lora_expand(dense, h, b, groups.token_slots)
+        y.copy_(dense)
+    return LoRAOps(name, shrink, expand, graph_ready=True)
 
 
 def triton_ops() -> LoRAOps:

@@ -18,6 +18,7 @@ import bisect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,6 +53,8 @@ class DecodeStep:
     input_ids: torch.Tensor  # [padded] int64
     positions: torch.Tensor  # [padded] int64
     meta: AttentionMetadata
+    token_slots: torch.Tensor  # [padded] int64: each row's LoRA slot (0: the base model)
+    lora: bool = False  # some row runs an adapter: the graphs that record the LoRA deltas
 
 
 class DecodeBuffers:
@@ -74,12 +77,15 @@ class DecodeBuffers:
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32,
                                         device=device)
+        self.token_slots = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self._pin = device.type == "cuda"
 
     def fill(self, token_ids: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
-             block_size: int, padded: int) -> DecodeStep:
-        """Copy one decode step (``n`` requests: their next input token, its position and their
-        block tables, all host arrays) into the buffers, padded to ``padded`` rows."""
+             block_size: int, padded: int, token_slots: Sequence[int] | None = None
+             ) -> DecodeStep:
+        """Copy one decode step (``n`` requests: their next input token, its position, their
+        block tables and, under LoRA, their adapter slots, all host values) into the buffers,
+        padded to ``padded`` rows (padding rows and base requests: slot 0)."""
         n = len(token_ids)
         if not n <= padded <= self.max_batch:
             raise ValueError(f"batch: {n} rows padded to {padded}, capacity {self.max_batch}")
@@ -98,14 +104,19 @@ class DecodeBuffers:
         pos[:n] = positions
         lens = np.ones(padded, dtype=np.int64)  # padding rows attend to one key of block 0
         lens[:n] = positions + 1
+        lora_slots = np.zeros(padded, dtype=np.int64)
+        if token_slots is not None:
+            lora_slots[:n] = token_slots
         for dst, src in ((self.input_ids, ids), (self.positions, pos),
                          (self.slot_mapping, slots), (self.seq_lens, lens),
-                         (self.block_tables, tables)):
+                         (self.block_tables, tables), (self.token_slots, lora_slots)):
             host = torch.from_numpy(src)
             dst[:padded].copy_(host.pin_memory() if self._pin else host, non_blocking=self._pin)
-        return self.step(n, padded, decode_max_seq_len=int(lens.max()))
+        return self.step(n, padded, decode_max_seq_len=int(lens.max()),
+                         lora=token_slots is not None)
 
-    def step(self, num_seqs: int, padded: int, decode_max_seq_len: int) -> DecodeStep:
+    def step(self, num_seqs: int, padded: int, decode_max_seq_len: int,
+             lora: bool = False) -> DecodeStep:
         """Views of the first ``padded`` rows (the same memory on every call)."""
         tables = self.block_tables[:padded]
         meta = AttentionMetadata(
@@ -115,11 +126,12 @@ class DecodeBuffers:
             query_start_loc=self.query_start_loc[:padded + 1], seq_lens=self.seq_lens[:padded],
             block_tables=tables)
         return DecodeStep(num_seqs, padded, self.input_ids[:padded], self.positions[:padded],
-                          meta)
+                          meta, self.token_slots[:padded], lora)
 
 
-Forward = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata],
-                   torch.Tensor]
+Forward = Callable[..., torch.Tensor]  # (input_ids, positions, kv_caches, meta[, lora])
+# a fixed token_slots buffer -> the LoRA view a graph records (LoRAManager.graph_batch)
+LoRAView = Callable[[torch.Tensor], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,20 +174,33 @@ class CudaGraphDecoder:
     sharing one memory pool; ``run`` replays the graph of a step's padded size and returns its
     hidden rows. The graphs hold the KV cache tensors' addresses, so they are captured after
     the cache is allocated; ``measure_bytes`` captures against a throwaway cache first, so the
-    engine can count their memory before it sizes the real cache."""
+    engine can count their memory before it sizes the real cache. With ``lora_view`` (a
+    graph-ready LoRA pair) each size has a second graph that records the adapters' deltas over
+    the buffers' token slots, so decode steps of any mix of adapters replay too (base rows:
+    slot 0, which the kernels skip), while steps of the base model alone replay the graph
+    without them (vLLM's ``cudagraph_specialize_lora``)."""
 
     def __init__(self, forward: Forward, buffers: DecodeBuffers, sizes: Sequence[int],
-                 block_size: int) -> None:
+                 block_size: int, lora_view: LoRAView | None = None) -> None:
         self.forward = forward
+        self.lora_view = lora_view
         self.buffers = buffers
         self.sizes = tuple(sorted(sizes))
         self.block_size = block_size
         self.kv_caches: list[torch.Tensor] = []
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # (padded size, with LoRA) -> its graph and output rows
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
 
-    def prepare(self, states: Sequence, counts: Sequence[int]) -> DecodeStep | None:
-        """``states`` (``token_ids``, ``block_ids``, ``num_computed_tokens``) in step order."""
+    @property
+    def takes_lora(self) -> bool:
+        return self.lora_view is not None
+
+    def prepare(self, states: Sequence, counts: Sequence[int],
+                token_slots: Sequence[int] | None = None) -> DecodeStep | None:
+        """``states`` (``token_ids``, ``block_ids``, ``num_computed_tokens``) in step order;
+        ``token_slots``: their LoRA slots (only where ``takes_lora``)."""
+        assert token_slots is None or self.takes_lora
         if any(n != 1 for n in counts):
             return None
         padded = padded_batch_size(len(states), self.sizes)
@@ -184,11 +209,15 @@ class CudaGraphDecoder:
         token_ids, positions, tables = decode_arrays(states)
         if tables.shape[1] > self.buffers.max_blocks_per_seq:
             return None
-        return self.buffers.fill(token_ids, positions, tables, self.block_size, padded)
+        return self.buffers.fill(token_ids, positions, tables, self.block_size, padded,
+                                 token_slots)
 
     def eager(self, step: DecodeStep, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """The forward a graph records: hidden states [step.padded, hidden_size]."""
-        return self.forward(step.input_ids, step.positions, kv_caches, step.meta)
+        if not step.lora:
+            return self.forward(step.input_ids, step.positions, kv_caches, step.meta)
+        return self.forward(step.input_ids, step.positions, kv_caches, step.meta,
+                            self.lora_view(step.token_slots))
 
     @torch.inference_mode()
     def capture(self, kv_caches: list[torch.Tensor]) -> None:
@@ -196,25 +225,26 @@ class CudaGraphDecoder:
         # nor the recording writes the cache
         self.kv_caches = kv_caches
         pool = None
-        for size in reversed(self.sizes):
-            step = self.buffers.step(size, size, decode_max_seq_len=1)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: autotuning and lazy init off the graph
-                self.eager(step, kv_caches)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self.eager(step, kv_caches)
-            pool = graph.pool()
-            self.graphs[size] = graph
+        for lora in (False, True) if self.takes_lora else (False,):
+            for size in reversed(self.sizes):
+                step = self.buffers.step(size, size, decode_max_seq_len=1, lora=lora)
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):  # warm-up: autotuning, lazy init off the graph
+                    self.eager(step, kv_caches)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size, lora] = self.eager(step, kv_caches)
+                pool = graph.pool()
+                self.graphs[size, lora] = graph
         torch.cuda.synchronize()
 
     def run(self, step: DecodeStep) -> torch.Tensor:
         """Replay ``step``'s graph: hidden states [step.num_seqs, hidden_size]. The rows are
         the graph's output buffer, valid until the next replay."""
-        self.graphs[step.padded].replay()
-        return self.outputs[step.padded][:step.num_seqs]
+        self.graphs[step.padded, step.lora].replay()
+        return self.outputs[step.padded, step.lora][:step.num_seqs]
 
     @staticmethod
     def measure_bytes(make: Callable[[], CudaGraphDecoder],
@@ -233,9 +263,10 @@ class CudaGraphDecoder:
 
 
 def build_graph_decoder(model: Forward, sizes: Sequence[int], max_model_len: int,
-                        block_size: int, device: torch.device) -> CudaGraphDecoder:
+                        block_size: int, device: torch.device,
+                        lora_view: LoRAView | None = None) -> CudaGraphDecoder:
     """The decoder the engine wires into its runner: buffers for the largest size and the
     longest sequence, over the model's forward."""
     buffers = DecodeBuffers(max_batch=max(sizes),
                             max_blocks_per_seq=-(-max_model_len // block_size), device=device)
-    return CudaGraphDecoder(model, buffers, sizes, block_size)
+    return CudaGraphDecoder(model, buffers, sizes, block_size, lora_view)

@@ -172,12 +172,14 @@ class ModelRunner:
     def _forward(self, states, counts) -> tuple[torch.Tensor, list[int]]:
         """Hidden states of the step's tokens [num_tokens, hidden_size] and each request's
         first row: from a graph for a decode-only step that fits one, else eagerly."""
-        lora = None if self.lora is None else \
-            self.lora.step_batch([s.lora_name for s in states], counts)
-        step = self.graphs.prepare(states, counts) \
-            if self.graphs is not None and lora is None else None
+        token_slots = None if self.lora is None else \
+            self.lora.step_slots([s.lora_name for s in states], counts)
+        step = None
+        if self.graphs is not None and (token_slots is None or self.graphs.takes_lora):
+            step = self.graphs.prepare(states, counts, token_slots)
         if step is not None:
             return self.graphs.run(step), list(range(len(states)))
+        lora = None if token_slots is None else self.lora.batch(token_slots)
         input_ids, positions, meta, query_starts = build_step_inputs(states, counts,
                                                                      self.block_size, self.device)
         if lora is None:

@@ -46,7 +46,7 @@ def test_graphs_are_on_with_triton_attention(graphed):
     engine = graphed.engine
     assert engine.info.attention == "triton"
     assert engine.info.cuda_graphs == "on (5 batch sizes, 1 to 16)"
-    assert sorted(engine.runner.graphs.graphs) == [1, 2, 4, 8, 16]
+    assert sorted(engine.runner.graphs.graphs) == [(n, False) for n in (1, 2, 4, 8, 16)]
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3, 5, 8, 13, 16])

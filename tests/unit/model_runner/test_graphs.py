@@ -172,7 +172,7 @@ class _EagerReplay(CudaGraphDecoder):
         self.replayed: list[tuple[int, int]] = []
 
     def run(self, step):
-        self.replayed.append((step.num_seqs, step.padded))
+        self.replayed.append((step.num_seqs, step.padded) + ((True,) if step.lora else ()))
         return self.eager(step, self.kv_caches)[:step.num_seqs]
 
 
@@ -205,3 +205,45 @@ def test_the_runner_replays_decode_steps_and_runs_the_rest_eagerly(tiny_model_di
     # 3 decodes padded to 4, then 2 padded to 2 once the short request is done
     assert (3, 4) in decoder.replayed and (2, 2) in decoder.replayed
     assert len(decoder.replayed) == 7  # the prefill step (first tokens) ran eagerly
+
+
+def test_lora_decode_steps_replay_through_the_fused_triton_stack(tiny_model_dir,
+                                                                 tmp_path_factory):
+    """LoRA under graphs: the Triton backend (the interpreter here) with the Triton LoRA pair,
+    whose graph view reads each row's slot from the decoder's fixed buffer. A batch mixing two
+    adapters and the base decodes through the graph path (the fused stack adding each
+    adapter's delta) token-identical to transformers + PEFT; the recorded function with the
+    LoRA view has no host read of a device value."""
+    from engine_worker import LLM, LoRARequest, SamplingParams
+    from tests.e2e.lora_adapters import make_adapter
+    from tests.e2e.test_lora import MAX_TOKENS, PROMPTS, _hf_greedy
+
+    root = tmp_path_factory.mktemp("lora-graphs")
+    loras = [LoRARequest(f"a{i}", i + 1, make_adapter(tiny_model_dir, root / f"a{i}", r=8,
+                                                      seed=10 + i)) for i in range(2)]
+    cases = [(loras[0], 0), (None, 1), (loras[1], 2), (loras[0], 3), (loras[1], 4)]
+    want = [_hf_greedy(tiny_model_dir, lora)[i] for lora, i in cases]
+    llm = LLM(str(tiny_model_dir), dtype="float32", kernels="triton", max_model_len=128,
+              kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False, enable_lora=True,
+              max_loras=2, max_lora_rank=8)
+    manager = llm.engine._lora
+    assert manager.ops.name == "triton" and manager.graph_ready
+    runner = llm.engine.runner
+    assert runner.model.layer_stack.takes_lora(manager.graph_batch(torch.zeros(1).long()))
+    decoder = _EagerReplay(runner.model, DecodeBuffers(8, 8, torch.device("cpu")), (1, 2, 4, 8),
+                           BLOCK_SIZE, lora_view=manager.graph_batch)
+    decoder.capture(runner.kv_caches)
+    runner.graphs = decoder
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": PROMPTS[i]} for _, i in cases], params,
+                           use_tqdm=False, lora_request=[lora for lora, _ in cases])
+    assert [o.outputs[0].token_ids for o in outputs] == want
+    assert (5, 8, True) in decoder.replayed  # the mixed decodes replayed, padded with base rows
+
+    states = [_state(list(range(1, 19)), [3, 1]), _state([5], [2]),
+              _state(list(range(40, 72)), [5, 6])]
+    step = decoder.prepare(states, [1, 1, 1], token_slots=[1, 0, 2])
+    assert step.token_slots.tolist() == [1, 0, 2, 0] and step.lora
+    assert not decoder.prepare(states, [1, 1, 1]).lora  # the base alone: the graphs without
+    with torch.inference_mode(), FakeTensorMode(allow_non_fake_inputs=True):
+        assert decoder.eager(step, _caches(runner.model)).shape[0] == 4
