@@ -227,20 +227,33 @@ def _requests(workload: Workload, ignore_eos: bool, sampling: Sampling = Samplin
 
 def time_quire(llm, workload: Workload, warmup: Workload, ignore_eos: bool,
                system: str = "quire", sampling: Sampling = Sampling(),
-               json_schema: dict | None = None) -> SystemResult:
-    """``json_schema``: every request's structured output (its grammar, compiled in the
-    warm-up, may end a request before its max_tokens, even with ``ignore_eos``)."""
+               json_schema: dict | None = None) -> tuple[SystemResult, tuple[int, ...]]:
+    """The run's result and each request's output length. ``json_schema``: every request's
+    structured output (its grammar, compiled in the warm-up, may end a request before its
+    max_tokens, even with ``ignore_eos``)."""
     llm.generate(*_requests(warmup, True, sampling, json_schema), use_tqdm=False)
     llm.engine.reset_prefix_cache()  # an earlier run of the same prompts gives no head start
     prompts, params = _requests(workload, ignore_eos, sampling, json_schema)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    got = [len(o.outputs[0].token_ids) for o in outputs]
-    if ignore_eos and json_schema is None and got != list(workload.output_lens):
+    got = tuple(len(o.outputs[0].token_ids) for o in outputs)
+    if ignore_eos and json_schema is None and got != tuple(workload.output_lens):
         print(f"warning: {system} produced {sum(got)} output tokens, "
               f"{sum(workload.output_lens)} requested", file=sys.stderr)
-    return SystemResult.from_timing(system, workload, elapsed, sum(got), sum(got))
+    return SystemResult.from_timing(system, workload, elapsed, sum(got), sum(got)), got
+
+
+def time_schema_pair(llm, workload: Workload, warmup: Workload, schema: dict,
+                     sampling: Sampling) -> tuple[SystemResult, SystemResult]:
+    """(plain, with the schema) on the same token work: a grammar ends each request where its
+    JSON is complete, so the plain run that follows asks each request for exactly the tokens
+    the schema run produced (ignore_eos): the same prompts and lengths, no grammar."""
+    with_schema, lens = time_quire(llm, workload, warmup, True, system="quire+json-schema",
+                                   sampling=sampling, json_schema=schema)
+    plain, _ = time_quire(llm, Workload(workload.prompt_token_ids, lens), warmup, True,
+                          system="quire (same lengths, no schema)", sampling=sampling)
+    return plain, with_schema
 
 
 def _useful_tokens(generated, limit: int, eos_ids: frozenset[int] | None) -> int:
@@ -372,13 +385,14 @@ def _write_json(path: Path, cfg: BenchConfig, engine_args: EngineArgs, env: dict
               "workload": workload.summary(), "quire": by_system["quire"],
               "hf": by_system.get("transformers"), "ratio_output_tokens_per_s": ratio,
               "batch_size_sweep": [dataclasses.asdict(p) for p in sweep]}
-    if schema_pairs:  # the same workload, a JSON schema on every request
-        with_schema = schema_pairs[0][1]
+    if schema_pairs:  # the same prompts, a JSON schema on every request
+        plain, with_schema = schema_pairs[0]
         report["json_schema"] = dataclasses.asdict(with_schema) | {
+            # against the plain run at the same output lengths (time_schema_pair)
             "ratio_output_tokens_per_s_vs_plain":
-                with_schema.output_tokens_per_s / results[0].output_tokens_per_s,
+                with_schema.output_tokens_per_s / plain.output_tokens_per_s,
             "schema": _load_schema(cfg.json_schema),
-            # every turn, in the order run: (without, with) and the with / without ratio
+            # every turn: with the schema, then without it at the same lengths; the ratio
             "turns": [{"plain": dataclasses.asdict(p), "json_schema": dataclasses.asdict(j),
                        "ratio": j.output_tokens_per_s / p.output_tokens_per_s}
                       for p, j in schema_pairs],
@@ -418,18 +432,13 @@ def run_from_args(ns: argparse.Namespace) -> int:
     print(f"quire: {cfg.num_prompts} requests", file=sys.stderr)
     sampling = Sampling(cfg.temperature, cfg.top_p)
     schema = _load_schema(cfg.json_schema)
-    results = [time_quire(llm, workload, warmup, cfg.ignore_eos, sampling=sampling)]
+    results = [time_quire(llm, workload, warmup, cfg.ignore_eos, sampling=sampling)[0]]
     with_schema = None
     schema_pairs: list[tuple[SystemResult, SystemResult]] = []
     for turn in range(cfg.schema_repeats if schema is not None else 0):
-        # taking turns, so a machine that slows down or speeds up weighs on both sides
-        plain = results[0] if turn == 0 else time_quire(llm, workload, warmup, cfg.ignore_eos,
-                                                        sampling=sampling)
-        print(f"quire: {cfg.num_prompts} requests with the JSON schema ({turn + 1} of "
-              f"{cfg.schema_repeats})", file=sys.stderr)
-        schema_pairs.append((plain, time_quire(llm, workload, warmup, cfg.ignore_eos,
-                                               system="quire+json-schema", sampling=sampling,
-                                               json_schema=schema)))
+        print(f"quire: {cfg.num_prompts} requests with the JSON schema, then without it at the "
+              f"same output lengths ({turn + 1} of {cfg.schema_repeats})", file=sys.stderr)
+        schema_pairs.append(time_schema_pair(llm, workload, warmup, schema, sampling))
     if schema_pairs:
         with_schema = schema_pairs[0][1]
     info = engine.info
@@ -462,8 +471,8 @@ def run_from_args(ns: argparse.Namespace) -> int:
     for plain, schema_run in schema_pairs:
         print(f"with the JSON schema: {schema_run.output_tokens_per_s:.1f} output tok/s "
               f"({schema_run.num_output_tokens} tokens) against "
-              f"{plain.output_tokens_per_s:.1f} ({plain.num_output_tokens}) "
-              f"without: {schema_run.output_tokens_per_s / plain.output_tokens_per_s:.2f}x")
+              f"{plain.output_tokens_per_s:.1f} ({plain.num_output_tokens}) without it at the "
+              f"same lengths: {schema_run.output_tokens_per_s / plain.output_tokens_per_s:.2f}x")
     if len(schema_pairs) > 1:
         print(f"median of {len(schema_pairs)} pairs: {_schema_median(schema_pairs):.2f}x")
     _write_json(Path(cfg.output_json), cfg, engine_args, env, workload, results, ratio, sweep,
