@@ -221,7 +221,7 @@ def test_lora_decode_steps_replay_through_the_fused_triton_stack(tiny_model_dir,
     root = tmp_path_factory.mktemp("lora-graphs")
     loras = [LoRARequest(f"a{i}", i + 1, make_adapter(tiny_model_dir, root / f"a{i}", r=8,
                                                       seed=10 + i)) for i in range(2)]
-    cases = [(loras[0], 0), (None, 1), (loras[1], 2), (loras[0], 3), (loras[1], 4)]
+    cases = [(loras[0], 0), (None, 3), (loras[1], 2)]  # short prompts: the interpreter is slow
     want = [_hf_greedy(tiny_model_dir, lora)[i] for lora, i in cases]
     llm = LLM(str(tiny_model_dir), dtype="float32", kernels="triton", max_model_len=128,
               kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False, enable_lora=True,
@@ -238,7 +238,7 @@ def test_lora_decode_steps_replay_through_the_fused_triton_stack(tiny_model_dir,
     outputs = llm.generate([{"prompt_token_ids": PROMPTS[i]} for _, i in cases], params,
                            use_tqdm=False, lora_request=[lora for lora, _ in cases])
     assert [o.outputs[0].token_ids for o in outputs] == want
-    assert (5, 8, True) in decoder.replayed  # the mixed decodes replayed, padded with base rows
+    assert (3, 4, True) in decoder.replayed  # the mixed decodes replayed, padded with base rows
 
     states = [_state(list(range(1, 19)), [3, 1]), _state([5], [2]),
               _state(list(range(40, 72)), [5, 6])]
