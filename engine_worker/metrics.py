@@ -55,6 +55,13 @@ class _CumulativeCounter:
             self._counter.inc(delta)
 
 
+def _model_counter(registry: CollectorRegistry, model_name: str, name: str,
+                   doc: str) -> _CumulativeCounter:
+    """A counter labelled by ``model_name`` alone, fed with running totals."""
+    return _CumulativeCounter(Counter(name, doc, ["model_name"], registry=registry
+                                      ).labels(model_name))
+
+
 class _SpecDecodeCounters:
     """vLLM's ``vllm:spec_decode_*`` counters, registered only when speculation is on (as
     vLLM does); the per-position counter has a ``position`` label, 0 to k - 1, each created up
@@ -66,17 +73,14 @@ class _SpecDecodeCounters:
         if not self.enabled:
             return
         k = json.loads(speculative_config)["num_speculative_tokens"]
-
-        def counter(name: str, doc: str) -> _CumulativeCounter:
-            return _CumulativeCounter(Counter(name, doc, ["model_name"], registry=registry
-                                              ).labels(model_name))
-
-        self._num_drafts = counter("vllm:spec_decode_num_drafts",
-                                   "Number of spec decoding drafts.")
-        self._num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
-                                         "Number of draft tokens.")
-        self._num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
-                                            "Number of accepted tokens.")
+        self._num_drafts = _model_counter(
+            registry, model_name, "vllm:spec_decode_num_drafts",
+            "Number of spec decoding drafts.")
+        self._num_draft_tokens = _model_counter(
+            registry, model_name, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self._num_accepted_tokens = _model_counter(
+            registry, model_name, "vllm:spec_decode_num_accepted_tokens",
+            "Number of accepted tokens.")
         per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                           "Accepted tokens per draft position.", ["model_name", "position"],
                           registry=registry)
@@ -109,15 +113,12 @@ class _LoRAMetrics:
                            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
                            registry=registry)
         self._labels: tuple[str, str, str] | None = None
-
-        def counter(name: str, doc: str) -> _CumulativeCounter:
-            return _CumulativeCounter(Counter(name, doc, ["model_name"], registry=registry
-                                              ).labels(model_name))
-
-        self._adapter_loads = counter("quire:lora_adapter_loads",
-                                      "LoRA adapters read from their path into host memory.")
-        self._slot_loads = counter("quire:lora_slot_loads",
-                                   "LoRA adapters written into a step slot (max_loras).")
+        self._adapter_loads = _model_counter(
+            registry, model_name, "quire:lora_adapter_loads",
+            "LoRA adapters read from their path into host memory.")
+        self._slot_loads = _model_counter(
+            registry, model_name, "quire:lora_slot_loads",
+            "LoRA adapters written into a step slot (max_loras).")
 
     def update(self, stats: LoRAStats) -> None:
         if not self.enabled:

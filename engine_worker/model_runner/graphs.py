@@ -104,12 +104,13 @@ class DecodeBuffers:
         pos[:n] = positions
         lens = np.ones(padded, dtype=np.int64)  # padding rows attend to one key of block 0
         lens[:n] = positions + 1
-        lora_slots = np.zeros(padded, dtype=np.int64)
-        if token_slots is not None:
+        copies = [(self.input_ids, ids), (self.positions, pos), (self.slot_mapping, slots),
+                  (self.seq_lens, lens), (self.block_tables, tables)]
+        if token_slots is not None:  # a base-only step's graph never reads the slots
+            lora_slots = np.zeros(padded, dtype=np.int64)
             lora_slots[:n] = token_slots
-        for dst, src in ((self.input_ids, ids), (self.positions, pos),
-                         (self.slot_mapping, slots), (self.seq_lens, lens),
-                         (self.block_tables, tables), (self.token_slots, lora_slots)):
+            copies.append((self.token_slots, lora_slots))
+        for dst, src in copies:
             host = torch.from_numpy(src)
             dst[:padded].copy_(host.pin_memory() if self._pin else host, non_blocking=self._pin)
         return self.step(n, padded, decode_max_seq_len=int(lens.max()),

@@ -11,13 +11,12 @@ import json
 import math
 import re
 import signal
-import subprocess
-import sys
-import time
 import urllib.request
 
 import jsonschema
 import pytest
+
+from tests.e2e.test_quire_up import start_up
 
 pytestmark = pytest.mark.slow  # starts a router and an engine process
 
@@ -35,19 +34,8 @@ MESSAGES = [{"role": "user", "content": "How warm is it in Paris?"}]
 
 @pytest.fixture(scope="module")
 def up_url(tiny_model_dir):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "quire_cli", "up", "--model", str(tiny_model_dir), "--dtype",
-         "float32", "--kv-cache-memory-bytes", str(1 << 24), "--router-port", "0",
-         "--http-port", "0", "--num-engines", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, text = start_up(tiny_model_dir, "--num-engines", "1")
     try:
-        deadline, lines = time.monotonic() + 300, []
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if "Ctrl-C stops the stack" in line or not line:
-                break
-        text = "".join(lines)
         match = re.search(r"(http://127\.0\.0\.1:\d+)/v1", text)
         assert match, text + (proc.stderr.read()[-2000:] if proc.poll() is not None else "")
         yield match.group(1)

@@ -20,6 +20,20 @@ def _up(model_dir, *extra):
             *extra]
 
 
+def start_up(model_dir, *extra) -> tuple[subprocess.Popen, str]:
+    """``quire up`` started, and its output up to the line that says the stack is ready (or up
+    to its end, should it exit first; 300 s at most)."""
+    proc = subprocess.Popen(_up(model_dir, *extra), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline, lines = time.monotonic() + 300, []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if "Ctrl-C stops the stack" in line or not line:
+            break
+    return proc, "".join(lines)
+
+
 def test_up_answers_the_example_and_exits(tiny_model_dir):
     result = subprocess.run(_up(tiny_model_dir, "--once", "true"), capture_output=True,
                             text=True, timeout=300)
@@ -30,19 +44,11 @@ def test_up_answers_the_example_and_exits(tiny_model_dir):
 
 
 def test_up_stops_cleanly_on_ctrl_c(tiny_model_dir):
-    proc = subprocess.Popen(_up(tiny_model_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    deadline = time.monotonic() + 300
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        lines.append(line)
-        if "Ctrl-C stops the stack" in line or not line:
-            break
-    assert any("example:" in line for line in lines), lines
-    engines = re.search(r"engines on (.+)$", "".join(lines), re.M).group(1)
+    proc, text = start_up(tiny_model_dir)
+    assert "example:" in text, text
+    engines = re.search(r"engines on (.+)$", text, re.M).group(1)
     # each engine has its metrics port (issue 32), printed at start
-    metrics = re.search(r"engine metrics on (.+)$", "".join(lines), re.M).group(1).split(", ")
+    metrics = re.search(r"engine metrics on (.+)$", text, re.M).group(1).split(", ")
     assert len(metrics) == 2 and len(set(metrics)) == 2
     for url in metrics:
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", url), url
@@ -63,18 +69,9 @@ def test_up_with_pooling_engines_serves_embeddings_to_the_openai_client(tiny_mod
     official client's ``embeddings.create`` is answered through the router."""
     import openai
 
-    proc = subprocess.Popen(_up(tiny_model_dir, "--runner", "pooling", "--pooler-config",
-                                '{"pooling_type": "MEAN"}'),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, text = start_up(tiny_model_dir, "--runner", "pooling", "--pooler-config",
+                          '{"pooling_type": "MEAN"}')
     try:
-        deadline = time.monotonic() + 300
-        lines = []
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            lines.append(line)
-            if "Ctrl-C stops the stack" in line or not line:
-                break
-        text = "".join(lines)
         assert re.search(r"example: .* -> 'embedding \[.*\] \(64 floats\)'", text), text
         url = re.search(r"(http://127\.0\.0\.1:\d+/v1)", text).group(1)
         with openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60) as client:
