@@ -32,6 +32,9 @@ class StackConfig:
     once: bool = False  # exit after the example request (scripts, CI)
     # the engines' --lora-adapter-dirs: where /v1/load_lora_adapter may load adapters from
     lora_adapter_dirs: str | None = None
+    # the router loads an adapter no engine holds from <dir>/<name> on the engine where it
+    # costs least (vLLM's filesystem resolver); the engines may load from there
+    lora_resolver_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_engines <= 16:
@@ -130,8 +133,11 @@ def start_engines(cfg: StackConfig, engine_flags: list[str],
     ``ranks_per_engine``: an engine's tensor-parallel processes, which share its cores."""
     threads = max(1, (os.cpu_count() or 1) // (cfg.num_engines * ranks_per_engine))
     engine_flags = engine_flags + kv_memory_flags(engine_flags, cfg.num_engines)
-    if cfg.lora_adapter_dirs:
-        engine_flags += ["--lora-adapter-dirs", cfg.lora_adapter_dirs]
+    dirs = ",".join(d for d in (cfg.lora_adapter_dirs, cfg.lora_resolver_dir) if d)
+    if dirs:
+        engine_flags += ["--lora-adapter-dirs", dirs]
+    if cfg.lora_resolver_dir and "--enable-lora" not in engine_flags:
+        engine_flags += ["--enable-lora", "True"]
     started = []
     for _ in range(cfg.num_engines):
         port = _free_port()
@@ -220,7 +226,8 @@ async def run_stack(cfg: StackConfig, engines, flow=None) -> int:
     router = RouterServer.static([e.address for e in engines], policy=cfg.policy,
                                  host=cfg.router_host, port=cfg.router_port,
                                  http_port=cfg.http_port, tracing=tracing,
-                                 flow=dataclasses.asdict(flow) if flow is not None else None)
+                                 flow=dataclasses.asdict(flow) if flow is not None else None,
+                                 placement={"lora_resolver_dir": cfg.lora_resolver_dir or ""})
     port = await router.start()
     try:
         if not await router.wait_ready(len(engines), timeout_s=cfg.startup_timeout_s):

@@ -32,7 +32,7 @@ from router.engine_slots import EngineSlots
 from router.flow import FlowController
 from router.gradient_limit import GradientLimit
 from router.flow_config import FlowConfig
-from router.lora_adapters import load_everywhere, unload_everywhere
+from router.lora_adapters import AdapterSources, load_everywhere, unload_everywhere
 from router.metrics import RouterMetrics
 from router.pool import EnginePool, PromptHashes
 from router.server import RequestLimits, RouterServicer
@@ -69,6 +69,7 @@ class RouterServer:
         self.metrics = RouterMetrics(self.engine_states)
         self.tracing = tracing
         self.flow = self._flow_controller(flow)
+        self.adapter_sources = AdapterSources(placement.lora_resolver_dir)
         self.servicer = RouterServicer(
             self.pool, policy=make_policy(placement.policy), metrics=self.metrics,
             limits=RequestLimits(max_n=server.max_n, max_tokens=server.max_tokens_limit,
@@ -77,7 +78,8 @@ class RouterServer:
                                  max_stop_string_len=server.max_stop_string_len),
             max_attempts=placement.max_attempts, session_header=placement.session_header,
             spans=_span_factory(tracing), tokenizer_threads=server.tokenizer_threads,
-            admission=AdmissionGate(self.flow, flow.table()))
+            admission=AdmissionGate(self.flow, flow.table()),
+            adapter_sources=self.adapter_sources)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.front = None
@@ -165,10 +167,14 @@ class RouterServer:
                              tenant_header=self.servicer.admission.table.header,
                              max_model_len=self._max_model_len, embed=self.servicer.Embed,
                              adapters=self.pool.adapters,
+                             resolvable=lambda name: self.adapter_sources.path_for(
+                                 name) is not None,
                              load_adapter=lambda name, path: load_everywhere(
-                                 self.pool, name, path, self.cfg.request_timeout_s),
+                                 self.pool, name, path, self.cfg.request_timeout_s,
+                                 self.adapter_sources),
                              unload_adapter=lambda name: unload_everywhere(
-                                 self.pool, name, self.cfg.request_timeout_s))
+                                 self.pool, name, self.cfg.request_timeout_s,
+                                 self.adapter_sources))
             front = OpenAIFront(seam, self.cfg, self.metrics, host=self.cfg.host,
                                 port=self.cfg.http_port)
             try:

@@ -153,6 +153,9 @@ class PlacementConfig:
     vllm_block_size: int = 16  # vLLM engines' KV block size (vLLM's default; its CPU build: 128)
     prefill_tokens_per_s: float = 2000.0  # prefix_aware's estimate of an engine's prefill rate
     lora_load_s: float = 0.05  # prefix_aware: the least a LoRA adapter read is priced at
+    # LoRA adapters no engine holds are loaded on demand from <dir>/<name> (a path on the
+    # engines; vLLM's filesystem resolver); "": only adapters loaded through the router
+    lora_resolver_dir: str = ""
     connect_timeout_s: float = 10.0
     reconnect_max_backoff_s: float = 5.0
 
@@ -261,6 +264,10 @@ HELP = {
     "lora_load_s": "prefix_aware: seconds a LoRA adapter read costs on an engine whose host "
                    "memory does not hold it, at least (a Quire engine's measured read time "
                    "when longer)",
+    "lora_resolver_dir": "a request naming a LoRA adapter no engine holds loads it from "
+                         "DIR/<name> (a directory on the engines, inside their "
+                         "--lora-adapter-dirs) on the engine where it costs least, as vLLM's "
+                         "filesystem resolver; unset: such a request is a 404",
     "engine_tls_ca_file": "TLS to engines: CA bundle that signs their certificates",
     "engine_tls_cert_file": "mutual TLS to engines: the router's client certificate",
     "engine_tls_key_file": "mutual TLS to engines: the router's client key",

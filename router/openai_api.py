@@ -89,6 +89,8 @@ class FrontSeam:
     # LoRA: the adapters the serving engines hold (name -> path), and loading / unloading one
     # on the pool (router.lora_adapters)
     adapters: Callable[[], dict[str, str]] = dict
+    # whether a name no engine holds can be loaded on demand (router.lora_adapters)
+    resolvable: Callable[[str], bool] = lambda name: False
     load_adapter: Callable[[object, object], Awaitable] | None = None
     unload_adapter: Callable[[object], Awaitable] | None = None
 
@@ -383,7 +385,7 @@ class OpenAIFront:
             raise RequestError(f"model: must be a string, got {shown(model)}", "model")
         if model is None or model == self.model_name:
             return ""
-        if adapters and model in self.seam.adapters():
+        if adapters and (model in self.seam.adapters() or self.seam.resolvable(model)):
             return model
         raise RequestError(f"model: the model {shown(model)} does not exist", "model", 404)
 

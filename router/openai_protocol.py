@@ -461,8 +461,9 @@ class OpenAIRequest:
         self.include_usage = bool(_flag(options, "include_usage"))
         self.want_logprobs = bool(_flag(body, "logprobs")) if chat else (
             body.get("logprobs") is not None)
-        # fields the engine names by their wire name, named as this request sent them
-        self.field_aliases: dict[str, str] = {}
+        # fields the engine names by their wire name, named as this request sent them (the
+        # LoRA adapter is the request's model)
+        self.field_aliases: dict[str, str] = {"lora_name": "model"}
         if body.get("response_format") is not None:
             self.field_aliases["structured_outputs.json"] = "response_format"
         for name, kind in GUIDED_FIELDS.items():

@@ -34,7 +34,9 @@ from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 from router.admission import AdmissionGate
 from router.balancer import Decision, NoEndpointError, Policy, RoutingRequest, choose
+from router.connection import LoRACapable
 from router.errors import RETRYABLE_CODES, abort_with
+from router.lora_adapters import AdapterSources
 from router.metrics import DecisionRecord, RouterMetrics
 from router.pool import EnginePool, ModelIdentity, PromptHashes
 from router.tenants import TenantTable
@@ -106,12 +108,14 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
                  limits: RequestLimits = RequestLimits(), max_attempts: int = 2,
                  session_header: str = "x-session-id",
                  spans: Callable[[pb.GenerateRequest, object], RouterSpan] | None = None,
-                 tokenizer_threads: int = 2, admission: AdmissionGate | None = None) -> None:
+                 tokenizer_threads: int = 2, admission: AdmissionGate | None = None,
+                 adapter_sources: AdapterSources | None = None) -> None:
         """``spans`` (request, invocation metadata) -> a started ``RouterSpan``: given when
         tracing is on, None when off. Long prompts are tokenized on a pool of
         ``tokenizer_threads`` threads (the tokenizer releases the GIL), never on the loop.
         ``admission``: flow control, which every request passes before placement (None:
-        none)."""
+        none). ``adapter_sources``: where LoRA adapters no engine holds can be loaded from
+        on demand (None: nowhere; such a request is NOT_FOUND)."""
         if max_attempts < 1:
             raise FieldError("max_attempts", f"must be >= 1, got {max_attempts}")
         self.pool = pool
@@ -122,6 +126,7 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         self.session_header = session_header.lower()
         self.spans = spans
         self.admission = admission or AdmissionGate(None, TenantTable())
+        self.adapter_sources = adapter_sources or AdapterSources()
         self.draining = False
         self.tokenize_pool = ThreadPoolExecutor(tokenizer_threads,
                                                 thread_name_prefix="router-tokenize")
@@ -218,6 +223,19 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
                                   time.perf_counter() - placed, span)
             engine_id = decision.engine_id
             tried.add(engine_id)
+            if request.lora_name and engine_id not in self.pool.holding_adapter(
+                    request.lora_name):
+                try:  # placed where its adapter is to be read: load it there first
+                    await self.adapter_sources.ensure(self.pool.clients[engine_id],
+                                                      request.lora_name,
+                                                      context.time_remaining())
+                except grpc.aio.AioRpcError as e:
+                    record.outcome = e.code().name
+                    if self.pool.holding_adapter(request.lora_name) - tried:
+                        last_error = e  # others hold it: place there instead
+                        continue
+                    await abort_with(context, _adapter_load_error(request.lora_name, e))
+                    return
             stream = self.pool.generate(
                 engine_id, forward, block_hashes=prompt.hashes,
                 num_uncached_tokens=len(prompt.token_ids) - decision.predicted_cached_tokens,
@@ -260,11 +278,18 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         await abort_with(context, last_error)
 
     def _lacking_adapter(self, lora_name: str) -> set[str]:
-        """Engines not holding the request's LoRA adapter (none for the base model); a
-        NotFoundError naming it when no serving engine holds it."""
+        """Engines the request's LoRA adapter cannot run on (none for the base model): those
+        not holding it, or, where the router knows a path to load it from, those that cannot
+        load adapters. A NotFoundError naming it when no serving engine holds it and the
+        router knows no path."""
         if not lora_name:
             return set()
         holding = self.pool.holding_adapter(lora_name)
+        if self.adapter_sources.path_for(lora_name) is not None:
+            able = {c.engine_id for c in self.pool.serving() if isinstance(c, LoRACapable)
+                    and c.info is not None and c.info.enable_lora}
+            if able | holding:
+                return set(self.pool.clients) - (able | holding)
         if not holding:
             raise NotFoundError("lora_name", f"the LoRA adapter {lora_name!r} is not loaded "
                                 "on any engine")
@@ -420,3 +445,17 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
                             "a router has no KV cache of its own: subscribe to each engine's "
                             "StreamKVEvents")
         yield  # pragma: no cover - makes this an async generator
+
+
+def _adapter_load_error(lora_name: str, error: grpc.aio.AioRpcError) -> BaseException:
+    """What the client hears when its adapter could not be loaded where it was placed (and no
+    other engine holds it): no adapter by that name at its path is NOT_FOUND naming it; a bad
+    one (rank, target modules, a corrupt file) the engine's INVALID_ARGUMENT naming it; any
+    other failure as the engine said it."""
+    if error.code() == grpc.StatusCode.NOT_FOUND:
+        return NotFoundError("lora_name", f"the LoRA adapter {lora_name!r} is not loaded on "
+                             f"any engine, and none was found to load: {error.details()}")
+    if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return FieldError("lora_name", f"the LoRA adapter {lora_name!r} could not be loaded: "
+                          f"{error.details()}")
+    return error

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from quire.errors import FieldError
+from quire.errors import FieldError, NotFoundError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -103,7 +103,8 @@ def load_adapter(name: str, path: str, spec: LoRAModelSpec, max_lora_rank: int
     """Read and check the PEFT adapter at ``path`` for a model described by ``spec``."""
     directory = Path(path)
     if not directory.is_dir():
-        raise FieldError("lora_path", f"{path}: no such directory")
+        # NOT_FOUND: the router's on-demand load tells "no such adapter" from a bad one
+        raise NotFoundError("lora_path", f"{path}: no such directory")
     config = _read_config(directory)
     targets = config.get("target_modules")
     if isinstance(targets, list):
