@@ -46,6 +46,20 @@ def compare_model_info(engine_id: str, expected: ModelExpectation, info: pb.Mode
         raise EngineMismatchError(engine_id, differences)
 
 
+def channel_options(options: ClientOptions) -> list[tuple[str, int]]:
+    """gRPC channel arguments for an engine's channel. gRPC reconnects a channel on its own
+    schedule (from 1 s, growing 1.6x to 120 s), and a call made between two of its attempts
+    fails at once without trying: an engine that came back after a minute away went unused
+    for up to another minute whatever the router's own backoff said. The channel's backoff
+    is the router's (``min_backoff_s`` to ``max_backoff_s``)."""
+    min_ms = max(1, round(options.min_backoff_s * 1000))
+    max_ms = max(min_ms, round(options.max_backoff_s * 1000))
+    return [("grpc.max_receive_message_length", options.max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", min_ms),
+            ("grpc.min_reconnect_backoff_ms", min_ms),
+            ("grpc.max_reconnect_backoff_ms", max_ms)]
+
+
 class EngineClient:
     """The router's connection to one Quire engine pod. ``start()`` it, ``await close()`` it."""
 
@@ -74,7 +88,7 @@ class EngineClient:
         self._closed = False
 
     def _open_channel(self) -> grpc.aio.Channel:
-        options = [("grpc.max_receive_message_length", self.options.max_message_bytes)]
+        options = channel_options(self.options)
         if self.options.server_name:
             options.append(("grpc.ssl_target_name_override", self.options.server_name))
         if self.options.credentials is not None:

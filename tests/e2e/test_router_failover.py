@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -110,6 +111,28 @@ def test_an_engine_unreachable_at_start_joins_when_it_comes_up(pair, tiny_model_
         assert wait_for(lambda: router.matches(prefix).get(late_address) == 5)
         collect(router.stub.Generate(request(prefix + [2]), timeout=TIMEOUT_S))
         assert router.last_engine() == late_address
+    finally:
+        router.close()
+        if late is not None:
+            late.close()
+
+
+def test_an_engine_back_after_a_long_absence_rejoins_within_the_routers_backoff(
+        pair, tiny_model_dir):
+    """gRPC reconnects a channel on its own schedule (1 s growing 1.6x to 120 s) and fails calls
+    between its attempts without trying: after 20 s away an engine went unused for seconds more
+    (a minute in the restart bench) whatever the router's backoff said. The channel now uses
+    the router's backoff (0.5 s here), so the engine is serving soon after it listens."""
+    late_port = _free_port()
+    late_address = f"127.0.0.1:{late_port}"
+    engine = _engine(tiny_model_dir)  # built first: only the server's start is timed
+    router = RunningRouter([address(pair[0]), late_address], ready=1)
+    late = None
+    try:
+        time.sleep(20)  # the router keeps trying the absent address
+        assert router.healthy()[late_address] is False
+        late = RunningServer(engine, ServerConfig(host="127.0.0.1", port=late_port))
+        assert wait_for(lambda: router.healthy()[late_address], timeout_s=3, interval_s=0.05)
     finally:
         router.close()
         if late is not None:
