@@ -32,7 +32,7 @@ from quire.kv_events import KVCacheSnapshot, KVEventBatch
 from quire.tokenizer_digest import tokenizer_digest
 from quire.v1 import engine_pb2 as pb
 from router.balancer import AdapterState, EndpointSnapshot
-from router.connection import (ClientOptions, ConnectionFactory, EngineConnection,
+from router.connection import (ClientOptions, ConnectionFactory, EngineConnection, LoRACapable,
                                EngineMismatchError, EngineState, ModelExpectation, ModelIdentity)
 from router.endpoint import Discovery, Endpoint
 from router.engine_adapters import EngineAdapters
@@ -258,6 +258,15 @@ class EnginePool:
         """Serving engines whose LoRA adapters include ``lora_name``."""
         return {c.engine_id for c in self.serving()
                 if c.info is not None and lora_name in c.info.lora_adapters}
+
+    def lora_capable(self) -> set[str]:
+        """Serving engines that load LoRA adapters at run time: LoRA on (in their model info,
+        or, for vLLM servers, whose /v1/models says nothing of it until an adapter is
+        loaded, step slots in their load reports)."""
+        return {eid for eid, m in self._members.items()
+                if m.client.healthy and isinstance(m.client, LoRACapable)
+                and ((m.client.info is not None and m.client.info.enable_lora)
+                     or (m.load is not None and m.load.max_loras > 0))}
 
     def adapters(self) -> dict[str, str]:
         """Every LoRA adapter the serving engines hold: name -> its path (as the first

@@ -34,7 +34,6 @@ from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 from router.admission import AdmissionGate
 from router.balancer import Decision, NoEndpointError, Policy, RoutingRequest, choose
-from router.connection import LoRACapable
 from router.errors import RETRYABLE_CODES, abort_with
 from router.lora_adapters import AdapterSources
 from router.metrics import DecisionRecord, RouterMetrics
@@ -286,8 +285,7 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
             return set()
         holding = self.pool.holding_adapter(lora_name)
         if self.adapter_sources.path_for(lora_name) is not None:
-            able = {c.engine_id for c in self.pool.serving() if isinstance(c, LoRACapable)
-                    and c.info is not None and c.info.enable_lora}
+            able = self.pool.lora_capable()
             if able | holding:
                 return set(self.pool.clients) - (able | holding)
         if not holding:

