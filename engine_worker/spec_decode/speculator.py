@@ -20,11 +20,11 @@ accepted (``record``). Two rules keep speculation from costing more than it save
   about what a request's own token costs and a rejected one is pure loss, so on a CPU the
   limit is 8 tokens a step (one request verifies up to 7 drafts; two share 6; four share 4;
   five or more verify none). A GPU stays weight-bound far longer (``STEP_TOKEN_LIMITS``).
-  Weights kept as GGUF blocks on a CPU (the embedded model's default) allow 4 tokens a step:
-  ``csrc/cpu/quant_linear.cpp`` multiplies up to 4 rows (``kDecodeRows``) on the blocks as
-  stored, and a 5th row switches a step to its prefill path, which de-quantizes every weight
-  first (measured on the embedded model: one request with 4 drafts decoded several times slower
-  than without speculation).
+  Weights kept as GGUF blocks on a CPU (the embedded model's default) keep the same limit:
+  ``csrc/cpu/quant_linear.cpp`` multiplies up to 8 rows (``kDecodeRows``) on the blocks as
+  stored, and a 9th row switches a step to its prefill path, which de-quantizes every weight
+  first (when that limit was 4, one request with 4 drafts decoded several times slower than
+  without speculation, and the quantized limit was 4 tokens a step).
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from engine_worker.spec_decode.stats import SpecDecodingCounter, SpecDecodingSta
 MAX_BACKOFF_STEPS = 32
 # device type -> the most tokens (requests' own plus drafts) a step with drafts may hold
 STEP_TOKEN_LIMITS = {"cpu": 8, "cuda": 256}
-# the same where the weights run as native GGUF blocks (module docstring)
-QUANTIZED_STEP_TOKEN_LIMITS = {"cpu": 4}
+# the same where the weights run as native GGUF blocks (module docstring): csrc/cpu's
+# quant_linear keeps up to 8 rows (its kDecodeRows) on the blocks as stored
+QUANTIZED_STEP_TOKEN_LIMITS = {"cpu": 8}
 
 
 def step_token_limit(device_type: str, native_quantized: bool = False) -> int:
