@@ -316,8 +316,7 @@ class LLMEngine:
                              block_size=self.config.cache.block_size,
                              max_model_len=self._max_model_len),
             num_kv_blocks=num_blocks, tokenizer_digest=tokenizer_dir_digest(self._tokenizer_dir))
-        return build_speculator(self.config.speculative, self._device.type, target,
-                                native_quantized=self._quantization.native)
+        return build_speculator(self.config.speculative, self._device.type, target)
 
     def _allocate_kv_cache(self, model, num_blocks: int) -> list[torch.Tensor]:
         with progress(logger, "Allocating the KV cache"):

@@ -86,12 +86,10 @@ PROPOSERS: dict[str, Callable[[SpeculativeConfig, TargetFacts | None], Proposer]
 
 
 def build_speculator(config: SpeculativeConfig | None, device_type: str = "cpu",
-                     target: TargetFacts | None = None, native_quantized: bool = False
-                     ) -> Speculator | None:
+                     target: TargetFacts | None = None) -> Speculator | None:
     """The scheduler's speculator for ``config`` (None when speculation is off), with the
-    step token limit of ``device_type`` and its weights (``native_quantized``: GGUF blocks
-    multiplied as stored; see ``speculator``). ``target``: the engine's facts, which the
-    draft_model method needs."""
+    step token limit of ``device_type`` (see ``speculator``). ``target``: the engine's facts,
+    which the draft_model method needs."""
     if config is None:
         return None
     make = PROPOSERS.get(config.method)
@@ -99,4 +97,4 @@ def build_speculator(config: SpeculativeConfig | None, device_type: str = "cpu",
         raise ValueError(f"speculative_config.method: {config.method!r} is not available in "
                          f"this build (available: {sorted(PROPOSERS)})")
     return Speculator(config, make(config, target),
-                      step_token_limit=step_token_limit(device_type, native_quantized))
+                      step_token_limit=step_token_limit(device_type))

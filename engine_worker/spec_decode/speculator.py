@@ -40,15 +40,10 @@ from engine_worker.spec_decode.stats import SpecDecodingCounter, SpecDecodingSta
 MAX_BACKOFF_STEPS = 32
 # device type -> the most tokens (requests' own plus drafts) a step with drafts may hold
 STEP_TOKEN_LIMITS = {"cpu": 8, "cuda": 256}
-# the same where the weights run as native GGUF blocks (module docstring): csrc/cpu's
-# quant_linear keeps up to 8 rows (its kDecodeRows) on the blocks as stored
-QUANTIZED_STEP_TOKEN_LIMITS = {"cpu": 8}
 
 
-def step_token_limit(device_type: str, native_quantized: bool = False) -> int:
+def step_token_limit(device_type: str) -> int:
     """The most tokens a step with drafts may hold on ``device_type`` (module docstring)."""
-    if native_quantized and device_type in QUANTIZED_STEP_TOKEN_LIMITS:
-        return QUANTIZED_STEP_TOKEN_LIMITS[device_type]
     return STEP_TOKEN_LIMITS.get(device_type, STEP_TOKEN_LIMITS["cpu"])
 
 

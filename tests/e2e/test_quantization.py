@@ -57,6 +57,19 @@ def test_native_4bit_matches_the_dequantized_checkpoint(variant, monkeypatch):
     print(f"{variant}: perplexity native {ppl_native:.4f}, dequantized {ppl_widened:.4f}")
     assert 5 < ppl_widened < 50  # a real text under a real model
     assert abs(ppl_native / ppl_widened - 1) < 0.01
-    differ = [p for p, a, b in zip(PROMPTS, greedy_native, greedy_widened) if a != b]
-    print(f"{variant}: greedy continuations that differ: {differ}")
-    assert len(differ) <= 2
+    # Greedy continuations may part where the two numerics (x rounded to int8 per block of 32
+    # on the native path, bf16 de-quantized weights on the other) split a near-tie, and only
+    # there: at the first differing token, the native choice is within a quarter of a nat of
+    # the de-quantized model's best (its logprobs are bf16: steps of 1/8 nat near 0 here).
+    tokenizer = widened.engine.tokenizer
+    for prompt, a, b in zip(PROMPTS, greedy_native, greedy_widened):
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if at is None:
+            continue
+        ids = tokenizer.encode(prompt) + b[:at]
+        out = widened.generate([{"prompt_token_ids": ids}],
+                               SamplingParams(max_tokens=1, temperature=0, logprobs=5))[0]
+        logprobs = {t: v.logprob for t, v in out.outputs[0].logprobs[0].items()}
+        gap = max(logprobs.values()) - logprobs.get(a[at], -math.inf)
+        print(f"{variant}: {prompt!r} parts at token {at}, {gap:.3f} nats from the best")
+        assert gap < 0.25, (prompt, at, gap)

@@ -79,9 +79,6 @@ def test_speculator_shrinks_on_rejection_backs_off_and_counts():
     # the batch rule: at most 8 tokens a step on a CPU, none past disable_by_batch_size
     assert [spec.step_draft_budget(n) for n in (1, 2, 3)] == [7, 6, 0]
     assert build_speculator(SpeculativeConfig("ngram", 4), "cuda").step_draft_budget(4) == 252
-    # native GGUF blocks on a CPU: 4 rows at most stay on the kernels' decode path
-    gguf = build_speculator(SpeculativeConfig("ngram", 4), "cpu", native_quantized=True)
-    assert [gguf.step_draft_budget(n) for n in (1, 2, 3, 4)] == [3, 2, 1, 0]
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1]
     assert spec.propose("r", prompt, [], room=10) == (2, 3, 4, 5)
     assert spec.propose("r", prompt, [], room=2) == (2, 3)  # the room caps it
