@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +18,7 @@ import transformers
 from engine_worker.server.config import ServerConfig
 from quire.v1 import engine_pb2 as pb
 from tests.e2e.lora_adapters import make_adapter
+from tests.e2e.test_lora_router import _http
 from tests.e2e.router_harness import TIMEOUT_S, RunningRouter, address
 from tests.e2e.test_engine_server import RunningServer, _collect, _engine
 
@@ -78,16 +78,10 @@ def _generate(router, lora_name: str) -> list[int]:
 
 
 def _complete(router, model) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{router.server.front.port}/v1/completions",
-        headers={"Content-Type": "application/json"},
-        data=json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 2,
-                         "temperature": 0}).encode())
-    try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    status, text = _http(router, "/v1/completions", {"model": model, "prompt": PROMPT,
+                                                      "max_tokens": 2, "temperature": 0},
+                         key=None)
+    return status, json.loads(text)
 
 
 def _holding(router, name: str) -> set[str]:
