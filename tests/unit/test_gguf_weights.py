@@ -184,5 +184,8 @@ def test_an_engine_on_native_blocks_matches_the_dequantized_weights(tiny_hf_dir,
     want = reference.generate([{"prompt_token_ids": p} for p in prompts], params)
     for g, w, p in zip(got, want, prompts):
         for gl, wl, token in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], p[1:]):
-            assert abs(gl[token].logprob - wl[token].logprob) < 1e-3
+            # x is rounded to int8 per block of 32 wherever a linear takes at most 8 rows
+            # (csrc/cpu/quant_linear.cpp, bounded there): logprobs of about -12 move by
+            # thousandths (seen up to 4.4e-3); a wrong block or scale moves them by whole units
+            assert abs(gl[token].logprob - wl[token].logprob) < 1e-2
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
