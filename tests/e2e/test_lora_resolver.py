@@ -15,12 +15,11 @@ import pytest
 import torch
 import transformers
 
-from engine_worker.server.config import ServerConfig
 from quire.v1 import engine_pb2 as pb
 from tests.e2e.lora_adapters import make_adapter
-from tests.e2e.test_lora_router import _http
+from tests.e2e.test_lora_router import _http, lora_engines
 from tests.e2e.router_harness import TIMEOUT_S, RunningRouter, address
-from tests.e2e.test_engine_server import RunningServer, _collect, _engine
+from tests.e2e.test_engine_server import _collect
 
 MODEL = "tiny-llama"
 PROMPT = list(range(3100, 3140))
@@ -39,14 +38,7 @@ def adapter_root(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir, adapter_root):
-    running = [RunningServer(_engine(tiny_model_dir, kernels="torch", enable_lora=True,
-                                     max_loras=2, max_lora_rank=8),
-                             ServerConfig(host="127.0.0.1", port=0,
-                                          lora_adapter_dirs=str(adapter_root)))
-               for _ in range(2)]
-    yield running
-    for server in running:
-        server.close()
+    yield from lora_engines(tiny_model_dir, adapter_root)  # neither holds an adapter
 
 
 @pytest.fixture(scope="module")

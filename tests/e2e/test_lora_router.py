@@ -31,18 +31,24 @@ def adapter_root(tiny_model_dir, tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_model_dir, adapter_root):
-    # engine 0 holds adapter "a" from the start; engine 1 none
-    running = [RunningServer(_engine(tiny_model_dir, kernels="torch", enable_lora=True,
+def lora_engines(model_dir, adapter_root, first_modules: str | None = None):
+    """Two tiny engines with LoRA on (2 step slots, rank 8) loading adapters at run time from
+    ``adapter_root``; the first loads ``first_modules`` at start. Yields them, then closes."""
+    running = [RunningServer(_engine(model_dir, kernels="torch", enable_lora=True,
                                      max_loras=2, max_lora_rank=8,
-                                     lora_modules=f"a={adapter_root / 'a'}" if i == 0 else None),
+                                     lora_modules=first_modules if i == 0 else None),
                              ServerConfig(host="127.0.0.1", port=0,
                                           lora_adapter_dirs=str(adapter_root)))
                for i in range(2)]
     yield running
     for server in running:
         server.close()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir, adapter_root):
+    # engine 0 holds adapter "a" from the start; engine 1 none
+    yield from lora_engines(tiny_model_dir, adapter_root, f"a={adapter_root / 'a'}")
 
 
 @pytest.fixture(scope="module")
