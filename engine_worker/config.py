@@ -253,12 +253,6 @@ class EngineArgs:
             raise ValueError(f"enable_lora: must be a boolean, got {self.enable_lora!r}")
         # adapters given at start turn LoRA on (vLLM asks for --enable-lora as well)
         enable_lora = self.enable_lora or bool(self.lora_modules)
-        if enable_lora and (self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1):
-            # the workers' runners hold no adapter slots yet: refuse rather than run the base
-            raise ValueError(
-                f"enable_lora: LoRA adapters do not run split across processes yet "
-                f"(tensor_parallel_size={self.tensor_parallel_size}, "
-                f"pipeline_parallel_size={self.pipeline_parallel_size}); use one process")
         return EngineConfig(
             model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                               max_model_len=self.max_model_len, seed=self.seed,

@@ -62,6 +62,7 @@ class MultiprocExecutor:
                                             failed=lambda: self.failure,
                                             tensor_parallel_size=spec.tensor_parallel_size)
         self._store = store
+        self._lora_version = 0  # the version of rank 0's adapters the workers have
 
     @property
     def pids(self) -> list[int]:
@@ -77,6 +78,10 @@ class MultiprocExecutor:
         """One step on every rank; rank 0's output is the engine's."""
         if self.failure is not None:
             raise RuntimeError(self.failure)
+        lora = runner.lora
+        if lora is not None and lora.cache.version != self._lora_version:
+            self.comm.broadcast_object(lora.registry())  # the workers' adapters follow ours
+            self._lora_version = lora.cache.version
         self.comm.broadcast_object(out)
         return runner.execute(out)
 

@@ -106,16 +106,35 @@ def shard_llama_state(state: dict[str, torch.Tensor], *, shard: TPShard, num_hea
                       num_kv_heads: int, head_dim: int) -> dict[str, torch.Tensor]:
     """A full checkpoint's tensors (Q/K/V and gate/up already fused, as the loader makes them)
     sliced to ``shard``. Row-parallel biases stay on rank 0 only (zeros elsewhere), so the
-    all-reduce adds them once."""
+    all-reduce adds them once.
+
+    GGUF blocks (uint8 ``[N, K / block, bytes]``, as the file has them) slice the same way:
+    by output rows, or, for o and down, by whole blocks of input columns (each block's scale
+    belongs to it alone, so a rank's partial sum is exactly its blocks' share); a width whose
+    blocks ``shard.size`` does not divide is an error naming both numbers."""
     if not shard.is_split:
         return state
     out = {}
     for name, tensor in state.items():
-        if tensor.dtype == torch.uint8:
-            raise ValueError("quantization: tensor_parallel_size > 1 runs float weights only; "
-                             "load this GGUF with quantization=dequantize")
+        if tensor.dtype == torch.int32 and tensor.dim() == 3:
+            raise ValueError("quantization: AWQ / GPTQ weights do not split across "
+                             "tensor-parallel ranks yet; use tensor_parallel_size=1")
+        if tensor.dtype == torch.uint8 and name.endswith(("o_proj.weight", "down_proj.weight")) \
+                and tensor.shape[1] % shard.size:
+            raise ValueError(f"tensor_parallel_size: {shard.size} does not divide the "
+                             f"{tensor.shape[1]} quantized blocks of a row of {name} (its "
+                             f"input columns split by whole blocks); use "
+                             f"quantization=dequantize")
         out[name] = _slice(name, tensor, shard, num_heads, num_kv_heads, head_dim).contiguous()
     return out
+
+
+def shard_vocab_rows(t: torch.Tensor, shard: TPShard) -> torch.Tensor:
+    """This rank's rows of a vocabulary-sized tensor (embedding, logits; floats or blocks),
+    the last rank's padded with zero rows (a zero block is a zero weight in every format)."""
+    rows = t[shard.vocab_start:shard.vocab_start + shard.vocab_per_rank]
+    pad = shard.vocab_per_rank - rows.shape[0]
+    return (torch.cat([rows, rows.new_zeros(pad, *t.shape[1:])]) if pad else rows).contiguous()
 
 
 def _slice(name: str, t: torch.Tensor, shard: TPShard, num_heads: int, num_kv_heads: int,
@@ -137,9 +156,7 @@ def _slice(name: str, t: torch.Tensor, shard: TPShard, num_heads: int, num_kv_he
     if name.endswith(("o_proj.bias", "down_proj.bias")):
         return t if shard.rank == 0 else torch.zeros_like(t)
     if name in ("embed_tokens.weight", "lm_head.weight"):
-        rows = t[shard.vocab_start:shard.vocab_start + shard.vocab_per_rank]
-        pad = shard.vocab_per_rank - rows.shape[0]
-        return torch.cat([rows, rows.new_zeros(pad, t.shape[1])]) if pad else rows
+        return shard_vocab_rows(t, shard)
     return t  # norms: every rank holds them whole
 
 

@@ -35,6 +35,9 @@ class WorkerSpec:
     tensor_parallel_size: int
     store_port: int
     model_dir: Path
+    gguf: Path | None  # the GGUF file whose blocks run natively (None: model_dir's weights)
+    strict_quantization: bool
+    lora: object  # the engine's LoRAConfig (None: LoRA is off)
     dtype: torch.dtype
     device: str  # "cpu", or "cuda" (the worker takes cuda:<rank>)
     kernels: str  # the backend rank 0 resolved (never "auto", so every rank runs the same)
@@ -87,6 +90,7 @@ def _serve(spec: WorkerSpec) -> None:
     # imported here: the spawned interpreter pays for torch and the engine only once it runs
     from engine_worker.backends import select_backend
     from engine_worker.distributed.comm import make_comm, make_store
+    from engine_worker.lora.manager import LoRAManager, LoRARegistry
     from engine_worker.model_runner.runner import ModelRunner
     from engine_worker.platform import allocate_zeroed
     from engine_worker.pooler import Pooler
@@ -103,16 +107,23 @@ def _serve(spec: WorkerSpec) -> None:
                      tensor_parallel_size=spec.tensor_parallel_size)
     backend = select_backend(spec.kernels, device, spec.attention_backend)
     loaded = load_model(spec.model_dir, dtype=spec.dtype, device=device,
-                        backend=backend.backend, max_model_len=spec.max_model_len, comm=comm)
+                        backend=backend.backend, max_model_len=spec.max_model_len, comm=comm,
+                        gguf=spec.gguf, strict_quantization=spec.strict_quantization)
     model = loaded.model
+    lora = None if spec.lora is None else LoRAManager.for_model(
+        model, spec.lora, backend.name, spec.dtype, device)
     start: WorkerStart = comm.broadcast_object()
     kv_caches = [allocate_zeroed(shape, spec.dtype, device)
                  for shape in model.kv_cache_shapes(start.num_blocks, start.block_size)]
     runner = ModelRunner(model, kv_caches, start.block_size, device, model.cfg.vocab_size,
-                         start.eos_token_ids, start.seed, pooler=Pooler(start.pooler_config))
+                         start.eos_token_ids, start.seed, pooler=Pooler(start.pooler_config),
+                         lora=lora)
     comm.barrier()  # every rank ready: rank 0 may announce and serve
     while True:
         step = comm.broadcast_object()
         if step is None:  # rank 0 is shutting down
             return
+        if isinstance(step, LoRARegistry):  # rank 0's adapters changed: before a step
+            lora.sync(step)
+            continue
         runner.execute(step)

@@ -34,6 +34,7 @@ class LoRAAdapterCache:
         self.registered: dict[str, LoRARequest] = {}
         self._loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self._ids = itertools.count(1)
+        self.version = 0  # counts changes to ``registered``
         self.num_loads = 0  # adapters read from their path (registering included)
         self.load_s = 0.0  # the time those reads took, in all
 
@@ -52,11 +53,13 @@ class LoRAAdapterCache:
                              f"already loaded (from {known.lora_path}); unload it first")
         adapter = self._read(request.lora_name, request.lora_path)
         self.registered[request.lora_name] = request
+        self.version += 1
         self._remember(adapter, keep=())
         return True
 
     def remove(self, name: str) -> bool:
         self._loaded.pop(name, None)
+        self.version += 1
         return self.registered.pop(name, None) is not None
 
     def check(self, name: str) -> None:

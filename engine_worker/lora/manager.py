@@ -13,6 +13,7 @@ from engine_worker.lora.adapter import LoRAModelSpec
 from engine_worker.lora.cache import LoRAAdapterCache
 from engine_worker.lora.config import LoRAConfig
 from engine_worker.lora.ops import LoRAGroups, LoRAOps, lora_ops_for
+from engine_worker.lora.request import LoRARequest
 from engine_worker.lora.slots import LoRABatch, LoRASlots
 
 
@@ -35,6 +36,14 @@ class LoRAStats:
         return self.adapter_load_s / self.num_adapter_loads if self.num_adapter_loads else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class LoRARegistry:
+    """Rank 0's registered adapters, as plain data: what the other tensor-parallel ranks are
+    sent before a step whenever they changed."""
+
+    requests: tuple[LoRARequest, ...]
+
+
 class LoRAManager:
     def __init__(self, cache: LoRAAdapterCache, slots: LoRASlots, ops: LoRAOps,
                  device: torch.device) -> None:
@@ -47,8 +56,10 @@ class LoRAManager:
     def for_model(cls, model: torch.nn.Module, config: LoRAConfig, backend_name: str,
                   dtype: torch.dtype, device: torch.device) -> LoRAManager:
         projections = model.lora_projections()
+        # adapters are checked against the whole model; the slots hold this rank's part
         spec = LoRAModelSpec(num_layers=model.cfg.num_layers,
-                             modules={m: (i, o) for mods in projections.values()
+                             modules={m: (i, o) for mods in
+                                      model.lora_projections(whole=True).values()
                                       for m, i, o in mods})
         ops = lora_ops_for(backend_name)
         # a fused layer stack that runs LoRA takes its slots in its activation dtype (fp32
@@ -58,12 +69,27 @@ class LoRAManager:
             dtype = stack_dtype
         return cls(LoRAAdapterCache(spec, config.max_lora_rank, config.max_cpu_loras),
                    LoRASlots(projections, model.cfg.num_layers, config.max_loras,
-                             config.max_lora_rank, dtype, device, ops.b_rank_major),
+                             config.max_lora_rank, dtype, device, ops.b_rank_major,
+                             shard=model.lora_shard),
                    ops, device)
 
     def remove(self, name: str) -> bool:
         self.slots.forget(name)
         return self.cache.remove(name)
+
+    def registry(self) -> LoRARegistry:
+        """The registered adapters, for the other tensor-parallel ranks (``sync``)."""
+        return LoRARegistry(tuple(self.cache.registered.values()))
+
+    def sync(self, registry: LoRARegistry) -> None:
+        """On another rank: register what rank 0 has (each adapter is read from its path
+        when a step first needs it, and sliced to this rank); drop what it dropped."""
+        wanted = {r.lora_name: r for r in registry.requests}
+        for name, request in list(self.cache.registered.items()):
+            if wanted.get(name) != request:
+                self.remove(name)
+        for name, request in wanted.items():
+            self.cache.registered.setdefault(name, request)
 
     def stats(self, running: Sequence[str], waiting: Sequence[str]) -> LoRAStats:
         """Now, given the adapters of the running and waiting requests (the scheduler's)."""

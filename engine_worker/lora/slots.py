@@ -16,7 +16,7 @@ exactly nothing. B holds ``scaling * B``: one multiply fewer per token, and per-
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,7 @@ from engine_worker.lora.ops import LoRAGroups, LoRAOps
 
 # fused projection -> its PEFT modules, in the order their outputs are concatenated
 Projections = dict[str, tuple[tuple[str, int, int], ...]]  # (module, in, out)
+ShardFn = Callable[[str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +59,9 @@ class LoRASlots:
 
     def __init__(self, projections: Projections, num_layers: int, max_loras: int,
                  max_rank: int, dtype: torch.dtype, device: torch.device,
-                 b_rank_major: bool = False) -> None:
+                 b_rank_major: bool = False, shard: ShardFn | None = None) -> None:
         self.projections = projections
+        self.shard = shard  # (module, A, B) -> this tensor-parallel rank's parts
         self.max_rank = max_rank
         self.b_rank_major = b_rank_major
         self.slices = {p: tuple(m[2] for m in mods) for p, mods in projections.items()}
@@ -119,10 +121,13 @@ class LoRASlots:
                 for i, (module, _, out_features) in enumerate(modules):
                     weights = adapter.modules.get((layer, module))
                     if weights is not None:
-                        r = weights.lora_a.shape[0]
-                        a[i * r_max:i * r_max + r] = weights.lora_a
+                        lora_a, lora_b = weights.lora_a, weights.lora_b
+                        if self.shard is not None:
+                            lora_a, lora_b = self.shard(module, lora_a, lora_b)
+                        r = lora_a.shape[0]
+                        a[i * r_max:i * r_max + r] = lora_a
                         b[out:out + out_features, i * r_max:i * r_max + r] = \
-                            weights.lora_b * weights.scaling
+                            lora_b * weights.scaling
                     out += out_features
         self.names[slot] = adapter.name
         self.num_slot_loads += 1

@@ -276,14 +276,39 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(torch.where(mine, local, 0)) * mine.unsqueeze(-1)
         return self.comm.all_reduce(x)
 
-    def lora_projections(self) -> dict[str, tuple[tuple[str, int, int], ...]]:
-        """Fused projection -> the PEFT modules it concatenates: (name, in, out) each."""
-        cfg = self.cfg
-        h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    def lora_projections(self, whole: bool = False
+                         ) -> dict[str, tuple[tuple[str, int, int], ...]]:
+        """Fused projection -> the PEFT modules it concatenates: (name, in, out) each, this
+        rank's sizes under tensor parallelism (``whole``: the model's, which an adapter's
+        file has)."""
+        cfg, shard = self.cfg, (whole_shard(self.cfg) if whole else self.shard)
+        h, i = cfg.hidden_size, shard.intermediate_size
+        q, kv = shard.num_heads * cfg.head_dim, shard.num_kv_heads * cfg.head_dim
         return {"qkv_proj": (("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv)),
                 "o_proj": (("o_proj", q, h),),
                 "gate_up_proj": (("gate_proj", h, i), ("up_proj", h, i)),
                 "down_proj": (("down_proj", i, h),)}
+
+    def lora_shard(self, module: str, lora_a: torch.Tensor, lora_b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of one PEFT module's A [r, in] and B [out, r], sliced as its base
+        layer is (vLLM's LoRA layers do the same): a column-parallel module keeps its output
+        rows of B and all of A; a row-parallel one (o, down) its input columns of A and all of
+        B, so its delta is a partial sum that the layer's all-reduce completes."""
+        shard, head_dim = self.shard, self.cfg.head_dim
+        if not shard.is_split:
+            return lora_a, lora_b
+        if module == "q_proj":
+            step = shard.num_heads * head_dim
+            return lora_a, lora_b[shard.rank * step:(shard.rank + 1) * step]
+        if module in ("k_proj", "v_proj"):
+            start = shard.kv_head_start * head_dim
+            return lora_a, lora_b[start:start + shard.num_kv_heads * head_dim]
+        step = shard.intermediate_size
+        if module in ("gate_proj", "up_proj"):
+            return lora_a, lora_b[shard.rank * step:(shard.rank + 1) * step]
+        step = lora_a.shape[1] // shard.size  # o_proj, down_proj: split by input columns
+        return lora_a[:, shard.rank * step:(shard.rank + 1) * step], lora_b
 
     def pack_weights(self) -> None:
         """Once the checkpoint is loaded: every linear weight into the backend's layout, then

@@ -19,7 +19,8 @@ from safetensors import safe_open
 from torch import nn
 
 from engine_worker.backends.base import Backend
-from engine_worker.distributed.shard import PPStage, TPShard, shard_llama_state
+from engine_worker.distributed.shard import PPStage, TPShard, shard_llama_state, \
+    shard_vocab_rows
 from engine_worker.weights.gguf_weights import dequantize_blocks, read_gguf_state
 from engine_worker.weights.int4_checkpoint import Int4Config, int4_layers, parse_int4_config
 from engine_worker.weights.int4_layouts import int4_layout, pack_layers
@@ -97,24 +98,26 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, bac
                                      num_kv_heads=cfg.num_kv_heads)
             state = _fused_state(gstate.tensors, dtype=dtype, device=device)
         summary = gstate.summary()
+        if shard is not None:  # blocks slice as floats do (shard_llama_state)
+            state = shard_llama_state(state, shard=shard, num_heads=cfg.num_heads,
+                                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
         _assign_blocks(model, state)
         if gstate.tied_logits is not None and getattr(cfg, "tie_word_embeddings", False):
-            model.tied_logits_weight = gstate.tied_logits  # the logits stream blocks too
+            # the logits stream blocks too (this rank's vocabulary rows of them)
+            model.tied_logits_weight = gstate.tied_logits if shard is None else \
+                shard_vocab_rows(gstate.tied_logits, shard)
     else:
         int4 = parse_int4_config(hf_config)
         layout = int4_layout(backend.quantized_types) if int4_native else None
         with progress(logger, f"Loading weights from {model_dir.name}"):
             state = _read_state_dict(model_dir, dtype=dtype, device=device, int4=int4,
                                      int4_layout=layout)
+        if shard is not None:  # (refuses an int4 layout: de-quantized int4 splits as floats)
+            state = shard_llama_state(state, shard=shard, num_heads=cfg.num_heads,
+                                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
         if int4 is not None:
             summary = f"{int4.describe()}, " + (f"as {layout}" if layout else "de-quantized")
             _assign_blocks(model, state)
-        if shard is not None and int4 is not None:
-            raise ValueError(f"quantization: {int4.describe()} weights do not split across "
-                             f"tensor-parallel ranks yet; use tensor_parallel_size=1")
-    if shard is not None:
-        state = shard_llama_state(state, shard=shard, num_heads=cfg.num_heads,
-                                  num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
     expected = set(model.state_dict())
     if stage is not None:  # other stages' layers: theirs to load
         state = {k: v for k, v in state.items()

@@ -26,10 +26,12 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from engine_worker import LLM, SamplingParams
+from engine_worker.lora.request import LoRARequest
 from engine_worker.server.config import ServerConfig
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 from tests.conftest import build_tiny_model
+from tests.e2e.lora_adapters import make_adapter
 from tests.e2e.test_engine_server import RunningServer, _collect, _request
 
 pytestmark = pytest.mark.slow  # starts worker processes
@@ -132,6 +134,56 @@ def test_a_size_that_does_not_split_the_model_is_refused_naming_both(tiny_model_
                                                                       words):
     with pytest.raises(ValueError, match=f"tensor_parallel_size: {words}"):
         LLM(str(tiny_model_dir), tensor_parallel_size=size, **ENGINE)
+
+
+# ------------------------------------------------------------------ GGUF blocks and LoRA
+def test_smollm2_at_tp3_splits_its_gguf_blocks_and_matches_one_process():
+    # the embedded model: 9 query heads on 3 KV heads, MLP width 1536, its linear layers
+    # Q4_1 / Q8_0 blocks run natively: q/k/v, gate/up and the tied logits split by rows, o
+    # and down by whole blocks of input columns (18 and 48 blocks a row: 6 and 16 a rank)
+    engine = ENGINE | dict(kv_cache_memory_bytes=1 << 25)
+    single = LLM(**engine)
+    assert single.info.quantization == "gguf"
+    expected = single.generate(PROMPTS, GREEDY, use_tqdm=False)
+    with LLM(tensor_parallel_size=3, **engine) as llm:
+        assert llm.info.quantization == "gguf"
+        assert len(llm.info.worker_pids) == 2
+        assert_parallel_equal(expected, llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def tp_adapters(bias_model_dir, tmp_path_factory) -> dict[str, LoRARequest]:
+    root = tmp_path_factory.mktemp("tp-lora")
+    specs = {"all": dict(r=8, seed=1),
+             "some": dict(r=4, seed=2, targets=("q_proj", "v_proj", "o_proj", "down_proj"))}
+    return {name: LoRARequest(name, i + 1, make_adapter(bias_model_dir, root / name, **spec))
+            for i, (name, spec) in enumerate(specs.items())}
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_lora_adapters_split_across_ranks_match_one_process(bias_model_dir, tp_adapters, tp,
+                                                            pp):
+    # both adapters and the base model in one step; then an adapter registered while the
+    # workers run, and a name re-pointed at another adapter's weights
+    lora = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+    loras = [tp_adapters["all"], tp_adapters["some"], None]
+    single = LLM(str(bias_model_dir), **ENGINE, **lora)
+    expected = single.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
+    base = single.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for adapted, plain in zip(expected[:2], base[:2]):  # the adapters change the output
+        assert adapted.outputs[0].token_ids != plain.outputs[0].token_ids
+    with LLM(str(bias_model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp,
+             **ENGINE, **lora) as llm:
+        assert_parallel_equal(expected, llm.generate(PROMPTS, GREEDY, use_tqdm=False,
+                                                     lora_request=loras))
+        engine = llm.engine
+        assert engine.remove_lora("all")
+        repointed = LoRARequest("all", 7, tp_adapters["some"].lora_path)
+        engine.add_lora(repointed)
+        again = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=repointed)
+    assert_parallel_equal(
+        single.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=tp_adapters["some"]),
+        again)
 
 
 # ------------------------------------------------------------------------- lifecycle

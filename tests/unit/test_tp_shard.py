@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_worker.distributed.shard import TPShard, check_divisible, shard_llama_state
+from engine_worker.distributed.shard import TPShard, check_divisible, shard_llama_state, \
+    shard_vocab_rows
 
 
 def _shard(rank, size, heads=8, kv=2, inter=16, vocab=10):
@@ -73,3 +74,25 @@ def test_slices_concatenate_back_to_the_checkpoint():
     assert embed.shape[0] == 8 and torch.equal(embed[:7], state["embed_tokens.weight"])
     assert not embed[7].any()
     assert all(torch.equal(p["norm.weight"], state["norm.weight"]) for p in parts)
+
+
+def test_gguf_blocks_split_by_whole_blocks_and_a_width_they_do_not_divide_is_named():
+    # Q8_0 blocks as the file has them: uint8 [rows, K / 32, 34]; o's 3 blocks a row do not
+    # split in two, down's 4 do (2 a rank, exactly the file's bytes)
+    def blocks(rows: int, nb: int) -> torch.Tensor:
+        return torch.arange(rows * nb * 34).remainder(251).to(torch.uint8).reshape(rows, nb, 34)
+
+    shard = _shard(1, 2, heads=4, kv=2, inter=8)
+    down = blocks(6, 4)
+    part = shard_llama_state({"layers.0.mlp.down_proj.weight": down}, shard=shard,
+                             num_heads=4, num_kv_heads=2, head_dim=24)
+    assert torch.equal(part["layers.0.mlp.down_proj.weight"], down[:, 2:])
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 does not divide the 3 "
+                                         "quantized blocks of a row of layers.0.self_attn"):
+        shard_llama_state({"layers.0.self_attn.o_proj.weight": blocks(6, 3)}, shard=shard,
+                          num_heads=4, num_kv_heads=2, head_dim=24)
+    # the vocabulary's rows of blocks: the last rank's padded with zero blocks
+    shard = _shard(1, 2, heads=4, kv=2, inter=8, vocab=3)
+    tied = blocks(3, 2)
+    rows = shard_vocab_rows(tied, shard)
+    assert rows.shape == (2, 2, 34) and torch.equal(rows[0], tied[2]) and not rows[1].any()
