@@ -182,10 +182,6 @@ class LLMEngine:
         TPShard.of(0, tp, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                    intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size)
         PPStage.of(0, parallel.pipeline_parallel_size, cfg.num_layers)
-        if self._quantization.method in INT4_METHODS:
-            raise ValueError(f"quantization: {self._quantization.method} weights do not split "
-                             f"across processes yet; use quantization=dequantize or "
-                             f"tensor_parallel_size=1 and pipeline_parallel_size=1")
         if self._device.type == "cuda" and torch.cuda.device_count() < world_size:
             raise ValueError(f"tensor_parallel_size: {tp} x pipeline_parallel_size "
                              f"{parallel.pipeline_parallel_size} needs {world_size} GPUs, "
@@ -193,6 +189,7 @@ class LLMEngine:
         spec = WorkerSpec(rank=0, world_size=world_size, tensor_parallel_size=tp, store_port=0,
                           model_dir=self._model_dir, gguf=self._source.gguf,
                           strict_quantization=self._quantization.strict,
+                          int4_native=self._quantization.method in INT4_METHODS,
                           lora=self.config.lora,
                           dtype=self._dtype, device=self._device.type,
                           kernels=self._backend.name,

@@ -108,18 +108,18 @@ def shard_llama_state(state: dict[str, torch.Tensor], *, shard: TPShard, num_hea
     sliced to ``shard``. Row-parallel biases stay on rank 0 only (zeros elsewhere), so the
     all-reduce adds them once.
 
-    GGUF blocks (uint8 ``[N, K / block, bytes]``, as the file has them) slice the same way:
-    by output rows, or, for o and down, by whole blocks of input columns (each block's scale
-    belongs to it alone, so a rank's partial sum is exactly its blocks' share); a width whose
-    blocks ``shard.size`` does not divide is an error naming both numbers."""
+    Packed quantized weights slice the same way, GGUF blocks (uint8 ``[N, K / block,
+    bytes]``, as the file has them, or AWQ / GPTQ repacked so) and the int4 group layout
+    (int32 ``[N, K / group, words]``): by output rows, or, for o and down, by whole blocks
+    (groups) of input columns (each keeps its own scale, so a rank's partial sum is exactly
+    its blocks' share); a width whose blocks ``shard.size`` does not divide is an error
+    naming both numbers."""
     if not shard.is_split:
         return state
     out = {}
     for name, tensor in state.items():
-        if tensor.dtype == torch.int32 and tensor.dim() == 3:
-            raise ValueError("quantization: AWQ / GPTQ weights do not split across "
-                             "tensor-parallel ranks yet; use tensor_parallel_size=1")
-        if tensor.dtype == torch.uint8 and name.endswith(("o_proj.weight", "down_proj.weight")) \
+        packed = tensor.dtype in (torch.uint8, torch.int32) and tensor.dim() == 3
+        if packed and name.endswith(("o_proj.weight", "down_proj.weight")) \
                 and tensor.shape[1] % shard.size:
             raise ValueError(f"tensor_parallel_size: {shard.size} does not divide the "
                              f"{tensor.shape[1]} quantized blocks of a row of {name} (its "

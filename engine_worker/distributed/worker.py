@@ -37,6 +37,7 @@ class WorkerSpec:
     model_dir: Path
     gguf: Path | None  # the GGUF file whose blocks run natively (None: model_dir's weights)
     strict_quantization: bool
+    int4_native: bool  # an AWQ / GPTQ checkpoint's layers run in the backend's int4 layout
     lora: object  # the engine's LoRAConfig (None: LoRA is off)
     dtype: torch.dtype
     device: str  # "cpu", or "cuda" (the worker takes cuda:<rank>)
@@ -108,7 +109,8 @@ def _serve(spec: WorkerSpec) -> None:
     backend = select_backend(spec.kernels, device, spec.attention_backend)
     loaded = load_model(spec.model_dir, dtype=spec.dtype, device=device,
                         backend=backend.backend, max_model_len=spec.max_model_len, comm=comm,
-                        gguf=spec.gguf, strict_quantization=spec.strict_quantization)
+                        gguf=spec.gguf, strict_quantization=spec.strict_quantization,
+                        int4_native=spec.int4_native)
     model = loaded.model
     lora = None if spec.lora is None else LoRAManager.for_model(
         model, spec.lora, backend.name, spec.dtype, device)

@@ -84,6 +84,20 @@ def test_native_int4_matches_the_dequantized_checkpoint(kind, checkpoints):
     assert len(differ) <= 1
 
 
+@pytest.mark.slow  # starts a worker process
+@pytest.mark.parametrize("kind", ["awq", "gptq-sym"])
+def test_native_int4_splits_across_two_tensor_parallel_ranks(kind, checkpoints):
+    # each rank keeps its rows of q/k/v and gate/up and whole blocks of o's and down's input
+    # columns, in the backend's native layout; compared with one process by vLLM's rule
+    from tests.e2e.test_tensor_parallel import assert_parallel_equal
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
+    expected = _engine(checkpoints[kind]).generate(PROMPTS, params, use_tqdm=False)
+    with _engine(checkpoints[kind], tensor_parallel_size=2, num_threads=1) as llm:
+        assert llm.info.quantization == KINDS[kind]["method"]
+        assert_parallel_equal(expected, llm.generate(PROMPTS, params, use_tqdm=False))
+
+
 @pytest.mark.slow  # ~45 s: two engines under the Triton interpreter
 def test_triton_int4_kernel_end_to_end_under_the_interpreter(checkpoints):
     """Short prompts and outputs: the interpreter takes about 10 ms per tile iteration."""
