@@ -14,12 +14,13 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
 
-from engine_worker.distributed.comm import ParallelComm, make_comm, make_store
-from engine_worker.distributed.worker import WorkerSpec, WorkerStart, run_worker, \
+from engine_worker.distributed.comm import JOIN_TIMEOUT, ParallelComm, make_comm, make_store
+from engine_worker.distributed.worker import WorkerSpec, WorkerStart, alive_key, run_worker, \
     worker_device
 from engine_worker.model_runner.runner import ModelRunner
 from engine_worker.step_types import ModelRunnerOutput, SchedulerOutput
@@ -57,12 +58,32 @@ class MultiprocExecutor:
                     ", ".join(str(p.pid) for p in self._procs))
         self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
         self._watcher.start()
+        self._await_workers(store, spec.world_size)
         self.comm: ParallelComm = make_comm(store, 0, spec.world_size,
                                             worker_device(spec.device, 0),
                                             failed=lambda: self.failure,
                                             tensor_parallel_size=spec.tensor_parallel_size)
         self._store = store
         self._lora_version = 0  # the version of rank 0's adapters the workers have
+
+    def _await_workers(self, store, world_size: int) -> None:
+        """Until every worker runs: joining a gloo group waits for its peers without limit
+        (the groups' timeout is the engine's idle time), so a worker that dies before it
+        joins must stop the start here, named, instead of hanging it."""
+        keys = [alive_key(rank) for rank in range(1, world_size)]
+        deadline = time.monotonic() + JOIN_TIMEOUT.total_seconds()
+        while not store.check(keys):
+            if self.failure is not None:
+                self.abandon()
+                raise RuntimeError(f"{self.failure} before joining the engine (if a script "
+                                   f"started it: a script that starts an engine with more "
+                                   f"than one process must do so under `if __name__ == "
+                                   f"'__main__':`, as the spawned workers import it again)")
+            if time.monotonic() > deadline:
+                self.abandon()
+                raise RuntimeError(f"tensor-parallel workers did not start within "
+                                   f"{JOIN_TIMEOUT.total_seconds():.0f} s")
+            time.sleep(0.02)
 
     @property
     def pids(self) -> list[int]:

@@ -59,6 +59,11 @@ class WorkerStart:
     pooler_config: object  # the engine's resolved PoolerConfig
 
 
+def alive_key(rank: int) -> str:
+    """The store key a worker sets once it runs (imports done, store reached)."""
+    return f"alive/{rank}"
+
+
 def worker_device(device: str, rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}") if device == "cuda" else torch.device(device)
 
@@ -102,8 +107,9 @@ def _serve(spec: WorkerSpec) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     parent_pid = os.getppid()
-    comm = make_comm(make_store(spec.rank, spec.world_size, spec.store_port), spec.rank,
-                     spec.world_size, device,
+    store = make_store(spec.rank, spec.world_size, spec.store_port)
+    store.set(alive_key(spec.rank), b"1")  # rank 0 waits for this before joining the groups
+    comm = make_comm(store, spec.rank, spec.world_size, device,
                      failed=lambda: None if os.getppid() == parent_pid else "the engine exited",
                      tensor_parallel_size=spec.tensor_parallel_size)
     backend = select_backend(spec.kernels, device, spec.attention_backend)

@@ -174,15 +174,17 @@ def run_quire(engine_args, dtype: str, requests: dict) -> dict:
     return result
 
 
-def run_vllm(cfg: CompareConfig, python: str, dtype: str, requests_path: Path) -> dict:
+def run_vllm(cfg: CompareConfig, python: str, dtype: str, requests_path: Path,
+             extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> dict:
     """One peer process for one dtype; its stderr streams through (vLLM's own logs)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.vllm_kv_cache_gib)
+    env.update(extra_env or {})
     with tempfile.TemporaryDirectory(prefix="quire-compare-") as tmp:
         out = Path(tmp) / "vllm.json"
         # -I: the script's directory (Quire's benchmarks) stays off the peer's sys.path
         cmd = [python, "-I", str(PEER_SCRIPT), "--requests", str(requests_path),
-               "--dtype", dtype, "--output", str(out)]
+               "--dtype", dtype, "--output", str(out), *extra_args]
         done = subprocess.run(cmd, env=env, stdout=sys.stderr, timeout=cfg.peer_timeout_s)
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"the vLLM peer failed (exit {done.returncode}): {' '.join(cmd)}")

