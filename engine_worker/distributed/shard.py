@@ -140,13 +140,10 @@ def shard_vocab_rows(t: torch.Tensor, shard: TPShard) -> torch.Tensor:
 def _slice(name: str, t: torch.Tensor, shard: TPShard, num_heads: int, num_kv_heads: int,
            head_dim: int) -> torch.Tensor:
     if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-        q, k, v = t.split([num_heads * head_dim, num_kv_heads * head_dim,
-                           num_kv_heads * head_dim], dim=0)
-        q_rows = slice(shard.rank * shard.num_heads * head_dim,
-                       (shard.rank + 1) * shard.num_heads * head_dim)
-        kv_rows = slice(shard.kv_head_start * head_dim,
-                        (shard.kv_head_start + shard.num_kv_heads) * head_dim)
-        return torch.cat([q[q_rows], k[kv_rows], v[kv_rows]], dim=0)
+        parts = t.split([num_heads * head_dim, num_kv_heads * head_dim,
+                         num_kv_heads * head_dim], dim=0)
+        return torch.cat([part[output_rows(module, part.shape[0], shard, head_dim)]
+                          for module, part in zip(("q_proj", "k_proj", "v_proj"), parts)])
     if name.endswith("gate_up_proj.weight") or name.endswith("gate_up_proj.bias"):
         gate, up = t.chunk(2, dim=0)
         rows = _part(gate.shape[0], shard)
@@ -158,6 +155,31 @@ def _slice(name: str, t: torch.Tensor, shard: TPShard, num_heads: int, num_kv_he
     if name in ("embed_tokens.weight", "lm_head.weight"):
         return shard_vocab_rows(t, shard)
     return t  # norms: every rank holds them whole
+
+
+def output_rows(module: str, out_features: int, shard: TPShard, head_dim: int) -> slice:
+    """This rank's output rows of a column-parallel module (its own heads for q, its KV
+    heads for k and v, an equal part for gate and up)."""
+    if module == "q_proj":
+        step = shard.num_heads * head_dim
+        return slice(shard.rank * step, (shard.rank + 1) * step)
+    if module in ("k_proj", "v_proj"):
+        start = shard.kv_head_start * head_dim
+        return slice(start, start + shard.num_kv_heads * head_dim)
+    return _part(out_features, shard)
+
+
+def shard_lora(module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, shard: TPShard,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of one PEFT module's A [r, in] and B [out, r], sliced as its base
+    layer is (vLLM's LoRA layers do the same): a column-parallel module keeps its output rows
+    of B and all of A; a row-parallel one (o, down) its input columns of A and all of B, so
+    its delta is a partial sum that the layer's all-reduce completes."""
+    if not shard.is_split:
+        return lora_a, lora_b
+    if module in ("o_proj", "down_proj"):
+        return lora_a[:, _part(lora_a.shape[1], shard)], lora_b
+    return lora_a, lora_b[output_rows(module, lora_b.shape[0], shard, head_dim)]
 
 
 def _part(n: int, shard: TPShard) -> slice:

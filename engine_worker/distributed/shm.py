@@ -78,13 +78,15 @@ class ShmCollectives:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in place in ``x`` (same bits on every rank)."""
         parts = self._exchange(x)
-        if len(parts) == 2:  # one rounded add: the same bits in either order
-            return torch.add(parts[0], parts[1], out=x)
-        acc = parts[0].float() if x.dtype != torch.float32 else parts[0].clone()
+        if x.dtype == torch.float32 or len(parts) == 2:  # (two: one rounding either way)
+            torch.add(parts[0], parts[1], out=x)
+            for part in parts[2:]:
+                x += part
+            return x
+        acc = parts[0].float()  # more narrow parts: summed in fp32, rounded once
         for part in parts[1:]:
             acc += part
-        x.copy_(acc)
-        return x
+        return x.copy_(acc)
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat(self._exchange(x), dim=-1)

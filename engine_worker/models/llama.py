@@ -19,7 +19,7 @@ from torch import nn
 from engine_worker.attention.metadata import AttentionMetadata
 from engine_worker.backends.base import Backend, LayersFn, LinearWeights, stack_takes_lora
 from engine_worker.distributed.comm import Collectives, WholeModel
-from engine_worker.distributed.shard import PPStage, TPShard
+from engine_worker.distributed.shard import PPStage, TPShard, shard_lora
 from engine_worker.layers.linear import Linear
 from engine_worker.layers.norm import RMSNorm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding
@@ -291,24 +291,8 @@ class LlamaForCausalLM(nn.Module):
 
     def lora_shard(self, module: str, lora_a: torch.Tensor, lora_b: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of one PEFT module's A [r, in] and B [out, r], sliced as its base
-        layer is (vLLM's LoRA layers do the same): a column-parallel module keeps its output
-        rows of B and all of A; a row-parallel one (o, down) its input columns of A and all of
-        B, so its delta is a partial sum that the layer's all-reduce completes."""
-        shard, head_dim = self.shard, self.cfg.head_dim
-        if not shard.is_split:
-            return lora_a, lora_b
-        if module == "q_proj":
-            step = shard.num_heads * head_dim
-            return lora_a, lora_b[shard.rank * step:(shard.rank + 1) * step]
-        if module in ("k_proj", "v_proj"):
-            start = shard.kv_head_start * head_dim
-            return lora_a, lora_b[start:start + shard.num_kv_heads * head_dim]
-        step = shard.intermediate_size
-        if module in ("gate_proj", "up_proj"):
-            return lora_a, lora_b[shard.rank * step:(shard.rank + 1) * step]
-        step = lora_a.shape[1] // shard.size  # o_proj, down_proj: split by input columns
-        return lora_a[:, shard.rank * step:(shard.rank + 1) * step], lora_b
+        """This rank's part of one PEFT module's A and B (``distributed.shard.shard_lora``)."""
+        return shard_lora(module, lora_a, lora_b, self.shard, self.cfg.head_dim)
 
     def pack_weights(self) -> None:
         """Once the checkpoint is loaded: every linear weight into the backend's layout, then

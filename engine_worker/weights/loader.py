@@ -90,7 +90,7 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, bac
     with torch.device("meta"):
         model = arch.model_cls(cfg, backend, max_len, device, shard=shard, comm=comm,
                                stage=stage)
-    summary = ""
+    summary, tied_logits = "", None
     if gguf is not None:
         with progress(logger, f"Loading weights from {gguf.name} (native GGUF blocks)"):
             gstate = read_gguf_state(gguf, dtype=dtype, native_types=backend.quantized_types,
@@ -98,26 +98,24 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, bac
                                      num_kv_heads=cfg.num_kv_heads)
             state = _fused_state(gstate.tensors, dtype=dtype, device=device)
         summary = gstate.summary()
-        if shard is not None:  # blocks slice as floats do (shard_llama_state)
-            state = shard_llama_state(state, shard=shard, num_heads=cfg.num_heads,
-                                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
-        _assign_blocks(model, state)
-        if gstate.tied_logits is not None and getattr(cfg, "tie_word_embeddings", False):
-            # the logits stream blocks too (this rank's vocabulary rows of them)
-            model.tied_logits_weight = gstate.tied_logits if shard is None else \
-                shard_vocab_rows(gstate.tied_logits, shard)
+        if getattr(cfg, "tie_word_embeddings", False):
+            tied_logits = gstate.tied_logits  # the logits stream blocks too, if any
     else:
         int4 = parse_int4_config(hf_config)
         layout = int4_layout(backend.quantized_types) if int4_native else None
         with progress(logger, f"Loading weights from {model_dir.name}"):
             state = _read_state_dict(model_dir, dtype=dtype, device=device, int4=int4,
                                      int4_layout=layout)
-        if shard is not None:  # (refuses an int4 layout: de-quantized int4 splits as floats)
-            state = shard_llama_state(state, shard=shard, num_heads=cfg.num_heads,
-                                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
         if int4 is not None:
             summary = f"{int4.describe()}, " + (f"as {layout}" if layout else "de-quantized")
-            _assign_blocks(model, state)
+    if shard is not None:  # packed quantized weights slice as floats do
+        state = shard_llama_state(state, shard=shard, num_heads=cfg.num_heads,
+                                  num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim)
+        if tied_logits is not None:
+            tied_logits = shard_vocab_rows(tied_logits, shard)
+    _assign_blocks(model, state)
+    if tied_logits is not None:
+        model.tied_logits_weight = tied_logits
     expected = set(model.state_dict())
     if stage is not None:  # other stages' layers: theirs to load
         state = {k: v for k, v in state.items()

