@@ -368,6 +368,8 @@ class LLMEngine:
             backend=backend.name, attention=backend.backend.attention.name,
             backend_reason=backend.reason, backend_fallback=backend.fallback,
             backend_summary=backend.describe(), cuda_graphs=self._graph_choice.describe(),
+            layer_execution=("fused" if getattr(loaded.model, "layer_stack", None) is not None
+                             else "per-layer"),
             quantization=self._quantization.method,
             quantization_summary=self._quantization.describe() + (
                 f" ({loaded.weights_summary})" if loaded.weights_summary else ""),

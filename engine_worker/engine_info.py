@@ -42,6 +42,9 @@ class EngineInfo:
     backend_fallback: bool  # a faster backend was preferred but cannot run here
     backend_summary: str  # one line for the log: name (what it is): reason
     cuda_graphs: str  # "on (35 batch sizes, 1 to 256)", "off (cpu)", "off (enforce_eager)"
+    # "fused": the backend runs every decoder layer in one call a step; "per-layer": one
+    # Python call per op (the backend fuses none of this model's stack; slower on a CPU)
+    layer_execution: str
     # how the weights are held (weights.quantization): "gguf" (blocks multiplied natively),
     # "awq" / "gptq" (4-bit packed weights multiplied natively), "dequantize" (a quantized checkpoint widened to dtype) or "none" (a float checkpoint);
     # part of the cache identity: K/V differ between a 4-bit and a 16-bit engine

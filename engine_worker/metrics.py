@@ -164,11 +164,14 @@ class EngineMetrics:
 
         # What runs, as an info-style gauge (always 1): a fallback to the reference ops costs
         # 5-10x and an alert can match on backend="torch" where "cpu" was expected.
-        # quantization: how the weights are held ("gguf", "awq", "gptq", "dequantize", "none")
+        # quantization: how the weights are held ("gguf", "awq", "gptq", "dequantize", "none");
+        # layers: "fused" or "per-layer" (EngineInfo.layer_execution)
         Gauge("quire:backend_info",
-              "Kernel backend the engine runs, why, and how its weights are held (value 1).",
-              ["model_name", "backend", "reason", "quantization"], registry=r
-              ).labels(model_name, info.backend, info.backend_reason, info.quantization).set(1)
+              "Kernel backend the engine runs, why, how its weights are held and how its "
+              "layers run (value 1).",
+              ["model_name", "backend", "reason", "quantization", "layers"], registry=r
+              ).labels(model_name, info.backend, info.backend_reason, info.quantization,
+                       info.layer_execution).set(1)
         Gauge("quire:cuda_graphs_info",
               "Whether decode steps replay CUDA graphs, and why (value 1).",
               ["model_name", "cuda_graphs"], registry=r

@@ -42,6 +42,13 @@ def progress(logger: logging.Logger, what: str, *, expect: str = "",
     logger.info("%s: done in %.1f s", what, time.monotonic() - start)
 
 
+LAYER_EXECUTION = {
+    "fused": "fused (every decoder layer in one backend call a step)",
+    "per-layer": "per-layer (one Python call per op: the backend fuses none of this model's "
+                 "stack here, slower on a CPU)",
+}
+
+
 def start_summary(info: EngineInfo, *, elapsed_s: float) -> str:
     """The choices an engine made, as the short block it logs once at start; a ``Memory``
     line where the KV cache was sized from a profile of the device's memory."""
@@ -51,6 +58,7 @@ def start_summary(info: EngineInfo, *, elapsed_s: float) -> str:
         f"Engine ready in {elapsed_s:.1f} s: {info.model_dir.name} ({info.architecture})",
         f"  Device: {info.device}{threads}, dtype {str(info.dtype).removeprefix('torch.')}",
         f"  Backend: {info.backend_summary}",
+        f"  Layers: {LAYER_EXECUTION.get(info.layer_execution, info.layer_execution)}",
         f"  CUDA graphs: {info.cuda_graphs}",
         f"  KV cache: {info.num_kv_blocks} blocks x {info.block_size} tokens = {capacity} "
         f"tokens, {info.kv_cache_bytes / 2**30:.2f} GiB "

@@ -133,7 +133,7 @@ at::Tensor residual_mlp_lora(const at::Tensor& x, const at::Tensor& attn,
                              const std::optional<at::Tensor>& gate_up_bias,
                              const at::Tensor& down_few, const at::Tensor& down_many,
                              const std::optional<at::Tensor>& down_bias,
-                             const LoRAProjection* lora) {
+                             const LoRAProjection* lora, const ShmGroup* tp = nullptr) {
   check_x(x, "residual_mlp");
   TORCH_CHECK(attn.dim() == 2 && attn.size(0) == x.size(0) && attn.dtype() == x.dtype(),
               "residual_mlp: attn must be [tokens, heads * head_dim] in x's dtype");
@@ -141,6 +141,7 @@ at::Tensor residual_mlp_lora(const at::Tensor& x, const at::Tensor& attn,
   at::Tensor h = linear(attn_rows, o_few, o_many, o_bias);
   TORCH_CHECK(h.sizes() == x.sizes(), "residual_mlp: o_proj must map back to hidden");
   add_lora(h, attn_rows, lora ? lora + 0 : nullptr);
+  if (tp) shm_all_reduce(h, *tp);  // row-parallel: every rank's partial sum
   h.add_(x);  // x + o_proj(attn)
   const at::Tensor normed = rms_norm(h, norm_weight, eps);
   at::Tensor gate_up = linear(normed, gate_up_few, gate_up_many, gate_up_bias);
@@ -149,6 +150,7 @@ at::Tensor residual_mlp_lora(const at::Tensor& x, const at::Tensor& attn,
   at::Tensor out = linear(act, down_few, down_many, down_bias);
   TORCH_CHECK(out.sizes() == x.sizes(), "residual_mlp: down_proj must map back to hidden");
   add_lora(out, act, lora ? lora + 2 : nullptr);
+  if (tp) shm_all_reduce(out, *tp);
   return out.add_(h);
 }
 
@@ -202,6 +204,9 @@ void prefetch_kv(const at::Tensor& kv_cache, const at::Tensor& block_tables,
 // `lora_weights` holds eight tensors a layer: A then B (lora.cpp's layouts) of QKV, o_proj,
 // gate/up and down, in the activations' dtype, and `lora_slots` each token's slot (int64
 // [tokens], 0: the base model); QKV's ranks split in three slices (q, k, v), gate/up's in two.
+// Under tensor parallelism (`tp_segment` and `tp_state`: shm_all_reduce.cpp's group) the
+// weights are this rank's shard and o_proj's and down's partial outputs are summed over the
+// group's ranks in shared memory, where the per-layer path calls its all-reduce.
 constexpr int64_t kWeightsPerLayer = 10, kBiasesPerLayer = 4, kLoRAPerLayer = 8;
 
 at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& cos,
@@ -212,7 +217,9 @@ at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, con
                         const at::Tensor& seq_lens, double eps, double scale, int64_t num_heads,
                         int64_t num_kv_heads, at::TensorList lora_weights,
                         const std::optional<at::Tensor>& lora_slots,
-                        const std::optional<at::Tensor>& attention_ns) {
+                        const std::optional<at::Tensor>& attention_ns,
+                        const std::optional<at::Tensor>& tp_segment,
+                        const std::optional<at::Tensor>& tp_state) {
   const int64_t num_layers = int64_t(kv_caches.size());
   TORCH_CHECK(int64_t(weights.size()) == num_layers * kWeightsPerLayer &&
                   int64_t(biases.size()) == num_layers * kBiasesPerLayer,
@@ -234,6 +241,10 @@ at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, con
     groups = lora_groups(lora_slots->contiguous(), lora_weights[0].size(0));
   }
   const bool with_lora = lora_slots.has_value() && !groups.slots.empty();
+  TORCH_CHECK(tp_segment.has_value() == tp_state.has_value(),
+              "llama_layers: tp_segment and tp_state come together");
+  std::optional<ShmGroup> tp;
+  if (tp_segment.has_value()) tp = shm_group(*tp_segment, *tp_state);
   at::Tensor x = x_in;
   for (int64_t i = 0; i < num_layers; ++i) {
     const at::Tensor* w = weights.data() + i * kWeightsPerLayer;
@@ -266,7 +277,7 @@ at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, con
     if (i + 1 < num_layers) prefetch_kv(kv_caches[i + 1], block_tables, seq_lens);
     x = residual_mlp_lora(x, attn.view({x.size(0), -1}), w[3], w[4], bias(1), w[5], eps, w[6],
                           w[7], bias(2), w[8], w[9], bias(3),
-                          mlp_lora.empty() ? nullptr : mlp_lora.data());
+                          mlp_lora.empty() ? nullptr : mlp_lora.data(), tp ? &*tp : nullptr);
   }
   return x;
 }
@@ -278,7 +289,8 @@ TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
         "Tensor?[] biases, Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, float eps, float scale, int num_heads, "
         "int num_kv_heads, Tensor[] lora_weights, Tensor? lora_slots, "
-        "Tensor(b!)? attention_ns=None) -> Tensor");
+        "Tensor(b!)? attention_ns=None, Tensor(c!)? tp_segment=None, Tensor(d!)? tp_state=None) "
+        "-> Tensor");
   m.def("norm_qkv_rope(Tensor x, Tensor norm_weight, float eps, Tensor qkv_skinny, "
         "Tensor qkv_onednn, Tensor? qkv_bias, Tensor positions, Tensor cos, Tensor sin, "
         "int num_heads, int num_kv_heads) -> (Tensor, Tensor, Tensor)");

@@ -5,7 +5,7 @@
 // Shared sources (this directory): RMSNorm, SwiGLU and RoPE (elementwise.cpp), varlen paged
 // attention and the cache write (paged_attention.cpp), the fused layer halves and the layer
 // stack (llama_block.cpp), GGUF block-quantized linear layers (quant_linear.cpp), batched
-// LoRA (lora.cpp). Each
+// LoRA (lora.cpp), the shared-memory all-reduce (shm_all_reduce.cpp). Each
 // instruction set adds, in its own directory, what only it can
 // do: its linear layers (<isa>/linear.h) and its attention dot products and kernels
 // (<isa>/attention.h).
@@ -82,5 +82,19 @@ void lora_shrink_into(at::Tensor& h, const at::Tensor& x, const at::Tensor& a,
 // y [T, N] += the expand of h [T, R] (contiguous); B contiguous in y's dtype
 void lora_expand_into(at::Tensor& y, const at::Tensor& h, const at::Tensor& b,
                       const LoRAGroups& groups, c10::IntArrayRef slices);
+// A tensor-parallel group's shared-memory segment (shm_all_reduce.cpp, laid out by
+// engine_worker/distributed/shm.py): the ranks' flag lines, the two buffers of slots, and
+// the sequence number this rank shares with Python's collectives
+struct ShmGroup {
+  int64_t* flags = nullptr;
+  uint8_t* slots = nullptr;
+  int64_t* seq = nullptr;
+  int64_t rank = 0, world_size = 1, slot_bytes = 0;
+};
+// the group over `segment` (uint8) as `state` (int64 [seq, rank, world_size, slot_bytes])
+// says, checked
+ShmGroup shm_group(const at::Tensor& segment, const at::Tensor& state);
+// x (contiguous fp32 / bf16 / fp16) = the sum of every rank's x, the same bits on each
+void shm_all_reduce(at::Tensor& x, const ShmGroup& g);
 
 }  // namespace QUIRE_NS

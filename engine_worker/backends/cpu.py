@@ -110,10 +110,16 @@ class CpuOps:
         and rounded on the way out, its norms and biases widened once, here). Bit for bit the
         layers run one by one through these ops where the dtypes agree (tests/unit/ops). None
         where a layer needs the per-layer path: a head size or width the kernels do not take,
-        a weight not in a layout the set's stack takes. The weight lists are built once."""
+        a weight not in a layout the set's stack takes, a tensor-parallel shard whose group
+        has no shared memory to sum in (its all-reduces then run between Python layers).
+        Under tensor parallelism the op sums o_proj's and down's partial outputs in the
+        group's shared memory itself (csrc/cpu/shm_all_reduce.cpp). The weight lists are
+        built once."""
         width = 2 * self.lanes
         if not kernel_supports(stack.head_dim) or stack.head_dim % width \
                 or stack.hidden_size % width:
+            return None
+        if stack.tensor_parallel and stack.tp_all_reduce is None:
             return None
         dtype = self._linear.activation_dtype
         model_dtype = stack.layers[0].input_norm.dtype if stack.layers else dtype
@@ -184,11 +190,13 @@ class OneCallLayers:
             lora_weights = [w for a, b in zip(lora.a, lora.b) for p in LORA_PROJECTIONS
                             for w in (a[p], b[p])]
             lora_slots = lora.groups.token_slots
+        tp = stack.tp_all_reduce
         out = self.ops.llama_layers(
             x.to(self.activation_dtype).contiguous(), positions, self.cos, self.sin,
             self.weights, self.biases, kv_caches, meta.slot_mapping, meta.block_tables,
             meta.query_start_loc, meta.seq_lens, stack.rms_norm_eps, stack.attention_scale,
-            stack.num_heads, stack.num_kv_heads, lora_weights, lora_slots, attention_ns)
+            stack.num_heads, stack.num_kv_heads, lora_weights, lora_slots, attention_ns,
+            None if tp is None else tp.segment, None if tp is None else tp.state)
         return out.to(x.dtype)
 
 

@@ -65,8 +65,9 @@ def resolve_triton(device: torch.device) -> Backend | Unavailable:
         silu_and_mul=triton_ops.silu_and_mul, rope=triton_ops.rope, attention=attention,
         linear=triton_int4.linear, pack_weight=triton_int4.pack_weight,
         quantized_types=frozenset({INT4_GROUPS_TYPE}),
-        fused_stacks={"llama": lambda stack: TritonLlamaLayers(stack, triton_int4.linear,
-                                                               attention)})
+        # a tensor-parallel shard runs layer by layer (its all-reduces go over NCCL there)
+        fused_stacks={"llama": lambda stack: None if stack.tensor_parallel else
+                      TritonLlamaLayers(stack, triton_int4.linear, attention)})
 
 
 class TritonLlamaLayers:

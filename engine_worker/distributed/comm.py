@@ -21,7 +21,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from engine_worker.distributed.shm import ShmCollectives, new_shm_path, shm_unavailable_reason
+from engine_worker.distributed.shm import (ShmCollectives, ShmSegment, new_shm_path,
+                                           shm_unavailable_reason)
 
 _HEADER_BYTES = 8
 _BROADCAST_BYTES = 16 * 1024  # one broadcast carries a step up to this size, a second the rest
@@ -38,11 +39,16 @@ class Collectives(Protocol):
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor: ...
 
+    # the all-reduce a fused kernel can run itself between layers (None: only the above)
+    @property
+    def kernel_all_reduce(self) -> ShmSegment | None: ...
+
 
 class WholeModel:
     """One rank holds the whole model: nothing to reduce or gather."""
 
     name = "none"
+    kernel_all_reduce = None
 
     @staticmethod
     def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -97,6 +103,11 @@ class TPComm:
         self.device_pg.allreduce([x]).wait()
         return x
 
+    @property
+    def kernel_all_reduce(self) -> ShmSegment | None:
+        """The segment a fused kernel sums over itself, where this group has one."""
+        return self.shm.kernel_view if self.shm is not None and self.world_size > 1 else None
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return x
@@ -150,6 +161,10 @@ class ParallelComm:
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_gather_last(x)
+
+    @property
+    def kernel_all_reduce(self) -> ShmSegment | None:
+        return self.tp.kernel_all_reduce
 
     @property
     def name(self) -> str:

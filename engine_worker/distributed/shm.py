@@ -3,7 +3,8 @@ does the same), beside which gloo's loopback TCP costs a millisecond or more a c
 machine.
 
 One file in /dev/shm, mapped by every rank and unlinked once all have mapped it, holds two
-buffers of one slot per rank, and a sequence flag per rank on its own cache line. A collective
+buffers of one slot per rank, and a sequence flag per rank on its own cache line (beside it
+the rank's pid, which a waiting rank checks to see a peer gone). A collective
 writes the rank's tensor into its slot of buffer ``seq % 2``, publishes ``seq`` in its flag and
 waits until every flag has reached ``seq``; then every rank reads all slots, summing them in
 rank order, so every rank gets the same bits. Alternating buffers makes one wait per call
@@ -12,6 +13,10 @@ published ``seq + 1``, which each does only after it finished reading ``seq``'s 
 
 The flags are plain stores and loads: on x86 (total store order) a rank that sees a flag sees
 the slot written before it. Tensors larger than a slot, and other architectures, go to gloo.
+
+The CPU kernels run the same all-reduce in C++ (``csrc/cpu/shm_all_reduce.cpp``) inside the
+fused layer stack, on this segment and this rank's sequence number (``state``, shared with
+it): Python's calls and theirs interleave in one sequence.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import platform
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +60,16 @@ def new_shm_path() -> Path:
     return SHM_DIR / f"quire-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
+@dataclass(frozen=True, slots=True)
+class ShmSegment:
+    """What a kernel needs to run this rank's all-reduce itself (csrc/cpu/shm_all_reduce.cpp):
+    the mapped segment and the rank's ``[seq, rank, world_size, slot_bytes]``, which it
+    advances as Python's calls do."""
+
+    segment: torch.Tensor  # uint8, the whole mapped file
+    state: torch.Tensor  # int64 [4]
+
+
 class ShmCollectives:
     """Rank ``rank``'s view of the segment at ``path`` (created by rank 0 with ``create``).
     ``failed``: polled while waiting; a string (why a peer is gone) aborts the wait."""
@@ -64,13 +80,21 @@ class ShmCollectives:
         if create:
             with open(path, "wb") as f:
                 f.truncate(size)
-        self._mem = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        self.segment = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
         flag_bytes = world_size * _FLAG_STRIDE * 8
-        self._flags = self._mem[:flag_bytes].numpy().view(np.int64)[::_FLAG_STRIDE]
-        self._slots = self._mem[flag_bytes:].view(2, world_size, slot_bytes)
+        lines = self.segment[:flag_bytes].numpy().view(np.int64)
+        self._flags = lines[::_FLAG_STRIDE]
+        lines[rank * _FLAG_STRIDE + 1] = os.getpid()
+        self._slots = self.segment[flag_bytes:].view(2, world_size, slot_bytes)
         self.rank, self.world_size, self.slot_bytes = rank, world_size, slot_bytes
         self._failed = failed
-        self._seq = 0
+        # [seq, rank, world_size, slot_bytes]: what the C++ all-reduce reads and advances
+        self.state = torch.tensor([0, rank, world_size, slot_bytes], dtype=torch.int64)
+        self._state = self.state.numpy()
+
+    @property
+    def kernel_view(self) -> ShmSegment:
+        return ShmSegment(self.segment, self.state)
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.numel() * x.element_size() <= self.slot_bytes
@@ -95,11 +119,12 @@ class ShmCollectives:
         """Every rank's ``x``, as views of the slots (valid until the next call but one)."""
         x = x.contiguous()
         num_bytes = x.numel() * x.element_size()
-        self._seq += 1
-        buffer = self._slots[self._seq & 1]
+        self._state[0] += 1
+        seq = int(self._state[0])
+        buffer = self._slots[seq & 1]
         buffer[self.rank, :num_bytes].copy_(x.view(-1).view(torch.uint8))
-        self._flags[self.rank] = self._seq  # after the slot's bytes (x86 store order)
-        self._wait(self._seq)
+        self._flags[self.rank] = seq  # after the slot's bytes (x86 store order)
+        self._wait(seq)
         return [buffer[r, :num_bytes].view(x.dtype).view(x.shape)
                 for r in range(self.world_size)]
 

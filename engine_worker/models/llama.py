@@ -25,6 +25,7 @@ from engine_worker.layers.norm import RMSNorm
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding
 
 if TYPE_CHECKING:
+    from engine_worker.distributed.shm import ShmSegment
     from engine_worker.lora.slots import LoRABatch
 
 
@@ -86,6 +87,12 @@ class LlamaStack:
     attention_scale: float
     rope_cos: torch.Tensor  # [max_position, head_dim] fp32
     rope_sin: torch.Tensor  # [max_position, head_dim] fp32
+    # this rank's shard under tensor parallelism: o_proj's and down's outputs are partial
+    # sums, to be all-reduced where the per-layer path does; ``tp_all_reduce``, the group's
+    # shared memory where a kernel can do that itself (None: a fused implementation that
+    # cannot reduce declines the stack, and it runs layer by layer)
+    tensor_parallel: bool = False
+    tp_all_reduce: ShmSegment | None = None
 
 
 def whole_shard(cfg: LlamaConfig) -> TPShard:
@@ -247,9 +254,9 @@ class LlamaForCausalLM(nn.Module):
                 input_ids.shape[0], self.cfg.hidden_size, dtype=self.norm.weight.dtype,
                 device=input_ids.device))
         if self.layer_stack is not None and lora is None:
-            x = self.layer_stack(x, positions, kv_caches, meta)
+            x = self.layer_stack(x, positions, self._stage_caches(kv_caches), meta)
         elif self.layer_stack is not None and stack_takes_lora(self.layer_stack, lora):
-            x = self.layer_stack(x, positions, kv_caches, meta, lora=lora)
+            x = self.layer_stack(x, positions, self._stage_caches(kv_caches), meta, lora=lora)
         else:
             for i in range(stage.layer_start, stage.layer_end):
                 x = self.layers[i](positions, x, kv_caches[i], meta, lora)
@@ -258,6 +265,12 @@ class LlamaForCausalLM(nn.Module):
         if not stage.is_last:
             self.comm.send_to_next_stage(x)
         return self.comm.broadcast_from_last_stage(self.norm(x) if stage.is_last else x)
+
+    def _stage_caches(self, kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The KV caches of this stage's layers, the layers the fused stack holds."""
+        if self.stage.num_stages == 1:
+            return kv_caches
+        return kv_caches[self.stage.layer_start:self.stage.layer_end]
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
         """Each layer's KV cache tensor: [2, num_blocks, block_size, kv heads, head_dim] for
@@ -301,14 +314,11 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        if self.stage.num_stages > 1:  # one call over every layer: this rank holds some
-            self.logits_packed = (self.backend.pack_weight(self._logits_weight())
-                                  if self.lm_head is None else self.lm_head.packed)
-            return
         self.logits_packed = (self.backend.pack_weight(self._logits_weight())
                               if self.lm_head is None else self.lm_head.packed)
-        # a fused stack runs every layer in one call: no place for the all-reduces between them
-        self.layer_stack = None if self.shard.is_split else self.backend.fuse(self.export())
+        # one call over this stage's layers, where the backend fuses them (under tensor
+        # parallelism: where its fused call can run the all-reduces between them too)
+        self.layer_stack = self.backend.fuse(self.export())
 
     def export(self) -> LlamaStack:
         """The decoder layers' loaded (and packed) weights and shapes, as plain data."""
@@ -319,7 +329,8 @@ class LlamaForCausalLM(nn.Module):
             num_heads=self.shard.num_heads, num_kv_heads=self.shard.num_kv_heads,
             head_dim=cfg.head_dim,
             rms_norm_eps=cfg.rms_norm_eps, attention_scale=cfg.head_dim ** -0.5,
-            rope_cos=self.rotary.cos, rope_sin=self.rotary.sin)
+            rope_cos=self.rotary.cos, rope_sin=self.rotary.sin,
+            tensor_parallel=self.shard.is_split, tp_all_reduce=self.comm.kernel_all_reduce)
 
     def _logits_weight(self) -> torch.Tensor:
         if self.lm_head is not None:

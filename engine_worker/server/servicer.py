@@ -143,7 +143,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             pipeline_parallel_size=info.pipeline_parallel_size,
             all_reduce_backend=info.all_reduce_backend,
             distributed_executor_backend=info.distributed_executor_backend,
-            incarnation_id=self.incarnation_id, **spec_fields)
+            layer_execution=info.layer_execution, incarnation_id=self.incarnation_id, **spec_fields)
 
     async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest,
                               context) -> pb.LoadLoRAAdapterResponse:

@@ -191,6 +191,10 @@ def test_model_info_and_metrics_say_which_backend_runs_and_why(server):
     assert len(infos) == 1 and infos[0].value == 1
     assert infos[0].labels["backend"] == info.backend
     assert infos[0].labels["reason"] == info.backend_reason
+    # how the layers run, in both places too (which one depends on the set: this model's
+    # head size is fused by the AVX2 set's stack, not by the AVX-512 set's)
+    assert info.layer_execution == infos[0].labels["layers"]
+    assert info.layer_execution in ("fused", "per-layer")
     # and that CUDA graphs are off on a CPU, in the same two places
     assert info.cuda_graphs == "off (cpu)"
     graphs = [s for family in text_string_to_metric_families(text) for s in family.samples

@@ -302,6 +302,8 @@ def test_start_shows_progress_and_one_summary_of_the_choices(tiny_model_dir, cap
     assert summaries[0].getMessage().splitlines()[1:] == [
         "  Device: cpu, %d threads, dtype float32" % torch.get_num_threads(),
         "  Backend: torch (reference ops): requested (kernels=torch)",
+        "  Layers: per-layer (one Python call per op: the backend fuses none of this model's "
+        "stack here, slower on a CPU)",
         "  CUDA graphs: off (cpu)",
         f"  KV cache: {num_blocks} blocks x 16 tokens = {num_blocks * 16} tokens, "
         f"{num_blocks * block_bytes / 2**30:.2f} GiB ({block_bytes // 16} bytes a token)",

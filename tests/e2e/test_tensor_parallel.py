@@ -186,6 +186,36 @@ def test_lora_adapters_split_across_ranks_match_one_process(bias_model_dir, tp_a
         again)
 
 
+
+@pytest.fixture(scope="module")
+def fused_model_dir(tmp_path_factory, embedded_model_dir) -> Path:
+    """Head size 32 and hidden size 128: shapes every CPU set's fused layer stack takes."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-fused"), embedded_model_dir,
+                            num_heads=4, num_kv_heads=2, hidden_size=128, seed=5)
+
+
+@pytest.mark.parametrize("tp, pp, with_lora", [(2, 1, False), (1, 2, False), (2, 1, True)])
+def test_the_fused_layer_stack_runs_split_and_matches_one_process(
+        fused_model_dir, tmp_path_factory, tp, pp, with_lora):
+    # every layer in one kernel call a step on each rank: under tensor parallelism the call
+    # sums o_proj's and down's partial outputs in shared memory itself; a pipeline stage's
+    # call runs its own layers. bf16: the dtype every CPU set's fused stack takes.
+    engine = ENGINE | dict(dtype="bfloat16")
+    kwargs, loras = {}, None
+    if with_lora:
+        kwargs = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+        root = tmp_path_factory.mktemp("fused-lora")
+        loras = [LoRARequest("a", 1, make_adapter(fused_model_dir, root / "a", r=8, seed=1)),
+                 None, LoRARequest("b", 2, make_adapter(fused_model_dir, root / "b", r=4,
+                                                        seed=2))]
+    single = LLM(str(fused_model_dir), **engine, **kwargs)
+    expected = single.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
+    with LLM(str(fused_model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp,
+             **engine, **kwargs) as llm:
+        assert single.info.layer_execution == llm.info.layer_execution == "fused"
+        assert_parallel_equal(expected, llm.generate(PROMPTS, GREEDY, use_tqdm=False,
+                                                     lora_request=loras))
+
 # ------------------------------------------------------------------------- lifecycle
 def _alive(pid: int) -> bool:
     """Running (a zombie left to an init that does not reap counts as gone)."""

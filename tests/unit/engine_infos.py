@@ -16,7 +16,7 @@ CPU_INFO = EngineInfo(
     device=torch.device("cpu"), dtype=torch.float32, num_threads=2, backend="torch",
     attention="torch", backend_reason="requested (kernels=torch)", backend_fallback=False,
     backend_summary="torch (reference ops): requested (kernels=torch)",
-    cuda_graphs="off (cpu)", quantization="none",
+    cuda_graphs="off (cpu)", layer_execution="per-layer", quantization="none",
     quantization_summary="none: the checkpoint is not quantized", quantization_loud=False,
     block_size=16, num_kv_blocks=64, kv_block_bytes=24576,
     enable_prefix_caching=True, memory_profile=None, memory=None,

@@ -210,9 +210,9 @@ def test_port_before_start_raises_and_stop_is_idempotent(metrics: EngineMetrics)
 def test_backend_info_says_which_backend_runs_and_why(server: MetricsServer) -> None:
     _, text = scrape(server)
     assert value(text, "quire:backend_info", backend="torch", reason=FALLBACK,
-                 quantization="none") == 1
-    assert (f'quire:backend_info{{backend="torch",model_name="{MODEL}",quantization="none",'
-            f'reason="{FALLBACK}"}} 1.0') in text.splitlines()
+                 quantization="none", layers="per-layer") == 1
+    assert (f'quire:backend_info{{backend="torch",layers="per-layer",model_name="{MODEL}",'
+            f'quantization="none",reason="{FALLBACK}"}} 1.0') in text.splitlines()
     # one series: the engine runs one backend
     assert [name for name, _ in samples(text)].count("quire:backend_info") == 1
     assert value(text, "quire:cuda_graphs_info", cuda_graphs="off (cpu)") == 1

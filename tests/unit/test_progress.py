@@ -44,6 +44,8 @@ def test_the_start_block_says_what_runs_from_the_engine_facts():
         "Engine ready in 3.4 s: tiny-llama (LlamaForCausalLM)",
         "  Device: cpu, 2 threads, dtype float32",
         "  Backend: torch (reference ops): requested (kernels=torch)",
+        "  Layers: per-layer (one Python call per op: the backend fuses none of this model's "
+        "stack here, slower on a CPU)",
         "  CUDA graphs: off (cpu)",
         "  KV cache: 64 blocks x 16 tokens = 1024 tokens, 0.00 GiB (1536 bytes a token)",
         "  Max model len: 512 tokens (2.00 full-length sequences fit at once)"]
@@ -67,7 +69,7 @@ def test_the_start_block_on_a_profiled_gpu_shows_the_memory_and_no_threads():
                        "sizes, 1 to 2)", memory="80.0 GiB x 0.90: weights 16.00, KV cache 4.00 GiB")
     lines = start_summary(info, elapsed_s=1.0).splitlines()
     assert lines[1] == "  Device: cuda:0, dtype bfloat16"
-    assert lines[4] == ("  KV cache: 4096 blocks x 16 tokens = 65536 tokens, 4.00 GiB "
+    assert lines[5] == ("  KV cache: 4096 blocks x 16 tokens = 65536 tokens, 4.00 GiB "
                         "(65536 bytes a token)")
-    assert lines[5] == "  Memory: 80.0 GiB x 0.90: weights 16.00, KV cache 4.00 GiB"
-    assert lines[6] == "  Max model len: 512 tokens (128.00 full-length sequences fit at once)"
+    assert lines[6] == "  Memory: 80.0 GiB x 0.90: weights 16.00, KV cache 4.00 GiB"
+    assert lines[7] == "  Max model len: 512 tokens (128.00 full-length sequences fit at once)"
