@@ -230,5 +230,5 @@ def _cpu_comm(cpu: GlooGroup, failed: Callable[[], str | None]) -> TPComm:
     cpu.pg.barrier().wait()
     if cpu.rank == 0:
         os.unlink(detail)
-    return TPComm(cpu, cpu.pg, f"shm (gloo for tensors over {shm.slot_bytes >> 20} MiB)",
+    return TPComm(cpu, cpu.pg, f"shm (gloo for Python's tensors over {shm.slot_bytes >> 20} MiB)",
                   shm=shm)

@@ -30,6 +30,7 @@ from quire.config_args import require_at_least
 from quire_cli.bench.compare import cpu_facts, vllm_python
 from quire_cli.bench.prompts import random_prompt
 from quire_cli.bench.report import write_json
+from quire_cli.bench.serving import git_commit
 
 MODEL_SHAPE = dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12,
                    num_key_value_heads=4, intermediate_size=2048, vocab_size=49152)
@@ -141,20 +142,23 @@ def run_from_args(ns: argparse.Namespace) -> int:
     single_rate, split_rate = statistics.median(runs["single"]), statistics.median(runs["split"])
     result = {
         "model": MODEL_SHAPE, "dtype": str(info.dtype), "backend": info.backend,
-        "cpu": cpu_facts(),
-        "single": {"threads": cfg.threads, "decode_tokens_per_s": single_rate,
+        "cpu": cpu_facts(), "git": git_commit(),
+        "single": {"threads": cfg.threads, "layers": info.layer_execution,
+                   "decode_tokens_per_s": single_rate,
                    "runs": runs["single"]},
         "split": {"tensor_parallel_size": tp,
                   "pipeline_parallel_size": args.pipeline_parallel_size,
                   "threads_per_rank": split_info.num_threads,
                   "all_reduce": split_info.all_reduce_backend,
+                  "layers": split_info.layer_execution,
                   "decode_tokens_per_s": split_rate, "runs": runs["split"]},
         "ratio": split_rate / single_rate,
     }
     print(f"one request, {cfg.output_len} tokens, {info.dtype}, {info.backend}: "
           f"single process ({cfg.threads} threads) {single_rate:.1f} tok/s; "
           f"tp={tp} x pp={args.pipeline_parallel_size} ({split_info.num_threads} thread a "
-          f"rank, all-reduce {split_info.all_reduce_backend}) {split_rate:.1f} tok/s; "
+          f"rank, all-reduce {split_info.all_reduce_backend}, layers "
+          f"{split_info.layer_execution}) {split_rate:.1f} tok/s; "
           f"ratio {result['ratio']:.2f}")
     if python is not None:
         vllm = run_vllm_tp(cfg, python, tp, str(info.dtype).removeprefix("torch."), rng)
