@@ -41,6 +41,9 @@ _HELP = {
                             "them)",
     "pipeline_parallel_size": "pipeline stages: contiguous runs of layers, one stage after "
                               "another (each split in tensor_parallel_size ranks)",
+    "pipeline_micro_batch_tokens": "the fewest tokens of a pipeline micro-batch: a step of at "
+                                   "least twice this many passes through the stages in "
+                                   "pieces (up to two a stage) that overlap; 0: steps whole",
     "distributed_executor_backend": "how the ranks run: mp (one worker process per rank "
                                     "beside the engine's own, rank 0)",
     "kernels": "kernel backend: auto (on a CPU the compiled CPU kernels where they build, else "

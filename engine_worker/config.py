@@ -179,6 +179,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    # the fewest tokens of a pipeline micro-batch (a step of at least twice this many goes
+    # through the stages in pieces that overlap); 0: every step whole
+    pipeline_micro_batch_tokens: int = 64
 
     def __post_init__(self) -> None:
         _check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
@@ -187,6 +190,9 @@ class ParallelConfig:
         _check(_is_int(self.pipeline_parallel_size) and self.pipeline_parallel_size >= 1,
                "pipeline_parallel_size",
                f"must be a positive integer, got {self.pipeline_parallel_size!r}")
+        _check(_is_int(self.pipeline_micro_batch_tokens) and self.pipeline_micro_batch_tokens >= 0,
+               "pipeline_micro_batch_tokens",
+               f"must be a non-negative integer, got {self.pipeline_micro_batch_tokens!r}")
         _check(self.distributed_executor_backend in DISTRIBUTED_EXECUTOR_BACKENDS,
                "distributed_executor_backend", f"must be one of "
                f"{DISTRIBUTED_EXECUTOR_BACKENDS}, got {self.distributed_executor_backend!r}")
@@ -247,6 +253,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    pipeline_micro_batch_tokens: int = 64
 
     def create_engine_config(self) -> EngineConfig:
         if not isinstance(self.enable_lora, bool):
@@ -277,5 +284,6 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,
-                distributed_executor_backend=self.distributed_executor_backend),
+                distributed_executor_backend=self.distributed_executor_backend,
+                pipeline_micro_batch_tokens=self.pipeline_micro_batch_tokens),
         )

@@ -190,6 +190,7 @@ class LLMEngine:
                           model_dir=self._model_dir, gguf=self._source.gguf,
                           strict_quantization=self._quantization.strict,
                           int4_native=self._quantization.method in INT4_METHODS,
+                          pipeline_micro_batch_tokens=parallel.pipeline_micro_batch_tokens,
                           lora=self.config.lora,
                           dtype=self._dtype, device=self._device.type,
                           kernels=self._backend.name,
@@ -220,7 +221,8 @@ class LLMEngine:
                             max_model_len=self.config.model.max_model_len,
                             gguf=self._source.gguf, strict_quantization=self._quantization.strict,
                             comm=None if self._executor is None else self._executor.comm,
-                            int4_native=self._quantization.method in INT4_METHODS)
+                            int4_native=self._quantization.method in INT4_METHODS,
+                            micro_batch_tokens=self.config.parallel.pipeline_micro_batch_tokens)
         with progress(logger, "Loading the tokenizer"):
             return loaded, Tokenizer(self._tokenizer_dir)
 

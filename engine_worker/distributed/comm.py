@@ -173,11 +173,13 @@ class ParallelComm:
     def broadcast_object(self, obj: Any = None) -> Any:
         return TPComm(self.world, self.world.pg, "").broadcast_object(obj)
 
-    def send_to_next_stage(self, x: torch.Tensor) -> None:
-        self.world.pg.send([x.contiguous()], self.world.rank + self.tp.world_size, 0).wait()
+    def send_to_next_stage(self, x: torch.Tensor, tag: int = 0) -> Any:
+        """Starts sending ``x`` (a micro-batch: ``tag``, its index); the caller waits on the
+        returned work before it reuses ``x``."""
+        return self.world.pg.send([x.contiguous()], self.world.rank + self.tp.world_size, tag)
 
-    def recv_from_previous_stage(self, x: torch.Tensor) -> torch.Tensor:
-        self.world.pg.recv([x], self.world.rank - self.tp.world_size, 0).wait()
+    def recv_from_previous_stage(self, x: torch.Tensor, tag: int = 0) -> torch.Tensor:
+        self.world.pg.recv([x], self.world.rank - self.tp.world_size, tag).wait()
         return x
 
     def broadcast_from_last_stage(self, x: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,10 @@ class TPShard:
         return self.size > 1
 
 
+# the fewest tokens a pipeline micro-batch holds (PPStage.micro_batches)
+MIN_MICRO_BATCH_TOKENS = 64
+
+
 @dataclass(frozen=True, slots=True)
 class PPStage:
     """One pipeline stage: decoder layers ``[layer_start, layer_end)``, contiguous, split as
@@ -62,18 +66,20 @@ class PPStage:
     num_stages: int
     layer_start: int
     layer_end: int
+    micro_batch_tokens: int = MIN_MICRO_BATCH_TOKENS  # 0: steps whole
 
     @classmethod
     def whole(cls, num_layers: int) -> PPStage:
         return cls(0, 1, 0, num_layers)
 
     @classmethod
-    def of(cls, stage: int, num_stages: int, num_layers: int) -> PPStage:
+    def of(cls, stage: int, num_stages: int, num_layers: int,
+           micro_batch_tokens: int = MIN_MICRO_BATCH_TOKENS) -> PPStage:
         if num_layers < num_stages:
             raise ValueError(f"pipeline_parallel_size: {num_stages} exceeds the model's "
                              f"{num_layers} layers")
         return cls(stage, num_stages, stage * num_layers // num_stages,
-                   (stage + 1) * num_layers // num_stages)
+                   (stage + 1) * num_layers // num_stages, micro_batch_tokens)
 
     @property
     def is_first(self) -> bool:
@@ -85,6 +91,20 @@ class PPStage:
 
     def owns(self, layer: int) -> bool:
         return self.layer_start <= layer < self.layer_end
+
+    def micro_batches(self, num_tokens: int) -> list[tuple[int, int]]:
+        """A step's tokens as the pieces the stages pass along one after another, so stage
+        s + 1 runs piece i while stage s runs piece i + 1: up to two a stage, none under
+        ``micro_batch_tokens`` (a piece's matmuls must stay compute-bound: a decode step's
+        weights would be streamed once a piece for nothing). One piece, the whole step, with
+        one stage, a small step, or micro-batches off (0)."""
+        if self.num_stages == 1 or self.micro_batch_tokens == 0:
+            return [(0, num_tokens)]
+        pieces = min(2 * self.num_stages, num_tokens // self.micro_batch_tokens)
+        if pieces < 2:
+            return [(0, num_tokens)]
+        bounds = [num_tokens * k // pieces for k in range(pieces + 1)]
+        return list(zip(bounds, bounds[1:]))
 
 
 def check_divisible(size: int, *, num_heads: int, num_kv_heads: int,

@@ -38,6 +38,7 @@ class WorkerSpec:
     gguf: Path | None  # the GGUF file whose blocks run natively (None: model_dir's weights)
     strict_quantization: bool
     int4_native: bool  # an AWQ / GPTQ checkpoint's layers run in the backend's int4 layout
+    pipeline_micro_batch_tokens: int  # ParallelConfig's
     lora: object  # the engine's LoRAConfig (None: LoRA is off)
     dtype: torch.dtype
     device: str  # "cpu", or "cuda" (the worker takes cuda:<rank>)
@@ -116,7 +117,8 @@ def _serve(spec: WorkerSpec) -> None:
     loaded = load_model(spec.model_dir, dtype=spec.dtype, device=device,
                         backend=backend.backend, max_model_len=spec.max_model_len, comm=comm,
                         gguf=spec.gguf, strict_quantization=spec.strict_quantization,
-                        int4_native=spec.int4_native)
+                        int4_native=spec.int4_native,
+                        micro_batch_tokens=spec.pipeline_micro_batch_tokens)
     model = loaded.model
     lora = None if spec.lora is None else LoRAManager.for_model(
         model, spec.lora, backend.name, spec.dtype, device)

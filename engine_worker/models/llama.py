@@ -247,24 +247,46 @@ class LlamaForCausalLM(nn.Module):
         Through the fused stack where the backend has one and, with LoRA, where it runs it."""
         # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]
         stage = self.stage
-        if stage.is_first:
-            x = self._embed(input_ids)
-        else:
-            x = self.comm.recv_from_previous_stage(torch.empty(
-                input_ids.shape[0], self.cfg.hidden_size, dtype=self.norm.weight.dtype,
-                device=input_ids.device))
-        if self.layer_stack is not None and lora is None:
-            x = self.layer_stack(x, positions, self._stage_caches(kv_caches), meta)
-        elif self.layer_stack is not None and stack_takes_lora(self.layer_stack, lora):
-            x = self.layer_stack(x, positions, self._stage_caches(kv_caches), meta, lora=lora)
-        else:
-            for i in range(stage.layer_start, stage.layer_end):
-                x = self.layers[i](positions, x, kv_caches[i], meta, lora)
         if stage.num_stages == 1:
-            return self.norm(x)
-        if not stage.is_last:
-            self.comm.send_to_next_stage(x)
-        return self.comm.broadcast_from_last_stage(self.norm(x) if stage.is_last else x)
+            return self.norm(self._layers(self._embed(input_ids), positions, kv_caches, meta,
+                                          lora))
+        num_tokens = input_ids.shape[0]
+        # pipeline stages: the step in micro-batches (LoRA steps whole: their per-token
+        # adapter groups are the step's), each passed on as soon as it is done
+        pieces = stage.micro_batches(num_tokens) if lora is None else [(0, num_tokens)]
+        outs, sends = [], []
+        for tag, (start, end) in enumerate(pieces):
+            piece = meta if len(pieces) == 1 else meta.token_range(start, end)
+            if stage.is_first:
+                x = self._embed(input_ids[start:end])
+            else:
+                x = self.comm.recv_from_previous_stage(torch.empty(
+                    end - start, self.cfg.hidden_size, dtype=self.norm.weight.dtype,
+                    device=input_ids.device), tag)
+            x = self._layers(x, positions[start:end], kv_caches, piece, lora)
+            if stage.is_last:
+                outs.append(self.norm(x))
+            else:
+                sends.append((x, self.comm.send_to_next_stage(x, tag)))
+        for _, work in sends:
+            work.wait()
+        x = torch.cat(outs) if stage.is_last else torch.empty(
+            num_tokens, self.cfg.hidden_size, dtype=self.norm.weight.dtype,
+            device=input_ids.device)
+        return self.comm.broadcast_from_last_stage(x)
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, lora: LoRABatch | None) -> torch.Tensor:
+        """This stage's decoder layers on ``x``: one fused call where the backend has one
+        (and, with LoRA, where it runs it), else layer by layer."""
+        if self.layer_stack is not None and lora is None:
+            return self.layer_stack(x, positions, self._stage_caches(kv_caches), meta)
+        if self.layer_stack is not None and stack_takes_lora(self.layer_stack, lora):
+            return self.layer_stack(x, positions, self._stage_caches(kv_caches), meta,
+                                    lora=lora)
+        for i in range(self.stage.layer_start, self.stage.layer_end):
+            x = self.layers[i](positions, x, kv_caches[i], meta, lora)
+        return x
 
     def _stage_caches(self, kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
         """The KV caches of this stage's layers, the layers the fused stack holds."""

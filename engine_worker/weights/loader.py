@@ -19,8 +19,8 @@ from safetensors import safe_open
 from torch import nn
 
 from engine_worker.backends.base import Backend
-from engine_worker.distributed.shard import PPStage, TPShard, shard_llama_state, \
-    shard_vocab_rows
+from engine_worker.distributed.shard import (MIN_MICRO_BATCH_TOKENS, PPStage, TPShard,
+                                             shard_llama_state, shard_vocab_rows)
 from engine_worker.weights.gguf_weights import dequantize_blocks, read_gguf_state
 from engine_worker.weights.int4_checkpoint import Int4Config, int4_layers, parse_int4_config
 from engine_worker.weights.int4_layouts import int4_layout, pack_layers
@@ -67,7 +67,8 @@ def derive_max_model_len(hf_config: dict[str, Any], requested: int | None) -> in
 def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, backend: Backend,
                max_model_len: int | None, gguf: Path | None = None,
                strict_quantization: bool = False, comm: Any = None,
-               int4_native: bool = False) -> LoadedModel:
+               int4_native: bool = False,
+               micro_batch_tokens: int = MIN_MICRO_BATCH_TOKENS) -> LoadedModel:
     """Build the model on the meta device, load the checkpoint into it (cast to ``dtype`` on
     ``device``), then let ``backend`` pack the weights its way. With ``gguf``, the weights come
     from that file, the block types ``backend`` multiplies natively kept as blocks
@@ -86,7 +87,7 @@ def load_model(model_dir: Path, *, dtype: torch.dtype, device: torch.device, bac
         shard = TPShard.of(comm.tp.rank, comm.tp.world_size, num_heads=cfg.num_heads,
                            num_kv_heads=cfg.num_kv_heads,
                            intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size)
-        stage = PPStage.of(comm.stage, comm.num_stages, cfg.num_layers)
+        stage = PPStage.of(comm.stage, comm.num_stages, cfg.num_layers, micro_batch_tokens)
     with torch.device("meta"):
         model = arch.model_cls(cfg, backend, max_len, device, shard=shard, comm=comm,
                                stage=stage)

@@ -13,6 +13,10 @@ the same model at the same ``tensor_parallel_size``, each rank bound to its shar
 cores (``VLLM_CPU_OMP_THREADS_BIND``, without which it refuses: "Not enough allowed NUMA
 nodes"), measured as ``quire bench compare`` measures it: ``(N - 1) / (t(N tokens) -
 t(1 token))`` on fresh prompts, median of ``--repeats`` after a warm-up.
+
+With ``--prefill-len N`` both engines also prefill a fresh N-token prompt each round (one
+step where ``max_num_batched_tokens`` holds it; its time to the first token), the figure
+where pipeline stages overlap by micro-batches (``--pipeline-micro-batch-tokens``; 0: off).
 """
 
 from __future__ import annotations
@@ -46,15 +50,17 @@ class TensorParallelBenchConfig:
     output_plot: str | None = None
     vllm_python: str = ""
     skip_vllm: bool = False
+    prefill_len: int = 0  # 0: decode only
 
     def __post_init__(self) -> None:
         require_at_least(self, ("prompt_len", "repeats", "threads"))
+        require_at_least(self, ("prefill_len",), minimum=0)
         require_at_least(self, ("output_len",), minimum=8)
 
 
 def add_tensor_parallel_args(parser: argparse.ArgumentParser) -> None:
     d = TensorParallelBenchConfig()
-    for name in ("output_len", "prompt_len", "repeats", "threads"):
+    for name in ("output_len", "prompt_len", "repeats", "threads", "prefill_len"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     parser.add_argument("--output-json", default=d.output_json)
     parser.add_argument("--output-plot", default=None,
@@ -103,6 +109,18 @@ def decode_rate(engine, prompt: list[int], output_len: int) -> float:
     return (output_len - 1) / (time.perf_counter() - first)
 
 
+def prefill_rate(engine, prompt: list[int]) -> float:
+    """Prompt tokens per second to a fresh prompt's first token."""
+    from engine_worker import SamplingParams
+
+    engine.add_request(f"tp-{random.random()}", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return len(prompt) / (time.perf_counter() - start)
+
+
 def run_from_args(ns: argparse.Namespace) -> int:
     import dataclasses
 
@@ -113,7 +131,8 @@ def run_from_args(ns: argparse.Namespace) -> int:
     cfg = TensorParallelBenchConfig(output_len=ns.output_len, prompt_len=ns.prompt_len,
                                     repeats=ns.repeats, threads=ns.threads,
                                     output_json=ns.output_json, output_plot=ns.output_plot,
-                                    vllm_python=ns.vllm_python, skip_vllm=ns.skip_vllm)
+                                    vllm_python=ns.vllm_python, skip_vllm=ns.skip_vllm,
+                                    prefill_len=ns.prefill_len)
     ns.model = str(bench_model_dir())
     args = engine_args_from_namespace(ns)
     tp = args.tensor_parallel_size
@@ -125,6 +144,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
     torch.set_num_threads(cfg.threads)  # the single process's (the split one set its own)
     rng = random.Random(0)
     runs: dict[str, list[float]] = {"single": [], "split": []}
+    prefill: dict[str, list[float]] = {"single": [], "split": []}
     try:
         for name, engine in (("single", single), ("split", split)):  # warm-up
             decode_rate(engine, random_prompt(rng, cfg.prompt_len, 49152), 8)
@@ -134,6 +154,9 @@ def run_from_args(ns: argparse.Namespace) -> int:
                 torch.set_num_threads(threads)
                 runs[name].append(decode_rate(engine, random_prompt(rng, cfg.prompt_len,
                                                                     49152), cfg.output_len))
+                if cfg.prefill_len:
+                    prefill[name].append(prefill_rate(engine, random_prompt(
+                        rng, cfg.prefill_len, 49152)))
     finally:
         split.shutdown()
     info = single.info
@@ -154,6 +177,17 @@ def run_from_args(ns: argparse.Namespace) -> int:
                   "decode_tokens_per_s": split_rate, "runs": runs["split"]},
         "ratio": split_rate / single_rate,
     }
+    if cfg.prefill_len:
+        rates = {name: statistics.median(r) for name, r in prefill.items()}
+        result["prefill"] = {
+            "prompt_len": cfg.prefill_len,
+            "pipeline_micro_batch_tokens": args.pipeline_micro_batch_tokens,
+            "single_tokens_per_s": rates["single"], "split_tokens_per_s": rates["split"],
+            "runs": prefill, "ratio": rates["split"] / rates["single"]}
+        print(f"prefill of {cfg.prefill_len} tokens: single {rates['single']:.0f} tok/s, "
+              f"split {rates['split']:.0f} tok/s (micro-batches of at least "
+              f"{args.pipeline_micro_batch_tokens} tokens; 0: off); ratio "
+              f"{rates['split'] / rates['single']:.2f}")
     print(f"one request, {cfg.output_len} tokens, {info.dtype}, {info.backend}: "
           f"single process ({cfg.threads} threads) {single_rate:.1f} tok/s; "
           f"tp={tp} x pp={args.pipeline_parallel_size} ({split_info.num_threads} thread a "

@@ -216,6 +216,30 @@ def test_the_fused_layer_stack_runs_split_and_matches_one_process(
         assert_parallel_equal(expected, llm.generate(PROMPTS, GREEDY, use_tqdm=False,
                                                      lora_request=loras))
 
+
+@pytest.mark.parametrize("model", ["bias", "fused"])
+def test_pipeline_micro_batches_match_one_process(bias_model_dir, fused_model_dir,
+                                                  monkeypatch, model):
+    # steps of up to 256 tokens: each stage passes the step on in pieces of at least 64
+    # tokens (cutting prompts mid-chunk), the next stage running one while this one runs the
+    # next; per layer (the bias model's head size) and fused (bf16, shapes every set fuses)
+    from engine_worker.attention.metadata import AttentionMetadata
+
+    pieces = []
+    token_range = AttentionMetadata.token_range
+    monkeypatch.setattr(AttentionMetadata, "token_range", lambda self, start, end: (
+        pieces.append((start, end)), token_range(self, start, end))[1])
+    model_dir, dtype = {"bias": (bias_model_dir, "float32"),
+                        "fused": (fused_model_dir, "bfloat16")}[model]
+    engine = ENGINE | dict(max_num_batched_tokens=256, dtype=dtype)
+    prompts = [list(range(100, 250)), list(range(400, 490)), list(range(600, 640))]
+    expected = LLM(str(model_dir), **engine).generate(prompts, GREEDY, use_tqdm=False)
+    assert not pieces  # one stage: the step whole
+    with LLM(str(model_dir), pipeline_parallel_size=2, **engine) as llm:
+        assert_parallel_equal(expected, llm.generate(prompts, GREEDY, use_tqdm=False))
+    # this process is stage 0: the first step's 256 tokens went as 4 pieces of 64
+    assert pieces[:4] == [(0, 64), (64, 128), (128, 192), (192, 256)]
+
 # ------------------------------------------------------------------------- lifecycle
 def _alive(pid: int) -> bool:
     """Running (a zombie left to an init that does not reap counts as gone)."""

@@ -96,3 +96,22 @@ def test_gguf_blocks_split_by_whole_blocks_and_a_width_they_do_not_divide_is_nam
     tied = blocks(3, 2)
     rows = shard_vocab_rows(tied, shard)
     assert rows.shape == (2, 2, 34) and torch.equal(rows[0], tied[2]) and not rows[1].any()
+
+
+def test_pipeline_micro_batches_split_large_steps_only():
+    from engine_worker.distributed.shard import PPStage
+
+    stage = PPStage.of(0, 2, 12)  # pieces of at least 64 tokens, up to two a stage
+    assert stage.micro_batches(256) == [(0, 64), (64, 128), (128, 192), (192, 256)]
+    assert stage.micro_batches(1000) == [(0, 250), (250, 500), (500, 750), (750, 1000)]
+    assert stage.micro_batches(150) == [(0, 75), (75, 150)]
+    assert stage.micro_batches(127) == [(0, 127)]  # a decode batch: weights streamed once
+    assert PPStage.of(0, 2, 12, micro_batch_tokens=0).micro_batches(1000) == [(0, 1000)]
+    assert PPStage.whole(12).micro_batches(1000) == [(0, 1000)]
+
+
+def test_a_negative_micro_batch_size_is_refused_naming_it():
+    from engine_worker.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="pipeline_micro_batch_tokens"):
+        ParallelConfig(pipeline_micro_batch_tokens=-1)
