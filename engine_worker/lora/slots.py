@@ -17,7 +17,7 @@ exactly nothing. B holds ``scaling * B``: one multiply fewer per token, and per-
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,6 +43,11 @@ class LoRABatch:
     @property
     def dtype(self) -> torch.dtype:
         return next(iter(self.a[0].values())).dtype
+
+    def layers(self, start: int, end: int) -> LoRABatch:
+        """The batch over layers ``[start, end)`` alone (a pipeline stage's, for its fused
+        stack, which numbers its layers from 0)."""
+        return replace(self, a=self.a[start:end], b=self.b[start:end])
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, projection: str
             ) -> torch.Tensor:

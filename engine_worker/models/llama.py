@@ -279,12 +279,15 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, lora: LoRABatch | None) -> torch.Tensor:
         """This stage's decoder layers on ``x``: one fused call where the backend has one
         (and, with LoRA, where it runs it), else layer by layer."""
+        stage = self.stage
         if self.layer_stack is not None and lora is None:
             return self.layer_stack(x, positions, self._stage_caches(kv_caches), meta)
-        if self.layer_stack is not None and stack_takes_lora(self.layer_stack, lora):
+        stage_lora = (lora if lora is None or stage.num_stages == 1
+                      else lora.layers(stage.layer_start, stage.layer_end))
+        if self.layer_stack is not None and stack_takes_lora(self.layer_stack, stage_lora):
             return self.layer_stack(x, positions, self._stage_caches(kv_caches), meta,
-                                    lora=lora)
-        for i in range(self.stage.layer_start, self.stage.layer_end):
+                                    lora=stage_lora)
+        for i in range(stage.layer_start, stage.layer_end):
             x = self.layers[i](positions, x, kv_caches[i], meta, lora)
         return x
 

@@ -194,7 +194,8 @@ def fused_model_dir(tmp_path_factory, embedded_model_dir) -> Path:
                             num_heads=4, num_kv_heads=2, hidden_size=128, seed=5)
 
 
-@pytest.mark.parametrize("tp, pp, with_lora", [(2, 1, False), (1, 2, False), (2, 1, True)])
+@pytest.mark.parametrize("tp, pp, with_lora", [(2, 1, False), (1, 2, False), (2, 1, True),
+                                             (1, 2, True)])
 def test_the_fused_layer_stack_runs_split_and_matches_one_process(
         fused_model_dir, tmp_path_factory, tp, pp, with_lora):
     # every layer in one kernel call a step on each rank: under tensor parallelism the call
