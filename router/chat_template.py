@@ -51,8 +51,10 @@ class ChatTemplateOptions:
     template_kwargs: Mapping[str, object] = field(default_factory=dict)
 
     @classmethod
-    def from_body(cls, body: dict, messages: list[dict]) -> ChatTemplateOptions:
-        """The options of a request whose ``messages`` are already checked."""
+    def from_body(cls, body: dict, messages: list[dict], *,
+                  default_generation_prompt: bool = True) -> ChatTemplateOptions:
+        """The options of a request whose ``messages`` are already checked
+        (``default_generation_prompt``: vLLM's default for the route; false for embeddings)."""
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
             raise RequestError("chat_template_kwargs: must be an object",
@@ -61,7 +63,7 @@ class ChatTemplateOptions:
         if reserved:
             raise RequestError(f"chat_template_kwargs: {sorted(reserved)[0]!r} cannot be set "
                                f"here", "chat_template_kwargs")
-        add_generation_prompt = flag(body, "add_generation_prompt", True)
+        add_generation_prompt = flag(body, "add_generation_prompt", default_generation_prompt)
         continue_final = flag(body, "continue_final_message", False)
         if continue_final and add_generation_prompt and "add_generation_prompt" in body:
             raise RequestError("continue_final_message: cannot be combined with "

@@ -39,7 +39,7 @@ from router.openai_protocol import (FINISH, RequestError, chat_messages, check_b
                                     error_response, request_priority, sampling_options, shown,
                                     sse, token_list,
                                     usage_json, Choice, OpenAIRequest)
-from router.openai_embeddings import (EMBEDDING_FIELDS, EmbeddingsRequest,
+from router.openai_embeddings import (EMBEDDING_FIELDS, Conversation, EmbeddingsRequest,
                                       embeddings_response)
 from router.openai_tokenize import (DETOKENIZE_FIELDS, TOKENIZE_FIELDS, TokenizeRequest,
                                     detokenize_ids, tokenize_response)
@@ -303,7 +303,11 @@ class OpenAIFront:
             self._check_model(body, adapters=False)
             req = EmbeddingsRequest.from_body(body, self.cfg.max_prompt_chars)
             metadata = self._forwarded_metadata(request)
+            loop = asyncio.get_running_loop()
             for item in req.inputs:
+                if isinstance(item, Conversation):  # rendered here, sent as token ids
+                    item = await loop.run_in_executor(self._render_pool, self._render_chat,
+                                                      item.messages, (), req.chat)
                 message = pb.EmbedRequest(**({"text": item} if isinstance(item, str) else
                                              {"token_ids": pb.TokenIds(ids=item)}))
                 if req.normalize is not None:
@@ -340,7 +344,7 @@ class OpenAIFront:
             field = field_of(e)
             if field and detail.startswith(f"{field}: "):
                 detail = detail[len(field) + 2:]
-            raise RequestError(f"{req.name(index)}: {detail}", "input") from None
+            raise RequestError(f"{req.name(index)}: {detail}", req.field) from None
 
     # ------------------------------------------------------------ tokenize, detokenize
     async def _tokenize(self, request: web.Request) -> web.Response:

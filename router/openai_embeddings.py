@@ -9,6 +9,11 @@ or "base64": little-endian float32 bytes), ``dimensions`` (refused: no model her
 shorter, matryoshka vector), ``user`` (ignored), ``normalize`` (vLLM's; default: the engine's
 pooler config), ``truncate_prompt_tokens`` (vLLM's: keep each input's last k tokens; -1:
 max_model_len; unset: a longer input is refused).
+
+Chat form, as vLLM's: ``messages`` (one conversation, or a list of conversations: one vector
+each), or a conversation given as ``input``, rendered through the model's chat template with
+vLLM's embedding defaults: ``add_generation_prompt`` false, ``continue_final_message`` false,
+``add_special_tokens`` false, and ``chat_template_kwargs``.
 """
 
 from __future__ import annotations
@@ -17,24 +22,35 @@ import base64
 import struct
 from dataclasses import dataclass
 
-from router.openai_protocol import RequestError, shown, token_list
+from router.chat_template import CHAT_TEMPLATE_FIELDS, ChatTemplateOptions
+from router.openai_protocol import RequestError, chat_messages, shown, token_list
 
-EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "normalize",
-                              "truncate_prompt_tokens"})
+EMBEDDING_FIELDS = frozenset({"model", "input", "messages", "encoding_format", "dimensions",
+                              "normalize", "truncate_prompt_tokens", "add_special_tokens",
+                              *CHAT_TEMPLATE_FIELDS})
 MAX_EMBEDDING_INPUTS = 2048  # inputs of one request (OpenAI's limit)
 _FORMATS = ("float", "base64")
 _INPUT_FORMS = "a non-empty string, a list of them, a list of token ids, or a list of those"
 
 
 @dataclass(frozen=True, slots=True)
-class EmbeddingsRequest:
-    """A checked body: ``inputs`` are each a text or a list of token ids."""
+class Conversation:
+    """One chat-form input: checked messages, to be rendered through the template."""
 
-    inputs: tuple[str | list[int], ...]
+    messages: list[dict]
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingsRequest:
+    """A checked body: ``inputs`` are each a text, a list of token ids or a conversation
+    (``chat``: how conversations become token ids)."""
+
+    inputs: tuple[str | list[int] | Conversation, ...]
     batched: bool  # the input was a list of inputs (errors then say which: ``input[3]``)
     encoding_format: str
     normalize: bool | None
     truncate_prompt_tokens: int | None
+    chat: ChatTemplateOptions | None = None
 
     @classmethod
     def from_body(cls, body: dict, max_chars: int) -> EmbeddingsRequest:
@@ -55,13 +71,69 @@ class EmbeddingsRequest:
                                  or keep == 0 or not -1 <= keep < 2 ** 31):
             raise RequestError(f"truncate_prompt_tokens: must be -1 (max_model_len) or a "
                                f"positive integer, got {shown(keep)}", "truncate_prompt_tokens")
-        inputs, batched = _inputs(body.get("input"), max_chars)
+        chat = None
+        if _is_chat_form(body):
+            conversations, batched, chat = _conversations(body, max_chars)
+            inputs: tuple = tuple(Conversation(c) for c in conversations)
+        else:
+            for name in (*CHAT_TEMPLATE_FIELDS, "add_special_tokens"):
+                if name in body:  # (text inputs get the tokenizer's special tokens)
+                    raise RequestError(f"{name}: only with messages", name)
+            inputs, batched = _inputs(body.get("input"), max_chars)
         return cls(inputs=inputs, batched=batched, encoding_format=encoding,
-                   normalize=normalize, truncate_prompt_tokens=keep)
+                   normalize=normalize, truncate_prompt_tokens=keep, chat=chat)
+
+    @property
+    def field(self) -> str:
+        """Where the inputs came from: ``messages`` (chat form) or ``input``."""
+        return "messages" if self.chat is not None else "input"
 
     def name(self, index: int) -> str:
         """How errors name input ``index``."""
-        return f"input[{index}]" if self.batched else "input"
+        return f"{self.field}[{index}]" if self.batched else self.field
+
+
+def _is_conversation(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in value)
+
+
+def _is_chat_form(body: dict) -> bool:
+    """``messages``, or a conversation given as ``input`` (vLLM takes both)."""
+    if "messages" in body:
+        if body.get("input") is not None:  # (null: the official client's way to leave it out)
+            raise RequestError("input: give either input or messages, not both", "input")
+        return True
+    return _is_conversation(body.get("input"))
+
+
+def _conversations(body: dict, max_chars: int
+                   ) -> tuple[list[list[dict]], bool, ChatTemplateOptions]:
+    """The checked conversations (several where ``messages`` is a list of them) and the
+    template options, with vLLM's defaults for embeddings."""
+    value = body["messages"] if "messages" in body else body["input"]
+    batched = isinstance(value, list) and bool(value) and all(
+        isinstance(c, list) for c in value)
+    if batched and len(value) > MAX_EMBEDDING_INPUTS:
+        raise RequestError(f"messages: at most {MAX_EMBEDDING_INPUTS} conversations, got "
+                           f"{len(value)}", "messages")
+    conversations = []
+    for j, conversation in enumerate(value if batched else [value]):
+        try:
+            conversations.append(chat_messages({"messages": conversation}, max_chars))
+        except RequestError as e:  # name the conversation of a batch: messages[2][0].role
+            text = str(e)
+            if batched and text.startswith("messages"):
+                text = f"messages[{j}]{text[len('messages'):]}"
+            raise RequestError(text, "messages") from None
+    if sum(len(m["content"]) for c in conversations for m in c) > max_chars:
+        raise RequestError(f"messages: at most {max_chars} characters of content in all",
+                           "messages")
+    options = None
+    for conversation in conversations:  # each must suit the options (the last message)
+        options = ChatTemplateOptions.from_body(body, conversation,
+                                                default_generation_prompt=False)
+    return conversations, batched, options
 
 
 def _inputs(value, max_chars: int) -> tuple[tuple[str | list[int], ...], bool]:

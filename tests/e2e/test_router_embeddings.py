@@ -135,6 +135,17 @@ def test_embed_is_placed_prefix_aware_and_fills_the_cache(router, client):
     ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"input": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"input": "x", "truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),
+    # chat form
+    ({"input": "x", "messages": [{"role": "user", "content": "x"}]}, "input"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ({"messages": [[{"role": "user", "content": "x"}], [{"role": "robot"}]]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x" * 3000}]}, "messages"),  # too long
+    ({"input": "x", "add_generation_prompt": True}, "add_generation_prompt"),
+    ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+     "continue_final_message"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 3},
+     "chat_template_kwargs"),
 ])
 def test_bad_input_is_a_400_naming_it(router, client, body, param):
     status, answer = _post(router, {"model": MODEL, **body})
@@ -156,6 +167,48 @@ def test_grpc_embed_refusals_name_the_field(router, request_, field):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert dict(err.value.trailing_metadata())["quire-error-field"] == field
     assert err.value.details().startswith(field)
+
+
+CHAT = [{"role": "system", "content": "You embed."}, {"role": "user", "content": "Hi there"}]
+OTHER_CHAT = [{"role": "user", "content": "Another conversation"}]
+
+
+def _tokenized(router, messages, **options) -> list[int]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{router.server.http_port}/tokenize",
+        data=json.dumps({"model": MODEL, "messages": messages, **options}).encode(),
+        method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+        return json.loads(response.read())["tokens"]
+
+
+def test_chat_form_embeds_the_rendered_template_as_vllm_does(router, client, tokenizer,
+                                                             tiny_model_dir):
+    # vLLM's embedding defaults: no generation prompt; /tokenize renders the same template
+    ids = _tokenized(router, CHAT, add_generation_prompt=False)
+    with_prompt = _tokenized(router, CHAT, add_generation_prompt=True)
+    assert len(with_prompt) > len(ids)
+    other = _tokenized(router, OTHER_CHAT, add_generation_prompt=False)
+    refs = hf_embeddings(tiny_model_dir, [ids, with_prompt, other], "LAST")
+    status, one = _post(router, {"model": MODEL, "messages": CHAT, "encoding_format": "float"})
+    assert status == 200 and one["usage"]["prompt_tokens"] == len(ids)
+    _assert_close([one["data"][0]["embedding"]], refs[:1])
+    # a conversation as input (vLLM takes it there too), the generation prompt asked for
+    status, prompted = _post(router, {"model": MODEL, "input": CHAT,
+                                      "add_generation_prompt": True,
+                                      "encoding_format": "base64"})
+    assert status == 200
+    _assert_close([struct.unpack(f"<{len(refs[1])}f", base64.b64decode(
+        prompted["data"][0]["embedding"]))], refs[1:2])
+    # several conversations: a vector each, in order
+    status, both = _post(router, {"model": MODEL, "messages": [CHAT, OTHER_CHAT],
+                                  "encoding_format": "float"})
+    assert status == 200 and [d["index"] for d in both["data"]] == [0, 1]
+    _assert_close([d["embedding"] for d in both["data"]], [refs[0], refs[2]])
+    # the official client passes vLLM's extra fields through extra_body
+    result = client.embeddings.create(model=MODEL, input=[], encoding_format="float",
+                                      extra_body={"messages": CHAT, "input": None})
+    _assert_close([result.data[0].embedding], refs[:1])
 
 
 def test_unknown_model_is_a_404(router):
