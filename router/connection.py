@@ -114,7 +114,7 @@ class EngineConnection(Protocol):
     supervises the engine on its own and tells the pool what it learns (``EngineReports``)."""
 
     kind: ClassVar[str]  # the engine kind's name, its key in router.engine_kinds.ENGINE_KINDS
-    serves_embeddings: ClassVar[bool]  # whether ``embed`` works for this kind
+    serves_embeddings: bool  # whether ``embed`` works (a vLLM server: if it has /v1/embeddings)
     engine_id: str  # stable id (discovery's)
     address: str  # "host:port"
     state: EngineState

@@ -13,6 +13,9 @@ both fronts treat it as any other engine.
   at vLLM's block size; without an event endpoint the pool's approximate index stands in.
 - Admission: ``/v1/models`` must serve the model the pool serves; the block size comes from
   the client's options (vLLM does not report it) and the hashing fields are the router's own.
+  Which routes it serves says what it runs (vLLM registers each only for a model that has the
+  task): no ``/v1/completions`` is a ``--runner pooling`` server (no generation is placed
+  there), ``/v1/embeddings`` takes the router's embeddings (token ids in, one vector out).
   vLLM serves no tokenizer files: a router whose first engine is a vLLM one needs its own
   ``--tokenizer``.
 
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 import grpc
 
 from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
+from quire.errors import FIELD_METADATA
 from quire.kv_events import BlockStored, KVCacheSnapshot, KVEventBatch
 from quire.structured_outputs import spec_from_proto
 from quire.v1 import engine_pb2 as pb
@@ -64,8 +68,12 @@ class VllmOptions:
     health_interval_s: float = 1.0
 
 
-def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+def rpc_error(code: grpc.StatusCode, details: str,
+              field: str | None = None) -> grpc.aio.AioRpcError:
+    """The status a Quire engine would answer (``field``: the field it names, as an engine's
+    ``quire-error-field`` trailing metadata)."""
+    trailing = grpc.aio.Metadata(*([(FIELD_METADATA, field)] if field else []))
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
 
 _LORA_INFO = "vllm:lora_requests_info"
@@ -166,7 +174,6 @@ class VllmEngineClient:
     """The router's connection to one vLLM server. ``start()`` it, ``await close()`` it."""
 
     kind = "vllm"
-    serves_embeddings = False  # a vLLM server embeds only as a pooling model (not placed)
 
     @classmethod
     def connect(cls, endpoint: Endpoint, reports: EngineReports,
@@ -190,6 +197,7 @@ class VllmEngineClient:
         self.info: pb.ModelInfo | None = None
         self.refusal: EngineMismatchError | None = None
         self.model: str | None = None
+        self.serves_embeddings = False  # until admission finds /v1/embeddings
         self._session = None
         self._tasks: list[asyncio.Task] = []
         self._closed = False
@@ -228,8 +236,42 @@ class VllmEngineClient:
 
     async def embed(self, request: pb.EmbedRequest, *, timeout_s: float | None = None,
                     metadata: tuple[tuple[str, str], ...] = ()) -> pb.EmbedResponse:
-        raise rpc_error(grpc.StatusCode.UNIMPLEMENTED,
-                        "embeddings are not placed on vLLM engines")
+        """vLLM's /v1/embeddings on the prompt's token ids (``normalize`` as its
+        ``use_activation``); errors as a Quire engine's statuses."""
+        import aiohttp
+
+        if not self.serves_embeddings or self._session is None:
+            raise rpc_error(grpc.StatusCode.UNIMPLEMENTED,
+                            f"vLLM engine {self.engine_id} serves no embeddings")
+        body = {"model": self.model, "encoding_format": "float",
+                "input": (list(request.token_ids.ids) if request.HasField("token_ids")
+                          else request.text)}
+        if request.HasField("normalize"):
+            body["use_activation"] = request.normalize
+        if request.HasField("truncate_prompt_tokens"):
+            body["truncate_prompt_tokens"] = request.truncate_prompt_tokens
+        headers = {k: v for k, v in metadata if k in ("traceparent", "tracestate")}
+        try:
+            async with self._session.post(f"{self.base_url}/v1/embeddings", json=body,
+                                          headers=headers,
+                                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                if resp.status != 200:
+                    text = (await resp.text())[:500]
+                    raise rpc_error(_HTTP_CODES.get(resp.status, grpc.StatusCode.INTERNAL),
+                                    f"prompt: vLLM answered {resp.status}: {text}")
+                answer = await resp.json()
+        except (aiohttp.ClientError, OSError) as e:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"vLLM engine {self.engine_id}: {e}")
+        usage = answer.get("usage") or {}
+        return pb.EmbedResponse(request_id=request.request_id,
+                                embedding=answer["data"][0]["embedding"],
+                                usage=pb.Usage(prompt_tokens=usage.get("prompt_tokens", 0)))
+
+    async def _has_route(self, path: str) -> bool:
+        """Whether the server registered ``path``: an empty POST is a 404 where it did not
+        and a validation error where it did (nothing runs either way)."""
+        async with self._session.post(f"{self.base_url}{path}", json={}) as resp:
+            return resp.status != 404
 
     async def fetch_tokenizer(self, timeout_s: float | None = None) -> None:
         """None: vLLM serves no tokenizer files."""
@@ -243,7 +285,10 @@ class VllmEngineClient:
         model = next((m for m in models if not m.get("parent")), models[0])
         adapters = [m for m in models if m.get("parent") == model["id"]]
         self.model = model["id"]
+        generates = await self._has_route("/v1/completions")
+        self.serves_embeddings = await self._has_route("/v1/embeddings")
         return pb.ModelInfo(model_name=model["id"], max_model_len=model.get("max_model_len") or 0,
+                            runner="generate" if generates else "pooling",
                             block_size=self.vllm.block_size,
                             block_hash_algorithm=BLOCK_HASH_ALGORITHM, block_hash_seed=ROOT_HASH,
                             enable_prefix_caching=True, enable_lora=bool(adapters),
@@ -364,6 +409,10 @@ class VllmEngineClient:
 
         if self._session is None or self.model is None:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"vLLM engine {self.engine_id} not ready")
+        if self.info is not None and self.info.runner == "pooling":  # (it has no completions)
+            raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT,
+                            "runner: this vLLM server runs with --runner pooling: it serves "
+                            "embeddings only, not generation", field="runner")
         headers = {k: v for k, v in metadata if k in ("traceparent", "tracestate")}
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         try:

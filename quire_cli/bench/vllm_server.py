@@ -46,6 +46,7 @@ class VllmServerSpec:
     max_loras: int = 1
     max_lora_rank: int = 16
     lora_modules: tuple[str, ...] = ()
+    runner: str = "generate"  # vLLM's --runner: "pooling" serves /v1/embeddings instead
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks and self.num_kv_blocks * self.block_size <= self.max_model_len:
@@ -97,6 +98,8 @@ class VllmServer:
                 "--enable-prompt-tokens-details"]
         if spec.kv_events:
             argv += ["--kv-events-config", json.dumps(events)]
+        if spec.runner != "generate":
+            argv += ["--runner", spec.runner]
         if spec.num_kv_blocks:
             argv += ["--num-gpu-blocks-override", str(spec.num_kv_blocks)]
         if spec.enable_lora:
