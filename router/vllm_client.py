@@ -198,6 +198,7 @@ class VllmEngineClient:
         self.refusal: EngineMismatchError | None = None
         self.model: str | None = None
         self.serves_embeddings = False  # until admission finds /v1/embeddings
+        self._runner = "generate"  # "pooling" where admission finds no /v1/completions
         self._session = None
         self._tasks: list[asyncio.Task] = []
         self._closed = False
@@ -238,9 +239,7 @@ class VllmEngineClient:
                     metadata: tuple[tuple[str, str], ...] = ()) -> pb.EmbedResponse:
         """vLLM's /v1/embeddings on the prompt's token ids (``normalize`` as its
         ``use_activation``); errors as a Quire engine's statuses."""
-        import aiohttp
-
-        if not self.serves_embeddings or self._session is None:
+        if not self.serves_embeddings:
             raise rpc_error(grpc.StatusCode.UNIMPLEMENTED,
                             f"vLLM engine {self.engine_id} serves no embeddings")
         body = {"model": self.model, "encoding_format": "float",
@@ -251,27 +250,22 @@ class VllmEngineClient:
         if request.HasField("truncate_prompt_tokens"):
             body["truncate_prompt_tokens"] = request.truncate_prompt_tokens
         headers = {k: v for k, v in metadata if k in ("traceparent", "tracestate")}
-        try:
-            async with self._session.post(f"{self.base_url}/v1/embeddings", json=body,
-                                          headers=headers,
-                                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                if resp.status != 200:
-                    text = (await resp.text())[:500]
-                    raise rpc_error(_HTTP_CODES.get(resp.status, grpc.StatusCode.INTERNAL),
-                                    f"prompt: vLLM answered {resp.status}: {text}")
-                answer = await resp.json()
-        except (aiohttp.ClientError, OSError) as e:
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"vLLM engine {self.engine_id}: {e}")
+        answer = json.loads(await self._post_text(
+            "/v1/embeddings", body, timeout_s, headers=headers, field="prompt",
+            on_404=grpc.StatusCode.INVALID_ARGUMENT))
         usage = answer.get("usage") or {}
         return pb.EmbedResponse(request_id=request.request_id,
                                 embedding=answer["data"][0]["embedding"],
                                 usage=pb.Usage(prompt_tokens=usage.get("prompt_tokens", 0)))
 
-    async def _has_route(self, path: str) -> bool:
-        """Whether the server registered ``path``: an empty POST is a 404 where it did not
-        and a validation error where it did (nothing runs either way)."""
-        async with self._session.post(f"{self.base_url}{path}", json={}) as resp:
-            return resp.status != 404
+    async def _read_routes(self) -> None:
+        """What the server runs, from the routes it registered (an empty POST is a 404 where
+        it did not, a validation error where it did; nothing runs either way)."""
+        async def has(path: str) -> bool:
+            async with self._session.post(f"{self.base_url}{path}", json={}) as resp:
+                return resp.status != 404
+        self._runner = "generate" if await has("/v1/completions") else "pooling"
+        self.serves_embeddings = await has("/v1/embeddings")
 
     async def fetch_tokenizer(self, timeout_s: float | None = None) -> None:
         """None: vLLM serves no tokenizer files."""
@@ -285,10 +279,8 @@ class VllmEngineClient:
         model = next((m for m in models if not m.get("parent")), models[0])
         adapters = [m for m in models if m.get("parent") == model["id"]]
         self.model = model["id"]
-        generates = await self._has_route("/v1/completions")
-        self.serves_embeddings = await self._has_route("/v1/embeddings")
         return pb.ModelInfo(model_name=model["id"], max_model_len=model.get("max_model_len") or 0,
-                            runner="generate" if generates else "pooling",
+                            runner=self._runner,
                             block_size=self.vllm.block_size,
                             block_hash_algorithm=BLOCK_HASH_ALGORITHM, block_hash_seed=ROOT_HASH,
                             enable_prefix_caching=True, enable_lora=bool(adapters),
@@ -306,19 +298,35 @@ class VllmEngineClient:
         await self._post("/v1/unload_lora_adapter", {"lora_name": lora_name}, timeout_s)
 
     async def _post(self, path: str, body: dict, timeout_s: float | None) -> None:
+        """An adapter call, then the model list read again (its adapters changed)."""
+        import aiohttp
+
+        await self._post_text(path, body, timeout_s)
+        try:
+            self.info = await self._model_info()
+        except (aiohttp.ClientError, OSError) as e:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"vLLM engine {self.engine_id}: {e}")
+
+    async def _post_text(self, path: str, body: dict, timeout_s: float | None, *,
+                         headers: dict[str, str] | None = None, field: str | None = None,
+                         on_404: grpc.StatusCode = grpc.StatusCode.NOT_FOUND) -> str:
+        """vLLM's answer to a POST of ``body``; its failures as a Quire engine's statuses
+        (``field``: the field an HTTP error's message starts with; ``on_404``: what a 404 means
+        here)."""
         import aiohttp
 
         if self._session is None:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"vLLM engine {self.engine_id} not ready")
         try:
-            async with self._session.post(f"{self.base_url}{path}", json=body,
+            async with self._session.post(f"{self.base_url}{path}", json=body, headers=headers,
                                           timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 if resp.status != 200:
                     text = (await resp.text())[:500]
-                    code = grpc.StatusCode.NOT_FOUND if resp.status == 404 else \
+                    code = on_404 if resp.status == 404 else \
                         _HTTP_CODES.get(resp.status, grpc.StatusCode.INTERNAL)
-                    raise rpc_error(code, f"vLLM answered {resp.status}: {text}")
-            self.info = await self._model_info()
+                    prefix = f"{field}: " if field else ""
+                    raise rpc_error(code, f"{prefix}vLLM answered {resp.status}: {text}")
+                return await resp.text()
         except (aiohttp.ClientError, OSError) as e:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"vLLM engine {self.engine_id}: {e}")
 
@@ -328,6 +336,7 @@ class VllmEngineClient:
         backoff = Backoff(self.options.min_backoff_s, self.options.max_backoff_s)
         while not self._closed:
             try:
+                await self._read_routes()
                 info = await self._model_info()
                 await self.reports.admit(self, info)
             except EngineMismatchError as e:

@@ -106,7 +106,7 @@ class TPComm:
     @property
     def kernel_all_reduce(self) -> ShmSegment | None:
         """The segment a fused kernel sums over itself, where this group has one."""
-        return self.shm.kernel_view if self.shm is not None and self.world_size > 1 else None
+        return self.shm.kernel_view if self.shm is not None else None  # (none with one rank)
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
