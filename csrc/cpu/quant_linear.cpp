@@ -26,6 +26,10 @@
 // inner loop is only its quants: about half the instructions a block of the file's layout
 // takes (what decode costs where the cores, not memory, are the limit). Either layout is
 // taken; the file's is repacked on the fly (tests), the loader's weights come repacked.
+// Q4_0 and Q4_1 go further: whole groups of eight rows are interleaved block by block
+// (dot_group), so a block's integer sums for eight rows fill one register and are converted
+// and scaled once, not once a row (measured on a Zen 3, SmolLM2's layers at M = 1: see
+// dot_group); rows past the last group of eight stay row by row.
 //
 // Few rows (decode, M <= kDecodeRows): bound by the bytes of weight streamed, so the weight is
 // read as it is (4.5 to 8.5 bits a weight instead of 16) and never widened to floats. Each row of
@@ -122,10 +126,12 @@ inline float half_at(const uint8_t* p) {
 }
 
 // The 32 nibbles of a Q4 block as bytes 0..15, in weight order.
-inline __m256i nibbles(const uint8_t* qs) {
-  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+inline __m256i nibbles(__m128i t) {
   const __m256i both = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
   return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+inline __m256i nibbles(const uint8_t* qs) {
+  return nibbles(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
 }
 
 // 8 int32 partial sums of u[i] * s[i] (u unsigned, s signed bytes), as floats: exact, each
@@ -451,6 +457,76 @@ void repack_super_block(const uint8_t* in, uint8_t* o) {
   }
 }
 
+// Q4_0 / Q4_1 rows in groups of eight (repack: the first N - N % 8 rows; the rest stay row by
+// row). Group g's block b is [8 scales (fp16)] [8 offsets (fp16, Q4_1)] [128 quant bytes],
+// the quant bytes as 4 runs of 32: run j holds each row r's file bytes qs[4j .. 4j + 4) at
+// 4r. Their low nibbles are weights 4j .. 4j + 3 of every row, the high ones 16 + 4j ..: so
+// one 32-byte load is 8 rows x 4 weights twice, against x's 4 bytes broadcast, and one
+// block's products for all 8 rows add up in the 8 lanes of one register (16-bit pair sums,
+// exact: 8 of at most 2 * 15 * 127), converted and scaled once per block for all 8 rows
+// instead of once per row (ggml's repacked 8-row kernels do the same).
+constexpr int64_t kGroupRows = 8;
+
+template <QType T>
+constexpr bool kGrouped = T == QType::kQ4_0 || T == QType::kQ4_1;
+
+template <QType T>
+constexpr int64_t kGroupHead = T == QType::kQ4_1 ? 32 : 16;  // scales (+ offsets) a block
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi32(v);
+}
+
+// out[m * ldo + r] (r < 8) = group's rows dotted with x rows m < MM (quantized, K apart).
+template <QType T, int MM>
+inline void dot_group(const uint8_t* g, int64_t nb, const int8_t* xq, int64_t K,
+                      const float* xd, const float* xdsum, float* out, int64_t ldo) {
+  constexpr int64_t kStride = kGroupRows * kBytes<T>;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[MM];
+  for (int m = 0; m < MM; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = g + b * kStride;
+    const uint8_t* qs = blk + kGroupHead<T>;
+    __m256i sum[MM];
+    for (int m = 0; m < MM; ++m) sum[m] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+      const __m256i lo = _mm256_and_si256(v, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      for (int m = 0; m < MM; ++m) {
+        const int8_t* y = xq + m * K + b * kBlock;
+        sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(lo, bcast4(y + 4 * j)));
+        sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(hi, bcast4(y + 16 + 4 * j)));
+      }
+    }
+    const __m256 dw = halves8(blk);
+    for (int m = 0; m < MM; ++m) {
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m], ones));
+      const float dx = xd[m * nb + b], dsum = xdsum[m * nb + b];
+      if constexpr (T == QType::kQ4_1) {
+        acc[m] = _mm256_fmadd_ps(dw, _mm256_mul_ps(dot, _mm256_set1_ps(dx)), acc[m]);
+        acc[m] = _mm256_fmadd_ps(halves8(blk + 16), _mm256_set1_ps(dsum), acc[m]);
+      } else {  // Q4_0: d_w (d_x q_w . q_x - 8 d_x sum(q_x))
+        acc[m] = _mm256_fmadd_ps(
+            dw, _mm256_fmadd_ps(dot, _mm256_set1_ps(dx), _mm256_set1_ps(-8.f * dsum)), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MM; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
+}
+
+// Row r of a group's block b: its 16 quant bytes in the file's order.
+template <QType T>
+inline __m128i group_row_quants(const uint8_t* blk, int r) {
+  const uint8_t* qs = blk + kGroupHead<T> + 4 * r;
+  int32_t part[4];
+  for (int j = 0; j < 4; ++j) std::memcpy(&part[j], qs + 32 * j, sizeof(int32_t));
+  return _mm_setr_epi32(part[0], part[1], part[2], part[3]);
+}
+
 constexpr int kRowGroup = 4;  // weight rows sharing each load of x's block
 
 template <QType T>
@@ -467,6 +543,40 @@ void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w
     else
       dot_rows<T, R>(wr, row_bytes, num_blocks, q, d, ds, o);
   };
+  if constexpr (kGrouped<T>) {
+    const int64_t num_whole = N / kGroupRows;
+    at::parallel_for(0, num_whole + (N % kGroupRows ? 1 : 0), 2, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t n = g * kGroupRows;
+        if (g < num_whole) {
+          const uint8_t* wg = w + n * row_bytes;
+          int64_t m = 0;
+          for (; m + 4 <= M; m += 4)
+            dot_group<T, 4>(wg, num_blocks, xq.q.data() + m * K, K, xq.d.data() + m * num_blocks,
+                            xq.dsum.data() + m * num_blocks, out + m * N + n, N);
+          auto rest = [&](auto mm) {
+            constexpr int MM = decltype(mm)::value;
+            dot_group<T, MM>(wg, num_blocks, xq.q.data() + m * K, K,
+                             xq.d.data() + m * num_blocks, xq.dsum.data() + m * num_blocks,
+                             out + m * N + n, N);
+          };
+          switch (M - m) {
+            case 3: rest(std::integral_constant<int, 3>{}); break;
+            case 2: rest(std::integral_constant<int, 2>{}); break;
+            case 1: rest(std::integral_constant<int, 1>{}); break;
+            default: break;
+          }
+          continue;
+        }
+        for (int64_t r = n; r < N; ++r)  // the rows past the last group, row by row
+          for (int64_t m = 0; m < M; ++m)
+            rows_dot(std::integral_constant<int, 1>{}, w + r * row_bytes, xq.q.data() + m * K,
+                     xq.d.data() + m * num_blocks, xq.dsum.data() + m * num_blocks,
+                     out + m * N + r);
+      }
+    });
+    return;
+  }
   at::parallel_for(0, num_groups, 8, [&](int64_t g0, int64_t g1) {
     float tmp[kRowGroup];
     for (int64_t g = g0; g < g1; ++g) {
@@ -488,18 +598,9 @@ void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w
   });
 }
 
-// Block b of a repacked row (nb blocks) as fp32 into out[0 .. 32).
+// A block's 32 quants (bytes, weight order) as fp32 d * q + offset into out[0 .. 32).
 template <QType T>
-inline void dequant_block(const uint8_t* row, int64_t nb, int64_t b, float* out) {
-  using L = RowLayout<T>;
-  const float d = half_at(L::scales(row) + 2 * b);
-  const uint8_t* q = L::quants(row, nb) + b * L::kQuantBytes;
-  const __m256i bytes = T == QType::kQ8_0
-                            ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))
-                            : nibbles(q);
-  const float offset = T == QType::kQ4_1   ? half_at(L::mins(row, nb) + 2 * b)
-                       : T == QType::kQ4_0 ? -8.f * d
-                                           : 0.f;
+inline void dequant_values(__m256i bytes, float d, float offset, float* out) {
   const __m256 dv = _mm256_set1_ps(d), ov = _mm256_set1_ps(offset);
   const __m128i halves[2] = {_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)};
   for (int i = 0; i < 4; ++i) {
@@ -508,6 +609,34 @@ inline void dequant_block(const uint8_t* row, int64_t nb, int64_t b, float* out)
                                            : _mm256_cvtepu8_epi32(eight);
     _mm256_storeu_ps(out + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), dv, ov));
   }
+}
+
+// Block b of row n of a repacked weight (nb blocks a row) as fp32 into out[0 .. 32).
+template <QType T>
+inline void dequant_block(const uint8_t* w, int64_t N, int64_t nb, int64_t n, int64_t b,
+                          float* out) {
+  using L = RowLayout<T>;
+  const int64_t row_bytes = nb * kBytes<T>;
+  if constexpr (kGrouped<T>) {
+    if (n < N - N % kGroupRows) {  // in a group of eight (dot_group's layout)
+      const uint8_t* blk = w + (n - n % kGroupRows) * row_bytes + b * kGroupRows * kBytes<T>;
+      const int r = int(n % kGroupRows);
+      const float d = half_at(blk + 2 * r);
+      const float offset = T == QType::kQ4_1 ? half_at(blk + 16 + 2 * r) : -8.f * d;
+      dequant_values<T>(nibbles(group_row_quants<T>(blk, r)), d, offset, out);
+      return;
+    }
+  }
+  const uint8_t* row = w + n * row_bytes;
+  const float d = half_at(L::scales(row) + 2 * b);
+  const uint8_t* q = L::quants(row, nb) + b * L::kQuantBytes;
+  const __m256i bytes = T == QType::kQ8_0
+                            ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))
+                            : nibbles(q);
+  const float offset = T == QType::kQ4_1   ? half_at(L::mins(row, nb) + 2 * b)
+                       : T == QType::kQ4_0 ? -8.f * d
+                                           : 0.f;
+  dequant_values<T>(bytes, d, offset, out);
 }
 
 template <QType T, typename O>
@@ -520,7 +649,7 @@ void dequantize_into(const uint8_t* w, int64_t N, int64_t K, O* out) {
         if constexpr (kIsK<T>)
           dequant_block_k<T>(w + n * row_bytes, b, tmp);
         else
-          dequant_block<T>(w + n * row_bytes, num_blocks, b, tmp);
+          dequant_block<T>(w, N, num_blocks, n, b, tmp);
         O* o = out + n * K + b * kBlock;
         if constexpr (std::is_same_v<O, float>) {
           std::memcpy(o, tmp, sizeof(tmp));
@@ -531,7 +660,8 @@ void dequantize_into(const uint8_t* w, int64_t N, int64_t K, O* out) {
   });
 }
 
-// The file's layout (uint8) regrouped row by row as RowLayout says (int8, same shape).
+// The file's layout (uint8) regrouped (int8, same shape): Q4_0 / Q4_1 in groups of eight rows
+// (dot_group), the rest row by row as RowLayout says.
 at::Tensor repack(const at::Tensor& w) {
   const int64_t N = w.size(0), nb = w.size(1), B = w.size(2);
   const QType type = qtype_of(B, false);
@@ -555,7 +685,22 @@ at::Tensor repack(const at::Tensor& w) {
   at::Tensor out = at::empty(w.sizes(), w.options().dtype(at::kChar));
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr<int8_t>());
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  // Q4_0 / Q4_1: whole groups of eight rows as dot_group reads them, the rest row by row
+  const int64_t grouped = B == 34 ? 0 : N - N % kGroupRows;
+  at::parallel_for(0, grouped / kGroupRows, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* o = dst + (g * kGroupRows * nb + b * kGroupRows) * B;
+        for (int64_t r = 0; r < kGroupRows; ++r) {
+          const uint8_t* blk = src + ((g * kGroupRows + r) * nb + b) * B;
+          std::memcpy(o + 2 * r, blk, 2);  // d
+          if (head == 4) std::memcpy(o + 16 + 2 * r, blk + 2, 2);  // m
+          for (int64_t j = 0; j < 4; ++j)
+            std::memcpy(o + 8 * head + 32 * j + 4 * r, blk + head + 4 * j, 4);
+        }
+      }
+  });
+  at::parallel_for(grouped, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = src + n * nb * B;
       uint8_t* o = dst + n * nb * B;

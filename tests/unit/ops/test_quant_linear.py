@@ -52,8 +52,10 @@ def test_dequantize_matches_gguf(cpu_kernels, qtype):
 
 @pytest.mark.cpu_ops("quant_linear")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("n", [64, 37])  # 37: rows past the last group of four
+# rows of x: Q4_0 / Q4_1 take them four at a time over each group of eight weight rows
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
+# 37: rows past the last group of four (and of eight, Q4_0 / Q4_1's interleaved groups)
+@pytest.mark.parametrize("n", [64, 37])
 def test_decode_within_the_int8_rounding_bound(cpu_kernels, qtype, rows, n):
     blocks, ref = quantized(n, 160, qtype, seed=rows)
     x = torch.randn(rows, 160)
@@ -114,8 +116,14 @@ def test_the_loaders_repacked_layout_gives_the_same_bits(cpu_kernels, qtype):
     blocks, ref = quantized(36, 320, qtype)
     packed = cpu_kernels.ops.repack_gguf(blocks)
     assert packed.dtype == torch.int8 and packed.shape == blocks.shape
-    assert sorted(packed.view(torch.uint8)[3].flatten().tolist()) == \
-        sorted(blocks[3].flatten().tolist())  # a row's bytes, regrouped
+    def same_bytes(rows):
+        return sorted(packed.view(torch.uint8)[rows].flatten().tolist()) == \
+            sorted(blocks[rows].flatten().tolist())
+    # Q4_0 / Q4_1 interleave whole groups of eight rows (rows 0-31 here) and keep the last
+    # four row by row; Q8_0 regroups every row on its own
+    assert same_bytes(slice(32, 33)) and same_bytes(slice(35, 36))
+    assert same_bytes(slice(0, 8)) and same_bytes(slice(24, 32))
+    assert same_bytes(slice(3, 4)) == (qtype == QT.Q8_0)
     torch.testing.assert_close(cpu_kernels.ops.dequantize_weight(packed, torch.float32), ref,
                                rtol=0, atol=0)
     for rows in (1, 3, 7):
