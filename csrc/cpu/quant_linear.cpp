@@ -155,16 +155,32 @@ struct QuantizedRows {
   std::vector<float> d, dsum;
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t M, int64_t K) {
+// Eight of x's values as fp32 (bf16 widened: its bits are fp32's upper half).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Eight outputs stored as O (bf16: rounded to nearest even, as at::BFloat16 does).
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  for (int i = 0; i < 8; ++i) p[i] = at::BFloat16(t[i]);
+}
+
+template <typename X>
+QuantizedRows quantize_rows(const X* x, int64_t M, int64_t K) {
   const int64_t num_blocks = M * K / kBlock;
   QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(num_blocks),
                   std::vector<float>(num_blocks)};
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* xb = x + b * kBlock;
+    const X* xb = x + b * kBlock;
     __m256 v[4], amax = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      v[i] = load8(xb + 8 * i);
       amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
     }
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
@@ -480,9 +496,9 @@ inline __m256i bcast4(const int8_t* p) {
 }
 
 // out[m * ldo + r] (r < 8) = group's rows dotted with x rows m < MM (quantized, K apart).
-template <QType T, int MM>
+template <QType T, int MM, typename O>
 inline void dot_group(const uint8_t* g, int64_t nb, const int8_t* xq, int64_t K,
-                      const float* xd, const float* xdsum, float* out, int64_t ldo) {
+                      const float* xd, const float* xdsum, O* out, int64_t ldo) {
   constexpr int64_t kStride = kGroupRows * kBytes<T>;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[MM];
@@ -515,7 +531,7 @@ inline void dot_group(const uint8_t* g, int64_t nb, const int8_t* xq, int64_t K,
       }
     }
   }
-  for (int m = 0; m < MM; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
+  for (int m = 0; m < MM; ++m) store8(out + m * ldo, acc[m]);
 }
 
 // Row r of a group's block b: its 16 quant bytes in the file's order.
@@ -529,9 +545,9 @@ inline __m128i group_row_quants(const uint8_t* blk, int r) {
 
 constexpr int kRowGroup = 4;  // weight rows sharing each load of x's block
 
-template <QType T>
+template <QType T, typename O>
 void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w, int64_t N,
-                 float* out) {
+                 O* out) {
   const int64_t num_blocks = K / kBlock, row_bytes = K / kValues<T> * kBytes<T>;
   const int64_t num_groups = (N + kRowGroup - 1) / kRowGroup;
   // the kernel for R rows: the k-quants' runs over super-blocks, the others' over blocks
@@ -552,11 +568,11 @@ void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w
           const uint8_t* wg = w + n * row_bytes;
           int64_t m = 0;
           for (; m + 4 <= M; m += 4)
-            dot_group<T, 4>(wg, num_blocks, xq.q.data() + m * K, K, xq.d.data() + m * num_blocks,
+            dot_group<T, 4, O>(wg, num_blocks, xq.q.data() + m * K, K, xq.d.data() + m * num_blocks,
                             xq.dsum.data() + m * num_blocks, out + m * N + n, N);
           auto rest = [&](auto mm) {
             constexpr int MM = decltype(mm)::value;
-            dot_group<T, MM>(wg, num_blocks, xq.q.data() + m * K, K,
+            dot_group<T, MM, O>(wg, num_blocks, xq.q.data() + m * K, K,
                              xq.d.data() + m * num_blocks, xq.dsum.data() + m * num_blocks,
                              out + m * N + n, N);
           };
@@ -569,10 +585,12 @@ void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w
           continue;
         }
         for (int64_t r = n; r < N; ++r)  // the rows past the last group, row by row
-          for (int64_t m = 0; m < M; ++m)
+          for (int64_t m = 0; m < M; ++m) {
+            float one;
             rows_dot(std::integral_constant<int, 1>{}, w + r * row_bytes, xq.q.data() + m * K,
-                     xq.d.data() + m * num_blocks, xq.dsum.data() + m * num_blocks,
-                     out + m * N + r);
+                     xq.d.data() + m * num_blocks, xq.dsum.data() + m * num_blocks, &one);
+            out[m * N + r] = O(one);
+          }
       }
     });
     return;
@@ -592,7 +610,7 @@ void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w
             rows_dot(std::integral_constant<int, 1>{}, w + (n + r) * row_bytes, q, d, ds,
                      tmp + r);
         }
-        std::memcpy(out + m * N + n, tmp, rows * sizeof(float));
+        for (int64_t r = 0; r < rows; ++r) out[m * N + n + r] = O(tmp[r]);
       }
     }
   });
@@ -764,19 +782,28 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w_in,
               "quant_linear: x must be fp32 or bf16 [M, K] with the weight's K = ", K);
   const int64_t M = x.size(0);
   if (M > kDecodeRows) return at::linear(x, dequantize_weight(w, x.scalar_type()), bias);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  // bf16 is read and written as it is (no fp32 copies a call: a few us of SmolLM2's 121
+  // calls a decode step); with a bias the sum stays fp32 up to one rounding, as before
+  const at::Tensor xc = x.contiguous();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor out = at::empty(
+      {M, N}, x.options().dtype(bf16 && !bias.has_value() ? at::kBFloat16 : at::kFloat));
   if (M == 0) return out.to(x.scalar_type());
-  const QuantizedRows xq = quantize_rows(xf.data_ptr<float>(), M, K);
+  const QuantizedRows xq = bf16 ? quantize_rows(xc.data_ptr<at::BFloat16>(), M, K)
+                                : quantize_rows(xc.data_ptr<float>(), M, K);
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
   with_qtype(type, [&](auto t) {
-    decode_rows<decltype(t)::value>(xq, M, K, wp, N, out.data_ptr<float>());
+    constexpr QType T = decltype(t)::value;
+    if (out.scalar_type() == at::kBFloat16)
+      decode_rows<T>(xq, M, K, wp, N, out.data_ptr<at::BFloat16>());
+    else
+      decode_rows<T>(xq, M, K, wp, N, out.data_ptr<float>());
   });
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "quant_linear: bias must be [N]");
     out.add_(bias->to(at::kFloat).view({1, N}));
   }
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
 }
 
 TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {

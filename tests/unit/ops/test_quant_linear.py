@@ -89,6 +89,20 @@ def test_prefill_matches_dequantize_then_matmul(cpu_kernels, qtype, rows):
 
 
 @pytest.mark.cpu_ops("quant_linear")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_decode_is_the_fp32_result_rounded_once(cpu_kernels, qtype, with_bias):
+    # bf16 is read and written by the kernel itself: the same bits as widening x to fp32,
+    # the fp32 kernel, then one rounding (37 rows: groups of eight and the rows past them)
+    blocks, _ = quantized(37, 96, qtype, seed=5)
+    x = torch.randn(3, 96).bfloat16()
+    bias = torch.randn(37) if with_bias else None
+    out = cpu_kernels.ops.quant_linear(x, blocks, bias)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, cpu_kernels.ops.quant_linear(x.float(), blocks, bias).bfloat16())
+
+
+@pytest.mark.cpu_ops("quant_linear")
 @pytest.mark.parametrize("rows", [1, 5, 9])
 def test_bf16_activations_come_back_in_bf16(cpu_kernels, rows):
     blocks, ref = quantized(32, 64, QT.Q4_1)
