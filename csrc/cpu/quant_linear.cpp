@@ -28,8 +28,9 @@
 // taken; the file's is repacked on the fly (tests), the loader's weights come repacked.
 // Q4_0 and Q4_1 go further: whole groups of eight rows are interleaved block by block
 // (dot_group), so a block's integer sums for eight rows fill one register and are converted
-// and scaled once, not once a row (measured on a Zen 3, SmolLM2's layers at M = 1: see
-// dot_group); rows past the last group of eight stay row by row.
+// and scaled once, not once a row (Zen 3, SmolLM2's 30 layers of Q4_1 linears at M = 1 read
+// from memory: 9.1 ms row by row, 5.2 ms grouped); rows past the last group of eight stay row
+// by row.
 //
 // Few rows (decode, M <= kDecodeRows): bound by the bytes of weight streamed, so the weight is
 // read as it is (4.5 to 8.5 bits a weight instead of 16) and never widened to floats. Each row of
