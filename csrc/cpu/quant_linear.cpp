@@ -520,12 +520,13 @@ inline void dot_group(const uint8_t* g, int64_t nb, const int8_t* xq, int64_t K,
       }
     }
     const __m256 dw = halves8(blk);
+    const __m256 mw = T == QType::kQ4_1 ? halves8(blk + 16) : _mm256_setzero_ps();
     for (int m = 0; m < MM; ++m) {
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m], ones));
       const float dx = xd[m * nb + b], dsum = xdsum[m * nb + b];
       if constexpr (T == QType::kQ4_1) {
         acc[m] = _mm256_fmadd_ps(dw, _mm256_mul_ps(dot, _mm256_set1_ps(dx)), acc[m]);
-        acc[m] = _mm256_fmadd_ps(halves8(blk + 16), _mm256_set1_ps(dsum), acc[m]);
+        acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(dsum), acc[m]);
       } else {  // Q4_0: d_w (d_x q_w . q_x - 8 d_x sum(q_x))
         acc[m] = _mm256_fmadd_ps(
             dw, _mm256_fmadd_ps(dot, _mm256_set1_ps(dx), _mm256_set1_ps(-8.f * dsum)), acc[m]);
@@ -566,21 +567,18 @@ void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t n = g * kGroupRows;
         if (g < num_whole) {
-          const uint8_t* wg = w + n * row_bytes;
-          int64_t m = 0;
-          for (; m + 4 <= M; m += 4)
-            dot_group<T, 4, O>(wg, num_blocks, xq.q.data() + m * K, K, xq.d.data() + m * num_blocks,
-                            xq.dsum.data() + m * num_blocks, out + m * N + n, N);
-          auto rest = [&](auto mm) {
-            constexpr int MM = decltype(mm)::value;
-            dot_group<T, MM, O>(wg, num_blocks, xq.q.data() + m * K, K,
-                             xq.d.data() + m * num_blocks, xq.dsum.data() + m * num_blocks,
-                             out + m * N + n, N);
+          // x's rows four at a time, then the rest (dot_group keeps MM rows' sums in registers)
+          auto rows_of_x = [&](auto mm, int64_t m) {
+            dot_group<T, decltype(mm)::value, O>(
+                w + n * row_bytes, num_blocks, xq.q.data() + m * K, K,
+                xq.d.data() + m * num_blocks, xq.dsum.data() + m * num_blocks, out + m * N + n, N);
           };
+          int64_t m = 0;
+          for (; m + 4 <= M; m += 4) rows_of_x(std::integral_constant<int, 4>{}, m);
           switch (M - m) {
-            case 3: rest(std::integral_constant<int, 3>{}); break;
-            case 2: rest(std::integral_constant<int, 2>{}); break;
-            case 1: rest(std::integral_constant<int, 1>{}); break;
+            case 3: rows_of_x(std::integral_constant<int, 3>{}, m); break;
+            case 2: rows_of_x(std::integral_constant<int, 2>{}, m); break;
+            case 1: rows_of_x(std::integral_constant<int, 1>{}, m); break;
             default: break;
           }
           continue;
