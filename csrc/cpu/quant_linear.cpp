@@ -35,18 +35,24 @@
 // Few rows (decode, M <= kDecodeRows): bound by the bytes of weight streamed, so the weight is
 // read as it is (4.5 to 8.5 bits a weight instead of 16) and never widened to floats. Each row of
 // x is quantized to int8 per block of 32 as ggml's Q8_0 (d_x = max|x| / 127, x ~ d_x * q_x,
-// round to nearest even), and every block is an integer dot product (maddubs + madd, exact in
-// int32) scaled once: sum_blocks d_w d_x (q_w . q_x) (+ m_w d_x sum(q_x) for Q4_1, - 8 d_w ...
+// round to nearest even), and every block is an integer dot product (maddubs + madd, or VNNI's
+// vpdpbusd, exact in int32) scaled once: sum_blocks d_w d_x (q_w . q_x) (+ m_w d_x sum(q_x) for Q4_1, - 8 d_w ...
 // for Q4_0). The only error against de-quantize-then-matmul in fp32 is x's rounding to int8:
 // |out - ref| <= sum_k |w_k| d_x(k) / 2 (plus fp32 summation order); tests check that bound.
 // Threads split the output rows; a thread reads its rows' bytes once for all M rows of x.
 //
-// More rows (prefill): compute-bound, so the weight is de-quantized into x's dtype (all of it,
-// one pass, parallel over rows: a small fraction of the matmul's time for M in the tens) and
-// the matmul is torch's (oneDNN) on that.
+// More rows (batched decode, prefill): compute-bound. With VNNI (the AVX-512 set), Q4_0 / Q4_1
+// stay on the int8 path at every M (int8_rows_limit): dot_group keeps 8 rows of x in registers
+// and adds four u8 x s8 products a lane with one vpdpbusd, x's rows in tiles of 128 against
+// each thread's groups. Zen 4, 2 threads, SmolLM2's four linears of a layer (5.5M weights,
+// bf16 x): M = 64 1.39 ms against 1.53 for oneDNN's bf16 matmul on a dense copy (2.71 ms
+// before, de-quantizing each call), M = 256 5.4 against 4.9, M = 512 9.9 against 9.5.
+// Otherwise (AVX2, Q8_0, the k-quants) the weight is de-quantized into x's dtype (one pass,
+// parallel over rows, into a buffer kept across calls: dequantized_scratch) and the matmul is
+// torch's (oneDNN) on that.
 //
-// The integer dot products are AVX2 (256-bit), which both kernel sets have (the AVX-512 set is
-// built with -mavx2); the float side goes through the vector layer (vec.h).
+// The integer dot products are 256-bit (AVX2; AVX-512 VNNI's 256-bit vpdpbusd in the AVX-512
+// set, which is also built with -mavx2); the float side goes through the vector layer (vec.h).
 //
 // References: gguf.quants.dequantize (the format), then x @ w.T in fp32; tests compare.
 
@@ -54,12 +60,24 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "ops.h"
+
+// AVX-512 VNNI with VL (the AVX-512 set requires both): vpdpbusd on 256-bit registers adds
+// four u8 x s8 products a lane into int32 in one instruction, where AVX2 needs maddubs (int16
+// pairs) and an add, then a madd to widen.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QUIRE_HAS_VNNI 1
+#else
+#define QUIRE_HAS_VNNI 0
+#endif
 
 namespace QUIRE_NS {
 namespace {
@@ -74,6 +92,15 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kDecodeRows = 8;
 
 enum class QType { kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
+
+// Rows of x up to which a call stays on the int8 dot products (past it: de-quantize, then a
+// float matmul). With VNNI, Q4_0 / Q4_1's grouped kernel (dot_group: each weight load unpacked
+// once for eight rows of x, one vpdpbusd per 4 x 8 products) outruns de-quantize + oneDNN's
+// bf16 matmul at every row count measured, so it takes them all; see the figures below.
+inline int64_t int8_rows_limit(QType t) {
+  const bool grouped = t == QType::kQ4_0 || t == QType::kQ4_1;
+  return QUIRE_HAS_VNNI && grouped ? std::numeric_limits<int64_t>::max() : kDecodeRows;
+}
 
 // The type of a weight's blocks, by their bytes as the file has them (uint8) or repacked
 // (int8: the k-quants' unpacked scales take a few bytes more).
@@ -177,7 +204,9 @@ QuantizedRows quantize_rows(const X* x, int64_t M, int64_t K) {
   QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(num_blocks),
                   std::vector<float>(num_blocks)};
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  // blocks are independent: many rows (a prefill) split over the threads
+  at::parallel_for(0, num_blocks, 512, [&](int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
     const X* xb = x + b * kBlock;
     __m256 v[4], amax = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
@@ -203,6 +232,7 @@ QuantizedRows quantize_rows(const X* x, int64_t M, int64_t K) {
     r.d[b] = d;
     r.dsum[b] = d * float(sum_q);
   }
+  });
   return r;
 }
 
@@ -501,7 +531,10 @@ template <QType T, int MM, typename O>
 inline void dot_group(const uint8_t* g, int64_t nb, const int8_t* xq, int64_t K,
                       const float* xd, const float* xdsum, O* out, int64_t ldo) {
   constexpr int64_t kStride = kGroupRows * kBytes<T>;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+#if !QUIRE_HAS_VNNI
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
   __m256 acc[MM];
   for (int m = 0; m < MM; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -515,14 +548,24 @@ inline void dot_group(const uint8_t* g, int64_t nb, const int8_t* xq, int64_t K,
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       for (int m = 0; m < MM; ++m) {
         const int8_t* y = xq + m * K + b * kBlock;
+#if QUIRE_HAS_VNNI
+        // four products a lane straight into int32 (one instruction for maddubs + add)
+        sum[m] = _mm256_dpbusd_epi32(sum[m], lo, bcast4(y + 4 * j));
+        sum[m] = _mm256_dpbusd_epi32(sum[m], hi, bcast4(y + 16 + 4 * j));
+#else
         sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(lo, bcast4(y + 4 * j)));
         sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(hi, bcast4(y + 16 + 4 * j)));
+#endif
       }
     }
     const __m256 dw = halves8(blk);
     const __m256 mw = T == QType::kQ4_1 ? halves8(blk + 16) : _mm256_setzero_ps();
     for (int m = 0; m < MM; ++m) {
+#if QUIRE_HAS_VNNI
+      const __m256 dot = _mm256_cvtepi32_ps(sum[m]);
+#else
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m], ones));
+#endif
       const float dx = xd[m * nb + b], dsum = xdsum[m * nb + b];
       if constexpr (T == QType::kQ4_1) {
         acc[m] = _mm256_fmadd_ps(dw, _mm256_mul_ps(dot, _mm256_set1_ps(dx)), acc[m]);
@@ -547,6 +590,21 @@ inline __m128i group_row_quants(const uint8_t* blk, int r) {
 
 constexpr int kRowGroup = 4;  // weight rows sharing each load of x's block
 
+// Rows of x whose sums dot_group keeps in registers at once: 8 with AVX-512's 32 vector
+// registers (8 int32 sums + 8 float accumulators + the unpacked weights), else 4 of 16.
+constexpr int kXRowsInRegs = QUIRE_HAS_VNNI ? 8 : 4;
+// Rows of x a tile (the grouped kernel's outer loop): 128 x K int8 bytes (74 KB at K = 576)
+constexpr int64_t kXRowTile = 128;
+
+// f(std::integral_constant<int, count>) for a count in 1 .. Max known only at run time.
+template <int Max, typename F>
+inline void with_count(int count, F&& f) {
+  if constexpr (Max >= 1) {
+    if (count == Max) f(std::integral_constant<int, Max>{});
+    else with_count<Max - 1>(count, std::forward<F>(f));
+  }
+}
+
 template <QType T, typename O>
 void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                  O* out) {
@@ -564,32 +622,35 @@ void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w
   if constexpr (kGrouped<T>) {
     const int64_t num_whole = N / kGroupRows;
     at::parallel_for(0, num_whole + (N % kGroupRows ? 1 : 0), 2, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t n = g * kGroupRows;
-        if (g < num_whole) {
-          // x's rows four at a time, then the rest (dot_group keeps MM rows' sums in registers)
-          auto rows_of_x = [&](auto mm, int64_t m) {
-            dot_group<T, decltype(mm)::value, O>(
-                w + n * row_bytes, num_blocks, xq.q.data() + m * K, K,
-                xq.d.data() + m * num_blocks, xq.dsum.data() + m * num_blocks, out + m * N + n, N);
-          };
-          int64_t m = 0;
-          for (; m + 4 <= M; m += 4) rows_of_x(std::integral_constant<int, 4>{}, m);
-          switch (M - m) {
-            case 3: rows_of_x(std::integral_constant<int, 3>{}, m); break;
-            case 2: rows_of_x(std::integral_constant<int, 2>{}, m); break;
-            case 1: rows_of_x(std::integral_constant<int, 1>{}, m); break;
-            default: break;
+      // x's rows a tile at a time, each tile against all of this thread's groups (their
+      // bytes stay in L2 across tiles; a tile's int8 rows stay in L1/L2 across groups)
+      for (int64_t m0 = 0; m0 < M; m0 += kXRowTile) {
+        const int64_t m1 = std::min(M, m0 + kXRowTile);
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t n = g * kGroupRows;
+          if (g < num_whole) {
+            // kXRowsInRegs rows of x at a time, then the rest (dot_group keeps MM rows' sums
+            // in registers and unpacks each weight load once for them)
+            auto rows_of_x = [&](auto mm, int64_t m) {
+              dot_group<T, decltype(mm)::value, O>(
+                  w + n * row_bytes, num_blocks, xq.q.data() + m * K, K,
+                  xq.d.data() + m * num_blocks, xq.dsum.data() + m * num_blocks,
+                  out + m * N + n, N);
+            };
+            int64_t m = m0;
+            for (; m + kXRowsInRegs <= m1; m += kXRowsInRegs)
+              rows_of_x(std::integral_constant<int, kXRowsInRegs>{}, m);
+            if (m < m1) with_count<kXRowsInRegs - 1>(int(m1 - m), [&](auto mm) { rows_of_x(mm, m); });
+            continue;
           }
-          continue;
+          for (int64_t r = n; r < N; ++r)  // the rows past the last group, row by row
+            for (int64_t m = m0; m < m1; ++m) {
+              float one;
+              rows_dot(std::integral_constant<int, 1>{}, w + r * row_bytes, xq.q.data() + m * K,
+                       xq.d.data() + m * num_blocks, xq.dsum.data() + m * num_blocks, &one);
+              out[m * N + r] = O(one);
+            }
         }
-        for (int64_t r = n; r < N; ++r)  // the rows past the last group, row by row
-          for (int64_t m = 0; m < M; ++m) {
-            float one;
-            rows_dot(std::integral_constant<int, 1>{}, w + r * row_bytes, xq.q.data() + m * K,
-                     xq.d.data() + m * num_blocks, xq.dsum.data() + m * num_blocks, &one);
-            out[m * N + r] = O(one);
-          }
       }
     });
     return;
@@ -753,13 +814,11 @@ at::Tensor repack_gguf(const at::Tensor& w) {
   return repacked(w, "repack_gguf");
 }
 
-at::Tensor dequantize_weight(const at::Tensor& w_in, at::ScalarType dtype) {
-  const at::Tensor w = repacked(w_in, "dequantize_weight");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
-              "dequantize_weight: into fp32 or bf16");
+// The repacked weight w de-quantized into out (fp32 or bf16 [N, K], contiguous).
+void dequantize_weight_into(const at::Tensor& w, at::Tensor& out) {
   const QType type = qtype_of(w.size(2), true);
   const int64_t N = w.size(0), K = w.size(1) * values_per_block(type);
-  at::Tensor out = at::empty({N, K}, w.options().dtype(dtype));
+  const at::ScalarType dtype = out.scalar_type();
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
   with_qtype(type, [&](auto t) {
     constexpr QType T = decltype(t)::value;
@@ -768,6 +827,33 @@ at::Tensor dequantize_weight(const at::Tensor& w_in, at::ScalarType dtype) {
     else
       dequantize_into<T>(wp, N, K, out.data_ptr<at::BFloat16>());
   });
+}
+
+// A many-row call's de-quantized weight goes into one buffer kept across calls (per thread:
+// the engine loop's), grown to the largest weight seen. A fresh tensor of tens of MB pays its
+// page faults on every call: measured on a Zen 4 (2 threads), the embedded model's Q8_0
+// logits projection (49152 x 576, 56 MB in bf16) took 29.6 ms to de-quantize into a new
+// tensor, of which a plain 56 MB copy into a new tensor is 22.3 ms and into a reused one 4.6.
+at::Tensor dequantized_scratch(const at::Tensor& w, at::ScalarType dtype) {
+  thread_local at::Tensor buffer;
+  const int64_t N = w.size(0), K = w.size(1) * values_per_block(qtype_of(w.size(2), true));
+  const int64_t bytes = N * K * int64_t(c10::elementSize(dtype));
+  if (!buffer.defined() || buffer.numel() < bytes) {
+    buffer = at::Tensor();  // the old one goes first: the two never live together
+    buffer = at::empty({bytes}, w.options().dtype(at::kByte));
+  }
+  at::Tensor out = buffer.narrow(0, 0, bytes).view(dtype).view({N, K});
+  dequantize_weight_into(w, out);
+  return out;
+}
+
+at::Tensor dequantize_weight(const at::Tensor& w_in, at::ScalarType dtype) {
+  const at::Tensor w = repacked(w_in, "dequantize_weight");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "dequantize_weight: into fp32 or bf16");
+  const int64_t N = w.size(0), K = w.size(1) * values_per_block(qtype_of(w.size(2), true));
+  at::Tensor out = at::empty({N, K}, w.options().dtype(dtype));
+  dequantize_weight_into(w, out);
   return out;
 }
 
@@ -780,7 +866,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w_in,
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_linear: x must be fp32 or bf16 [M, K] with the weight's K = ", K);
   const int64_t M = x.size(0);
-  if (M > kDecodeRows) return at::linear(x, dequantize_weight(w, x.scalar_type()), bias);
+  if (M > int8_rows_limit(type))
+    return at::linear(x, dequantized_scratch(w, x.scalar_type()), bias);
   // bf16 is read and written as it is (no fp32 copies a call: a few us of SmolLM2's 121
   // calls a decode step); with a bias the sum stays fp32 up to one rounding, as before
   const at::Tensor xc = x.contiguous();
@@ -805,13 +892,22 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w_in,
   return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
 }
 
+int64_t quant_int8_rows(const at::Tensor& w) {
+  TORCH_CHECK(is_quantized_weight(w), "quant_int8_rows: a quantized weight [N, K / 32, bytes]");
+  const int64_t limit = int8_rows_limit(qtype_of(w.size(2), w.scalar_type() == at::kChar));
+  return std::min<int64_t>(limit, std::numeric_limits<int32_t>::max());
+}
+
 TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
+  // the most rows of x a call with this weight keeps on the int8 dot products
+  m.def("quant_int8_rows(Tensor w) -> int");
   m.def("quant_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("dequantize_weight(Tensor w, ScalarType dtype) -> Tensor");
   m.def("repack_gguf(Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(QUIRE_NS, CPU, m) {
+  m.impl("quant_int8_rows", &quant_int8_rows);
   m.impl("quant_linear", &quant_linear);
   m.impl("dequantize_weight", &dequantize_weight);
   m.impl("repack_gguf", &repack_gguf);

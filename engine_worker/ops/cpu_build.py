@@ -80,10 +80,11 @@ class CpuVariant:
 
 
 VARIANTS: dict[str, CpuVariant] = {
-    # _mm512_dpbf16_ps and the bf16 conversions need AVX512_BF16; the exponent decode needs BW
+    # _mm512_dpbf16_ps and the bf16 conversions need AVX512_BF16; the exponent decode needs BW;
+    # the 4-bit kernels' integer dot products VNNI (every AVX512_BF16 CPU has it)
     "avx512": CpuVariant("avx512", "avx512", ("-mavx512f", "-mavx512bw", "-mavx512vl",
-                                              "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma",
-                                              "-mf16c")),
+                                              "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
+                                              "-mavx2", "-mfma", "-mf16c")),
     "avx2": CpuVariant("avx2", "avx2", ("-mavx2", "-mfma", "-mf16c")),
 }
 assert VARIANTS.keys() == ISA_REQUIRED_FLAGS.keys()

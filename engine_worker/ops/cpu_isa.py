@@ -14,7 +14,8 @@ from pathlib import Path
 
 # Best first: the flags (as /proc/cpuinfo spells them) a variant's code needs at run time.
 ISA_REQUIRED_FLAGS: dict[str, frozenset[str]] = {
-    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                         "avx512_vnni"}),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
 }
 

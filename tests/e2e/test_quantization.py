@@ -59,8 +59,11 @@ def test_native_4bit_matches_the_dequantized_checkpoint(variant, monkeypatch):
     assert abs(ppl_native / ppl_widened - 1) < 0.01
     # Greedy continuations may part where the two numerics (x rounded to int8 per block of 32
     # on the native path, bf16 de-quantized weights on the other) split a near-tie, and only
-    # there: at the first differing token, the native choice is within a quarter of a nat of
-    # the de-quantized model's best (its logprobs are bf16: steps of 1/8 nat near 0 here).
+    # there: at the first differing token, the native choice is within half a nat of the
+    # de-quantized model's best (its logprobs are bf16: steps of 1/8 nat near 0 here). With
+    # VNNI the native path rounds x to int8 in every matmul, the prompt's too (as llama.cpp
+    # does); seen on a Zen 4: partings at 0 to 3/8 nat, perplexity +0.3 %. Without it, only
+    # steps of up to 8 rows do (partings at 0 to 1/8 nat).
     tokenizer = widened.engine.tokenizer
     for prompt, a, b in zip(PROMPTS, greedy_native, greedy_widened):
         at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -72,4 +75,4 @@ def test_native_4bit_matches_the_dequantized_checkpoint(variant, monkeypatch):
         logprobs = {t: v.logprob for t, v in out.outputs[0].logprobs[0].items()}
         gap = max(logprobs.values()) - logprobs.get(a[at], -math.inf)
         print(f"{variant}: {prompt!r} parts at token {at}, {gap:.3f} nats from the best")
-        assert gap < 0.25, (prompt, at, gap)
+        assert gap < 0.5, (prompt, at, gap)

@@ -90,3 +90,4 @@ inline simde__m256i cvtps_ph(simde__m512 a) {
 #define __AVX512VL__ 1
 #define __AVX512DQ__ 1
 #define __AVX512BF16__ 1
+#define __AVX512VNNI__ 1
