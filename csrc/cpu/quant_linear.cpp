@@ -42,7 +42,7 @@
 // Threads split the output rows; a thread reads its rows' bytes once for all M rows of x.
 //
 // More rows (batched decode, prefill): compute-bound. With VNNI (the AVX-512 set), Q4_0 / Q4_1
-// stay on the int8 path at every M (int8_rows_limit): dot_group keeps 8 rows of x in registers
+// stay on the int8 path up to 512 rows (int8_rows_limit): dot_group keeps 8 rows of x in registers
 // and adds four u8 x s8 products a lane with one vpdpbusd, x's rows in tiles of 128 against
 // each thread's groups. Zen 4, 2 threads, SmolLM2's four linears of a layer (5.5M weights,
 // bf16 x): M = 64 1.39 ms against 1.53 for oneDNN's bf16 matmul on a dense copy (2.71 ms
@@ -63,7 +63,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -96,10 +95,14 @@ enum class QType { kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
 // Rows of x up to which a call stays on the int8 dot products (past it: de-quantize, then a
 // float matmul). With VNNI, Q4_0 / Q4_1's grouped kernel (dot_group: each weight load unpacked
 // once for eight rows of x, one vpdpbusd per 4 x 8 products) outruns de-quantize + oneDNN's
-// bf16 matmul at every row count measured, so it takes them all; see the figures below.
+// bf16 matmul up to a few hundred rows. Zen 4, 2 threads, SmolLM2's four linears of a layer:
+// M = 128 2.78 ms against 2.62 + 0.66 (the matmul + de-quantizing into the kept buffer), 256
+// 5.4 against 5.2 + 0.6, 1024 22.7 against 19.2 + 0.6, 2048 about even: long prefill
+// chunks go to the float matmul.
+constexpr int64_t kVnniRows = 512;
 inline int64_t int8_rows_limit(QType t) {
   const bool grouped = t == QType::kQ4_0 || t == QType::kQ4_1;
-  return QUIRE_HAS_VNNI && grouped ? std::numeric_limits<int64_t>::max() : kDecodeRows;
+  return QUIRE_HAS_VNNI && grouped ? kVnniRows : kDecodeRows;
 }
 
 // The type of a weight's blocks, by their bytes as the file has them (uint8) or repacked
@@ -895,7 +898,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w_in,
 int64_t quant_int8_rows(const at::Tensor& w) {
   TORCH_CHECK(is_quantized_weight(w), "quant_int8_rows: a quantized weight [N, K / 32, bytes]");
   const int64_t limit = int8_rows_limit(qtype_of(w.size(2), w.scalar_type() == at::kChar));
-  return std::min<int64_t>(limit, std::numeric_limits<int32_t>::max());
+  return limit;
 }
 
 TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {

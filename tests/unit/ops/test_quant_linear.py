@@ -81,11 +81,12 @@ def test_zero_rows_of_x_give_exact_zero(cpu_kernels, qtype):
 @pytest.mark.cpu_ops("quant_linear", "quant_int8_rows")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 # 9: one past the decode rows; 141: a tile of 128 rows, then 8 + 5 (the AVX-512 set keeps 8
-# rows of x in registers); 37 weight rows: groups of eight and the rows past them
-@pytest.mark.parametrize("rows", [9, 33, 141])
+# rows of x in registers); 513: one past the AVX-512 set's int8 rows; 37 weight rows: groups
+# of eight and the rows past them
+@pytest.mark.parametrize("rows", [9, 33, 141, 513])
 def test_more_rows_int8_or_dequantize_then_matmul(cpu_kernels, qtype, rows):
     # Past the decode rows a call takes the int8 path where the kernels say so (Q4_0 / Q4_1
-    # with VNNI: every row count), else de-quantizes the weight exactly for a float matmul
+    # with VNNI: up to 512 rows), else de-quantizes the weight exactly for a float matmul
     blocks, ref = quantized(37, 128, qtype, seed=rows)
     x = torch.randn(rows, 128)
     x[-1, 32:64] *= 20  # one block with a large scale, in the last (remainder) row
@@ -102,9 +103,9 @@ def test_more_rows_int8_or_dequantize_then_matmul(cpu_kernels, qtype, rows):
 @pytest.mark.cpu_ops("quant_int8_rows")
 def test_which_types_keep_many_rows_on_int8(cpu_kernels):
     limits = {qt.name: cpu_kernels.ops.quant_int8_rows(quantized(8, 64, qt)[0]) for qt in TYPES}
-    # VNNI (the AVX-512 set) keeps every row count of Q4_0 / Q4_1 on the grouped int8 kernel;
+    # VNNI (the AVX-512 set) keeps up to 512 rows of Q4_0 / Q4_1 on the grouped int8 kernel;
     # without it, and for the other types, past 8 rows the weight is de-quantized
-    many = 2 ** 31 - 1 if cpu_kernels.isa == "avx512" else 8
+    many = 512 if cpu_kernels.isa == "avx512" else 8
     assert limits == {"Q4_0": many, "Q4_1": many, "Q8_0": 8}
 
 
