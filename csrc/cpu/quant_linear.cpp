@@ -42,9 +42,9 @@
 // Threads split the output rows; a thread reads its rows' bytes once for all M rows of x.
 //
 // More rows (batched decode, prefill): compute-bound. With VNNI (the AVX-512 set), Q4_0 / Q4_1
-// stay on the int8 path up to 512 rows (int8_rows_limit): dot_group keeps 8 rows of x in registers
-// and adds four u8 x s8 products a lane with one vpdpbusd, x's rows in tiles of 128 against
-// each thread's groups. Zen 4, 2 threads, SmolLM2's four linears of a layer (5.5M weights,
+// with bf16 x stay on the int8 path up to 512 rows (int8_rows_limit): dot_group keeps 8 rows
+// of x in registers and adds four u8 x s8 products a lane with one vpdpbusd, x's rows in tiles
+// of 128 against each thread's groups. Zen 4, 2 threads, SmolLM2's four linears of a layer (5.5M weights,
 // bf16 x): M = 64 1.39 ms against 1.53 for oneDNN's bf16 matmul on a dense copy (2.71 ms
 // before, de-quantizing each call), M = 256 5.4 against 4.9, M = 512 9.9 against 9.5.
 // Otherwise (AVX2, Q8_0, the k-quants) the weight is de-quantized into x's dtype (one pass,
@@ -99,10 +99,13 @@ enum class QType { kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
 // M = 128 2.78 ms against 2.62 + 0.66 (the matmul + de-quantizing into the kept buffer), 256
 // 5.4 against 5.2 + 0.6, 1024 22.7 against 19.2 + 0.6, 2048 about even: long prefill
 // chunks go to the float matmul.
+// Only for bf16 x: an fp32 model asks for fp32 numerics, and on the compute-bound path it gets
+// them (past the decode rows, the exact de-quantized weights), as before; bf16 x already
+// carries 8 bits of mantissa, so its rounding to int8 per block of 32 costs less.
 constexpr int64_t kVnniRows = 512;
-inline int64_t int8_rows_limit(QType t) {
+inline int64_t int8_rows_limit(QType t, at::ScalarType x_dtype) {
   const bool grouped = t == QType::kQ4_0 || t == QType::kQ4_1;
-  return QUIRE_HAS_VNNI && grouped ? kVnniRows : kDecodeRows;
+  return QUIRE_HAS_VNNI && grouped && x_dtype == at::kBFloat16 ? kVnniRows : kDecodeRows;
 }
 
 // The type of a weight's blocks, by their bytes as the file has them (uint8) or repacked
@@ -869,7 +872,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w_in,
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_linear: x must be fp32 or bf16 [M, K] with the weight's K = ", K);
   const int64_t M = x.size(0);
-  if (M > int8_rows_limit(type))
+  if (M > int8_rows_limit(type, x.scalar_type()))
     return at::linear(x, dequantized_scratch(w, x.scalar_type()), bias);
   // bf16 is read and written as it is (no fp32 copies a call: a few us of SmolLM2's 121
   // calls a decode step); with a bias the sum stays fp32 up to one rounding, as before
@@ -895,15 +898,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w_in,
   return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
 }
 
-int64_t quant_int8_rows(const at::Tensor& w) {
+int64_t quant_int8_rows(const at::Tensor& w, at::ScalarType x_dtype) {
   TORCH_CHECK(is_quantized_weight(w), "quant_int8_rows: a quantized weight [N, K / 32, bytes]");
-  const int64_t limit = int8_rows_limit(qtype_of(w.size(2), w.scalar_type() == at::kChar));
-  return limit;
+  return int8_rows_limit(qtype_of(w.size(2), w.scalar_type() == at::kChar), x_dtype);
 }
 
 TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
-  // the most rows of x a call with this weight keeps on the int8 dot products
-  m.def("quant_int8_rows(Tensor w) -> int");
+  // the most rows of x (of that dtype) a call with this weight keeps on the int8 dot products
+  m.def("quant_int8_rows(Tensor w, ScalarType x_dtype) -> int");
   m.def("quant_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("dequantize_weight(Tensor w, ScalarType dtype) -> Tensor");
   m.def("repack_gguf(Tensor w) -> Tensor");

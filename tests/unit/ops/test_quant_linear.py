@@ -84,29 +84,40 @@ def test_zero_rows_of_x_give_exact_zero(cpu_kernels, qtype):
 # rows of x in registers); 513: one past the AVX-512 set's int8 rows; 37 weight rows: groups
 # of eight and the rows past them
 @pytest.mark.parametrize("rows", [9, 33, 141, 513])
-def test_more_rows_int8_or_dequantize_then_matmul(cpu_kernels, qtype, rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_more_rows_int8_or_dequantize_then_matmul(cpu_kernels, qtype, rows, dtype):
     # Past the decode rows a call takes the int8 path where the kernels say so (Q4_0 / Q4_1
-    # with VNNI: up to 512 rows), else de-quantizes the weight exactly for a float matmul
+    # with VNNI and bf16 x: up to 512 rows), else de-quantizes the weight exactly for a float
+    # matmul (in x's dtype)
     blocks, ref = quantized(37, 128, qtype, seed=rows)
     x = torch.randn(rows, 128)
     x[-1, 32:64] *= 20  # one block with a large scale, in the last (remainder) row
+    x = x.to(dtype)
     out = cpu_kernels.ops.quant_linear(x, blocks, None)
-    expected = x @ ref.T
-    assert out.shape == (rows, 37)
-    if rows <= cpu_kernels.ops.quant_int8_rows(blocks):
+    expected = x.float() @ ref.T
+    assert out.shape == (rows, 37) and out.dtype == dtype
+    if rows <= cpu_kernels.ops.quant_int8_rows(blocks, dtype):
         bound = x_rounding_bound(x, ref) * 1.01 + 1e-4
-        assert ((out - expected).abs() <= bound).all(), (out - expected).abs().max()
-    else:
+        if dtype == torch.bfloat16:  # and one rounding of the result to bf16
+            bound = bound + expected.abs() * 2 ** -8
+        assert ((out.float() - expected).abs() <= bound).all(), (out.float() - expected).abs().max()
+    elif dtype == torch.float32:
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:  # weights rounded to bf16 for the matmul (2^-9 each), and a bf16 result
+        bound = (x.float().abs() @ ref.abs().T) * 2 ** -8 + expected.abs() * 2 ** -8 + 1e-4
+        assert ((out.float() - expected).abs() <= bound).all(), (out.float() - expected).abs().max()
 
 
 @pytest.mark.cpu_ops("quant_int8_rows")
 def test_which_types_keep_many_rows_on_int8(cpu_kernels):
-    limits = {qt.name: cpu_kernels.ops.quant_int8_rows(quantized(8, 64, qt)[0]) for qt in TYPES}
-    # VNNI (the AVX-512 set) keeps up to 512 rows of Q4_0 / Q4_1 on the grouped int8 kernel;
-    # without it, and for the other types, past 8 rows the weight is de-quantized
+    def limits(dtype):
+        return {qt.name: cpu_kernels.ops.quant_int8_rows(quantized(8, 64, qt)[0], dtype)
+                for qt in TYPES}
+    # VNNI (the AVX-512 set) keeps up to 512 rows of bf16 x on Q4_0 / Q4_1's grouped int8
+    # kernel; fp32 x, AVX2 and the other types are de-quantized past 8 rows
     many = 512 if cpu_kernels.isa == "avx512" else 8
-    assert limits == {"Q4_0": many, "Q4_1": many, "Q8_0": 8}
+    assert limits(torch.bfloat16) == {"Q4_0": many, "Q4_1": many, "Q8_0": 8}
+    assert limits(torch.float32) == {"Q4_0": 8, "Q4_1": 8, "Q8_0": 8}
 
 
 @pytest.mark.cpu_ops("quant_linear")
