@@ -62,11 +62,20 @@ def _run(model, meta, input_ids, positions, caches, lora):
 
 @pytest.mark.cpu_ops("lora_shrink", "lora_expand")
 @pytest.mark.parametrize("step", ["decodes", "mixed"])
-def test_lora_in_the_one_call_layers(cpu_kernels, step):
+def test_lora_in_the_one_call_layers(cpu_kernels, step, request):
     # the stack's activation dtype: fp32 models on the AVX2 set, bf16 on the AVX-512 set
     dtype = torch.float32 if cpu_kernels.isa == "avx2" else torch.bfloat16
     if dtype == torch.bfloat16:
         skip_without_onednn_bf16()  # the AVX-512 stack takes oneDNN's packed weights
+        # Known, open: the first run on real AVX-512 hardware (a Zen 4, 2026-11-27; the same
+        # at fa1e8da, before that session's changes) found the one-call stack with a LoRA batch
+        # not bit-equal to the per-layer path in bf16 (base tokens and layer 0's KV cache too:
+        # max difference 0.06-0.14), and the mixed step further from the fp32 reference than the
+        # tolerance below (0.27 against 0.1). The test never ran in bf16 before (the emulated
+        # set has no oneDNN bf16). strict: it fails the run once it passes, to be re-armed.
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="one-call LoRA stack vs the per-layer path in bf16 on AVX-512 "
+                                "hardware: open, docs/testing.md#known-failures"))
     torch.manual_seed(4)
     reference = _tiny_llama(REFERENCE)
     with torch.no_grad():
