@@ -61,6 +61,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -532,15 +533,31 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// sum + u . s four bytes a lane: with VNNI one vpdpbusd into int32 lanes; else maddubs into
+// int16 pairs (exact: a block's 8 adds of at most 2 * 15 * 127 stay below 32767)
+inline __m256i add_dot4(__m256i sum, __m256i u, __m256i s) {
+#if QUIRE_HAS_VNNI
+  return _mm256_dpbusd_epi32(sum, u, s);
+#else
+  return _mm256_add_epi16(sum, _mm256_maddubs_epi16(u, s));
+#endif
+}
+
+// add_dot4's sums as 8 floats, one a lane
+inline __m256 sums_as_floats(__m256i sum) {
+#if QUIRE_HAS_VNNI
+  return _mm256_cvtepi32_ps(sum);
+#else
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(sum, _mm256_set1_epi16(1)));
+#endif
+}
+
 // out[m * ldo + r] (r < 8) = group's rows dotted with x rows m < MM (quantized, K apart).
 template <QType T, int MM, typename O>
 inline void dot_group(const uint8_t* g, int64_t nb, const int8_t* xq, int64_t K,
                       const float* xd, const float* xdsum, O* out, int64_t ldo) {
   constexpr int64_t kStride = kGroupRows * kBytes<T>;
   const __m256i low = _mm256_set1_epi8(0x0F);
-#if !QUIRE_HAS_VNNI
-  const __m256i ones = _mm256_set1_epi16(1);
-#endif
   __m256 acc[MM];
   for (int m = 0; m < MM; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -554,24 +571,14 @@ inline void dot_group(const uint8_t* g, int64_t nb, const int8_t* xq, int64_t K,
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       for (int m = 0; m < MM; ++m) {
         const int8_t* y = xq + m * K + b * kBlock;
-#if QUIRE_HAS_VNNI
-        // four products a lane straight into int32 (one instruction for maddubs + add)
-        sum[m] = _mm256_dpbusd_epi32(sum[m], lo, bcast4(y + 4 * j));
-        sum[m] = _mm256_dpbusd_epi32(sum[m], hi, bcast4(y + 16 + 4 * j));
-#else
-        sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(lo, bcast4(y + 4 * j)));
-        sum[m] = _mm256_add_epi16(sum[m], _mm256_maddubs_epi16(hi, bcast4(y + 16 + 4 * j)));
-#endif
+        sum[m] = add_dot4(sum[m], lo, bcast4(y + 4 * j));
+        sum[m] = add_dot4(sum[m], hi, bcast4(y + 16 + 4 * j));
       }
     }
     const __m256 dw = halves8(blk);
     const __m256 mw = T == QType::kQ4_1 ? halves8(blk + 16) : _mm256_setzero_ps();
     for (int m = 0; m < MM; ++m) {
-#if QUIRE_HAS_VNNI
-      const __m256 dot = _mm256_cvtepi32_ps(sum[m]);
-#else
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[m], ones));
-#endif
+      const __m256 dot = sums_as_floats(sum[m]);
       const float dx = xd[m * nb + b], dsum = xdsum[m * nb + b];
       if constexpr (T == QType::kQ4_1) {
         acc[m] = _mm256_fmadd_ps(dw, _mm256_mul_ps(dot, _mm256_set1_ps(dx)), acc[m]);
@@ -820,10 +827,15 @@ at::Tensor repack_gguf(const at::Tensor& w) {
   return repacked(w, "repack_gguf");
 }
 
+// [N, K]: the dense shape of a repacked weight
+std::array<int64_t, 2> dense_shape(const at::Tensor& w) {
+  return {w.size(0), w.size(1) * values_per_block(qtype_of(w.size(2), true))};
+}
+
 // The repacked weight w de-quantized into out (fp32 or bf16 [N, K], contiguous).
 void dequantize_weight_into(const at::Tensor& w, at::Tensor& out) {
   const QType type = qtype_of(w.size(2), true);
-  const int64_t N = w.size(0), K = w.size(1) * values_per_block(type);
+  const auto [N, K] = dense_shape(w);
   const at::ScalarType dtype = out.scalar_type();
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
   with_qtype(type, [&](auto t) {
@@ -842,7 +854,7 @@ void dequantize_weight_into(const at::Tensor& w, at::Tensor& out) {
 // tensor, of which a plain 56 MB copy into a new tensor is 22.3 ms and into a reused one 4.6.
 at::Tensor dequantized_scratch(const at::Tensor& w, at::ScalarType dtype) {
   thread_local at::Tensor buffer;
-  const int64_t N = w.size(0), K = w.size(1) * values_per_block(qtype_of(w.size(2), true));
+  const auto [N, K] = dense_shape(w);
   const int64_t bytes = N * K * int64_t(c10::elementSize(dtype));
   if (!buffer.defined() || buffer.numel() < bytes) {
     buffer = at::Tensor();  // the old one goes first: the two never live together
@@ -857,8 +869,7 @@ at::Tensor dequantize_weight(const at::Tensor& w_in, at::ScalarType dtype) {
   const at::Tensor w = repacked(w_in, "dequantize_weight");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "dequantize_weight: into fp32 or bf16");
-  const int64_t N = w.size(0), K = w.size(1) * values_per_block(qtype_of(w.size(2), true));
-  at::Tensor out = at::empty({N, K}, w.options().dtype(dtype));
+  at::Tensor out = at::empty(dense_shape(w), w.options().dtype(dtype));
   dequantize_weight_into(w, out);
   return out;
 }
