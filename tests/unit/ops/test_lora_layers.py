@@ -36,6 +36,17 @@ def _tiny_llama(backend) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg, backend, 1024, torch.device("cpu"))
 
 
+def _in_dtype(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
+    """The weights in ``dtype`` and the RoPE tables left in fp32, as the loader builds a model.
+    (``model.to(dtype)`` rounds the tables too; the per-layer path then takes the reference
+    RoPE over the bf16 tables and the stack the kernel over their fp32 widening: layer 0's keys
+    differ by up to 0.03, found on the first AVX-512 machine to run the bf16 case.)"""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+    return model
+
+
 def _adapter(model: LlamaForCausalLM, name: str, rank: int, seed: int,
              modules: tuple[str, ...] | None = None) -> LoRAAdapter:
     g = torch.Generator().manual_seed(seed)
@@ -62,20 +73,11 @@ def _run(model, meta, input_ids, positions, caches, lora):
 
 @pytest.mark.cpu_ops("lora_shrink", "lora_expand")
 @pytest.mark.parametrize("step", ["decodes", "mixed"])
-def test_lora_in_the_one_call_layers(cpu_kernels, step, request):
+def test_lora_in_the_one_call_layers(cpu_kernels, step):
     # the stack's activation dtype: fp32 models on the AVX2 set, bf16 on the AVX-512 set
     dtype = torch.float32 if cpu_kernels.isa == "avx2" else torch.bfloat16
     if dtype == torch.bfloat16:
         skip_without_onednn_bf16()  # the AVX-512 stack takes oneDNN's packed weights
-        # Known, open: the first run on real AVX-512 hardware (a Zen 4, 2026-11-27; the same
-        # at fa1e8da, before that session's changes) found the one-call stack with a LoRA batch
-        # not bit-equal to the per-layer path in bf16 (base tokens and layer 0's KV cache too:
-        # max difference 0.06-0.14), and the mixed step further from the fp32 reference than the
-        # tolerance below (0.27 against 0.1). The test never ran in bf16 before (the emulated
-        # set has no oneDNN bf16). strict: it fails the run once it passes, to be re-armed.
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="one-call LoRA stack vs the per-layer path in bf16 on AVX-512 "
-                                "hardware: open, docs/testing.md#known-failures"))
     torch.manual_seed(4)
     reference = _tiny_llama(REFERENCE)
     with torch.no_grad():
@@ -84,7 +86,7 @@ def test_lora_in_the_one_call_layers(cpu_kernels, step, request):
         for p in reference.parameters():  # both sides start from the same (rounded) weights
             p.copy_(p.to(dtype).float())
     reference.pack_weights()
-    model = _tiny_llama(cpu_kernels.backend).to(dtype)
+    model = _in_dtype(_tiny_llama(cpu_kernels.backend), dtype)
     model.load_state_dict(reference.state_dict())
     model.pack_weights()
     assert model.layer_stack is not None and model.layer_stack.lora_dtype == dtype
@@ -116,9 +118,20 @@ def test_lora_in_the_one_call_layers(cpu_kernels, step, request):
 
     want, _ = _run(reference, meta, input_ids, positions, [c.float() for c in caches],
                    _batch(reference, adapters, token_slots, REFERENCE_OPS, torch.float32))
-    tolerance = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else \
-        dict(atol=0.1, rtol=0.05)
-    torch.testing.assert_close(stacked.float(), want, **tolerance)
+    if dtype == torch.float32:
+        torch.testing.assert_close(stacked, want, atol=1e-3, rtol=1e-3)
+    else:
+        # bf16 with these strong adapters (deltas the size of the projections) drifts from
+        # fp32 by up to 0.22 in the mixed step in any implementation: the reference backend's
+        # own bf16 run is the yardstick, the stack no more than twice its distance from fp32
+        reference16 = _in_dtype(_tiny_llama(REFERENCE), dtype)
+        reference16.load_state_dict(reference.state_dict())
+        reference16.pack_weights()
+        want16, _ = _run(reference16, meta, input_ids, positions, caches,
+                         _batch(reference16, adapters, token_slots, REFERENCE_OPS, dtype))
+        drift = (want16.float() - want).abs().max().item()
+        assert drift < 0.5
+        torch.testing.assert_close(stacked.float(), want, atol=2 * drift, rtol=0)
     # the base tokens are the base model's, the others moved by their adapters
     is_base = torch.tensor(token_slots) == 0
     assert torch.equal(stacked[is_base], base[is_base])
