@@ -146,3 +146,6 @@ class SchedulerStats:
     num_queued_tokens: int  # tokens of unfinished requests not yet computed
     num_preemptions: int
     spec_decoding: SpecDecodingStats | None = None  # totals; None when speculation is off
+    # the last step left requests waiting for batch room (max_num_seqs, KV blocks, a
+    # preemption), not only for its token budget or a LoRA slot (LoadReport.batch_full)
+    batch_full: bool = False

@@ -106,6 +106,9 @@ class EndpointSnapshot:
     # its waiting requests wait for a LoRA step slot (every one held by adapters in use), so
     # they say nothing of how many requests its batch could take (router.engine_slots)
     adapter_bound: bool = False
+    # its last step left requests waiting for batch room, not for the step's token budget
+    # (LoadReport.batch_full); None: the engine does not say (vLLM engines)
+    batch_full: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("cached_blocks", "num_running", "num_waiting", "num_queued_tokens",

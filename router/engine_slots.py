@@ -9,10 +9,18 @@ is batching all it can: its slots are then the requests it runs. Per engine:
 - start at ``initial`` slots (a documented default, or ``--engine-slots`` fixed by hand);
 - while it runs as many requests as it has slots and keeps none waiting, it could take more:
   double the slots until it has first kept requests waiting, one more per report after;
-- when two reports in a row show requests waiting, its slots become what it runs (at least 1).
+- when it is full, its slots become what it runs (at least 1).
 
-The two-report rule skips the moment between a request's arrival and the engine's next step,
-when a request waits without the engine being full. A report whose waiting requests wait for
+Full is what the engine says where it says it (Quire engines: ``batch_full``, its last step
+left requests waiting for batch room: ``max_num_seqs``, free KV blocks or a preemption).
+Requests that wait only for the step's token budget say nothing of the batch: with chunked
+prefill a burst of prompts waits a few steps for the budget however large the batch could be
+(64 prompts of 256 tokens sent at once to an engine with a 2,048-token budget: taken as full,
+the slots stuck at the 8 the first step ran, then grew one per report, so the burst trickled
+in over 23 s, measured on a 2-core Zen 4). An engine that does not say (vLLM's) is full when
+two reports in a row show requests waiting: the second report skips the moment between a
+request's arrival and the engine's next step, when a request waits without the engine being
+full. A report whose waiting requests wait for
 a LoRA step slot (``adapter_bound``: the running adapters fill ``max_loras``) changes
 nothing: they wait for an adapter to leave, not for room in the batch, and taking them as a
 full batch would hold back the requests that could join a running adapter.
@@ -67,7 +75,9 @@ class EngineSlots:
             learned.waiting_before = False
             return
         waiting = snapshot.num_waiting > 0
-        if waiting and learned.waiting_before:
+        full = waiting and learned.waiting_before if snapshot.batch_full is None \
+            else snapshot.batch_full
+        if full:
             learned.slots = max(1, snapshot.num_running)
             learned.saturated_once = True
         elif not waiting and snapshot.num_running >= learned.slots:

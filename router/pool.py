@@ -382,7 +382,8 @@ class EnginePool:
             prefill_tokens_per_s=self._prefill_rate(member, now_s),
             decode_step_s=member.rates.decode_step_s, adapter=self._adapter(member, lora_name),
             adapter_bound=member.adapters.bound(
-                member.load, client.info.max_loras if client.info is not None else 0))
+                member.load, client.info.max_loras if client.info is not None else 0),
+            batch_full=load.batch_full if load.HasField("batch_full") else None)
 
     # ------------------------------------------------------------------- placement
     def record(self, engine_id: str, block_hashes: Sequence[int]) -> None:

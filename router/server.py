@@ -432,11 +432,14 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
 
     def _pool_load(self) -> pb.LoadReport:
         loads = self.pool.serving_loads()
-        return pb.LoadReport(
+        report = pb.LoadReport(
             num_running=sum(x.num_running for x in loads),
             num_waiting=sum(x.num_waiting for x in loads),
             num_queued_tokens=sum(x.num_queued_tokens for x in loads),
             kv_cache_usage=sum(x.kv_cache_usage for x in loads) / max(len(loads), 1))
+        if loads and all(x.HasField("batch_full") for x in loads):  # room in any: not full
+            report.batch_full = all(x.batch_full for x in loads)
+        return report
 
     async def StreamKVEvents(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,

@@ -72,6 +72,8 @@ class Scheduler:
         self._in_flight_forks: dict[str, tuple[str, ...]] = {}
         self._admit_counter = itertools.count()
         self.num_preemptions = 0
+        # the last step stopped admitting for batch room (SchedulerStats.batch_full)
+        self.batch_full = False
 
     # ----------------------------------------------------------------- requests in and out
     def add_request(self, request: Request) -> None:
@@ -116,7 +118,8 @@ class Scheduler:
             num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens
                                   for r in self.requests.values()),
             num_preemptions=self.num_preemptions,
-            spec_decoding=self.speculator.stats() if self.speculator is not None else None)
+            spec_decoding=self.speculator.stats() if self.speculator is not None else None,
+            batch_full=self.batch_full and bool(len(self.waiting)))
 
     # ----------------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
@@ -167,6 +170,7 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        self.batch_full = bool(preempted)
         if not preempted:
             budget = self._admit_waiting(budget, num_scheduled, allocations)
 
@@ -204,6 +208,7 @@ class Scheduler:
         while len(self.waiting) and budget > 0:
             request = self.waiting.peek()
             if num_seqs + 1 + len(request.fork_children) > self.max_num_seqs:
+                self.batch_full = True
                 break
             if not self._lora_fits(request, loras):
                 skipped = self._lora_skipped_steps.get(request.req_id, 0) + 1
@@ -215,6 +220,7 @@ class Scheduler:
             allocation, num_computed, num_new, prefix = self._allocate_on_admission(request,
                                                                                    budget)
             if allocation is None:
+                self.batch_full = True
                 break  # head of line waits for blocks; later arrivals do not jump it
             self.waiting.pop()
             self.kv.record_prefix_query(request.num_tokens, prefix.num_tokens)

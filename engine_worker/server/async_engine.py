@@ -51,6 +51,7 @@ class LoadSnapshot:
     timestamp_s: float
     spec_decoding: SpecDecodingStats | None = None  # totals; None when speculation is off
     lora: LoRAStats | None = None  # None: LoRA is off
+    batch_full: bool = False  # SchedulerStats.batch_full
 
 
 # ------------------------------------------------------------ commands to the loop thread
@@ -338,7 +339,7 @@ class AsyncEngine:
                                  num_queued_tokens=stats.scheduler.num_queued_tokens,
                                  kv_cache_usage=stats.kv_cache.usage, timestamp_s=time.time(),
                                  spec_decoding=stats.scheduler.spec_decoding,
-                                 lora=stats.lora)
+                                 lora=stats.lora, batch_full=stats.scheduler.batch_full)
 
     def _after_step(self, stats: EngineStats, batches: tuple[KVEventBatch, ...]) -> None:
         self._publish_load(stats)

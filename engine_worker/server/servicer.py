@@ -189,7 +189,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         load = self.engine.load
         report = pb.LoadReport(num_running=load.num_running, num_waiting=load.num_waiting,
                                num_queued_tokens=load.num_queued_tokens,
-                               kv_cache_usage=load.kv_cache_usage)
+                               kv_cache_usage=load.kv_cache_usage, batch_full=load.batch_full)
         lora = load.lora
         if lora is not None:  # what a router places adapters by
             report.running_lora_adapters[:] = lora.running_adapters

@@ -205,6 +205,8 @@ def test_model_info_and_metrics_say_which_backend_runs_and_why(server):
 def test_load_reports_and_kv_event_feed(server):
     load = next(server.stub.StreamLoad(pb.StreamLoadRequest(interval_ms=10)))
     assert 0.0 <= load.kv_cache_usage <= 1.0
+    # a Quire engine always says whether its batch is full (a vLLM engine leaves it unset)
+    assert load.HasField("batch_full") and not load.batch_full
     feed = server.stub.StreamKVEvents(pb.StreamKVEventsRequest())
     mirror = KVCacheMirror.from_snapshot(snapshot_from_proto(next(feed).snapshot))
     _collect(server.stub.Generate(_request(list(range(5000, 5050)), max_tokens=4)))

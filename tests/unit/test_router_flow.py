@@ -185,9 +185,9 @@ def test_token_bucket_lets_a_request_larger_than_a_minute_through_a_full_bucket(
     assert bucket.wait_s(1, 0.0) == pytest.approx(941.0)
 
 
-def snapshot(engine_id, running, waiting, healthy=True):
+def snapshot(engine_id, running, waiting, healthy=True, batch_full=None):
     return EndpointSnapshot(engine_id=engine_id, healthy=healthy, cached_blocks=0, block_size=16,
-                            num_running=running, num_waiting=waiting)
+                            num_running=running, num_waiting=waiting, batch_full=batch_full)
 
 
 def test_engine_slots_learn_what_an_engine_batches():
@@ -207,6 +207,35 @@ def test_engine_slots_learn_what_an_engine_batches():
     reports[:] = []
     assert slots.observe() is None
     assert EngineSlots(lambda: [snapshot("e", 1, 5)] * 2, fixed=3).observe() == 6
+
+
+def test_engine_slots_take_an_engines_own_word_on_a_full_batch():
+    """A Quire engine says whether its waiting requests wait for batch room (``batch_full``):
+    a prefill backlog (requests waiting for the step's token budget) never pins the slots,
+    however many reports show it; a full batch pins them at once, from one report."""
+    reports = [snapshot("e", 0, 0, batch_full=False)]
+    slots = EngineSlots(lambda: reports, initial=8)
+    assert slots.observe() == 8
+    reports[:] = [snapshot("e", 8, 0, batch_full=False)]
+    assert slots.observe() == 16
+    for _ in range(3):  # 8 prompts running, 8 waiting for the token budget: not full
+        reports[:] = [snapshot("e", 8, 8, batch_full=False)]
+        assert slots.observe() == 16
+    reports[:] = [snapshot("e", 16, 0, batch_full=False)]  # the backlog taken in: double
+    assert slots.observe() == 32
+    reports[:] = [snapshot("e", 20, 12, batch_full=True)]  # out of KV blocks: it batches 20
+    assert slots.observe() == 20
+    reports[:] = [snapshot("e", 20, 0, batch_full=False)]
+    assert slots.observe() == 21  # one at a time once it has been full
+    # the two-report rule for the same backlog, from an engine that does not say
+    reports[:] = [snapshot("v", 0, 0)]
+    inferred = EngineSlots(lambda: reports, initial=8)
+    inferred.observe()
+    reports[:] = [snapshot("v", 8, 0)]
+    inferred.observe()
+    reports[:] = [snapshot("v", 8, 8)]
+    inferred.observe()
+    assert inferred.observe() == 8
 
 
 def test_no_engine_serving_lets_requests_through():
