@@ -21,6 +21,7 @@ def main(ns: argparse.Namespace) -> int:
 
     from engine_worker.server.app import serve
     from engine_worker.server.config import ServerConfig
+    from engine_worker.server.model_thread import ModelThread
     from engine_worker.server.threads import ThreadPlan
     from quire.config_args import dataclass_from_namespace
     from quire.ports import check_ports_free
@@ -31,13 +32,15 @@ def main(ns: argparse.Namespace) -> int:
     check_ports_free([(cfg.host, cfg.port, "port"), (cfg.host, cfg.metrics_port, "metrics_port")])
     plan = ThreadPlan(cfg.omp_wait_policy)
     os.environ.update(plan.environment())  # libgomp reads these when torch loads it, below
-    engine = build_engine(ns)
+    # built on the thread that will step it: one OpenMP pool (server/model_thread.py)
+    model_thread = ModelThread()
+    engine = model_thread.submit(lambda: build_engine(ns)).result()
     import torch
 
     logging.getLogger("engine_worker.server.threads").info(
         "Threads: %s", plan.describe(torch.get_num_threads()))
     try:
-        asyncio.run(serve(engine, cfg))
+        asyncio.run(serve(engine, cfg, model_thread))
     finally:
         engine.shutdown()  # tensor-parallel workers stop with the engine
     return 0

@@ -17,6 +17,7 @@ from engine_worker.metrics import EngineMetrics, MetricsServer
 from engine_worker.server.async_engine import AsyncEngine
 from engine_worker.server.config import ServerConfig
 from engine_worker.server.convert import RequestLimits
+from engine_worker.server.model_thread import ModelThread
 from engine_worker.lora.paths import parse_adapter_dirs
 from engine_worker.server.servicer import EngineServicer
 from quire.grpc_server import NO_PORT_REUSE, BadRequestBytes, PortInUseError, bind_port
@@ -42,8 +43,10 @@ class EngineServer:
     """Start with ``await start()``; ``await drain_and_stop()`` is the SIGTERM path."""
 
     def __init__(self, engine: LLMEngine, cfg: ServerConfig, *,
-                 tracing: Tracing | None = None) -> None:
-        """``tracing``: where request spans go (None: off; the owner shuts it down)."""
+                 tracing: Tracing | None = None, model_thread: ModelThread | None = None
+                 ) -> None:
+        """``tracing``: where request spans go (None: off; the owner shuts it down).
+        ``model_thread``: the thread that built ``engine``, which then runs its loop."""
         self.cfg = cfg
         model_name = cfg.model_name or engine.info.model
         self.metrics = (EngineMetrics(model_name, engine.info)
@@ -53,7 +56,8 @@ class EngineServer:
             engine, max_waiting_requests=cfg.max_waiting_requests,
             max_queued_tokens=cfg.max_queued_tokens,
             on_step=_step_recorder(self.metrics) if self.metrics else None,
-            on_finished=_request_recorder(self.metrics) if self.metrics else None)
+            on_finished=_request_recorder(self.metrics) if self.metrics else None,
+            model_thread=model_thread)
         limits = RequestLimits(max_n=cfg.max_n, max_stop_strings=cfg.max_stop_strings,
                                max_stop_string_len=cfg.max_stop_string_len,
                                max_prompt_chars=cfg.max_prompt_chars,
@@ -178,11 +182,13 @@ def _span_factory(tracing: Tracing | None, model_name: str):
     return functools.partial(EngineSpan, tracing, model_name=model_name)
 
 
-async def serve(engine: LLMEngine, cfg: ServerConfig) -> None:
+async def serve(engine: LLMEngine, cfg: ServerConfig,
+                model_thread: ModelThread | None = None) -> None:
     """Run until SIGTERM/SIGINT, then drain and return (the process exits 0). Traces go where
-    the standard ``OTEL_*`` variables say (off when they name no endpoint)."""
+    the standard ``OTEL_*`` variables say (off when they name no endpoint). ``model_thread``:
+    the thread that built ``engine`` (the loop runs there)."""
     tracing = make_tracing(TracingConfig.from_env(default_service_name="quire-engine"))
-    server = EngineServer(engine, cfg, tracing=tracing)
+    server = EngineServer(engine, cfg, tracing=tracing, model_thread=model_thread)
     try:
         await server.start()
         stop = shutdown_event()

@@ -18,12 +18,13 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 from engine_worker.engine import EngineStats, LLMEngine
 from engine_worker.lora.manager import LoRAStats
 from engine_worker.server.collector import OutputCollector
+from engine_worker.server.model_thread import ModelThread
 from engine_worker.input_processor import PromptType
 from engine_worker.outputs import PoolingRequestOutput, RequestOutput
 from engine_worker.pooling_params import PoolingParams
@@ -112,8 +113,13 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int = 1024,
                  max_queued_tokens: int = 1 << 20,
                  on_step: Callable[[EngineStats], None] | None = None,
-                 on_finished: Callable[[RequestOutput, int], None] | None = None) -> None:
+                 on_finished: Callable[[RequestOutput, int], None] | None = None,
+                 model_thread: ModelThread | None = None) -> None:
+        """``model_thread``: the thread that built ``engine``, to run the loop on (one OpenMP
+        pool: ``engine_worker.server.model_thread``); None: a thread of its own."""
         self.engine = engine
+        self._model_thread = model_thread
+        self._loop_done: Future | None = None
         self.max_waiting_requests = max_waiting_requests
         self.max_queued_tokens = max_queued_tokens
         self._on_step = on_step
@@ -132,6 +138,9 @@ class AsyncEngine:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if self._model_thread is not None:
+            self._loop_done = self._model_thread.submit(self._run)
+            return
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -140,6 +149,8 @@ class AsyncEngine:
         self._commands.put(Wake())
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._loop_done is not None:
+            wait([self._loop_done], timeout=30)
 
     @property
     def alive(self) -> bool:

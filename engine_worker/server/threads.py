@@ -10,6 +10,12 @@ the ``passive`` wait policy a waiting member sleeps at once, so its core goes to
 thread (or to the preempted member, which the kernel moves there) and the serving work costs
 only its own CPU time; each parallel region pays a futex wake instead.
 
+Whatever the policy, the team must be the process's only OpenMP pool: with a second one (an
+engine built on the main thread and stepped on another leaves the main thread's idle pool),
+libgomp counts more threads than CPUs and cuts every spin to a thousand, so the team sleeps at
+every barrier (``model_thread.py``: 13 % of a 2-core Zen 4 idle while serving, gone once the
+engine is built on its loop thread).
+
 Offline use (``LLM``) has no server threads and keeps libgomp's default; only ``quire engine``
 applies a plan, before torch (and libgomp with it) is loaded. Its default is libgomp's own too:
 on a shared 2-core Zen 3 ``passive`` made no difference that the noise did not swamp; try it
@@ -55,5 +61,7 @@ class ThreadPlan:
                 "default": "libgomp's default wait (spin, then sleep)"}[self.omp_wait_policy]
         workers = num_threads - 1
         return (f"{num_cpus} CPUs: the model on {num_threads} OpenMP threads (the engine loop "
-                f"and {workers} worker{'s' if workers != 1 else ''}), the gRPC server on the "
-                f"main thread beside them; OpenMP wait policy {self.omp_wait_policy}: {wait}")
+                f"and {workers} worker{'s' if workers != 1 else ''}; the loop thread built the "
+                f"engine too, so theirs is the process's one OpenMP pool), the gRPC server on "
+                f"the main thread beside them; OpenMP wait policy {self.omp_wait_policy}: "
+                f"{wait}")

@@ -15,7 +15,9 @@ def test_the_wait_policy_becomes_libgomps_variable_or_nothing(policy, env):
     plan = ThreadPlan(policy)
     assert plan.environment() == env
     line = plan.describe(num_threads=2, num_cpus=2)
-    assert line.startswith("2 CPUs: the model on 2 OpenMP threads (the engine loop and 1 worker)")
+    assert line.startswith("2 CPUs: the model on 2 OpenMP threads (the engine loop and 1 worker; "
+                           "the loop thread built the engine too, so theirs is the process's one "
+                           "OpenMP pool)")
     assert f"wait policy {policy}" in line
 
 
