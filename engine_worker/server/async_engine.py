@@ -129,7 +129,6 @@ class AsyncEngine:
         self._num_generated: dict[str, int] = {}  # tokens streamed so far, per request
         self._subscribers: list[asyncio.Queue] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._ids = itertools.count()
         self.dead_reason: str | None = None
@@ -138,17 +137,14 @@ class AsyncEngine:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        if self._model_thread is not None:
-            self._loop_done = self._model_thread.submit(self._run)
-            return
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        thread = self._model_thread or ModelThread()
+        self._loop_done = thread.submit(self._run)
+        if self._model_thread is None:
+            thread.close()  # a thread of its own ends with the loop
 
     def stop(self) -> None:
         self._stopping.set()
         self._commands.put(Wake())
-        if self._thread is not None:
-            self._thread.join(timeout=30)
         if self._loop_done is not None:
             wait([self._loop_done], timeout=30)
 

@@ -17,6 +17,7 @@ from engine_worker.backends.reference import REFERENCE
 from engine_worker.layers.rotary import RopeConfig, RotaryEmbedding
 from engine_worker.models.llama import LlamaConfig, LlamaDecoderLayer
 from tests.unit.ops.onednn import skip_without_onednn_bf16
+from tests.unit.ops.weights import weights_to
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")  # once per variant
 # the AVX-512 packed-weight layouts the cpu backend's bf16 path streams (the AVX2 kernels pack
@@ -49,8 +50,7 @@ def _layer(backend, bias: bool, dtype=torch.bfloat16) -> LlamaDecoderLayer:
                 p.copy_(torch.randn_like(p) / 4)
             else:
                 p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
-        for p in layer.parameters():  # the rotary tables stay fp32, as in the engine
-            p.data = p.data.to(dtype)
+    weights_to(layer, dtype)
     for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                 layer.mlp.down_proj):
         lin.pack()

@@ -20,6 +20,7 @@ from engine_worker.lora.slots import LoRASlots
 from engine_worker.models.llama import LlamaConfig, LlamaForCausalLM
 from tests.attention_steps import STEPS, make_step
 from tests.unit.ops.onednn import skip_without_onednn_bf16
+from tests.unit.ops.weights import weights_to
 
 pytestmark = pytest.mark.usefixtures("cpu_kernels")
 
@@ -34,17 +35,6 @@ def _tiny_llama(backend) -> LlamaForCausalLM:
                       rope=RopeConfig(head_dim=32, theta=10000.0, max_position_embeddings=1024),
                       tie_word_embeddings=True)
     return LlamaForCausalLM(cfg, backend, 1024, torch.device("cpu"))
-
-
-def _in_dtype(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
-    """The weights in ``dtype`` and the RoPE tables left in fp32, as the loader builds a model.
-    (``model.to(dtype)`` rounds the tables too; the per-layer path then takes the reference
-    RoPE over the bf16 tables and the stack the kernel over their fp32 widening: layer 0's keys
-    differ by up to 0.03, found on the first AVX-512 machine to run the bf16 case.)"""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.data = p.data.to(dtype)
-    return model
 
 
 def _adapter(model: LlamaForCausalLM, name: str, rank: int, seed: int,
@@ -86,7 +76,7 @@ def test_lora_in_the_one_call_layers(cpu_kernels, step):
         for p in reference.parameters():  # both sides start from the same (rounded) weights
             p.copy_(p.to(dtype).float())
     reference.pack_weights()
-    model = _in_dtype(_tiny_llama(cpu_kernels.backend), dtype)
+    model = weights_to(_tiny_llama(cpu_kernels.backend), dtype)
     model.load_state_dict(reference.state_dict())
     model.pack_weights()
     assert model.layer_stack is not None and model.layer_stack.lora_dtype == dtype
@@ -124,7 +114,7 @@ def test_lora_in_the_one_call_layers(cpu_kernels, step):
         # bf16 with these strong adapters (deltas the size of the projections) drifts from
         # fp32 by up to 0.22 in the mixed step in any implementation: the reference backend's
         # own bf16 run is the yardstick, the stack no more than twice its distance from fp32
-        reference16 = _in_dtype(_tiny_llama(REFERENCE), dtype)
+        reference16 = weights_to(_tiny_llama(REFERENCE), dtype)
         reference16.load_state_dict(reference.state_dict())
         reference16.pack_weights()
         want16, _ = _run(reference16, meta, input_ids, positions, caches,
