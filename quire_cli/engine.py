@@ -37,8 +37,11 @@ def main(ns: argparse.Namespace) -> int:
     engine = model_thread.submit(lambda: build_engine(ns)).result()
     import torch
 
+    # asked on the model thread: libgomp keeps the thread count per thread, and the main
+    # thread's is the machine's default, not the engine's --num-threads
+    num_threads = model_thread.submit(torch.get_num_threads).result()
     logging.getLogger("engine_worker.server.threads").info(
-        "Threads: %s", plan.describe(torch.get_num_threads()))
+        "Threads: %s", plan.describe(num_threads))
     try:
         asyncio.run(serve(engine, cfg, model_thread))
     finally:

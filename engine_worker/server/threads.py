@@ -60,7 +60,8 @@ class ThreadPlan:
                 "active": "idle team threads spin",
                 "default": "libgomp's default wait (spin, then sleep)"}[self.omp_wait_policy]
         workers = num_threads - 1
-        return (f"{num_cpus} CPUs: the model on {num_threads} OpenMP threads (the engine loop "
+        return (f"{num_cpus} CPUs: the model on {num_threads} OpenMP "
+                f"thread{'s' if num_threads != 1 else ''} (the engine loop "
                 f"and {workers} worker{'s' if workers != 1 else ''}; the loop thread built the "
                 f"engine too, so theirs is the process's one OpenMP pool), the gRPC server on "
                 f"the main thread beside them; OpenMP wait policy {self.omp_wait_policy}: "

@@ -103,3 +103,18 @@ def test_injected_engine_failure_ends_every_stream_unavailable(tiny_model_dir):
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.close()
+
+
+def test_the_start_block_names_the_threads_the_model_runs_on(tiny_model_dir):
+    # the count is the model thread's (libgomp keeps it per thread): with --num-threads 1 the
+    # main thread would still say the machine's default
+    proc, _, _ = _start_engine(tiny_model_dir, "--num-threads", "1")
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        log = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    line = next(line for line in log.splitlines() if "Threads: " in line)
+    assert "the model on 1 OpenMP thread (the engine loop and 0 workers;" in line, line
