@@ -226,13 +226,24 @@ def _request_row(r: RequestResult, addresses: Sequence[str]) -> dict:
             "error": r.error}
 
 
+def policy_order(policies: Sequence[str], repeat: int) -> tuple[str, ...]:
+    """The order of repeat ``repeat``: rotated by one policy a repeat, so that over as many
+    repeats as policies each runs once in every position (a run's place in the sequence
+    moves its figures: the machine warms, caches fill)."""
+    k = repeat % len(policies)
+    return tuple(policies[k:]) + tuple(policies[:k])
+
+
 async def run_all(cfg: ServeBenchConfig, engines, seed: int) -> list[dict]:
-    """Every (workload, policy) run on ``engines`` (a ``serve_engines`` kind, entered)."""
+    """Every (workload, policy) run ``cfg.repeats`` times on ``engines`` (a
+    ``serve_engines`` kind, entered), the policies in ``policy_order``."""
     runs = []
-    for workload_name in cfg.workload_names:
+    for repeat, workload_name in ((r, w) for r in range(cfg.repeats)
+                                  for w in cfg.workload_names):
         variants = SCENARIO_VARIANTS[workload_name](cfg) \
             if workload_name in SCENARIO_VARIANTS else (None,)
-        for policy, variant in ((p, v) for p in cfg.policy_names for v in variants):
+        for policy, variant in ((p, v) for p in policy_order(cfg.policy_names, repeat)
+                                for v in variants):
             # Other work on the machine skews a run; its load average is kept beside it.
             load_1m = os.getloadavg()[0]
             async with engines.fresh() as run_engines:
@@ -243,7 +254,7 @@ async def run_all(cfg: ServeBenchConfig, engines, seed: int) -> list[dict]:
                 else:
                     run = await measure(run_engines, engines.cache_counters, policy,
                                         workload_name, cfg, seed)
-            runs.append(dict(run, load_average_1m_before=load_1m))
+            runs.append(dict(run, repeat=repeat, load_average_1m_before=load_1m))
             print(f"  {workload_name:<14}{policy:<14}{run['num_finished']}/"
                   f"{run['num_requests']} finished in {run['duration_s']:.1f}s", flush=True)
     return runs

@@ -32,6 +32,7 @@ class ServeBenchConfig:
     hot_share: float = 0.8  # hot_prefix: share of requests that carry the one system prompt
     num_routers: int = 1  # router replicas sharing the traffic (each subscribes to every engine)
     request_rate: float = 1.0
+    repeats: int = 1  # runs of every (workload, policy), the policy order rotated each time
     max_concurrency: int = 0
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
@@ -63,7 +64,7 @@ class ServeBenchConfig:
             raise ValueError(f"num_engines: must be in [2, 16] (placement needs a choice), "
                              f"got {self.num_engines}")
         require_at_least(self, ("num_groups", "prompts_per_group", "system_prompt_len",
-                                "question_len", "output_len"))
+                                "question_len", "output_len", "repeats"))
         if not self.request_rate > 0:
             raise ValueError(f"request_rate: must be > 0 (inf: all at once), "
                              f"got {self.request_rate}")
@@ -171,6 +172,9 @@ SERVE_HELP = {
     "question_len": "tokens per unique question",
     "output_len": "tokens generated per request (greedy, EOS ignored)",
     "request_rate": "Poisson arrival rate in requests/s (inf: all at once)",
+    "repeats": "runs of every (workload, policy) on fresh engines, the policy order rotated "
+               "each time (repeat r starts at policy r mod the number of policies); with more "
+               "than one, the comparisons are of each policy's median across its runs",
     "max_concurrency": "most requests in flight (0: unlimited)",
     "engine_kind": "quire (engine processes started for every run) or vllm (vLLM servers, "
                    "started once with --vllm-python or running ones in --engines; their "

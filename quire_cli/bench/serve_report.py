@@ -19,12 +19,17 @@ JSON layout::
                                               "per_engine": {"engine-<i>": {"queries", "hits"}}},
                the two_tenants workload only: "two_tenants" (``quire_cli.bench.two_tenants``),
                "light_requests", "flow_timeline"}],
-     "comparisons": {workload: {baseline: {"ttft_p50_speedup", "ttft_p90_speedup",
-                                           "throughput_ratio", "cache_hit_rate_delta"}}}}
+     "medians": {workload: {policy: {"num_runs", "ttft_p50_ms", "ttft_p90_ms",
+                                     "output_token_throughput", "cache_hit_rate"}}},
+     "comparisons": {workload: {baseline: {"num_runs", "ttft_p50_speedup", "ttft_p90_speedup",
+                                           "ttft_p90_speedup_per_repeat", "throughput_ratio",
+                                           "cache_hit_rate_delta"}}}}
 
-``cache_hit_rate`` is cached / prompt tokens from the usage the engines returned. Speedups are
-baseline / prefix_aware (above 1: prefix_aware is faster); the throughput ratio is
-prefix_aware / baseline. JSON cannot hold infinity, so an infinite rate is written as "inf".
+Each run carries its ``repeat`` (``--repeats``: every pair of workload and policy runs that
+many times, the policy order rotated each time). ``cache_hit_rate`` is cached / prompt tokens
+from the usage the engines returned. Speedups are baseline / prefix_aware of the medians over
+the repeats (above 1: prefix_aware is faster); the throughput ratio is prefix_aware /
+baseline. JSON cannot hold infinity, so an infinite rate is written as "inf".
 """
 
 from __future__ import annotations
@@ -49,21 +54,59 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
 
-def compare(runs: list[dict]) -> dict:
-    """prefix_aware against every other policy, per workload."""
-    by_key = {(r["workload"], r["policy"]): r for r in runs}
+def _median(values: list[float | None]) -> float | None:
+    known = sorted(v for v in values if v is not None)
+    if not known:
+        return None
+    mid = len(known) // 2
+    return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
+
+
+def medians(runs: list[dict]) -> dict:
+    """Per workload and policy, the median of each compared figure over that pair's runs
+    (one run each unless ``--repeats``)."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["workload"], r["policy"]), []).append(r)
     out: dict[str, dict] = {}
-    for (workload, policy), base in by_key.items():
-        ref = by_key.get((workload, REFERENCE_POLICY))
-        if ref is None or policy == REFERENCE_POLICY:
-            continue
+    for (workload, policy), group in groups.items():
         out.setdefault(workload, {})[policy] = {
-            "ttft_p50_speedup": _ratio(base["ttft_ms"]["p50"], ref["ttft_ms"]["p50"]),
-            "ttft_p90_speedup": _ratio(base["ttft_ms"]["p90"], ref["ttft_ms"]["p90"]),
-            "throughput_ratio": _ratio(ref["output_token_throughput"],
-                                       base["output_token_throughput"]),
-            "cache_hit_rate_delta": ref["cache_hit_rate"] - base["cache_hit_rate"],
+            "num_runs": len(group),
+            "ttft_p50_ms": _median([r["ttft_ms"]["p50"] for r in group]),
+            "ttft_p90_ms": _median([r["ttft_ms"]["p90"] for r in group]),
+            "output_token_throughput": _median([r["output_token_throughput"] for r in group]),
+            "cache_hit_rate": _median([r["cache_hit_rate"] for r in group]),
         }
+    return out
+
+
+def compare(runs: list[dict]) -> dict:
+    """prefix_aware against every other policy, per workload: ratios of the medians over
+    the repeats, and the p90 ratio of each repeat's pair (the same position in the machine's
+    day, so the pairs show how steady the median's ratio is)."""
+    mid = medians(runs)
+    by_repeat = {(r["workload"], r["policy"], r.get("repeat", 0)): r for r in runs}
+    out: dict[str, dict] = {}
+    for workload, policies in mid.items():
+        ref = policies.get(REFERENCE_POLICY)
+        if ref is None:
+            continue
+        for policy, base in policies.items():
+            if policy == REFERENCE_POLICY:
+                continue
+            pairs = [_ratio(by_repeat[w, policy, k]["ttft_ms"]["p90"], r["ttft_ms"]["p90"])
+                     for (w, p, k), r in by_repeat.items()
+                     if w == workload and p == REFERENCE_POLICY
+                     and (w, policy, k) in by_repeat]
+            out.setdefault(workload, {})[policy] = {
+                "num_runs": min(ref["num_runs"], base["num_runs"]),
+                "ttft_p50_speedup": _ratio(base["ttft_p50_ms"], ref["ttft_p50_ms"]),
+                "ttft_p90_speedup": _ratio(base["ttft_p90_ms"], ref["ttft_p90_ms"]),
+                "ttft_p90_speedup_per_repeat": pairs,
+                "throughput_ratio": _ratio(ref["output_token_throughput"],
+                                           base["output_token_throughput"]),
+                "cache_hit_rate_delta": ref["cache_hit_rate"] - base["cache_hit_rate"],
+            }
     return out
 
 
@@ -71,7 +114,8 @@ def build_report(cfg, *, seed: int, engine_flags: list[str], engines: dict, runs
                  machine: dict) -> dict:
     config = {k: _json_safe(v) for k, v in dataclasses.asdict(cfg).items()}
     return {"config": config, "seed": seed, "engine_flags": engine_flags, "engines": engines,
-            "machine": machine, "runs": runs, "comparisons": compare(runs)}
+            "machine": machine, "runs": runs, "medians": medians(runs),
+            "comparisons": compare(runs)}
 
 
 def _fmt(value: float | None, spec: str = ".0f") -> str:
@@ -79,14 +123,15 @@ def _fmt(value: float | None, spec: str = ".0f") -> str:
 
 
 def print_summary(report: dict) -> None:
-    header = (f"{'workload':<14}{'policy':<14}{'TTFT p50':>9}{'p90':>8}{'p99':>8}"
+    header = (f"{'workload':<14}{'policy':<14}{'run':>4}{'TTFT p50':>9}{'p90':>8}{'p99':>8}"
               f"{'TPOT p50':>9}{'ITL p50':>8}{'req/s':>7}{'out tok/s':>10}{'hit rate':>9}"
               f"{'per engine':>12}{'err':>5}{'place us':>9}")
     print("latencies in ms")
     print(header)
     for r in report["runs"]:
         spread = "/".join(str(e["num_requests"]) for e in r["per_engine"].values())
-        print(f"{r['workload']:<14}{r['policy']:<14}{_fmt(r['ttft_ms']['p50']):>9}"
+        print(f"{r['workload']:<14}{r['policy']:<14}{r.get('repeat', 0):>4}"
+              f"{_fmt(r['ttft_ms']['p50']):>9}"
               f"{_fmt(r['ttft_ms']['p90']):>8}{_fmt(r['ttft_ms']['p99']):>8}"
               f"{_fmt(r['tpot_ms']['p50']):>9}{_fmt(r['itl_ms']['p50']):>8}"
               f"{_fmt(r['request_throughput'], '.2f'):>7}"
@@ -109,7 +154,11 @@ def print_summary(report: dict) -> None:
             print_restart(r)
     for workload, baselines in report["comparisons"].items():
         for policy, c in baselines.items():
-            print(f"{workload}: {REFERENCE_POLICY} vs {policy}: TTFT p50 "
+            runs_note = ""
+            if c["num_runs"] > 1:
+                pairs = ", ".join(_fmt(x, ".2f") for x in c["ttft_p90_speedup_per_repeat"])
+                runs_note = f" (medians of {c['num_runs']} runs; p90 per repeat x{pairs})"
+            print(f"{workload}: {REFERENCE_POLICY} vs {policy}{runs_note}: TTFT p50 "
                   f"x{_fmt(c['ttft_p50_speedup'], '.2f')} faster, p90 "
                   f"x{_fmt(c['ttft_p90_speedup'], '.2f')}, throughput "
                   f"x{_fmt(c['throughput_ratio'], '.2f')}, hit rate "
@@ -135,7 +184,7 @@ def write_plot(path: Path, runs: list[dict], title: str | None = None) -> bool:
         return False
     workloads = list(dict.fromkeys(r["workload"] for r in runs))
     policies = list(dict.fromkeys(r["policy"] for r in runs))
-    by_key = {(r["workload"], r["policy"]): r for r in runs}
+    by_key = _median_runs(runs)
     fig = Figure(figsize=(13, 8), layout="constrained")
     if title:
         fig.suptitle(title)
@@ -164,9 +213,23 @@ def write_plot(path: Path, runs: list[dict], title: str | None = None) -> bool:
     return True
 
 
+def _median_runs(runs: list[dict]) -> dict[tuple[str, str], dict]:
+    """One bar's figures per (workload, policy): its run, or with repeats the medians of its
+    runs (what the comparisons use)."""
+    out = {}
+    for workload, policies in medians(runs).items():
+        for policy, m in policies.items():
+            out[workload, policy] = {
+                "ttft_ms": {"p50": m["ttft_p50_ms"], "p90": m["ttft_p90_ms"]},
+                "output_token_throughput": m["output_token_throughput"],
+                "cache_hit_rate": m["cache_hit_rate"]}
+    return out
+
+
 def _plot_shares(ax, runs: list[dict]) -> None:
     """Stacked request share per engine, one bar per run: flat bars are even spreads."""
-    labels = [f"{r['workload']}\n{r['policy']}" for r in runs]
+    labels = [f"{r['workload']}\n{r['policy']}" + (f" #{r['repeat']}" if r.get("repeat") else "")
+              for r in runs]
     engines = list(dict.fromkeys(e for r in runs for e in r["per_engine"]))
     bottoms = [0.0] * len(runs)
     for k, engine in enumerate(engines):

@@ -65,6 +65,9 @@ def test_bench_serve_compares_policies(tiny_model_dir, tmp_path):
     comparison = report["comparisons"]["shared_prefix"]["round_robin"]
     assert {"ttft_p50_speedup", "ttft_p90_speedup", "throughput_ratio",
             "cache_hit_rate_delta"} <= set(comparison)
+    assert {r["repeat"] for r in report["runs"]} == {0} and comparison["num_runs"] == 1
+    assert report["medians"]["shared_prefix"]["prefix_aware"]["ttft_p90_ms"] == \
+        shared["ttft_ms"]["p90"]
     assert (tmp_path / "serve.png").stat().st_size > 0
 
 
