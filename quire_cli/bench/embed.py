@@ -94,6 +94,8 @@ def run(engine_args, inputs: list[list[int]], hf_batch_size: int, repeats: int =
         gc.collect()
     num_tokens = sum(len(p) for p in inputs)
     quire_s, hf_s = turns[0]["quire_s"], turns[0]["hf_s"]
+    ceiling = matmul_ceiling(model, info.dtype, hf_tokens_per_s=num_tokens / hf_s,
+                             quire_tokens_per_s=num_tokens / quire_s)
     return {
         "num_inputs": len(inputs), "num_tokens": num_tokens,
         "pooling_type": info.pooling_type, "normalize": info.pooling_normalize,
@@ -106,8 +108,31 @@ def run(engine_args, inputs: list[list[int]], hf_batch_size: int, repeats: int =
                "tokens_per_s": num_tokens / hf_s, "batch_size": hf_batch_size},
         "ratio": hf_s / quire_s, "min_cosine_similarity": cosine,
         "turns": turns, "ratio_median": statistics.median(t["ratio"] for t in turns),
+        **ceiling,
         "loadavg_1m_at_end": os.getloadavg()[0],
     }
+
+
+def matmul_ceiling(model, dtype, *, hf_tokens_per_s: float, quire_tokens_per_s: float) -> dict:
+    """The most tokens a second any implementation could embed here: every token costs 2 x
+    the model's linear weights in matmul FLOPs (attention, norms and the embedding lookup
+    left out, so the bound is generous), at this machine's matmul peak in ``dtype`` measured
+    now (``limits.measure_limits``; the fp32 peak where the dtype has no native matmul). A
+    ratio to transformers above this bound's is out of reach on this machine."""
+    import torch
+
+    from quire_cli.bench.limits import limits_report, measure_limits
+
+    limits = measure_limits("cpu")
+    name = str(dtype).removeprefix("torch.")
+    peak = limits.matmul_tflops.get(name, limits.matmul_tflops["float32"]) * 1e12
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    tokens_per_s = peak / (2 * linear)
+    return {"machine": limits_report(limits),
+            "matmul_ceiling": {"linear_parameters": linear, "matmul_gflops": peak / 1e9,
+                               "tokens_per_s": tokens_per_s,
+                               "ratio_to_hf": tokens_per_s / hf_tokens_per_s,
+                               "quire_fraction": quire_tokens_per_s / tokens_per_s}}
 
 
 def add_embed_args(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +167,11 @@ def run_from_args(ns: argparse.Namespace) -> int:
           f"{hf['tokens_per_s']:9.0f} tok/s (batches of {hf['batch_size']}, sorted by length)")
     print(f"quire / transformers: x{result['ratio']:.2f}; smallest cosine similarity "
           f"{result['min_cosine_similarity']:.6f}")
+    c = result["matmul_ceiling"]
+    print(f"matmul ceiling: {c['tokens_per_s']:.0f} tok/s ({c['linear_parameters'] / 1e6:.1f}M "
+          f"linear weights at {c['matmul_gflops']:.0f} GFLOP/s, this machine's {result['dtype']} "
+          f"matmul now) = x{c['ratio_to_hf']:.2f} transformers at most; Quire runs at "
+          f"{c['quire_fraction']:.0%} of it")
     if len(result["turns"]) > 1:
         print("every turn: " + ", ".join(f"x{t['ratio']:.2f}" for t in result["turns"])
               + f"; median x{result['ratio_median']:.2f}")

@@ -36,3 +36,13 @@ def test_bench_embed_report(tiny_model_dir, tmp_path, pooling_type):
         report["hf"]["elapsed_s"]
     assert second["ratio"] == pytest.approx(second["hf_s"] / second["quire_s"])
     assert report["ratio_median"] == pytest.approx((first["ratio"] + second["ratio"]) / 2)
+    # the bound: the tiny model's linear weights, at the fp32 matmul peak measured in the run
+    ceiling = report["matmul_ceiling"]
+    # tiny_model_dir: 3 layers of q, o (64 x 64), k, v (32 x 64: 2 KV heads of 16), 3 MLP (64 x 128)
+    assert ceiling["linear_parameters"] == 3 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 64 * 128)
+    assert ceiling["matmul_gflops"] == pytest.approx(
+        report["machine"]["matmul_tflops"]["float32"] * 1000, rel=1e-3)
+    assert ceiling["tokens_per_s"] == pytest.approx(
+        ceiling["matmul_gflops"] * 1e9 / (2 * ceiling["linear_parameters"]))
+    assert ceiling["ratio_to_hf"] == pytest.approx(
+        ceiling["tokens_per_s"] / report["hf"]["tokens_per_s"])
