@@ -104,16 +104,10 @@ enum class QType { kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
 // Only for bf16 x: an fp32 model asks for fp32 numerics, and on the compute-bound path it gets
 // them (past the decode rows, the exact de-quantized weights), as before; bf16 x already
 // carries 8 bits of mantissa, so its rounding to int8 per block of 32 costs less.
-// Q8_0's grouped kernel pays a sign flip of x a product (signed weights: |w| against x with
-// w's sign), so it gives way sooner. Zen 4, 2 threads, the embedded model's Q8_0 logits
-// projection (49152 x 576) against de-quantize + oneDNN: M = 16 4.5 ms against 11.5, 64 13.0
-// against 17.8, 128 24.7 against 25.9, 256 49.8 against 43.6.
 constexpr int64_t kVnniRows = 512;
-constexpr int64_t kVnniRowsQ8 = 128;
 inline int64_t int8_rows_limit(QType t, at::ScalarType x_dtype) {
-  if (!QUIRE_HAS_VNNI || x_dtype != at::kBFloat16) return kDecodeRows;
-  if (t == QType::kQ4_0 || t == QType::kQ4_1) return kVnniRows;
-  return t == QType::kQ8_0 ? kVnniRowsQ8 : kDecodeRows;
+  const bool grouped = t == QType::kQ4_0 || t == QType::kQ4_1;
+  return QUIRE_HAS_VNNI && grouped && x_dtype == at::kBFloat16 ? kVnniRows : kDecodeRows;
 }
 
 // The type of a weight's blocks, by their bytes as the file has them (uint8) or repacked
@@ -629,6 +623,16 @@ inline void dot_group(const uint8_t* g, int64_t nb, const int8_t* xq, int64_t K,
   for (int m = 0; m < MM; ++m) store8(out + m * ldo, acc[m]);
 }
 
+// Row r of a group's block b: its quant bytes in the file's order (16 of Q4's nibble bytes
+// in the low half, or Q8_0's 32).
+template <QType T>
+inline __m256i group_row_quants(const uint8_t* blk, int r) {
+  const uint8_t* qs = blk + kGroupHead<T> + 4 * r;
+  int32_t part[8] = {};
+  for (int j = 0; j < kGroupLoads<T>; ++j) std::memcpy(&part[j], qs + 32 * j, sizeof(int32_t));
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(part));
+}
+
 constexpr int kRowGroup = 4;  // weight rows sharing each load of x's block
 
 // Rows of x whose sums dot_group keeps in registers at once: 8 with AVX-512's 32 vector
@@ -730,12 +734,28 @@ inline void dequant_values(__m256i bytes, float d, float offset, float* out) {
   }
 }
 
-// Block b of row n of a repacked weight (nb blocks a row) as fp32 into out[0 .. 32): a row
-// past the last group of eight (the rows of a group are done together: dequantize_into).
+// Block b of row n of a repacked weight (nb blocks a row) as fp32 into out[0 .. 32).
 template <QType T>
-inline void dequant_block(const uint8_t* w, int64_t nb, int64_t n, int64_t b, float* out) {
+inline void dequant_block(const uint8_t* w, int64_t N, int64_t nb, int64_t n, int64_t b,
+                          float* out) {
   using L = RowLayout<T>;
-  const uint8_t* row = w + n * nb * kBytes<T>;
+  const int64_t row_bytes = nb * kBytes<T>;
+  if constexpr (kGrouped<T>) {
+    if (n < N - N % kGroupRows) {  // in a group of eight (dot_group's layout)
+      const uint8_t* blk = w + (n - n % kGroupRows) * row_bytes + b * kGroupRows * kBytes<T>;
+      const int r = int(n % kGroupRows);
+      const float d = half_at(blk + 2 * r);
+      const __m256i quants = group_row_quants<T>(blk, r);
+      if constexpr (T == QType::kQ8_0) {
+        dequant_values<T>(quants, d, 0.f, out);
+      } else {
+        const float offset = T == QType::kQ4_1 ? half_at(blk + 16 + 2 * r) : -8.f * d;
+        dequant_values<T>(nibbles(_mm256_castsi256_si128(quants)), d, offset, out);
+      }
+      return;
+    }
+  }
+  const uint8_t* row = w + n * row_bytes;
   const float d = half_at(L::scales(row) + 2 * b);
   const uint8_t* q = L::quants(row, nb) + b * L::kQuantBytes;
   const __m256i bytes = T == QType::kQ8_0
@@ -747,79 +767,23 @@ inline void dequant_block(const uint8_t* w, int64_t nb, int64_t n, int64_t b, fl
   dequant_values<T>(bytes, d, offset, out);
 }
 
-// The eight rows of a group's block with their quant bytes in the file's order: rows[r]'s
-// 32 bytes (Q8_0), or its 16 nibble bytes in the low half (Q4). The loads hold four bytes of
-// each row a lane, so this is an 8 x 8 transpose of 32-bit lanes (zeros past Q4's 4 loads).
-template <QType T>
-inline void group_block_rows(const uint8_t* blk, __m256i rows[kGroupRows]) {
-  const uint8_t* qs = blk + kGroupHead<T>;
-  __m256 v[8];
-  for (int j = 0; j < 8; ++j)
-    v[j] = j < kGroupLoads<T> ? _mm256_loadu_ps(reinterpret_cast<const float*>(qs + 32 * j))
-                              : _mm256_setzero_ps();
-  __m256 t[8], u[8];
-  for (int j = 0; j < 8; j += 2) {
-    t[j] = _mm256_unpacklo_ps(v[j], v[j + 1]);
-    t[j + 1] = _mm256_unpackhi_ps(v[j], v[j + 1]);
-  }
-  for (int j = 0; j < 8; j += 4) {
-    u[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
-    u[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);
-    u[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
-    u[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
-  }
-  for (int r = 0; r < 4; ++r) {
-    rows[r] = _mm256_castps_si256(_mm256_permute2f128_ps(u[r], u[r + 4], 0x20));
-    rows[r + 4] = _mm256_castps_si256(_mm256_permute2f128_ps(u[r], u[r + 4], 0x31));
-  }
-}
-
-// out (fp32 or bf16) from fp32 values: a block's 32
-template <typename O>
-inline void store_block(const float* tmp, O* o) {
-  if constexpr (std::is_same_v<O, float>) {
-    std::memcpy(o, tmp, kBlock * sizeof(float));
-  } else {
-    for (int j = 0; j < kBlock; j += Vec::kWidth) Vec::load(tmp + j).store(o + j);
-  }
-}
-
 template <QType T, typename O>
 void dequantize_into(const uint8_t* w, int64_t N, int64_t K, O* out) {
   const int64_t num_blocks = K / kBlock, row_bytes = K / kValues<T> * kBytes<T>;
-  int64_t first_row = 0;  // rows before it are done group by group
-  if constexpr (kGrouped<T>) {
-    const int64_t num_groups = N / kGroupRows;
-    first_row = num_groups * kGroupRows;
-    at::parallel_for(0, num_groups, 2, [&](int64_t g0, int64_t g1) {
-      alignas(64) float tmp[kBlock];
-      __m256i rows[kGroupRows];
-      for (int64_t g = g0; g < g1; ++g)
-        for (int64_t b = 0; b < num_blocks; ++b) {
-          const uint8_t* blk = w + g * kGroupRows * row_bytes + b * kGroupRows * kBytes<T>;
-          group_block_rows<T>(blk, rows);
-          for (int r = 0; r < kGroupRows; ++r) {
-            const float d = half_at(blk + 2 * r);
-            if constexpr (T == QType::kQ8_0) {
-              dequant_values<T>(rows[r], d, 0.f, tmp);
-            } else {
-              const float offset = T == QType::kQ4_1 ? half_at(blk + 16 + 2 * r) : -8.f * d;
-              dequant_values<T>(nibbles(_mm256_castsi256_si128(rows[r])), d, offset, tmp);
-            }
-            store_block(tmp, out + (g * kGroupRows + r) * K + b * kBlock);
-          }
-        }
-    });
-  }
-  at::parallel_for(first_row, N, 16, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     alignas(64) float tmp[kBlock];
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t b = 0; b < num_blocks; ++b) {
         if constexpr (kIsK<T>)
           dequant_block_k<T>(w + n * row_bytes, b, tmp);
         else
-          dequant_block<T>(w, num_blocks, n, b, tmp);
-        store_block(tmp, out + n * K + b * kBlock);
+          dequant_block<T>(w, N, num_blocks, n, b, tmp);
+        O* o = out + n * K + b * kBlock;
+        if constexpr (std::is_same_v<O, float>) {
+          std::memcpy(o, tmp, sizeof(tmp));
+        } else {
+          for (int j = 0; j < kBlock; j += Vec::kWidth) Vec::load(tmp + j).store(o + j);
+        }
       }
   });
 }

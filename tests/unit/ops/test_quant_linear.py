@@ -86,9 +86,9 @@ def test_zero_rows_of_x_give_exact_zero(cpu_kernels, qtype):
 @pytest.mark.parametrize("rows", [9, 33, 141, 513])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_more_rows_int8_or_dequantize_then_matmul(cpu_kernels, qtype, rows, dtype):
-    # Past the decode rows a call takes the int8 path where the kernels say so (with VNNI and
-    # bf16 x: Q4_0 / Q4_1 up to 512 rows, Q8_0 128), else de-quantizes the weight exactly for
-    # a float matmul (in x's dtype)
+    # Past the decode rows a call takes the int8 path where the kernels say so (Q4_0 / Q4_1
+    # with VNNI and bf16 x: up to 512 rows), else de-quantizes the weight exactly for a float
+    # matmul (in x's dtype)
     blocks, ref = quantized(37, 128, qtype, seed=rows)
     x = torch.randn(rows, 128)
     x[-1, 32:64] *= 20  # one block with a large scale, in the last (remainder) row
@@ -114,10 +114,9 @@ def test_which_types_keep_many_rows_on_int8(cpu_kernels):
         return {qt.name: cpu_kernels.ops.quant_int8_rows(quantized(8, 64, qt)[0], dtype)
                 for qt in TYPES}
     # VNNI (the AVX-512 set) keeps up to 512 rows of bf16 x on Q4_0 / Q4_1's grouped int8
-    # kernel and 128 on Q8_0's; fp32 x, AVX2 and the other types are de-quantized past 8 rows
-    vnni = cpu_kernels.isa == "avx512"
-    assert limits(torch.bfloat16) == {"Q4_0": 512 if vnni else 8, "Q4_1": 512 if vnni else 8,
-                                      "Q8_0": 128 if vnni else 8}
+    # kernel; fp32 x, AVX2 and the other types are de-quantized past 8 rows
+    many = 512 if cpu_kernels.isa == "avx512" else 8
+    assert limits(torch.bfloat16) == {"Q4_0": many, "Q4_1": many, "Q8_0": 8}
     assert limits(torch.float32) == {"Q4_0": 8, "Q4_1": 8, "Q8_0": 8}
 
 
