@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -55,11 +56,8 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 def _median(values: list[float | None]) -> float | None:
-    known = sorted(v for v in values if v is not None)
-    if not known:
-        return None
-    mid = len(known) // 2
-    return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def medians(runs: list[dict]) -> dict:
@@ -80,11 +78,12 @@ def medians(runs: list[dict]) -> dict:
     return out
 
 
-def compare(runs: list[dict]) -> dict:
+def compare(runs: list[dict], mid: dict | None = None) -> dict:
     """prefix_aware against every other policy, per workload: ratios of the medians over
-    the repeats, and the p90 ratio of each repeat's pair (the same position in the machine's
-    day, so the pairs show how steady the median's ratio is)."""
-    mid = medians(runs)
+    the repeats (``mid``: ``medians(runs)``, computed here unless given), and the p90 ratio
+    of each repeat's pair (the same position in the machine's day, so the pairs show how
+    steady the median's ratio is)."""
+    mid = medians(runs) if mid is None else mid
     by_repeat = {(r["workload"], r["policy"], r.get("repeat", 0)): r for r in runs}
     out: dict[str, dict] = {}
     for workload, policies in mid.items():
@@ -94,10 +93,10 @@ def compare(runs: list[dict]) -> dict:
         for policy, base in policies.items():
             if policy == REFERENCE_POLICY:
                 continue
-            pairs = [_ratio(by_repeat[w, policy, k]["ttft_ms"]["p90"], r["ttft_ms"]["p90"])
-                     for (w, p, k), r in by_repeat.items()
-                     if w == workload and p == REFERENCE_POLICY
-                     and (w, policy, k) in by_repeat]
+            pairs = [_ratio(base_run["ttft_ms"]["p90"], ref_run["ttft_ms"]["p90"])
+                     for (w, p, k), ref_run in by_repeat.items()
+                     if (w, p) == (workload, REFERENCE_POLICY)
+                     and (base_run := by_repeat.get((workload, policy, k))) is not None]
             out.setdefault(workload, {})[policy] = {
                 "num_runs": min(ref["num_runs"], base["num_runs"]),
                 "ttft_p50_speedup": _ratio(base["ttft_p50_ms"], ref["ttft_p50_ms"]),
@@ -113,9 +112,9 @@ def compare(runs: list[dict]) -> dict:
 def build_report(cfg, *, seed: int, engine_flags: list[str], engines: dict, runs: list[dict],
                  machine: dict) -> dict:
     config = {k: _json_safe(v) for k, v in dataclasses.asdict(cfg).items()}
+    mid = medians(runs)
     return {"config": config, "seed": seed, "engine_flags": engine_flags, "engines": engines,
-            "machine": machine, "runs": runs, "medians": medians(runs),
-            "comparisons": compare(runs)}
+            "machine": machine, "runs": runs, "medians": mid, "comparisons": compare(runs, mid)}
 
 
 def _fmt(value: float | None, spec: str = ".0f") -> str:
