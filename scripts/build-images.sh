@@ -120,9 +120,16 @@ for target in "${targets[@]}"; do
     esac
     [ -n "$wheels" ] || extra=()
     step "build quire/$target:$TAG"
+    previous=$(bh images --quiet --no-trunc "localhost/quire/$target:$TAG" 2>/dev/null || true)
     bh bud --quiet --isolation chroot --layers --pull=never \
         "${build_args[@]}" "${extra[@]}" "${volumes[@]}" \
         -f "docker/$target.Dockerfile" -t "localhost/quire/$target:$TAG" .
+    # The image this tag named before is now untagged: removed (with the layers only it held),
+    # so that repeated builds, as CI makes, do not fill the disk. Unchanged builds keep it.
+    current=$(bh images --quiet --no-trunc "localhost/quire/$target:$TAG")
+    if [ -n "$previous" ] && [ "$previous" != "$current" ]; then
+        bh rmi "$previous" >/dev/null 2>&1 || echo "  (the previous image $previous is in use; kept)"
+    fi
     done_step
 done
 
