@@ -22,8 +22,11 @@ from engine_worker.ops.cpu_build import Unavailable
 
 # (x, weight, bias, packed weight or None) -> x @ weight.T + bias
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Any], torch.Tensor]
-# a loaded linear weight -> the backend's own layout of it (what LinearFn takes as ``packed``)
-PackFn = Callable[[torch.Tensor], Any]
+# a loaded linear weight -> the backend's own layout of it (what LinearFn takes as ``packed``).
+# ``dense=``: the same weight's exact de-quantized values, where the model holds them anyway (a
+# tied embedding table beside its GGUF blocks); a backend may multiply many rows on those
+# instead of de-quantizing the blocks every call, or ignore them.
+PackFn = Callable[..., Any]
 # (x, weight, eps) -> RMSNorm(x)
 NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 # (positions, q, k, cos, sin) -> (q, k) rotated

@@ -69,12 +69,14 @@ class CpuOps:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: Any) -> torch.Tensor:
         if isinstance(packed, GgufBlocks):  # every set runs them (csrc/cpu/quant_linear.cpp)
+            if packed.takes_dense(self.ops, x):
+                return self._linear.linear(self.ops, x, packed.dense_weight, bias, packed.dense)
             return self.ops.quant_linear(x, packed.blocks, bias)
         return self._linear.linear(self.ops, x, weight, bias, packed)
 
-    def pack_weight(self, weight: torch.Tensor) -> Any:
+    def pack_weight(self, weight: torch.Tensor, dense: torch.Tensor | None = None) -> Any:
         if is_gguf_blocks(weight):
-            return GgufBlocks.of(self.ops, weight)
+            return GgufBlocks.of(self.ops, weight, dense, self._linear)
         return self._linear.pack(self.ops, weight)
 
     def _stack_weights(self, lin) -> tuple[torch.Tensor, torch.Tensor] | None:

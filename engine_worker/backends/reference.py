@@ -26,7 +26,7 @@ def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
-def no_packing(weight: torch.Tensor) -> None:
+def no_packing(weight: torch.Tensor, dense: torch.Tensor | None = None) -> None:
     return None
 
 

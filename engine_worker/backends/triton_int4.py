@@ -114,7 +114,8 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def pack_weight(weight: torch.Tensor) -> Int4GroupsWeight | None:
+def pack_weight(weight: torch.Tensor, dense: torch.Tensor | None = None
+                ) -> Int4GroupsWeight | None:
     """Once per weight at load: the int4 group layout as the kernel takes it, else None."""
     if not is_int4_groups(weight):
         return None

@@ -339,8 +339,13 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        self.logits_packed = (self.backend.pack_weight(self._logits_weight())
-                              if self.lm_head is None else self.lm_head.packed)
+        if self.lm_head is not None:
+            self.logits_packed = self.lm_head.packed
+        elif self.tied_logits_weight is not None:  # blocks, with the table's same values
+            self.logits_packed = self.backend.pack_weight(self.tied_logits_weight,
+                                                          dense=self.embed_tokens.weight)
+        else:
+            self.logits_packed = self.backend.pack_weight(self._logits_weight())
         # one call over this stage's layers, where the backend fuses them (under tensor
         # parallelism: where its fused call can run the all-reduces between them too)
         self.layer_stack = self.backend.fuse(self.export())

@@ -250,3 +250,32 @@ def test_k_quant_rows_that_are_not_whole_super_blocks_are_refused(cpu_kernels):
     with pytest.raises(RuntimeError, match=r"Q4_K \(144\), Q5_K \(176\), Q6_K \(210\)"):
         cpu_kernels.ops.quant_linear(torch.randn(1, 64), torch.zeros(4, 2, 145, dtype=torch.uint8),
                                      None)
+
+
+@pytest.mark.cpu_ops("quant_linear", "quant_int8_rows")
+def test_a_dense_twin_serves_the_rows_past_the_int8_path(cpu_kernels):
+    """A tied embedding's blocks packed with the table's de-quantized values (``dense=``): up
+    to the blocks' int8 rows a call streams the blocks; past them it multiplies the twin in the
+    set's packed layout, instead of de-quantizing every call. A twin scaled by 2 shows which
+    one a call took; the real twin gives the de-quantized product."""
+    backend, ops = cpu_kernels.backend, cpu_kernels.ops
+    dtype = torch.bfloat16 if cpu_kernels.isa == "avx512" else torch.float32
+    blocks, ref = quantized(64, 96, QT.Q8_0, seed=5)
+    table = ref.to(torch.bfloat16)  # what the loader's embedding holds: exact for Q8_0 in bf16
+    packed = backend.pack_weight(blocks, dense=table)
+    doubled = backend.pack_weight(blocks, dense=table * 2)
+    limit = int(ops.quant_int8_rows(packed.blocks, dtype))
+    for rows in (1, limit, limit + 1, 40):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        out = backend.linear(x, blocks, None, packed).float()
+        expected = x.float() @ table.float().T
+        # bf16 x, outputs rounded to bf16: a few of its steps; fp32: the int8 rounding of x
+        tol = x_rounding_bound(x.float(), ref) * 1.01 + expected.abs() * 2 ** -7 + 1e-3
+        assert ((out - expected).abs() <= tol).all(), (rows, (out - expected).abs().max())
+        twice = backend.linear(x, blocks, None, doubled).float()
+        if rows > limit:
+            torch.testing.assert_close(twice, 2 * out, rtol=2 ** -7, atol=1e-3)
+        else:
+            torch.testing.assert_close(twice, out, rtol=0, atol=0)
+    # a twin whose shape is not the weight's is not used
+    assert backend.pack_weight(blocks, dense=table[:32]).dense is None
