@@ -106,7 +106,7 @@ enum class QType { kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
 // carries 8 bits of mantissa, so its rounding to int8 per block of 32 costs less.
 constexpr int64_t kVnniRows = 512;
 inline int64_t int8_rows_limit(QType t, at::ScalarType x_dtype) {
-  const bool grouped = t == QType::kQ4_0 || t == QType::kQ4_1;
+  const bool grouped = t == QType::kQ4_0 || t == QType::kQ4_1 || t == QType::kQ8_0;
   return QUIRE_HAS_VNNI && grouped && x_dtype == at::kBFloat16 ? kVnniRows : kDecodeRows;
 }
 
@@ -584,11 +584,27 @@ inline void dot_group(const uint8_t* g, int64_t nb, const int8_t* xq, int64_t K,
     __m256i sum[MM];
     for (int m = 0; m < MM; ++m) sum[m] = _mm256_setzero_si256();
     if constexpr (T == QType::kQ8_0) {
+#if QUIRE_HAS_VNNI
+      // x comes offset to unsigned (q_x + 128, decode_rows' x_unsigned), so each load is one
+      // vpdpbusd a row of x with w as the signed side: sum (q_x + 128) w - 128 sum w, the
+      // second sum once a block for all rows of x (exact in int32: 32 products of at most
+      // 255 * 128 a lane)
+      const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+      __m256i w128 = _mm256_setzero_si256();
+      for (int j = 0; j < kGroupLoads<T>; ++j) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+        w128 = _mm256_dpbusd_epi32(w128, bias, v);
+        for (int m = 0; m < MM; ++m)
+          sum[m] = _mm256_dpbusd_epi32(sum[m], bcast4(xq + m * K + b * kBlock + 4 * j), v);
+      }
+      for (int m = 0; m < MM; ++m) sum[m] = _mm256_sub_epi32(sum[m], w128);
+#else
       for (int j = 0; j < kGroupLoads<T>; ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
         for (int m = 0; m < MM; ++m)
           sum[m] = add_dot4_signed(sum[m], v, bcast4(xq + m * K + b * kBlock + 4 * j));
       }
+#endif
       const __m256 dw = halves8(blk);
       for (int m = 0; m < MM; ++m)  // int32 sums on both instruction sets
         acc[m] = _mm256_fmadd_ps(
@@ -666,6 +682,17 @@ void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w
   };
   if constexpr (kGrouped<T>) {
     const int64_t num_whole = N / kGroupRows;
+    // Q8_0 with VNNI: dot_group takes x as unsigned bytes (q_x + 128: the sign bit flipped)
+    const int8_t* xq_group = xq.q.data();
+#if QUIRE_HAS_VNNI
+    std::vector<int8_t> x_unsigned;
+    if constexpr (T == QType::kQ8_0) {
+      x_unsigned.resize(xq.q.size());
+      for (size_t i = 0; i < x_unsigned.size(); ++i)
+        x_unsigned[i] = static_cast<int8_t>(xq.q[i] ^ 0x80);
+      xq_group = x_unsigned.data();
+    }
+#endif
     at::parallel_for(0, num_whole + (N % kGroupRows ? 1 : 0), 2, [&](int64_t g0, int64_t g1) {
       // x's rows a tile at a time, each tile against all of this thread's groups (their
       // bytes stay in L2 across tiles; a tile's int8 rows stay in L1/L2 across groups)
@@ -678,7 +705,7 @@ void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w
             // in registers and unpacks each weight load once for them)
             auto rows_of_x = [&](auto mm, int64_t m) {
               dot_group<T, decltype(mm)::value, O>(
-                  w + n * row_bytes, num_blocks, xq.q.data() + m * K, K,
+                  w + n * row_bytes, num_blocks, xq_group + m * K, K,
                   xq.d.data() + m * num_blocks, xq.dsum.data() + m * num_blocks,
                   out + m * N + n, N);
             };

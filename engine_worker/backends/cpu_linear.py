@@ -29,6 +29,7 @@ GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34,
                     "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # the k-quants: 256 weights a block
 GGUF_NATIVE_TYPES = frozenset(GGUF_BLOCK_BYTES)
 
+DENSE_TWIN_ROWS = 32  # past these rows a GGUF weight with a dense twin multiplies the twin
 SKINNY_MAX_ROWS = 8  # up to here a linear layer is a weight stream: the bf16 kernel wins
 SKINNY_SLICE = 32  # the skinny kernel's input columns a step: in_features a multiple of this
 PANEL_COLUMNS = 16  # pack_bf16w's panels: output columns in multiples of this
@@ -71,7 +72,10 @@ class GgufBlocks:
     # table: SmolLM2's logits are its Q8_0 embedding, 49152 x 576): calls with more rows of x
     # than ``int8_rows`` (of ``int8_dtype``) multiply those, in the set's packed layout
     # (``dense``), instead of de-quantizing 28M weights every batched step (Zen 4, 2 threads,
-    # 64 rows: 39 ms de-quantize + oneDNN against 22 ms on the packed table, same values).
+    # 16 rows: 13.5 ms de-quantize + oneDNN against 4.7 ms on the packed table, same
+    # values). ``int8_rows`` is then at most DENSE_TWIN_ROWS: a matrix this wide outgrows the
+    # int8 kernel sooner than a layer's (Zen 4, VNNI, the logits at 32 rows 6.0 ms int8
+    # against 6.4 on the table, 64 rows 11.2 against 10.7, 256 rows 56 against 36).
     dense_weight: torch.Tensor | None = None
     dense: Any = None
     int8_rows: int = 0
@@ -85,14 +89,14 @@ class GgufBlocks:
             return GgufBlocks(blocks)
         dtype = linear.activation_dtype
         return GgufBlocks(blocks, dense.detach(), linear.pack(ops, dense.detach()),
-                          int(ops.quant_int8_rows(blocks, dtype)), dtype)
+                          min(DENSE_TWIN_ROWS, int(ops.quant_int8_rows(blocks, dtype))), dtype)
 
     def takes_dense(self, ops: Any, x: torch.Tensor) -> bool:
         """Whether this call multiplies the dense twin (more rows than the blocks' int8 path)."""
         if self.dense_weight is None:
             return False
         rows = self.int8_rows if x.dtype == self.int8_dtype else \
-            int(ops.quant_int8_rows(self.blocks, x.dtype))
+            min(DENSE_TWIN_ROWS, int(ops.quant_int8_rows(self.blocks, x.dtype)))
         return x.shape[0] > rows
 
 
