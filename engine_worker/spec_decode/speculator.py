@@ -22,9 +22,10 @@ accepted (``record``). Two rules keep speculation from costing more than it save
   five or more verify none). A GPU stays weight-bound far longer (``STEP_TOKEN_LIMITS``).
   Weights kept as GGUF blocks on a CPU (the embedded model's default) keep the same limit:
   ``csrc/cpu/quant_linear.cpp`` multiplies up to 8 rows (``kDecodeRows``) on the blocks as
-  stored, and a 9th row switches a step to its prefill path, which de-quantizes every weight
-  first (when that limit was 4, one request with 4 drafts decoded several times slower than
-  without speculation, and the quantized limit was 4 tokens a step).
+  stored, and on AVX2 a 9th row switches a step to its prefill path, which de-quantizes every
+  weight first (when that limit was 4, one request with 4 drafts decoded several times slower
+  than without speculation, and the quantized limit was 4 tokens a step); with VNNI, bf16
+  steps stay on the int8 kernel up to 512 rows, where a row costs what it costs in bf16.
 """
 
 from __future__ import annotations
