@@ -229,9 +229,16 @@ def test_5_health_stays_fast_while_a_long_prompt_is_tokenized(router):
     finally:
         stop.set()
         watcher.join()
-    # Relative, not a wall-clock bound, so a loaded machine cannot fail it: a health check
-    # queued behind the tokenizer would wait about as long as a whole long request.
-    assert len(latencies) > 5 and max(latencies) < 0.5 * min(durations), (latencies, durations)
+    # Relative, not a wall-clock bound, so a loaded machine cannot fail it: were the loop
+    # blocked while a long prompt is tokenized (most of each request's time), the health
+    # checks in flight would wait that long, one a request, so the time spent in slow checks
+    # would be most of the requests' time. One check held up by the machine's scheduler (seen
+    # once in CI on 2 cores, with a pip install beside the suite: 0.57 s against requests of
+    # 1.13 and 1.69 s) stays well under that.
+    slow = sum(latency for latency in latencies if latency > 0.1)
+    print(f"health checks: {len(latencies)}, max {max(latencies):.3f} s, in slow ones "
+          f"{slow:.3f} s; requests {', '.join(f'{d:.3f}' for d in durations)} s")
+    assert len(latencies) > 5 and slow < 0.4 * sum(durations), (latencies, durations)
 
 
 # ---- 6. ports -------------------------------------------------------------------------------
