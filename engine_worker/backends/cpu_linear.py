@@ -85,7 +85,8 @@ class GgufBlocks:
     def of(ops: Any, weight: torch.Tensor, dense: torch.Tensor | None = None,
            linear: Any = None) -> GgufBlocks:
         blocks = to_huge_pages(ops.repack_gguf(weight.detach().contiguous()))
-        if dense is None or linear is None or dense.shape != (weight.shape[0], blocks_k(weight)):
+        # the twin is the same matrix (the loader reads both from one tensor): its rows
+        if dense is None or linear is None or dense.dim() != 2 or dense.shape[0] != weight.shape[0]:
             return GgufBlocks(blocks)
         dtype = linear.activation_dtype
         return GgufBlocks(blocks, dense.detach(), linear.pack(ops, dense.detach()),
@@ -98,12 +99,6 @@ class GgufBlocks:
         rows = self.int8_rows if x.dtype == self.int8_dtype else \
             min(DENSE_TWIN_ROWS, int(ops.quant_int8_rows(self.blocks, x.dtype)))
         return x.shape[0] > rows
-
-
-def blocks_k(weight: torch.Tensor) -> int:
-    """The input features of a GGUF block weight [N, K / block weights, bytes]."""
-    per_block = 256 if weight.shape[2] in (144, 176, 210) else 32
-    return weight.shape[1] * per_block
 
 
 class SkinnyBf16Linear:
