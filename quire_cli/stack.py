@@ -18,7 +18,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-EXAMPLE_QUESTION = "What is the capital of France?"
+# The quick start's question. "... Answer in one sentence." because the bare question is a
+# near-tie for the embedded model's first token ("The" against "L"'Étoile..., 0.1 nat apart,
+# parted one way or the other by the path's rounding); this one leads by 1.4 nats on every
+# kernel path and gives "The capital of France is Paris."
+EXAMPLE_QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 @dataclass(frozen=True, slots=True)

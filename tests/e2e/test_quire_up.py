@@ -11,6 +11,8 @@ import urllib.request
 
 import pytest
 
+from quire_cli.stack import EXAMPLE_QUESTION
+
 pytestmark = pytest.mark.slow  # starts a router and engine processes
 
 
@@ -40,7 +42,18 @@ def test_up_answers_the_example_and_exits(tiny_model_dir):
     assert result.returncode == 0, result.stderr[-2000:]
     assert re.search(r"router on 127\.0\.0\.1:\d+ .*http://127\.0\.0\.1:\d+/v1 .*"
                      r"engines on 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+", result.stdout)
-    assert re.search(r"example: 'What is the capital of France\?' -> '.+'", result.stdout)
+    assert re.search(rf"example: {re.escape(repr(EXAMPLE_QUESTION))} -> '.+'", result.stdout)
+
+
+def test_up_on_the_embedded_model_answers_as_the_readme_says():
+    """The quick start exactly (no --model: the embedded Q4_1 model, natively 4-bit, greedy):
+    the README quotes its answer."""
+    result = subprocess.run([sys.executable, "-m", "quire_cli", "up", "--router-port", "0",
+                             "--http-port", "0", "--kv-cache-memory-bytes", str(1 << 26),
+                             "--once", "true"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = f"example: {EXAMPLE_QUESTION!r} -> 'The capital of France is Paris.'"
+    assert line in result.stdout, result.stdout
 
 
 def test_up_stops_cleanly_on_ctrl_c(tiny_model_dir):

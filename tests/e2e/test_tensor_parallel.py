@@ -30,6 +30,7 @@ from engine_worker.lora.request import LoRARequest
 from engine_worker.server.config import ServerConfig
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
+from quire_cli.stack import EXAMPLE_QUESTION
 from tests.conftest import build_tiny_model
 from tests.e2e.lora_adapters import make_adapter
 from tests.e2e.test_engine_server import RunningServer, _collect, _request
@@ -398,4 +399,4 @@ def test_quire_up_runs_a_tp2_engine_behind_the_router(tiny_model_dir):
          "true"], capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "tensor_parallel_size=2" in result.stderr
-    assert re.search(r"example: 'What is the capital of France\?' -> '.+'", result.stdout)
+    assert re.search(rf"example: {re.escape(repr(EXAMPLE_QUESTION))} -> '.+'", result.stdout)
