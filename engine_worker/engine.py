@@ -357,8 +357,9 @@ class LLMEngine:
             runner=self.config.model.runner)
         self.output_processor = OutputProcessor(self.tokenizer)
         # structured outputs: xgrammar needs the logits' width, which may exceed the tokenizer's
-        self.grammars = GrammarCompilerCache(self.tokenizer.hf, model.cfg.vocab_size,
-                                             self.tokenizer.eos_token_ids)
+        tokenizer = self.tokenizer
+        self.grammars = GrammarCompilerCache(lambda: tokenizer.hf, model.cfg.vocab_size,
+                                             tokenizer.eos_token_ids)
 
     def _facts(self, loaded: LoadedModel, size: KVCacheSize) -> EngineInfo:
         cache, backend = self.config.cache, self._backend

@@ -21,8 +21,10 @@ import asyncio
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -107,9 +109,9 @@ class GrammarCompilerCache:
     tokenizer and vocabulary (``vocab_size``: the model's logits width, which may exceed the
     tokenizer's)."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: frozenset[int],
-                 max_cached: int = _MAX_CACHED_GRAMMARS) -> None:
-        self._hf_tokenizer = hf_tokenizer
+    def __init__(self, hf_tokenizer: Callable[[], Any], vocab_size: int,
+                 stop_token_ids: frozenset[int], max_cached: int = _MAX_CACHED_GRAMMARS) -> None:
+        self._hf_tokenizer = hf_tokenizer  # transformers' tokenizer, asked for on first use
         self.vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         self._max_cached = max_cached
@@ -125,7 +127,7 @@ class GrammarCompilerCache:
                 import xgrammar as xgr
 
                 info = xgr.TokenizerInfo.from_huggingface(
-                    self._hf_tokenizer, vocab_size=self.vocab_size,
+                    self._hf_tokenizer(), vocab_size=self.vocab_size,
                     stop_token_ids=self._stop_token_ids or None)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler

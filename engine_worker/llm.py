@@ -143,7 +143,7 @@ class LLM:
             raise ValueError("continue_final_message: cannot be combined with "
                              "add_generation_prompt")
         tokenizer = self.engine.tokenizer
-        template = getattr(tokenizer.hf, "chat_template", None)
+        template = tokenizer.chat_template
         prompts = []
         for conversation in conversations:
             if not isinstance(conversation, list) or not all(

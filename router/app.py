@@ -36,7 +36,7 @@ from router.lora_adapters import AdapterSources, load_everywhere, unload_everywh
 from router.metrics import RouterMetrics
 from router.pool import EnginePool, PromptHashes
 from router.server import RequestLimits, RouterServicer
-from router.tokenizer import RouterTokenizer
+from quire.tokenizer import FastTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class RouterServer:
         self.cfg = server
         self.placement = placement
         self.keys = ApiKeys(server.keys())
-        tokenizer = RouterTokenizer.from_dir(server.tokenizer) if server.tokenizer else None
+        tokenizer = FastTokenizer.from_dir(server.tokenizer) if server.tokenizer else None
         options = client_options or ClientOptions(
             load_interval_ms=placement.load_interval_ms,
             connect_timeout_s=placement.connect_timeout_s,
@@ -126,7 +126,7 @@ class RouterServer:
     def engine_states(self) -> dict[str, int]:
         return self.pool.engine_states()
 
-    def _tokenizer(self) -> RouterTokenizer | None:
+    def _tokenizer(self) -> FastTokenizer | None:
         identity = self.pool.identity
         return identity.tokenizer if identity is not None else None
 

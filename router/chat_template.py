@@ -23,7 +23,7 @@ import jinja2
 from router.openai_protocol import RequestError, shown
 
 if TYPE_CHECKING:
-    from router.tokenizer import RouterTokenizer
+    from quire.tokenizer import FastTokenizer
 
 CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message",
                         "chat_template_kwargs")
@@ -76,7 +76,7 @@ class ChatTemplateOptions:
                    add_special_tokens=flag(body, "add_special_tokens", False),
                    template_kwargs=kwargs)
 
-    def render(self, tokenizer: RouterTokenizer, messages: list[dict],
+    def render(self, tokenizer: FastTokenizer, messages: list[dict],
                tools: list[dict] | None = None) -> str:
         """The prompt text (a 400 naming ``messages`` when the model has no template)."""
         try:
@@ -97,7 +97,7 @@ class ChatTemplateOptions:
                 text = text[:end + len(final)]
         return text
 
-    def token_ids(self, tokenizer: RouterTokenizer, messages: list[dict],
+    def token_ids(self, tokenizer: FastTokenizer, messages: list[dict],
                   tools: list[dict] | None = None) -> list[int]:
         return tokenizer.encode(self.render(tokenizer, messages, tools),
                                 add_special_tokens=self.add_special_tokens)

@@ -36,7 +36,7 @@ from quire.v1 import engine_pb2 as pb
 
 if TYPE_CHECKING:
     from router.endpoint import Endpoint
-    from router.tokenizer import RouterTokenizer
+    from quire.tokenizer import FastTokenizer
 
 
 class EngineState(enum.Enum):
@@ -79,7 +79,7 @@ class ModelExpectation:
 class ModelIdentity:
     """What every engine behind this router shares, fixed by the first one admitted."""
 
-    tokenizer: RouterTokenizer
+    tokenizer: FastTokenizer
     expected: ModelExpectation
     model_name: str
 

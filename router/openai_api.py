@@ -45,7 +45,7 @@ from router.openai_tokenize import (DETOKENIZE_FIELDS, TOKENIZE_FIELDS, Tokenize
                                     detokenize_ids, tokenize_response)
 
 if TYPE_CHECKING:
-    from router.tokenizer import RouterTokenizer
+    from quire.tokenizer import FastTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class FrontSeam:
     keys: ApiKeys
     session_header: str  # the HTTP header forwarded as the gRPC session metadata
     model_name: Callable[[], str | None]  # None: no engine has fixed the model yet
-    tokenizer: Callable[[], RouterTokenizer | None]  # None: no engine admitted yet
+    tokenizer: Callable[[], FastTokenizer | None]  # None: no engine admitted yet
     engine_states: Callable[[], dict[str, int]]  # engines per state, "serving" among them
     draining: Callable[[], bool]
     tenant_header: str | None = None  # the HTTP header forwarded as the gRPC tenant metadata
@@ -119,7 +119,7 @@ class OpenAIFront:
         return name
 
     @property
-    def tokenizer(self) -> RouterTokenizer:
+    def tokenizer(self) -> FastTokenizer:
         tokenizer = self.seam.tokenizer()
         if tokenizer is None:
             raise RequestError("no engine is available yet", None, 503)

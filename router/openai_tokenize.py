@@ -1,6 +1,6 @@
 """vLLM's ``POST /tokenize`` and ``POST /detokenize`` for the router's HTTP front.
 
-Served by the router's own tokenizer (``router.tokenizer``), which tokenizes and renders chat
+Served by the router's own tokenizer (``quire.tokenizer``), which tokenizes and renders chat
 templates exactly as the engines do: no engine is asked. The shapes are vLLM's:
 
 - tokenize, completion form: ``{"model", "prompt", "add_special_tokens" (default true),
@@ -22,7 +22,7 @@ from router.chat_template import CHAT_TEMPLATE_FIELDS, ChatTemplateOptions, flag
 from router.openai_protocol import RequestError, chat_messages, shown, token_list
 
 if TYPE_CHECKING:
-    from router.tokenizer import RouterTokenizer
+    from quire.tokenizer import FastTokenizer
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens",
                              "return_token_strs", *CHAT_TEMPLATE_FIELDS})
@@ -68,7 +68,7 @@ class TokenizeRequest:
                    add_special_tokens=flag(body, "add_special_tokens", not chat),
                    chat=options, return_token_strs=flag(body, "return_token_strs", False))
 
-    def token_ids(self, tokenizer: RouterTokenizer) -> list[int]:
+    def token_ids(self, tokenizer: FastTokenizer) -> list[int]:
         """The ids an engine would be sent for this prompt (chat: the rendered template)."""
         if self.chat is not None:
             return self.chat.token_ids(tokenizer, self.messages)
@@ -76,7 +76,7 @@ class TokenizeRequest:
 
 
 def tokenize_response(request: TokenizeRequest, token_ids: list[int], max_model_len: int,
-                      tokenizer: RouterTokenizer) -> dict:
+                      tokenizer: FastTokenizer) -> dict:
     body = {"count": len(token_ids), "max_model_len": max_model_len, "tokens": token_ids,
             "token_strs": None}
     if request.return_token_strs:

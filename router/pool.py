@@ -39,7 +39,7 @@ from router.engine_adapters import EngineAdapters
 from router.engine_kinds import ENGINE_KINDS
 from router.engine_rates import EngineRates, prefill_rate
 from router.prefix_index import ApproximateIndex, PrefixIndex
-from router.tokenizer import RouterTokenizer
+from quire.tokenizer import FastTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class _Member:
 class EnginePool:
     """Start with ``await start()``; ``await stop()``. Lives on the router's event loop."""
 
-    def __init__(self, discovery: Discovery, *, tokenizer: RouterTokenizer | None = None,
+    def __init__(self, discovery: Discovery, *, tokenizer: FastTokenizer | None = None,
                  options: ClientOptions = ClientOptions(),
                  approx_index_blocks: int = 65536,
                  kinds: Mapping[str, ConnectionFactory] = ENGINE_KINDS) -> None:
@@ -228,7 +228,7 @@ class EnginePool:
             if tokenizer_digest(files.get("tokenizer.json", b"")) != info.tokenizer_digest:
                 raise EngineMismatchError(client.engine_id, {"tokenizer_digest": (
                     "digest of the tokenizer.json it sent", info.tokenizer_digest)})
-            tokenizer = await asyncio.to_thread(RouterTokenizer.from_files, files)
+            tokenizer = await asyncio.to_thread(FastTokenizer.from_files, files)
             logger.info("tokenizer fetched from engine %s (%s)", client.engine_id,
                         info.tokenizer_digest[:12])
         expected = ModelExpectation(block_size=info.block_size,

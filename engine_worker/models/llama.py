@@ -228,7 +228,11 @@ class LlamaForCausalLM(nn.Module):
         self.tied_logits_weight: torch.Tensor | None = None
         self.layer_stack: LayersFn | None = None  # every layer in one call, where the backend can
         vocab_rows = self.shard.vocab_per_rank
-        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
+        # the loader assigns the table: nothing to initialise (a random init on the meta
+        # device still runs through torch's decompositions, whose first use imports
+        # torch._dynamo: 1.2-1.4 s of every engine start)
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size,
+                                         _weight=torch.empty(vocab_rows, cfg.hidden_size))
         self.rotary = RotaryEmbedding(cfg.rope, max_position, device, backend.rope)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, self.rotary, backend, i, self.shard, self.comm)

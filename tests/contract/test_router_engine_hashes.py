@@ -1,8 +1,10 @@
-"""The router tokenizes, renders chat templates and hashes blocks exactly as the engine does.
+"""The router and the engine tokenize, render chat templates and hash blocks exactly as
+transformers and the engine's scheduler do.
 
-The router side is ``router.tokenizer.RouterTokenizer`` (Rust tokenizers + jinja2, no torch);
-the engine side is ``engine_worker.tokenizer.Tokenizer`` (transformers) and the hashes its
-scheduler stores on ``Request.block_hashes``. Both load the embedded SmolLM2 directory.
+Both sides tokenize with ``quire.tokenizer.FastTokenizer`` (Rust tokenizers + jinja2, no torch;
+the engine through ``engine_worker.tokenizer.Tokenizer``); the reference is transformers'
+``AutoTokenizer`` of the same directory, and the hashes are those the engine's scheduler stores
+on ``Request.block_hashes``. All load the embedded SmolLM2 directory.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from router.tokenizer import RouterTokenizer
+from quire.tokenizer import FastTokenizer
 
 TEXTS = [
     "Hello world",
@@ -49,8 +51,8 @@ SALTS = [None, "tenant-a"]
 
 
 @pytest.fixture(scope="module")
-def router_tokenizer(embedded_model_dir: Path) -> RouterTokenizer:
-    return RouterTokenizer.from_dir(embedded_model_dir)
+def router_tokenizer(embedded_model_dir: Path) -> FastTokenizer:
+    return FastTokenizer.from_dir(embedded_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -60,29 +62,69 @@ def engine_tokenizer(embedded_model_dir: Path):
     return Tokenizer(embedded_model_dir)
 
 
+@pytest.fixture(scope="module")
+def hf_tokenizer(embedded_model_dir: Path):
+    """The reference: transformers' own tokenizer of the directory."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(embedded_model_dir))
+
+
 @pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
 @pytest.mark.parametrize("add_special_tokens", [True, False])
-def test_encode_matches_engine(router_tokenizer, engine_tokenizer, text, add_special_tokens):
-    assert (router_tokenizer.encode(text, add_special_tokens=add_special_tokens)
-            == engine_tokenizer.encode(text, add_special_tokens=add_special_tokens))
+def test_encode_matches_transformers(router_tokenizer, engine_tokenizer, hf_tokenizer, text,
+                                     add_special_tokens):
+    expected = hf_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    assert router_tokenizer.encode(text, add_special_tokens=add_special_tokens) == expected
+    assert engine_tokenizer.encode(text, add_special_tokens=add_special_tokens) == expected
 
 
-def test_bos_handling_matches_transformers(router_tokenizer, engine_tokenizer):
+@pytest.mark.parametrize("text", TEXTS, ids=range(len(TEXTS)))
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_engine_decode_matches_transformers(engine_tokenizer, hf_tokenizer, text,
+                                            skip_special_tokens):
+    ids = hf_tokenizer.encode(text)
+    assert (engine_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+            == hf_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+
+def test_special_tokens_and_vocab_match_transformers(router_tokenizer, engine_tokenizer,
+                                                     hf_tokenizer):
     """SmolLM2 adds no BOS on encode; whatever transformers does, the router does too."""
-    ids = engine_tokenizer.encode("Hello")
-    assert router_tokenizer.encode("Hello") == ids
-    assert engine_tokenizer.hf.bos_token == router_tokenizer.bos_token
-    assert engine_tokenizer.hf.eos_token == router_tokenizer.eos_token
+    assert router_tokenizer.encode("Hello") == hf_tokenizer.encode("Hello")
+    assert hf_tokenizer.bos_token == router_tokenizer.bos_token
+    assert hf_tokenizer.eos_token == router_tokenizer.eos_token
+    assert engine_tokenizer.vocab_size == len(hf_tokenizer)
+    assert hf_tokenizer.eos_token_id in engine_tokenizer.eos_token_ids
+    assert engine_tokenizer.hf is engine_tokenizer.hf  # loaded once, on first use
 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS, ids=range(len(CONVERSATIONS)))
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_engine(router_tokenizer, engine_tokenizer, messages,
-                                      add_generation_prompt):
-    ours = router_tokenizer.apply_chat_template(messages, add_generation_prompt)
-    theirs = engine_tokenizer.apply_chat_template(messages, add_generation_prompt)
-    assert ours == theirs
-    assert router_tokenizer.encode(ours) == engine_tokenizer.encode(theirs)
+def test_chat_template_matches_transformers(router_tokenizer, engine_tokenizer, hf_tokenizer,
+                                            messages, add_generation_prompt):
+    theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False,
+                                              add_generation_prompt=add_generation_prompt)
+    assert router_tokenizer.apply_chat_template(messages, add_generation_prompt) == theirs
+    assert engine_tokenizer.apply_chat_template(messages, add_generation_prompt) == theirs
+    assert router_tokenizer.encode(theirs) == hf_tokenizer.encode(theirs)
+
+
+@pytest.mark.parametrize("final", ["Bonjour", "Bonjour ", "The answer is", ""])
+def test_continue_final_message_matches_transformers(engine_tokenizer, hf_tokenizer, final):
+    messages = [{"role": "user", "content": "Say hello in French."},
+                {"role": "assistant", "content": final}]
+    theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False,
+                                              continue_final_message=True)
+    assert theirs.endswith("<|im_start|>assistant\n" + final)  # cut inside the last turn
+    assert engine_tokenizer.apply_chat_template(messages, add_generation_prompt=False,
+                                                continue_final_message=True) == theirs
+
+
+def test_continue_final_message_needs_a_final_message(engine_tokenizer):
+    with pytest.raises(ValueError, match="continue_final_message"):
+        engine_tokenizer.apply_chat_template([], add_generation_prompt=False,
+                                             continue_final_message=True)
 
 
 def test_digest_matches_engine(router_tokenizer, embedded_model_dir):
@@ -137,7 +179,7 @@ def test_salt_changes_every_hash(router_tokenizer):
 
 
 def test_router_tokenizer_imports_no_torch_or_transformers():
-    code = ("import router.tokenizer, sys; "
+    code = ("import quire.tokenizer, sys; "
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, "
             "[m for m in ('torch', 'transformers') if m in sys.modules]")
     repo_root = Path(__file__).resolve().parents[2]

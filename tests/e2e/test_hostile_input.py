@@ -400,9 +400,9 @@ def test_accepted_and_ignored_fields_are_served(router):
 
 
 def test_long_texts_tokenize_the_same_with_the_gil_released(embedded_model_dir):
-    from router.tokenizer import RouterTokenizer
+    from quire.tokenizer import FastTokenizer
 
-    tokenizer = RouterTokenizer.from_dir(embedded_model_dir)
+    tokenizer = FastTokenizer.from_dir(embedded_model_dir)
     text = "Héllo wörld, <|im_start|> 123 " * 400  # past the encode_batch threshold
     for special in (True, False):
         assert tokenizer.encode(text, add_special_tokens=special) == \

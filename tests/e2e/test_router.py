@@ -82,9 +82,9 @@ def test_cache_salt_changes_the_hashes(router):
 def test_the_router_fetches_the_engines_tokenizer(router, tiny_model_dir):
     identity = router.read(lambda: router.server.pool.identity)
     text = "Hello, tokenizer from the engine!"
-    from router.tokenizer import RouterTokenizer
+    from quire.tokenizer import FastTokenizer
 
-    local = RouterTokenizer.from_dir(tiny_model_dir)
+    local = FastTokenizer.from_dir(tiny_model_dir)
     assert identity.tokenizer.digest == local.digest
     assert identity.tokenizer.encode(text) == local.encode(text)
 

@@ -7,7 +7,7 @@ import pytest
 
 from router.chat_template import ChatTemplateOptions
 from router.openai_protocol import RequestError
-from router.tokenizer import RouterTokenizer
+from quire.tokenizer import FastTokenizer
 
 # a template that refuses a conversation whose roles do not alternate, as Mistral's does, and
 # reads one template variable (``shout``) from chat_template_kwargs
@@ -20,11 +20,11 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def tokenizer(embedded_model_dir) -> RouterTokenizer:
+def tokenizer(embedded_model_dir) -> FastTokenizer:
     files = {name: (embedded_model_dir / name).read_bytes()
              for name in ("tokenizer.json", "tokenizer_config.json")}
     files["chat_template.jinja"] = TEMPLATE.encode()
-    return RouterTokenizer.from_files(files)
+    return FastTokenizer.from_files(files)
 
 
 USER = [{"role": "user", "content": "hi"}]

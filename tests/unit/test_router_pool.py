@@ -15,7 +15,7 @@ from router.connection import (ClientOptions, EngineConnection, EngineMismatchEr
 from router.discovery import Endpoint, StaticDiscovery
 from router.engine_kinds import ENGINE_KINDS
 from router.pool import EnginePool
-from router.tokenizer import RouterTokenizer
+from quire.tokenizer import FastTokenizer
 
 
 def _pool() -> EnginePool:
@@ -171,7 +171,7 @@ def test_a_third_engine_kind_is_one_class_and_one_registry_entry(embedded_model_
                       EngineConnection)
 
     async def scenario():
-        tokenizer = RouterTokenizer.from_dir(embedded_model_dir)
+        tokenizer = FastTokenizer.from_dir(embedded_model_dir)
         pool = EnginePool(StaticDiscovery([]), tokenizer=tokenizer, kinds=KINDS)
         await pool.reconcile(frozenset({Endpoint("a", "h:1", "echo"),
                                         Endpoint("b", "h:2", "echo", kv_events="other")}))
@@ -198,7 +198,7 @@ def test_a_new_incarnation_starts_with_an_empty_index_entry(embedded_model_dir):
                             block_hash_seed=ROOT_HASH, incarnation_id=incarnation_id)
 
     async def scenario():
-        tokenizer = RouterTokenizer.from_dir(embedded_model_dir)
+        tokenizer = FastTokenizer.from_dir(embedded_model_dir)
         pool = EnginePool(StaticDiscovery([]), tokenizer=tokenizer, kinds=KINDS)
         await pool.reconcile(frozenset({Endpoint("a", "h:1", "echo")}))
         assert await pool.wait_serving(1, timeout_s=5)

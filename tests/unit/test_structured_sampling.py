@@ -159,7 +159,7 @@ def test_compiled_grammars_are_cached_and_compiled_off_the_callers_thread(embedd
     from engine_worker.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(embedded_model_dir)
-    cache = GrammarCompilerCache(tokenizer.hf, 49152, tokenizer.eos_token_ids)
+    cache = GrammarCompilerCache(lambda: tokenizer.hf, 49152, tokenizer.eos_token_ids)
     threads = []
     compile_one = cache._compile
 

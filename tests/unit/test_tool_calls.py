@@ -10,7 +10,7 @@ import pytest
 
 from quire.errors import FieldError
 from quire.tool_calls import ToolCallStream, render_inputs, tool_choice_of
-from router.tokenizer import RouterTokenizer
+from quire.tokenizer import FastTokenizer
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -109,7 +109,7 @@ def test_streamed_auto_calls_come_whole_and_text_is_not_held_forever():
 
 
 def test_rendering_without_template_support_writes_the_hermes_format(embedded_model_dir):
-    tokenizer = RouterTokenizer.from_dir(embedded_model_dir)
+    tokenizer = FastTokenizer.from_dir(embedded_model_dir)
     assert "tools" not in tokenizer.chat_template  # SmolLM2's template ignores tools
     messages = [{"role": "user", "content": "Weather in Oslo?"},
                 {"role": "assistant", "content": "", "tool_calls": [
@@ -131,7 +131,7 @@ def test_templates_that_read_tools_get_them():
                 "{% for m in messages %}{{ m.role }}:{{ m.content }}"
                 "{% for c in m.tool_calls or [] %}({{ c.function.arguments.city }}){% endfor %}"
                 "{% endfor %}")
-    tokenizer = RouterTokenizer(None, digest="", special_tokens={}, chat_template=template)
+    tokenizer = FastTokenizer(None, digest="", special_tokens={}, chat_template=template)
     messages = [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather",
                                                       "arguments": '{"city": "Oslo"}'}}]}]

@@ -1,14 +1,16 @@
-"""The router's tokenizer: tokenize once, render chat templates, hash blocks like the engine.
+"""The tokenizer both sides use: tokenize, render chat templates, hash blocks.
 
 No torch and no transformers: the Rust ``tokenizers`` package loads ``tokenizer.json`` and a
 sandboxed ``jinja2`` environment renders the chat template with the settings transformers uses
-(``transformers/utils/chat_template_utils.py``), so the router's token ids, prompts and block
-hashes equal the engine's. ``digest`` is the SHA-256 of ``tokenizer.json``, the value the engine
-reports in ``GetModelInfo.tokenizer_digest``; a router compares the two before trusting its hashes.
+(``transformers/utils/chat_template_utils.py``), so the token ids, prompts and block hashes are
+transformers' (the contract tests compare). The router tokenizes with it; the engine too
+(``engine_worker.tokenizer``), so the block hashes both sides compute start from one
+implementation. ``digest`` is the SHA-256 of ``tokenizer.json``, the value the engine reports
+in ``GetModelInfo.tokenizer_digest``; a router compares the two before trusting its hashes.
 """
-
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -26,19 +28,21 @@ _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 _GIL_FREE_CHARS = 4096  # longer texts are tokenized with the GIL released
 
 
-class RouterTokenizer:
-    """A fast tokenizer plus chat template loaded from a model directory (no torch)."""
+class FastTokenizer:
+    """A fast tokenizer plus chat template loaded from a model directory (no torch, no
+    transformers): the router's and the engine's tokenizer both."""
 
     def __init__(self, backend: Tokenizer, *, digest: str, special_tokens: dict[str, str],
-                 chat_template: str | None) -> None:
+                 chat_template: str | None, config: dict | None = None) -> None:
         self.backend = backend
         self.digest = digest
         self.special_tokens = special_tokens  # bos_token, eos_token, ... -> token text
         self.chat_template = chat_template
+        self.config = config or {}  # tokenizer_config.json
         self._template = _compile_template(chat_template) if chat_template else None
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> RouterTokenizer:
+    def from_dir(cls, path: str | Path) -> FastTokenizer:
         path = Path(path)
         files = {name: (path / name).read_bytes() for name in TOKENIZER_FILES
                  if (path / name).is_file()}
@@ -47,7 +51,7 @@ class RouterTokenizer:
         return cls.from_files(files)
 
     @classmethod
-    def from_files(cls, files: Mapping[str, bytes]) -> RouterTokenizer:
+    def from_files(cls, files: Mapping[str, bytes]) -> FastTokenizer:
         """From file contents by name (an engine's ``GetTokenizer`` answer, or a directory)."""
         raw = files.get("tokenizer.json")
         if raw is None:
@@ -63,7 +67,7 @@ class RouterTokenizer:
         if template is None and isinstance(config.get("chat_template"), str):
             template = config["chat_template"]
         return cls(backend, digest=tokenizer_digest(raw), special_tokens=special,
-                   chat_template=template)
+                   chat_template=template, config=config)
 
     @property
     def bos_token(self) -> str | None:
@@ -84,14 +88,21 @@ class RouterTokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **kwargs) -> str:
+                            tools: list[dict] | None = None, continue_final_message: bool = False,
+                            **kwargs) -> str:
         """The prompt text, rendered as transformers' ``apply_chat_template(tokenize=False)``
-        (``tools``: OpenAI's function tools, for templates that read them)."""
+        (``tools``: OpenAI's function tools, for templates that read them;
+        ``continue_final_message``: end the text inside the last message, as transformers
+        does it: a tag appended to that message's text marks where to cut)."""
         if self._template is None:
             raise ValueError("messages: this model's tokenizer has no chat template")
+        final = None
+        if continue_final_message:
+            messages, final = _tag_final_message(messages, self.chat_template)
         variables = {**self.special_tokens, **kwargs}  # kwargs override special tokens
-        return self._template.render(messages=messages, tools=tools or None, documents=None,
+        text = self._template.render(messages=messages, tools=tools or None, documents=None,
                                      add_generation_prompt=add_generation_prompt, **variables)
+        return text if final is None else _cut_at_tag(text, final)
 
     def block_hashes(self, token_ids: Sequence[int], block_size: int,
                      cache_salt: str | None = None, lora_name: str | None = None) -> list[int]:
@@ -99,6 +110,42 @@ class RouterTokenizer:
         ``lora_name``, None: the base model)."""
         return hash_block_tokens(token_ids, block_size, cache_salt=cache_salt,
                                  lora_name=lora_name)
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker
+
+
+def _tag_final_message(messages: list[dict], template: str | None) -> tuple[list[dict], str]:
+    """A copy of ``messages`` whose last message's text (its last text part) ends in the tag,
+    and that text as it was."""
+    if not messages:
+        raise ValueError("continue_final_message: the conversation is empty")
+    if template is None or "content" not in template:
+        raise ValueError("continue_final_message: the chat template reads no message content")
+    messages = copy.deepcopy(messages)
+    final = messages[-1].get("content")
+    if isinstance(final, (list, tuple)):
+        for part in reversed(final):
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                final, part["text"] = part["text"], part["text"] + _CONTINUE_TAG
+                break
+        else:
+            raise ValueError("continue_final_message: the final message has no text to continue")
+    elif isinstance(final, str):
+        messages[-1]["content"] = final + _CONTINUE_TAG
+    else:
+        raise ValueError("continue_final_message: the final message has no content to continue")
+    return messages, final
+
+
+def _cut_at_tag(text: str, final: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
+        raise ValueError("continue_final_message: the chat template dropped part of the final "
+                         "message")
+    at = text.rindex(tag)
+    # the template kept the tag's trailing space: cut there; it trimmed it: trim as well
+    return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
 
 
 def _token_text(value) -> str | None:
