@@ -33,13 +33,21 @@ class FastTokenizer:
     transformers): the router's and the engine's tokenizer both."""
 
     def __init__(self, backend: Tokenizer, *, digest: str, special_tokens: dict[str, str],
-                 chat_template: str | None, config: dict | None = None) -> None:
+                 chat_template: str | None, config: dict | None = None,
+                 named_templates: Mapping[str, str] | None = None) -> None:
         self.backend = backend
         self.digest = digest
         self.special_tokens = special_tokens  # bos_token, eos_token, ... -> token text
-        self.chat_template = chat_template
+        self.chat_template = chat_template  # the default one
         self.config = config or {}  # tokenizer_config.json
-        self._template = _compile_template(chat_template) if chat_template else None
+        # templates by name (tokenizer_config.json's list form), "default" and "tool_use" as
+        # transformers picks them
+        self.named_templates = dict(named_templates or {})
+        if chat_template is None:
+            self.chat_template = self.named_templates.get("default")
+        self._compiled: dict[str, jinja2.Template] = {}
+        if self.chat_template is not None:  # a broken default fails the load, not a request
+            self._compiled[self.chat_template] = _compile_template(self.chat_template)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> FastTokenizer:
@@ -64,10 +72,14 @@ class FastTokenizer:
         _prepare_backend(backend, config, special)
         template = files["chat_template.jinja"].decode("utf-8") \
             if "chat_template.jinja" in files else None
-        if template is None and isinstance(config.get("chat_template"), str):
-            template = config["chat_template"]
+        listed = config.get("chat_template")
+        if template is None and isinstance(listed, str):
+            template = listed
+        named = {t["name"]: t["template"] for t in listed if isinstance(t, dict)
+                 and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)} \
+            if isinstance(listed, list) else {}
         return cls(backend, digest=tokenizer_digest(raw), special_tokens=special,
-                   chat_template=template, config=config)
+                   chat_template=template, config=config, named_templates=named)
 
     @property
     def bos_token(self) -> str | None:
@@ -94,15 +106,29 @@ class FastTokenizer:
         (``tools``: OpenAI's function tools, for templates that read them;
         ``continue_final_message``: end the text inside the last message, as transformers
         does it: a tag appended to that message's text marks where to cut)."""
-        if self._template is None:
-            raise ValueError("messages: this model's tokenizer has no chat template")
+        source = self._template_source(tools)
         final = None
         if continue_final_message:
-            messages, final = _tag_final_message(messages, self.chat_template)
+            messages, final = _tag_final_message(messages, source)
+        compiled = self._compiled.get(source)
+        if compiled is None:
+            compiled = self._compiled[source] = _compile_template(source)
         variables = {**self.special_tokens, **kwargs}  # kwargs override special tokens
-        text = self._template.render(messages=messages, tools=tools or None, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **variables)
+        text = compiled.render(messages=messages, tools=tools or None, documents=None,
+                               add_generation_prompt=add_generation_prompt, **variables)
         return text if final is None else _cut_at_tag(text, final)
+
+    def _template_source(self, tools: list[dict] | None) -> str:
+        """transformers' choice: with tools a "tool_use" template if the model names one, else
+        the default; several named templates and no default is an error."""
+        if tools and "tool_use" in self.named_templates:
+            return self.named_templates["tool_use"]
+        if self.chat_template is not None:
+            return self.chat_template
+        if self.named_templates:
+            raise ValueError("messages: this model has several chat templates and no default "
+                             f"({', '.join(sorted(self.named_templates))})")
+        raise ValueError("messages: this model's tokenizer has no chat template")
 
     def block_hashes(self, token_ids: Sequence[int], block_size: int,
                      cache_salt: str | None = None, lora_name: str | None = None) -> list[int]:

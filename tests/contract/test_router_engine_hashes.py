@@ -185,3 +185,33 @@ def test_router_tokenizer_imports_no_torch_or_transformers():
     repo_root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=repo_root)
 
+
+
+def test_named_chat_templates_are_chosen_as_transformers_does(embedded_model_dir, tmp_path):
+    """tokenizer_config.json's list of named templates: "tool_use" when tools are given,
+    "default" otherwise (chat_template.jinja absent)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    config = json.loads((embedded_model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "{% for m in messages %}D:{{ m['content'] }}\n"
+                                        "{% endfor %}"},
+        {"name": "tool_use", "template": "{% for t in tools %}T:{{ t['function']['name'] }}\n"
+                                         "{% endfor %}{% for m in messages %}U:"
+                                         "{{ m['content'] }}\n{% endfor %}"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_bytes((embedded_model_dir / "tokenizer.json").read_bytes())
+    ours = FastTokenizer.from_dir(tmp_path)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path))
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    for kwargs in ({}, {"tools": tools}):
+        expected = theirs.apply_chat_template(messages, tokenize=False, **kwargs)
+        assert ours.apply_chat_template(messages, False, **kwargs) == expected
+    assert ours.apply_chat_template(messages, False, tools=tools).startswith("T:get_weather")
+    del config["chat_template"][0]  # no default: both refuse a call without tools
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="no default"):
+        FastTokenizer.from_dir(tmp_path).apply_chat_template(messages, False)
