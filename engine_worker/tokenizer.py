@@ -31,7 +31,7 @@ class Tokenizer:
         self.path = Path(path)
         try:
             self.fast = FastTokenizer.from_dir(self.path)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # tokenizers raises a bare Exception for a malformed file
             raise ValueError(f"tokenizer: cannot load a tokenizer from {path}: {e}") from e
         self.backend = self.fast.backend
         eos = self.fast.eos_token

@@ -47,3 +47,11 @@ def test_stop_string_across_tokens_is_cut(tokenizer):
 
 def test_eos_ids_come_from_generation_config(tokenizer):
     assert 2 in tokenizer.eos_token_ids  # <|im_end|>
+
+
+def test_a_malformed_or_missing_tokenizer_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer: cannot load a tokenizer from .*tokenizer.json"):
+        Tokenizer(tmp_path)  # no tokenizer.json
+    (tmp_path / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    with pytest.raises(ValueError, match="tokenizer: cannot load a tokenizer from"):
+        Tokenizer(tmp_path)
