@@ -11,7 +11,6 @@ import argparse
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -45,16 +44,12 @@ class StackConfig:
             raise ValueError(f"num_engines: must be in [1, 16], got {self.num_engines}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _engine_argv(port: int, engine_flags: list[str], num_threads: int) -> list[str]:
-    # metrics on any free port: the engine prints it, and `quire up` repeats it
-    argv = [sys.executable, "-m", "quire_cli", "engine", "--host", "127.0.0.1", "--port",
-            str(port), "--metrics-port", "0"]
+def _engine_argv(engine_flags: list[str], num_threads: int) -> list[str]:
+    # any free ports, bound by the engine itself (a port picked here and bound there could be
+    # taken in between, by any process's outgoing connection); it prints both, and `quire up`
+    # repeats them
+    argv = [sys.executable, "-m", "quire_cli", "engine", "--host", "127.0.0.1", "--port", "0",
+            "--metrics-port", "0"]
     if "--num-threads" not in engine_flags:
         argv += ["--num-threads", str(num_threads)]
     return argv + engine_flags
@@ -142,28 +137,28 @@ def start_engines(cfg: StackConfig, engine_flags: list[str],
         engine_flags += ["--lora-adapter-dirs", dirs]
     if cfg.lora_resolver_dir and "--enable-lora" not in engine_flags:
         engine_flags += ["--enable-lora", "True"]
-    started = []
-    for _ in range(cfg.num_engines):
-        port = _free_port()
-        proc = subprocess.Popen(_engine_argv(port, engine_flags, threads),
-                                stdout=subprocess.PIPE, text=True)
-        started.append((proc, f"127.0.0.1:{port}"))
+    started = [subprocess.Popen(_engine_argv(engine_flags, threads), stdout=subprocess.PIPE,
+                                text=True) for _ in range(cfg.num_engines)]
     deadline = time.monotonic() + cfg.startup_timeout_s
     engines = []
-    for proc, address in started:
+    for i, proc in enumerate(started):
         line = proc.stdout.readline() if time.monotonic() < deadline else ""
-        listening = re.search(r"listening on .*metrics on (\S+)", line)
+        listening = re.search(r"listening on \S+:(\d+).*metrics on (\S+)", line)
         if listening is None:
-            stop_engines([EngineProcess(p, a, "") for p, a in started])
-            raise RuntimeError(f"engine {address} did not start (exit code {proc.poll()})")
-        engines.append(EngineProcess(proc, address, listening.group(1)))
+            stop_engines([EngineProcess(p, "", "") for p in started])
+            raise RuntimeError(f"engine {i} (of {len(started)}) did not start (exit code "
+                               f"{proc.poll()})")
+        engines.append(EngineProcess(proc, f"127.0.0.1:{listening.group(1)}",
+                                     listening.group(2)))
     return engines
 
 
 def restart_engine(engine: EngineProcess) -> EngineProcess:
     """The same engine command started again (same address and flags: a new incarnation, as
     a restarted pod), once it listens. RuntimeError if it does not start."""
-    proc = subprocess.Popen(engine.proc.args, stdout=subprocess.PIPE, text=True)
+    argv = list(engine.proc.args)
+    argv[argv.index("--port") + 1] = engine.address.rsplit(":", 1)[1]  # its port, not any
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     listening = re.search(r"listening on .*metrics on (\S+)", proc.stdout.readline())
     if listening is None:
         proc.kill()
