@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,19 +67,23 @@ def _stop_group(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
 @contextlib.contextmanager
 def quire_server(stack_flags: Sequence[str], engine_flags: Sequence[str], workdir: Path,
                  timeout_s: float) -> Iterator[Server]:
-    """``quire up`` on free loopback ports, once it has answered its example request."""
-    from quire_cli.bench.vllm_server import free_port, served_model
+    """``quire up`` on free loopback ports, once it has answered its example request. The
+    router binds port 0 itself and the stack prints the ports it got (a port picked here and
+    bound there could be taken in between)."""
+    from quire_cli.bench.vllm_server import served_model
 
-    http_port = free_port()
-    argv = [sys.executable, "-m", "quire_cli", "up", "--router-port", str(free_port()),
-            "--http-port", str(http_port), *stack_flags, *engine_flags]
+    argv = [sys.executable, "-m", "quire_cli", "up", "--router-port", "0", "--http-port", "0",
+            *stack_flags, *engine_flags]
     log = workdir / "quire-up.log"
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=workdir,
                                 start_new_session=True)
     try:
         _wait_for_line(proc, log, QUIRE_READY_LINE, timeout_s)
-        address = f"127.0.0.1:{http_port}"
+        http = re.search(r"http://(127\.0\.0\.1:\d+)/v1", log.read_text(errors="replace"))
+        if http is None:
+            raise RuntimeError(f"quire up printed no HTTP address; see {log}")
+        address = http.group(1)
         yield Server(f"http://{address}", served_model(address)["id"],
                      {"command": ["quire", *argv[3:]], "log": str(log)})
     finally:
