@@ -54,6 +54,9 @@ class VllmServerSpec:
                              f"tokens cannot hold one {self.max_model_len}-token request")
 
 
+PORT_ATTEMPTS = 3  # a vLLM server's tries at a free port (see VllmServer.wait)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,9 +110,28 @@ class VllmServer:
                      "--max-lora-rank", str(spec.max_lora_rank)]
             if spec.lora_modules:
                 argv += ["--lora-modules", *spec.lora_modules]
+        self._argv, self._env, self._workdir = argv, env, workdir
+        self._port_attempts = 1
+        self._start()
+
+    def _start(self) -> None:
+        argv = list(self._argv)
+        argv[argv.index("--port") + 1] = str(self.port)
         with self.log.open("w") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         cwd=workdir, start_new_session=True)
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                         env=self._env, cwd=self._workdir,
+                                         start_new_session=True)
+
+    def _retry_on_a_taken_port(self) -> bool:
+        """The port picked for it was taken before vLLM bound it (any outgoing connection
+        may get it): start again on another, up to PORT_ATTEMPTS times in all."""
+        if self._port_attempts >= PORT_ATTEMPTS or \
+                "Address already in use" not in self.log.read_text(errors="replace"):
+            return False
+        self._port_attempts += 1
+        self.port = free_port()
+        self._start()
+        return True
 
     @property
     def address(self) -> str:
@@ -126,6 +148,8 @@ class VllmServer:
         the server exits or the deadline passes."""
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self._retry_on_a_taken_port():
+                    continue
                 raise RuntimeError(f"vLLM {self.name} exited: {self.log.read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(f"http://{self.address}/health", timeout=2):

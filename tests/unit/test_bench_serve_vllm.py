@@ -94,3 +94,47 @@ def test_counter_deltas_over_a_run():
                       "per_engine": {"engine-0": {"queries": 1000.0, "hits": 512.0},
                                      "engine-1": {"queries": 0.0, "hits": 0.0}}}
     assert counter_deltas(None, None, ["a:1"]) is None
+
+
+FAKE_SERVER = '''
+import http.server, socket, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+try:
+    server = http.server.HTTPServer(("127.0.0.1", port), http.server.BaseHTTPRequestHandler)
+except OSError as e:
+    print(f"ERROR: [Errno 98] error while attempting to bind: Address already in use ({e})")
+    sys.exit(1)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+server.RequestHandlerClass = Health
+server.handle_request()
+'''
+
+
+def test_a_vllm_server_whose_port_was_taken_starts_again_on_another(tmp_path, monkeypatch):
+    """The port picked for a server can be taken before it binds it: the server exits saying
+    so, and wait() starts it again on another port (a stand-in for vLLM that binds --port,
+    as `vllm serve` does, and answers one /health)."""
+    import socket
+    import sys
+    import time
+
+    from quire_cli.bench import vllm_server
+
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(FAKE_SERVER)
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    python.chmod(0o755)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        ports = iter([taken.getsockname()[1]])
+        real_free_port = vllm_server.free_port
+        monkeypatch.setattr(vllm_server, "free_port", lambda: next(ports, None) or real_free_port())
+        server = vllm_server.VllmServer(VllmServerSpec(str(python), tmp_path, "m"), tmp_path, "v")
+        server.wait(time.monotonic() + 60)
+        assert server.port != taken.getsockname()[1] and server._port_attempts == 2
+        server.kill()
