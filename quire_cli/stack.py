@@ -44,6 +44,10 @@ class StackConfig:
             raise ValueError(f"num_engines: must be in [1, 16], got {self.num_engines}")
 
 
+# an engine's first line: its gRPC port and metrics URL
+LISTENING = re.compile(r"listening on \S+:(\d+).*metrics on (\S+)")
+
+
 def _engine_argv(engine_flags: list[str], num_threads: int) -> list[str]:
     # any free ports, bound by the engine itself (a port picked here and bound there could be
     # taken in between, by any process's outgoing connection); it prints both, and `quire up`
@@ -143,7 +147,7 @@ def start_engines(cfg: StackConfig, engine_flags: list[str],
     engines = []
     for i, proc in enumerate(started):
         line = proc.stdout.readline() if time.monotonic() < deadline else ""
-        listening = re.search(r"listening on \S+:(\d+).*metrics on (\S+)", line)
+        listening = LISTENING.search(line)
         if listening is None:
             stop_engines([EngineProcess(p, "", "") for p in started])
             raise RuntimeError(f"engine {i} (of {len(started)}) did not start (exit code "
@@ -159,12 +163,12 @@ def restart_engine(engine: EngineProcess) -> EngineProcess:
     argv = list(engine.proc.args)
     argv[argv.index("--port") + 1] = engine.address.rsplit(":", 1)[1]  # its port, not any
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-    listening = re.search(r"listening on .*metrics on (\S+)", proc.stdout.readline())
+    listening = LISTENING.search(proc.stdout.readline())
     if listening is None:
         proc.kill()
         raise RuntimeError(f"engine {engine.address} did not restart (exit code "
                            f"{proc.wait()})")
-    return EngineProcess(proc, engine.address, listening.group(1))
+    return EngineProcess(proc, engine.address, listening.group(2))
 
 
 def stop_engines(engines: list[EngineProcess]) -> None:
