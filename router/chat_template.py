@@ -80,22 +80,20 @@ class ChatTemplateOptions:
                tools: list[dict] | None = None) -> str:
         """The prompt text (a 400 naming ``messages`` when the model has no template)."""
         try:
-            text = tokenizer.apply_chat_template(
+            # continue_final_message: transformers' cut (a tag after the final message's text),
+            # which vLLM asks transformers for, and the engine's LLM.chat does too
+            return tokenizer.apply_chat_template(
                 messages, add_generation_prompt=self.add_generation_prompt, tools=tools,
-                **self.template_kwargs)
+                continue_final_message=self.continue_final_message, **self.template_kwargs)
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             # no template, or the template refused this conversation (its raise_exception) or
             # these kwargs: the request's content, as vLLM answers it (400)
-            raise RequestError(f"messages: the chat template failed: {e}"
-                               if not isinstance(e, ValueError) else str(e),
-                               "messages") from None
-        if self.continue_final_message:
-            # as vLLM: cut what the template adds after the final message's content
-            final = messages[-1].get("content") or ""
-            end = text.rfind(final) if isinstance(final, str) and final else -1
-            if end >= 0:
-                text = text[:end + len(final)]
-        return text
+            if not isinstance(e, ValueError):
+                raise RequestError(f"messages: the chat template failed: {e}",
+                                   "messages") from None
+            field_name = ("continue_final_message"
+                          if str(e).startswith("continue_final_message") else "messages")
+            raise RequestError(str(e), field_name) from None
 
     def token_ids(self, tokenizer: FastTokenizer, messages: list[dict],
                   tools: list[dict] | None = None) -> list[int]:

@@ -41,6 +41,24 @@ def test_fields_change_the_rendering(tokenizer):
     assert not options.add_generation_prompt
 
 
+def test_continue_final_message_cuts_where_transformers_does(tokenizer):
+    """The router renders continue_final_message through the tokenizer's transformers-style
+    cut (a tag after the final text), as the engine does: a final message whose text also
+    occurs in what the template adds after it ("s" in "</assistant>") is not cut inside that
+    closing text, and one the template alters is the field's 400."""
+    partial = USER + [{"role": "assistant", "content": "s"}]
+    options = ChatTemplateOptions.from_body({"continue_final_message": True}, partial)
+    assert options.render(tokenizer, partial) == "<user>hi</user><assistant>s"
+    assert options.render(tokenizer, partial) == tokenizer.apply_chat_template(
+        partial, add_generation_prompt=False, continue_final_message=True)
+    wordy = USER + [{"role": "assistant", "content": "hi there"}]
+    shouted = ChatTemplateOptions.from_body(
+        {"continue_final_message": True, "chat_template_kwargs": {"shout": True}}, wordy)
+    with pytest.raises(RequestError) as err:
+        shouted.render(tokenizer, wordy)  # the template upper-cased the final text
+    assert err.value.param == "continue_final_message"
+
+
 def test_a_template_that_raises_is_the_requests_error(tokenizer):
     twice = USER + USER
     with pytest.raises(RequestError) as err:
