@@ -52,7 +52,8 @@ class Request:
                  "eos_token_ids", "max_tokens", "arrival_time", "priority", "status",
                  "num_computed_tokens", "stop_reason", "num_preemptions", "admit_seq",
                  "cache_salt", "block_hashes", "num_cached_tokens", "fork_children",
-                 "grammar", "pooling_params", "reads_prefix_cache", "lora_name")
+                 "grammar", "pooling_params", "reads_prefix_cache", "lora_name",
+                 "num_found_cached_tokens")
 
     def __init__(self, req_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None, eos_token_ids: frozenset[int],
@@ -79,6 +80,9 @@ class Request:
         self.cache_salt = cache_salt
         self.block_hashes: list[int] = []  # of every full block of all_token_ids
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until then
+        # the prefix-cache hit the scheduler found on its arrival: the part of its prompt that
+        # the load report does not count as queued work while it waits
+        self.num_found_cached_tokens = 0
         # n > 1: the other samples, created by forking this request once its prompt is done
         self.fork_children = fork_children
         # structured outputs: the matcher of this sequence's grammar (advanced by the scheduler)
@@ -100,6 +104,7 @@ class Request:
         child.num_computed_tokens = self.num_computed_tokens
         child.block_hashes = list(self.block_hashes)
         child.num_cached_tokens = self.num_cached_tokens
+        child.num_found_cached_tokens = self.num_found_cached_tokens
         child.status = self.status
         return child
 

@@ -80,6 +80,9 @@ class Scheduler:
         """Queue a validated request; it is considered from the next ``schedule()`` on."""
         assert request.req_id not in self.requests, f"duplicate request id {request.req_id}"
         self._extend_block_hashes(request)
+        if request.reads_prefix_cache:
+            request.num_found_cached_tokens = self.kv.find_cached_prefix(
+                request.block_hashes, request.num_tokens).num_tokens
         self.requests[request.req_id] = request
         self.waiting.add(request)
 
@@ -115,11 +118,19 @@ class Scheduler:
         """Counts as of now; ``num_preemptions`` is the running total."""
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
-            num_queued_tokens=sum(r.num_tokens - r.num_computed_tokens
-                                  for r in self.requests.values()),
+            num_queued_tokens=sum(self._queued_tokens(r) for r in self.requests.values()),
             num_preemptions=self.num_preemptions,
             spec_decoding=self.speculator.stats() if self.speculator is not None else None,
             batch_full=self.batch_full and bool(len(self.waiting)))
+
+    @staticmethod
+    def _queued_tokens(request: Request) -> int:
+        """Tokens the request still needs computed: a waiting one's prompt less the prefix
+        the cache held on its arrival (a router weighing this engine's queue must not count
+        a hot prefix's cached tokens as work), an admitted one's uncomputed tokens."""
+        if request.num_computed_tokens == 0:
+            return request.num_tokens - request.num_found_cached_tokens
+        return request.num_tokens - request.num_computed_tokens
 
     # ----------------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:

@@ -32,3 +32,23 @@ def test_batch_full_only_when_requests_wait_for_batch_room():
     while sched.has_unfinished_requests():
         step(sched, runner)
     assert not sched.stats().batch_full  # nothing waits any more
+
+
+def test_queued_tokens_leave_out_the_prefix_the_cache_holds():
+    """``stats().num_queued_tokens`` is the work a router weighs this engine's queue by: a
+    waiting request whose prompt starts with cached blocks counts only its uncached tail (a
+    hot system prompt queued ten deep is not ten prefills), an admitted one its uncomputed
+    tokens, and a prompt that runs without the cache (prompt logprobs) all of them."""
+    sched, runner = setup(block_size=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+    sched.add_request(make_request("warm", 10, max_tokens=1))
+    assert sched.stats().num_queued_tokens == 10
+    step(sched, runner)  # computes and caches the first two blocks (8 tokens)
+    assert sched.stats().num_queued_tokens == 0
+    for i in range(3):  # the same first 10 tokens, then one of their own: 3 to compute each
+        sched.add_request(make_request(f"hot{i}", 11, max_tokens=2))
+    sched.add_request(make_request("cold", 11, max_tokens=2, first_token=500))
+    sched.add_request(make_request("logprobs", 11, max_tokens=2, prompt_logprobs=1))
+    assert waiting_ids(sched) == ["hot0", "hot1", "hot2", "cold", "logprobs"]
+    assert sched.stats().num_queued_tokens == 3 * 3 + 11 + 11
+    step(sched, runner)  # all prefilled and sampled once: one token each left to compute
+    assert waiting_ids(sched) == [] and sched.stats().num_queued_tokens == 5
