@@ -24,7 +24,8 @@ Policies live in ``POLICIES`` (name -> class):
   failure: piling a hot adapter on one pod, or thrashing slots).
 - ``prefix_affinity``: most cached tokens, load only breaking ties: pure cache affinity, the
   baseline that piles a hot prefix onto one engine (kept to compare against).
-- ``least_loaded``: fewest queued + in-flight tokens, then fewest running requests.
+- ``least_loaded``: fewest tokens of work ahead (``EndpointSnapshot.work_ahead_tokens``), then
+  fewest running requests.
 - ``round_robin``: healthy engines in engine-id order, one step per call.
 - ``session_affinity``: rendezvous (highest-random-weight) hashing of the session key, so taking
   an engine away moves only the sessions it held; requests without a key fall back to
@@ -99,7 +100,8 @@ class EndpointSnapshot:
     num_waiting: int = 0
     num_queued_tokens: int = 0  # prefill tokens waiting, from the engine's last load report
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
-    inflight_tokens: int = 0  # tokens the router sent that the load report may not show yet
+    # uncached prompt tokens this router sent there that have not given a first token yet
+    inflight_tokens: int = 0
     prefill_tokens_per_s: float = 2000.0  # measured prefill throughput (router.engine_rates)
     decode_step_s: float = 0.0  # measured time of one decode step there now (0: unknown)
     adapter: AdapterState | None = None  # the request's LoRA adapter there (None: base model)
@@ -123,6 +125,15 @@ class EndpointSnapshot:
             raise ValueError(f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
         if self.decode_step_s < 0:
             raise ValueError(f"decode_step_s must be >= 0, got {self.decode_step_s}")
+
+    @property
+    def work_ahead_tokens(self) -> int:
+        """Prefill tokens a request placed there now waits behind. The load report counts
+        every router's requests but lags (an engine publishes it between steps); the router's
+        own in-flight tokens are current but its own only. Each request is in one or both, so
+        the larger is the better estimate; their sum would count the router's requests twice
+        once the report shows them."""
+        return max(self.num_queued_tokens, self.inflight_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +169,7 @@ class PrefixAware:
 
     def ttft_s(self, request: RoutingRequest, endpoint: EndpointSnapshot) -> float:
         uncached = request.num_prompt_tokens - cached_tokens(request, endpoint)
-        ahead = endpoint.num_queued_tokens + endpoint.inflight_tokens
+        ahead = endpoint.work_ahead_tokens
         return (endpoint.decode_step_s + (ahead + uncached) / endpoint.prefill_tokens_per_s
                 + adapter_cost_s(endpoint.adapter))
 
@@ -185,8 +196,8 @@ class LeastLoaded:
     def scores(self, request, endpoints):
         # Tokens are integers; running requests add a fraction below 1, so they only break ties.
         scale = 1 + max(e.num_running for e in endpoints)
-        return {e.engine_id: float(e.num_queued_tokens + e.inflight_tokens)
-                + e.num_running / scale for e in endpoints}
+        return {e.engine_id: float(e.work_ahead_tokens) + e.num_running / scale
+                for e in endpoints}
 
 
 class RoundRobin:

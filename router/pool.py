@@ -65,8 +65,6 @@ class _Member:
     load: pb.LoadReport | None = None  # None: the load feed is down (load unknown)
     kv_feed_alive: bool = False  # False: place it by the approximate index
     inflight_tokens: int = 0  # prompt tokens sent whose prefill has not answered yet
-    # requests waiting for their first token: key -> (sent at, work ahead + own prefill)
-    waiting: dict[object, tuple[float, int]] = field(default_factory=dict)
     # The engine process last admitted at this address (None: never admitted; "": its kind
     # reports none, so every re-admission after a lost connection counts as a restart).
     incarnation_id: str | None = None
@@ -349,9 +347,8 @@ class EnginePool:
         return precise
 
     def _prefill_rate(self, member: _Member, now_s: float) -> float:
-        return prefill_rate(member.rates, member.waiting.values(),
-                            [(m.rates, m.waiting.values()) for m in self._members.values()
-                             if m is not member], now_s)
+        return prefill_rate(member.rates, [m.rates for m in self._members.values()
+                                           if m is not member], now_s)
 
     def _request_s(self, member: _Member) -> float:
         """How long a request holds the engine: measured there, else its peers' mean."""
@@ -409,14 +406,11 @@ class EnginePool:
                   if isinstance(block_hashes, PromptHashes) else block_hashes)
         self.record(engine_id, hashes)
         num_tokens = num_uncached_tokens
-        # the work the placement estimate put ahead of this request, for the rate it measures
-        ahead = member.inflight_tokens + (member.load.num_queued_tokens if member.load else 0)
         member.inflight_tokens += num_tokens
         lora_name = getattr(request, "lora_name", "") or None
         member.adapters.sent(lora_name)
         sent = time.monotonic()
-        key = object()
-        member.waiting[key] = (sent, ahead + num_uncached_tokens)
+        member.rates.sent(sent, num_uncached_tokens)
         first_at = last_at = None
         num_later_tokens = 0
         stream = member.client.generate(request, timeout_s=timeout_s, metadata=metadata)
@@ -424,12 +418,10 @@ class EnginePool:
             async for message in stream:
                 if first_at is None:
                     first_at = time.monotonic()
-                    member.waiting.pop(key, None)
                     member.adapters.started(lora_name)
                     member.inflight_tokens -= num_tokens  # prefill done: the load report has it
                     num_tokens = 0
-                    member.rates.observe_first_token(ahead + num_uncached_tokens,
-                                                     first_at - sent)
+                    member.rates.first_token(first_at, num_uncached_tokens)
                     if self._members.get(engine_id) is member:  # its KV event is one step away
                         self._exact.claim(engine_id, hashes, first_at)
                 else:
@@ -439,7 +431,8 @@ class EnginePool:
                 yield message
         finally:
             member.inflight_tokens -= num_tokens
-            member.waiting.pop(key, None)
+            if first_at is None:
+                member.rates.dropped(time.monotonic(), num_uncached_tokens)
             member.adapters.ended(lora_name, started=first_at is not None)
             if last_at is not None:
                 member.rates.observe_decode(num_later_tokens, last_at - first_at)
@@ -458,10 +451,19 @@ class EnginePool:
         self.record(engine_id, block_hashes.at(self._block_size(member))
                     if isinstance(block_hashes, PromptHashes) else block_hashes)
         member.inflight_tokens += num_uncached_tokens
+        member.rates.sent(time.monotonic(), num_uncached_tokens)
+        answered = False
         try:
-            return await member.client.embed(request, timeout_s=timeout_s, metadata=metadata)
+            response = await member.client.embed(request, timeout_s=timeout_s,
+                                                 metadata=metadata)
+            answered = True
+            return response
         finally:
             member.inflight_tokens -= num_uncached_tokens
+            if answered:  # a prompt-only forward: its answer is its prefill's end
+                member.rates.first_token(time.monotonic(), num_uncached_tokens)
+            else:
+                member.rates.dropped(time.monotonic(), num_uncached_tokens)
 
     def unable(self, task: str) -> frozenset[str]:
         """Members that cannot take ``task``: "generate" (an engine started with --runner

@@ -51,9 +51,15 @@ def test_hot_prefix_spreads_when_queue_outweighs_cache():
     assert pick(64).scores["a-hot"] == pick(64).scores["b-cold"] == 0.08
     assert pick(65).engine_id == "b-cold"
     assert pick(65).predicted_cached_tokens == 0
-    # the router's own in-flight tokens count the same as the engine's reported queue
-    assert choose(REQUEST, [endpoint("a-hot", 4, num_queued_tokens=40, inflight_tokens=25),
+    # the router's own in-flight tokens count the same as the engine's reported queue ...
+    assert choose(REQUEST, [endpoint("a-hot", 4, inflight_tokens=65),
                             endpoint("b-cold", 0)], PrefixAware()).engine_id == "b-cold"
+    # ... but the report already holds the router's requests once the engine has them: the
+    # larger of the two is the work ahead, never their sum (40 + 25 would be 65)
+    both = [endpoint("a-hot", 4, num_queued_tokens=40, inflight_tokens=25), endpoint("b-cold")]
+    assert choose(REQUEST, both, PrefixAware()).engine_id == "a-hot"
+    assert choose(REQUEST, [replace(both[0], inflight_tokens=65), both[1]],
+                  PrefixAware()).engine_id == "b-cold"
 
 
 def test_faster_engine_wins_ttft():
@@ -90,7 +96,7 @@ def test_kv_usage_alone_does_not_move_a_prefix():
 # ------------------------------------------------------------------------------ least loaded
 def test_least_loaded_tokens_then_running():
     endpoints = [endpoint("a", 5, num_queued_tokens=100, num_running=0),
-                 endpoint("b", 0, num_queued_tokens=30, inflight_tokens=30, num_running=3),
+                 endpoint("b", 0, num_queued_tokens=30, inflight_tokens=60, num_running=3),
                  endpoint("c", 0, num_queued_tokens=60, num_running=2)]
     decision = choose(REQUEST, endpoints, LeastLoaded())
     assert decision.engine_id == "c"  # 60 tokens each for b and c; c runs fewer

@@ -74,13 +74,14 @@ def test_an_unmeasured_engine_is_assumed_as_fast_as_its_measured_peers():
         rates = {s.engine_id: s.prefill_tokens_per_s for s in pool.candidates([1])}
         assert rates == {"a": 2000.0, "b": 2000.0, "c": 2000.0}
         for _ in range(400):
-            pool._members["a"].rates.observe_first_token(100, 1.0)
+            pool._members["a"].rates.observe_prefill(100, 1.0)
         rates = {s.engine_id: s.prefill_tokens_per_s for s in pool.candidates([1])}
         assert abs(rates["a"] - 100.0) < 0.1 and rates["b"] == rates["c"] == rates["a"]
-        # a request waiting too long on c says c is slower still; b takes its peers' mean
-        pool._members["c"].waiting[object()] = (time.monotonic() - 100.0, 500)
+        # work pending on c for 100 s says c is slower still (or busy): c alone is bounded,
+        # b still takes the measured peer's rate, not c's load
+        pool._members["c"].rates.sent(time.monotonic() - 100.0, 500)
         rates = {s.engine_id: s.prefill_tokens_per_s for s in pool.candidates([1])}
-        assert rates["c"] <= 5.0 + 1e-6 and abs(rates["b"] - (rates["a"] + rates["c"]) / 2) < 1e-6
+        assert rates["c"] <= 5.0 + 1e-6 and abs(rates["b"] - rates["a"]) < 1e-6
         await pool.stop()
     asyncio.run(scenario())
 
