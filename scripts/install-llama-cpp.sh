@@ -22,7 +22,13 @@ has() { [[ "$flags" == *" $1 "* ]] && echo ON || echo OFF; }
 args="-DGGML_NATIVE=OFF -DGGML_AVX=$(has avx) -DGGML_AVX2=$(has avx2) -DGGML_FMA=$(has fma)"
 args+=" -DGGML_F16C=$(has f16c) -DGGML_BMI2=$(has bmi2) -DGGML_AVX512=$(has avx512f)"
 args+=" -DGGML_AVX512_VNNI=$(has avx512_vnni) -DGGML_AVX512_BF16=$(has avx512_bf16)"
-args+=" -DGGML_AVX_VNNI=$(has avx_vnni) -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF"
+args+=" -DGGML_AVX512_VBMI=$(has avx512vbmi) -DGGML_AVX_VNNI=$(has avx_vnni)"
+# llama.cpp's AMX tile kernels (GGML_AMX_TILE/INT8/BF16) stay off: built with them on a 2-core
+# Xeon with AMX (family 6, model 207; 2026-11-28), the first prompt died with SIGILL on a
+# tileloadd in ggml_backend_amx_mul_mat (an OpenMP worker thread), while oneDNN's AMX matmuls
+# ran in Quire's process on the same machine.
+args+=" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+args+=" -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF"
 args+=" -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF"
 "$python" -m venv "$venv"
 echo "building llama-cpp-python $version with CMAKE_ARGS=${CMAKE_ARGS:-$args}"

@@ -52,6 +52,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_
 // each token's k, v [tokens, kv_heads, head_dim] into its cache slot (narrowed to its dtype)
 void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& slot_mapping);
+// Whether this CPU has AMX tiles (bf16 and int8) and the kernel lets this process use them
+// (Linux asks each process to request the tile state; oneDNN, which runs its bf16 matmuls on
+// them, asks the same way): checked once (quant_linear.cpp)
+bool amx_tiles_usable();
 // GGUF block-quantized weights (quant_linear.cpp): [N, K / 32, block bytes], the block bytes
 // naming the type (Q4_0 18, Q4_1 20, Q8_0 34); uint8 as the file lays them out, int8 repacked
 bool is_quantized_weight(const at::Tensor& w);

@@ -227,6 +227,10 @@ class CpuPagedAttentionBackend:
 def make_cpu_backend(kernels: CpuKernels, name: str, description: str) -> Backend:
     """The backend that runs ``kernels`` (one variant's, loaded)."""
     ops = CpuOps(kernels)
+    if kernels.has("amx_tiles") and kernels.ops.amx_tiles():
+        # oneDNN's many-row bf16 matmuls run on the tiles, and a quantized layer meets them
+        # sooner (csrc/cpu/quant_linear.cpp: int8_rows_limit)
+        description += ", AMX tiles for many-row matmuls"
     return Backend(name=name, description=description, linear=ops.linear,
                    pack_weight=ops.pack_weight, rms_norm=ops.rms_norm,
                    silu_and_mul=ops.silu_and_mul, rope=ops.rope,

@@ -6,6 +6,8 @@ compiler and CPU allow), so each test reads the real reason and checks the choic
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -33,8 +35,12 @@ def test_auto_on_the_cpu_takes_the_kernels_where_they_build_and_says_why_not():
     choice = select_backend("auto", CPU)
     if avx512 is None:
         assert (choice.name, choice.fallback) == ("cpu", False)
-        assert choice.describe() == ("cpu (compiled CPU kernels, AVX-512): the fastest backend "
-                                     "that runs on cpu")
+        # where oneDNN has AMX tiles (Intel Sapphire Rapids and later) the line says so
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+        amx = ", AMX tiles for many-row matmuls" \
+            if {"amx_tile", "amx_bf16", "amx_int8"} <= flags else ""
+        assert choice.describe() == (f"cpu (compiled CPU kernels, AVX-512{amx}): the fastest "
+                                     "backend that runs on cpu")
     elif avx2 is None:
         assert (choice.name, choice.fallback) == ("cpu-avx2", False)
         assert choice.reason == f"compiled CPU kernels, AVX-512 unavailable: {avx512}"

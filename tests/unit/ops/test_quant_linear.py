@@ -10,6 +10,8 @@ de-quantize the weight exactly and run a float matmul: fp32 tolerance (bf16 wher
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -82,10 +84,10 @@ def test_zero_rows_of_x_give_exact_zero(cpu_kernels, qtype):
 
 @pytest.mark.cpu_ops("quant_linear", "quant_int8_rows")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-# 9: one past the decode rows; 141: a tile of 128 rows, then 8 + 5 (the AVX-512 set keeps 8
-# rows of x in registers); 513: one past the AVX-512 set's int8 rows; 37 weight rows: groups
-# of eight and the rows past them
-@pytest.mark.parametrize("rows", [9, 33, 141, 513])
+# 9: one past the decode rows; 65: one past the int8 rows where oneDNN has AMX; 141: a tile
+# of 128 rows, then 8 + 5 (the AVX-512 set keeps 8 rows of x in registers); 513: one past the
+# AVX-512 set's int8 rows; 37 weight rows: groups of eight and the rows past them
+@pytest.mark.parametrize("rows", [9, 33, 65, 141, 513])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_more_rows_int8_or_dequantize_then_matmul(cpu_kernels, qtype, rows, dtype):
     # Past the decode rows a call takes the int8 path where the kernels say so (Q4_0 / Q4_1
@@ -110,14 +112,18 @@ def test_more_rows_int8_or_dequantize_then_matmul(cpu_kernels, qtype, rows, dtyp
         assert ((out.float() - expected).abs() <= bound).all(), (out.float() - expected).abs().max()
 
 
-@pytest.mark.cpu_ops("quant_int8_rows")
+@pytest.mark.cpu_ops("quant_int8_rows", "amx_tiles")
 def test_which_types_keep_many_rows_on_int8(cpu_kernels):
     def limits(dtype):
         return {qt.name: cpu_kernels.ops.quant_int8_rows(quantized(8, 64, qt)[0], dtype)
                 for qt in TYPES}
     # VNNI (the AVX-512 set) keeps up to 512 rows of bf16 x on the grouped types' int8
-    # kernel; fp32 x, AVX2 and the other types are de-quantized past 8 rows
-    many = 512 if cpu_kernels.isa == "avx512" else 8
+    # kernel, 64 where oneDNN's matmul has AMX tiles (read here from /proc/cpuinfo, the
+    # emulated set's host has none); fp32 x, AVX2 and the other types are de-quantized past 8
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    amx = {"amx_tile", "amx_bf16", "amx_int8"} <= flags
+    assert cpu_kernels.ops.amx_tiles() == amx
+    many = (64 if amx else 512) if cpu_kernels.isa == "avx512" else 8
     assert limits(torch.bfloat16) == {"Q4_0": many, "Q4_1": many, "Q8_0": many}
     assert limits(torch.float32) == {"Q4_0": 8, "Q4_1": 8, "Q8_0": 8}
 
