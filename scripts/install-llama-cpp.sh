@@ -6,7 +6,8 @@
 # The build names the instruction sets it uses instead of -march=native (GGML_NATIVE=OFF): the
 # ones this CPU has, read from /proc/cpuinfo, so the library is the one llama.cpp picks for this
 # CPU and the comparison's JSON can say which (`llama_print_system_info`), while a venv on a
-# shared disk still runs on an older CPU that has those flags. CMAKE_ARGS, when set, wins.
+# shared disk still runs on an older CPU that has those flags. CMAKE_ARGS, when set, wins; pip's
+# wheel cache is bypassed, since it would hand back a wheel built with other arguments.
 set -euo pipefail
 cache="${QUIRE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/quire}"
 venv="${1:-$cache/llama-cpp}"
@@ -33,5 +34,5 @@ args+=" -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF"
 "$python" -m venv "$venv"
 echo "building llama-cpp-python $version with CMAKE_ARGS=${CMAKE_ARGS:-$args}"
 CMAKE_ARGS="${CMAKE_ARGS:-$args}" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
-    "$venv/bin/pip" install -q "llama-cpp-python==$version"
+    "$venv/bin/pip" install -q --no-cache-dir "llama-cpp-python==$version"
 "$venv/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__, 'installed in $venv')"

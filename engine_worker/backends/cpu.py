@@ -21,13 +21,15 @@ import torch
 
 from engine_worker.attention.metadata import AttentionMetadata
 from engine_worker.backends.base import Backend, BackendEntry, LayersFn
-from engine_worker.backends.cpu_linear import (GGUF_NATIVE_TYPES, PANELS_BF16, SKINNY_BF16,
-                                               GgufBlocks, is_gguf_blocks)
+from engine_worker.backends.cpu_linear import (DENSE_TWIN_ROWS, GGUF_NATIVE_TYPES,
+                                               K_QUANT_BLOCK_BYTES, PANELS_BF16, SKINNY_BF16,
+                                               SKINNY_MAX_ROWS, GgufBlocks, is_gguf_blocks)
 from engine_worker.backends.reference import TorchAttentionBackend
 from engine_worker.layers.activation import silu_and_mul
 from engine_worker.layers.norm import rms_norm
 from engine_worker.layers.rotary import apply_rope
 from engine_worker.ops import CpuKernels, CpuVariant, Unavailable, cannot_run_reason, load
+from engine_worker.platform import available_memory_bytes
 from engine_worker.progress import progress
 
 if TYPE_CHECKING:
@@ -58,30 +60,61 @@ class CpuOps:
     """The op wrappers of a CPU backend over one variant's kernels: each calls the kernel where
     the kernel's shape rules (csrc/cpu/elementwise.cpp) hold, the reference elsewhere."""
 
-    __slots__ = ("ops", "lanes", "_linear")
+    __slots__ = ("ops", "lanes", "_linear", "_tiles", "_twin_bytes_left", "_twins_said")
 
     def __init__(self, kernels: CpuKernels) -> None:
         profile = ISA_PROFILES[kernels.isa]
         self.ops = kernels.ops
         self.lanes = profile.lanes
         self._linear = profile.linear
+        # AMX tiles: quantized layer weights get bf16 tile twins (cpu_linear.GgufBlocks) while
+        # they fit in a quarter of the memory available at load; the KV cache is sized after
+        self._tiles = amx_tiles(kernels)
+        self._twin_bytes_left = available_memory_bytes(torch.device("cpu")) // 4 \
+            if self._tiles else 0
+        self._twins_said = False
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                packed: Any) -> torch.Tensor:
         if isinstance(packed, GgufBlocks):  # every set runs them (csrc/cpu/quant_linear.cpp)
             if packed.takes_dense(self.ops, x):
+                if packed.tile_twin is not None:
+                    return torch.ops.mkldnn._linear_pointwise(x, packed.tile_twin, bias,
+                                                              "none", [], "")
                 return self._linear.linear(self.ops, x, packed.dense_weight, bias, packed.dense)
             return self.ops.quant_linear(x, packed.blocks, bias)
         return self._linear.linear(self.ops, x, weight, bias, packed)
 
     def pack_weight(self, weight: torch.Tensor, dense: torch.Tensor | None = None) -> Any:
         if is_gguf_blocks(weight):
-            return GgufBlocks.of(self.ops, weight, dense, self._linear)
+            if dense is None and self._twin_bytes_left > 0:
+                twin_bytes = weight.shape[0] * weight.shape[1] * 2 * \
+                    (256 if weight.shape[2] in K_QUANT_BLOCK_BYTES else 32)  # bf16
+                if twin_bytes <= self._twin_bytes_left:
+                    if not self._twins_said:
+                        logger.info("AMX tiles: each quantized layer weight is also kept "
+                                    "de-quantized in oneDNN's bf16 layout (2 bytes a weight, up "
+                                    "to %.1f GiB: a quarter of available memory) for steps of "
+                                    "more than 8 rows; up to 8 rows stream the blocks",
+                                    self._twin_bytes_left / 2 ** 30)
+                        self._twins_said = True
+                    self._twin_bytes_left -= twin_bytes
+                    return GgufBlocks.with_tile_twin(self.ops, weight)
+                logger.warning("AMX tiles: no room left for a bf16 tile twin of a %s weight "
+                               "(a quarter of available memory is spent): it and the weights "
+                               "after it de-quantize on every call of more than 64 rows",
+                               tuple(weight.shape[:2]))
+                self._twin_bytes_left = 0
+            # a tied embedding's table (dense): past the decode rows where oneDNN has tiles
+            twin_rows = SKINNY_MAX_ROWS if self._tiles else DENSE_TWIN_ROWS
+            return GgufBlocks.of(self.ops, weight, dense, self._linear, twin_rows)
         return self._linear.pack(self.ops, weight)
 
-    def _stack_weights(self, lin) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if isinstance(lin.packed, GgufBlocks):  # one tensor for few rows and many
-            return lin.packed.blocks, lin.packed.blocks
+    def _stack_weights(self, lin, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if isinstance(lin.packed, GgufBlocks):  # the blocks for few rows; the twin, or them
+            many = lin.packed.tile_twin if lin.packed.tile_twin is not None and \
+                dtype == torch.bfloat16 else lin.packed.blocks
+            return lin.packed.blocks, many
         return self._linear.stack_weights(lin)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -132,7 +165,7 @@ class CpuOps:
         weights: list[torch.Tensor] = []
         biases: list[torch.Tensor | None] = []
         for layer in stack.layers:
-            pairs = [self._stack_weights(lin) for lin in layer.linears]
+            pairs = [self._stack_weights(lin, dtype) for lin in layer.linears]
             if any(pair is None for pair in pairs):
                 return None
             (qkv_few, qkv_many), (o_few, o_many), (gate_up_few, gate_up_many), \
@@ -224,12 +257,19 @@ class CpuPagedAttentionBackend:
         return out
 
 
+def amx_tiles(kernels: CpuKernels) -> bool:
+    """Whether this set's matmuls run on AMX tiles here: oneDNN's bf16 ones, so only a set
+    whose activations are bf16 (AVX-512), on a CPU with the tiles (the kernels' CPUID check)."""
+    return ISA_PROFILES[kernels.isa].linear.activation_dtype == torch.bfloat16 and \
+        kernels.has("amx_tiles") and bool(kernels.ops.amx_tiles())
+
+
 def make_cpu_backend(kernels: CpuKernels, name: str, description: str) -> Backend:
     """The backend that runs ``kernels`` (one variant's, loaded)."""
     ops = CpuOps(kernels)
-    if kernels.has("amx_tiles") and kernels.ops.amx_tiles():
-        # oneDNN's many-row bf16 matmuls run on the tiles, and a quantized layer meets them
-        # sooner (csrc/cpu/quant_linear.cpp: int8_rows_limit)
+    if amx_tiles(kernels):
+        # oneDNN's many-row bf16 matmuls run on the tiles; quantized layers keep bf16 tile
+        # twins for them (cpu_linear.GgufBlocks) or meet them sooner (int8_rows_limit)
         description += ", AMX tiles for many-row matmuls"
     return Backend(name=name, description=description, linear=ops.linear,
                    pack_weight=ops.pack_weight, rms_norm=ops.rms_norm,

@@ -24,6 +24,7 @@ import dataclasses
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -102,8 +103,9 @@ def run_llama(python: str, threads: int, requests: dict, timeout_s: float) -> di
                "--threads", str(threads), "--output", str(out)]
         done = subprocess.run(cmd, env=env, stdout=sys.stderr, timeout=timeout_s)
         if done.returncode != 0 or not out.exists():
-            raise RuntimeError(f"the llama.cpp peer failed (exit {done.returncode}): "
-                               f"{' '.join(cmd)}")
+            how = f"exit {done.returncode}" if done.returncode >= 0 else \
+                f"killed by {signal.Signals(-done.returncode).name}"  # SIGILL: see the script
+            raise RuntimeError(f"the llama.cpp peer failed ({how}): {' '.join(cmd)}")
         return _best(json.loads(out.read_text()))
 
 

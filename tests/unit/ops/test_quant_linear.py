@@ -273,7 +273,10 @@ def test_a_dense_twin_serves_the_rows_past_the_int8_path(cpu_kernels):
     table = ref.to(torch.bfloat16)  # what the loader's embedding holds: exact for Q8_0 in bf16
     packed = backend.pack_weight(blocks, dense=table)
     doubled = backend.pack_weight(blocks, dense=table * 2)
-    limit = min(DENSE_TWIN_ROWS, int(ops.quant_int8_rows(packed.blocks, dtype)))
+    # where oneDNN has AMX tiles the table takes over past the decode rows
+    amx = {"amx_tile", "amx_bf16", "amx_int8"} <= set(Path("/proc/cpuinfo").read_text().split())
+    twin_rows = 8 if amx and cpu_kernels.isa == "avx512" else DENSE_TWIN_ROWS
+    limit = min(twin_rows, int(ops.quant_int8_rows(packed.blocks, dtype)))
     assert packed.int8_rows == limit
     for rows in (1, limit, limit + 1, 40):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)
@@ -289,3 +292,40 @@ def test_a_dense_twin_serves_the_rows_past_the_int8_path(cpu_kernels):
             torch.testing.assert_close(twice, out, rtol=0, atol=0)
     # a twin whose shape is not the weight's is not used
     assert backend.pack_weight(blocks, dense=table[:32]).dense is None
+
+
+@pytest.mark.cpu_ops("quant_linear", "amx_tiles")
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q4_K], ids=lambda t: t.name)
+def test_amx_cpus_multiply_rows_past_the_decode_rows_on_a_bf16_tile_twin(cpu_kernels, qtype):
+    """Where oneDNN runs on AMX tiles (read here from /proc/cpuinfo), a quantized layer weight
+    is packed with its exact de-quantized values in oneDNN's bf16 layout: bf16 calls of up to 8
+    rows stream the blocks (the int8 kernel's result, bit for bit), more rows multiply the
+    twin (a float matmul on bf16-rounded weights). Elsewhere no twin is made; the twin itself
+    is checked wherever oneDNN has bf16 (AVX-512 BF16), built directly."""
+    from engine_worker.backends.cpu_linear import GgufBlocks
+
+    if cpu_kernels.isa != "avx512":
+        pytest.skip("tile twins serve bf16 activations: the AVX-512 set's")
+    backend, ops = cpu_kernels.backend, cpu_kernels.ops
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    amx = {"amx_tile", "amx_bf16", "amx_int8"} <= flags
+    k = 512 if qtype == QT.Q4_K else 96
+    blocks, ref = k_quantized(64, k, qtype, seed=7) if qtype == QT.Q4_K else \
+        quantized(64, k, qtype, seed=7)
+    assert (backend.pack_weight(blocks).tile_twin is not None) == amx
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bf16 matmul on this CPU")
+    packed = GgufBlocks.with_tile_twin(ops, blocks)
+    for rows in (1, 8, 9, 64):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        out = backend.linear(x, blocks, None, packed)
+        expected = x.float() @ ref.T
+        assert out.shape == (rows, 64) and out.dtype == torch.bfloat16
+        if rows <= 8:
+            assert torch.equal(out, ops.quant_linear(x, packed.blocks, None))
+        else:  # weights rounded to bf16 (2^-9 each), and a bf16 result
+            bound = (x.float().abs() @ ref.abs().T) * 2 ** -8 + expected.abs() * 2 ** -8 + 1e-4
+            assert ((out.float() - expected).abs() <= bound).all(), \
+                (rows, (out.float() - expected).abs().max())
+            if rows <= ops.quant_int8_rows(packed.blocks, torch.bfloat16):  # int8 there
+                assert not torch.equal(out, ops.quant_linear(x, packed.blocks, None))
