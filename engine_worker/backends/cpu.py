@@ -60,7 +60,7 @@ class CpuOps:
     """The op wrappers of a CPU backend over one variant's kernels: each calls the kernel where
     the kernel's shape rules (csrc/cpu/elementwise.cpp) hold, the reference elsewhere."""
 
-    __slots__ = ("ops", "lanes", "_linear", "_tiles", "_twin_bytes_left", "_twins_said")
+    __slots__ = ("ops", "lanes", "tiles", "_linear", "_twin_bytes_left", "_twins_said")
 
     def __init__(self, kernels: CpuKernels) -> None:
         profile = ISA_PROFILES[kernels.isa]
@@ -69,9 +69,9 @@ class CpuOps:
         self._linear = profile.linear
         # AMX tiles: quantized layer weights get bf16 tile twins (cpu_linear.GgufBlocks) while
         # they fit in a quarter of the memory available at load; the KV cache is sized after
-        self._tiles = amx_tiles(kernels)
+        self.tiles = amx_tiles(kernels)  # the start block names them (make_cpu_backend)
         self._twin_bytes_left = available_memory_bytes(torch.device("cpu")) // 4 \
-            if self._tiles else 0
+            if self.tiles else 0
         self._twins_said = False
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -106,7 +106,7 @@ class CpuOps:
                                tuple(weight.shape[:2]))
                 self._twin_bytes_left = 0
             # a tied embedding's table (dense): past the decode rows where oneDNN has tiles
-            twin_rows = SKINNY_MAX_ROWS if self._tiles else DENSE_TWIN_ROWS
+            twin_rows = SKINNY_MAX_ROWS if self.tiles else DENSE_TWIN_ROWS
             return GgufBlocks.of(self.ops, weight, dense, self._linear, twin_rows)
         return self._linear.pack(self.ops, weight)
 
@@ -267,7 +267,7 @@ def amx_tiles(kernels: CpuKernels) -> bool:
 def make_cpu_backend(kernels: CpuKernels, name: str, description: str) -> Backend:
     """The backend that runs ``kernels`` (one variant's, loaded)."""
     ops = CpuOps(kernels)
-    if amx_tiles(kernels):
+    if ops.tiles:
         # oneDNN's many-row bf16 matmuls run on the tiles; quantized layers keep bf16 tile
         # twins for them (cpu_linear.GgufBlocks) or meet them sooner (int8_rows_limit)
         description += ", AMX tiles for many-row matmuls"

@@ -90,9 +90,14 @@ class GgufBlocks:
     tile_twin: torch.Tensor | None = None
 
     @staticmethod
+    def repacked(ops: Any, weight: torch.Tensor) -> torch.Tensor:
+        """The file's blocks as the kernels stream them (``repack_gguf``), on huge pages."""
+        return to_huge_pages(ops.repack_gguf(weight.detach().contiguous()))
+
+    @staticmethod
     def of(ops: Any, weight: torch.Tensor, dense: torch.Tensor | None = None,
            linear: Any = None, twin_rows: int = DENSE_TWIN_ROWS) -> GgufBlocks:
-        blocks = to_huge_pages(ops.repack_gguf(weight.detach().contiguous()))
+        blocks = GgufBlocks.repacked(ops, weight)
         # the twin is the same matrix (the loader reads both from one tensor): its rows
         if dense is None or linear is None or dense.dim() != 2 or dense.shape[0] != weight.shape[0]:
             return GgufBlocks(blocks)
@@ -104,7 +109,7 @@ class GgufBlocks:
     def with_tile_twin(ops: Any, weight: torch.Tensor) -> GgufBlocks:
         """The blocks and their bf16 tile twin (``tile_twin``): oneDNN's packed layout of the
         exact de-quantized values, made from the repacked blocks and kept alone."""
-        blocks = to_huge_pages(ops.repack_gguf(weight.detach().contiguous()))
+        blocks = GgufBlocks.repacked(ops, weight)
         twin = torch.ops.mkldnn._reorder_linear_weight(
             ops.dequantize_weight(blocks, torch.bfloat16), None)
         return GgufBlocks(blocks, tile_twin=twin)
