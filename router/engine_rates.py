@@ -152,6 +152,11 @@ class EngineRates:
         if elapsed_s > 0:
             self.request.observe(elapsed_s, 1)
 
+    @property
+    def pending_tokens(self) -> int:
+        """Uncached prompt tokens sent there that have not given a first token yet."""
+        return self.clock.pending_tokens
+
     def sent(self, now_s: float, num_tokens: int) -> None:
         """A request with ``num_tokens`` uncached prompt tokens was sent there."""
         self.clock.sent(now_s, num_tokens)

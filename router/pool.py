@@ -64,7 +64,6 @@ class _Member:
     rates: EngineRates  # measured from the requests relayed to it
     load: pb.LoadReport | None = None  # None: the load feed is down (load unknown)
     kv_feed_alive: bool = False  # False: place it by the approximate index
-    inflight_tokens: int = 0  # prompt tokens sent whose prefill has not answered yet
     # The engine process last admitted at this address (None: never admitted; "": its kind
     # reports none, so every re-admission after a lost connection counts as a restart).
     incarnation_id: str | None = None
@@ -375,7 +374,7 @@ class EnginePool:
             num_running=load.num_running, num_waiting=load.num_waiting,
             num_queued_tokens=load.num_queued_tokens,
             kv_cache_usage=min(max(load.kv_cache_usage, 0.0), 1.0),
-            inflight_tokens=member.inflight_tokens,
+            inflight_tokens=member.rates.pending_tokens,
             prefill_tokens_per_s=self._prefill_rate(member, now_s),
             decode_step_s=member.rates.decode_step_s, adapter=self._adapter(member, lora_name),
             adapter_bound=member.adapters.bound(
@@ -405,8 +404,6 @@ class EnginePool:
         hashes = (block_hashes.at(self._block_size(member))
                   if isinstance(block_hashes, PromptHashes) else block_hashes)
         self.record(engine_id, hashes)
-        num_tokens = num_uncached_tokens
-        member.inflight_tokens += num_tokens
         lora_name = getattr(request, "lora_name", "") or None
         member.adapters.sent(lora_name)
         sent = time.monotonic()
@@ -419,8 +416,7 @@ class EnginePool:
                 if first_at is None:
                     first_at = time.monotonic()
                     member.adapters.started(lora_name)
-                    member.inflight_tokens -= num_tokens  # prefill done: the load report has it
-                    num_tokens = 0
+                    # prefill done: the load report has it from here
                     member.rates.first_token(first_at, num_uncached_tokens)
                     if self._members.get(engine_id) is member:  # its KV event is one step away
                         self._exact.claim(engine_id, hashes, first_at)
@@ -430,7 +426,6 @@ class EnginePool:
                                             default=0)  # per stream: n > 1 runs side by side
                 yield message
         finally:
-            member.inflight_tokens -= num_tokens
             if first_at is None:
                 member.rates.dropped(time.monotonic(), num_uncached_tokens)
             member.adapters.ended(lora_name, started=first_at is not None)
@@ -450,7 +445,6 @@ class EnginePool:
         member = self._members[engine_id]
         self.record(engine_id, block_hashes.at(self._block_size(member))
                     if isinstance(block_hashes, PromptHashes) else block_hashes)
-        member.inflight_tokens += num_uncached_tokens
         member.rates.sent(time.monotonic(), num_uncached_tokens)
         answered = False
         try:
@@ -459,7 +453,6 @@ class EnginePool:
             answered = True
             return response
         finally:
-            member.inflight_tokens -= num_uncached_tokens
             if answered:  # a prompt-only forward: its answer is its prefill's end
                 member.rates.first_token(time.monotonic(), num_uncached_tokens)
             else:
