@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -37,7 +38,8 @@ namespace {
 
 constexpr int W = Vec::kWidth;
 constexpr int kChunkVecs = kChunk / W;  // score vectors per row and chunk
-constexpr int kPrefillTile = 32;        // query positions per work item in prefill
+constexpr int kPrefillTile = 32;        // query positions per work item in prefill (the
+                                        // vector kernels'; <isa>/attention.h may take more)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // One row's softmax state and output accumulator, all fp32.
@@ -214,7 +216,8 @@ void attend_item(const Item& it, const TQ* q, TQ* out, const Layout<TKV>& lay,
 constexpr int64_t kSplitDecodeKeys = 128;
 
 std::vector<Item> make_items(const int64_t* query_start_loc, const int64_t* seq_lens,
-                             int64_t num_seqs, int64_t num_kv_heads, int64_t num_threads) {
+                             int64_t num_seqs, int64_t num_kv_heads, int64_t num_threads,
+                             int64_t prefill_tile) {
   std::vector<Item> items;
   // A decode is one item for all its kv heads (their rows sit side by side in each slot: one
   // sweep reads them all), unless too few decodes keep the threads busy and its context is
@@ -233,8 +236,8 @@ std::vector<Item> make_items(const int64_t* query_start_loc, const int64_t* seq_
       continue;
     }
     for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t r = begin; r < end; r += kPrefillTile) {
-        const int64_t r_end = std::min(end, r + kPrefillTile);
+      for (int64_t r = begin; r < end; r += prefill_tile) {
+        const int64_t r_end = std::min(end, r + prefill_tile);
         items.push_back({b, h, h + 1, r, r_end, (seq_lens[b] - (end - r_end)) * (r_end - r)});
       }
   }
@@ -259,7 +262,10 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t table_stride = block_tables.size(1);
   const std::vector<Item> items =
-      make_items(qsl, lens, seq_lens.size(0), lay.num_kv_heads, at::get_num_threads());
+      make_items(qsl, lens, seq_lens.size(0), lay.num_kv_heads, at::get_num_threads(),
+                 std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TKV, at::BFloat16>
+                     ? prefill_positions_per_item(kPrefillTile)
+                     : kPrefillTile);
   const TQ* qp = q.data_ptr<TQ>();
   TQ* op = out.data_ptr<TQ>();
   const int64_t num_items = int64_t(items.size());
@@ -376,6 +382,8 @@ TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, float scale) -> ()");
   m.def("write_kv(Tensor(a!) kv_cache, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  // whether bf16 prefill attention runs on AMX tiles here; `want` turns that on or off
+  m.def("attention_tiles(bool? want=None) -> bool", &attention_tiles);
 }
 
 TORCH_LIBRARY_IMPL(QUIRE_NS, CPU, m) {

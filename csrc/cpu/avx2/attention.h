@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 
 #include "paged_attention.h"
 #include "vec.h"
@@ -50,6 +51,10 @@ inline void dots16_transposed(const float* q, const float* kT, int64_t d, Vec (&
     }
   }
 }
+
+inline int64_t prefill_positions_per_item(int64_t fallback) { return fallback; }
+
+inline bool attention_tiles(std::optional<bool>) { return false; }
 
 // No kernel of its own: every item takes the fp32 path.
 template <typename TQ, typename TKV>

@@ -7,11 +7,13 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
 #include "decode_bf16.h"
 #include "paged_attention.h"
+#include "prefill_amx.h"
 #include "prefill_bf16.h"
 #include "vec.h"
 
@@ -63,6 +65,27 @@ inline void dots16_transposed(const float* q, const float* kT, int64_t d, Vec (&
   for (int r = 0; r < RB; ++r) s[r][0] = _mm512_add_ps(even[r], odd[r]);
 }
 
+// Query positions per prefill work item: more on AMX tiles, where packing the keys an item
+// sees is a larger share of its work.
+inline int64_t prefill_positions_per_item(int64_t fallback) {
+#if defined(QUIRE_AMX_ATTENTION)
+  if (prefill_amx::enabled()) return prefill_amx::kPositionsPerItem;
+#endif
+  return fallback;
+}
+
+// Whether prefill attention runs on AMX tiles here; `want` turns that on or off (it stays
+// off where the CPU has no tiles).
+inline bool attention_tiles(std::optional<bool> want) {
+#if defined(QUIRE_AMX_ATTENTION)
+  if (want.has_value()) prefill_amx::wanted().store(*want);
+  return prefill_amx::enabled();
+#else
+  (void)want;
+  return false;
+#endif
+}
+
 // The bf16 kernels for a whole work item (bf16 queries and cache, head_dim a multiple of 32 up
 // to 256, at most 16 query heads per kv head); false where they do not apply, leaving the
 // item to the fp32 path.
@@ -83,15 +106,22 @@ bool attend_item_native(const Item& it, const TQ* q, TQ* out, const Layout<TKV>&
       const TKV* keys = lay.key_cache + kv_head * d;
       const TKV* values = lay.value_cache + kv_head * d;
       const int64_t row = (it.row_begin * num_heads + kv_head * group) * d;
-      if (num_pos == 1) {
-        decode_bf16::dispatch(q + row, out + row, int(group), d, last_pos + 1, scale, keys,
-                              values, offsets.data());
-        continue;
+      if (num_pos == 1) {  // a decode: every kv head of the item in one walk of the keys
+        decode_bf16::dispatch(q + row, out + row, int(group), d, int(it.kv_end - kv_head),
+                              last_pos + 1, scale, keys, values, offsets.data());
+        break;
       }
       // row (i, g): query position i of the tile, head g of the group
       auto at = [&](auto* base) {
         return [=](int64_t i, int64_t g) { return base + row + (i * num_heads + g) * d; };
       };
+#if defined(QUIRE_AMX_ATTENTION)
+      if (d % 64 == 0 && prefill_amx::enabled()) {
+        prefill_amx::attend_tile(at(q), at(out), num_pos, group, d, first_pos, scale, keys,
+                                 values, offsets.data());
+        continue;
+      }
+#endif
       prefill_bf16::attend_tile(at(q), at(out), num_pos, group, d, first_pos, scale, keys,
                                 values, offsets.data());
     }

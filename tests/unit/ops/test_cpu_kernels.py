@@ -11,6 +11,7 @@ layers are each set's own
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +126,63 @@ def test_paged_attention_reads_only_its_own_blocks(cpu_kernels):
     q, k, v, _ = random_inputs(meta, (9, 3, 64), NUM_BLOCKS, 16, torch.float32)
     out = cpu_kernels.backend.attention.forward(q, k, v, cache, meta, 0.125)
     assert not out.isnan().any()
+
+
+# long bf16 prefills (the AMX tile kernel's 16-row tiles and 64-key blocks, partly filled),
+# some over cached context, beside decodes
+LONG_STEPS = {
+    "prompts": [(0, 300), (0, 17), (0, 129)],
+    "chunks_over_context": [(5, 1), (250, 1), (100, 150), (63, 65), (1, 1)],
+}
+
+
+def _amx_here() -> bool:
+    return {"amx_tile", "amx_bf16", "amx_int8"} <= set(Path("/proc/cpuinfo").read_text().split())
+
+
+@pytest.mark.cpu_ops("attention_tiles")
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 1, 128), (4, 2, 256), (10, 2, 64)],
+                         ids=lambda h: "{}:{}-d{}".format(*h))
+@pytest.mark.parametrize("step", sorted(LONG_STEPS))
+def test_bf16_prefill_on_amx_tiles_and_vectors_both_match_reference(step, heads, cpu_kernels):
+    """Prefill attention runs on AMX tiles exactly where the CPU has them (the real AVX-512
+    set, read from /proc/cpuinfo), and both it and the AVX-512 BF16 vector kernel match the
+    reference; the two are different code (their outputs differ in some bits)."""
+    ops = cpu_kernels.ops
+    tiles_here = _amx_here() and cpu_kernels.kernels.variant.name == "avx512"
+    rng = random.Random(hash((step, heads)) & 0xFFFF)
+    torch.manual_seed(rng.randrange(1 << 30))
+    meta = make_step(rng, LONG_STEPS[step], 16, 128)
+    q, k, v, cache = random_inputs(meta, heads, 128, 16, torch.bfloat16)
+    scale = heads[2] ** -0.5
+    want = TorchAttentionBackend().forward(q, k, v, cache.clone(), meta, scale)
+    outs = {}
+    try:
+        for tiles in (True, False):
+            assert ops.attention_tiles(tiles) == (tiles and tiles_here)
+            outs[tiles] = cpu_kernels.backend.attention.forward(q, k, v, cache.clone(), meta,
+                                                                scale)
+            torch.testing.assert_close(outs[tiles].float(), want.float(), atol=2e-2, rtol=2e-2)
+    finally:
+        ops.attention_tiles(True)
+    assert torch.equal(outs[True], outs[False]) != tiles_here
+
+
+@pytest.mark.cpu_ops("attention_tiles")
+def test_bf16_prefill_on_amx_tiles_reads_only_its_own_blocks(cpu_kernels):
+    """NaN everywhere outside the requests' blocks (and past each one's length inside its last
+    block) must not reach a bf16 output, tiles or vectors: padding keys and rows are zeros."""
+    rng = random.Random(11)
+    meta = make_step(rng, LONG_STEPS["chunks_over_context"], 16, 128)
+    cache = nan_outside_requests(meta, 128, 16, 3, 64).bfloat16()
+    q, k, v, _ = random_inputs(meta, (9, 3, 64), 128, 16, torch.bfloat16)
+    try:
+        for tiles in (True, False):
+            cpu_kernels.ops.attention_tiles(tiles)
+            out = cpu_kernels.backend.attention.forward(q, k, v, cache.clone(), meta, 0.125)
+            assert not out.isnan().any()
+    finally:
+        cpu_kernels.ops.attention_tiles(True)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
