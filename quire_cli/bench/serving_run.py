@@ -1,8 +1,10 @@
 """One run of ``quire bench serving`` from a validated config (``serving.run_from_args``):
-each server in turn with every scenario, then Quire offline, then the report."""
+both servers up, every scenario against each in alternating order, then Quire offline, then
+the report."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -70,22 +72,32 @@ def _run_scenario(cfg: ServingBenchConfig, scenario: Scenario, system: str, serv
 
 def _serve_all(cfg: ServingBenchConfig, engine_args, dtypes: dict, model_dir: Path,
                workdir: Path, plan: list[Scenario]):
-    """Each system's server in turn, every scenario against it -> (runs by scenario and
+    """Every system's server up at once (the idle one waits on its socket), then each scenario
+    against each system back to back, which one goes first alternating from scenario to
+    scenario (ABBA): the machines here run in fast and slow phases of minutes, and one server's
+    whole run after the other's let a phase fall on one system only -> (runs by scenario and
     system, the first system's requests by scenario, server info by system)."""
     runs: dict[str, dict] = {s.name: {} for s in plan}
     requests: dict[str, list[dict]] = {}
     servers: dict[str, dict] = {}
-    for system in SYSTEMS[:1] if cfg.skip_vllm else SYSTEMS:
-        print(f"starting {system} (logs in {workdir})", file=sys.stderr, flush=True)
-        with SERVERS[system](cfg, engine_args, dtypes, model_dir, workdir) as server:
-            servers[system] = {**server.info, "note": SERVER_NOTES[system]}
-            warm_cfg, warm = warmup(cfg)
-            _, requests[WARMUP] = _run_scenario(warm_cfg, warm, system, server,
-                                                str(model_dir), workdir, WARMUP)
-            for scenario in plan:
-                run, sent = _run_scenario(cfg, scenario, system, server, str(model_dir),
+    systems = SYSTEMS[:1] if cfg.skip_vllm else SYSTEMS
+    with contextlib.ExitStack() as stack:
+        live: dict[str, Server] = {}
+        for system in systems:
+            print(f"starting {system} (logs in {workdir})", file=sys.stderr, flush=True)
+            live[system] = stack.enter_context(
+                SERVERS[system](cfg, engine_args, dtypes, model_dir, workdir))
+            servers[system] = {**live[system].info, "note": SERVER_NOTES[system]}
+        warm_cfg, warm = warmup(cfg)
+        for system in systems:
+            _, sent = _run_scenario(warm_cfg, warm, system, live[system], str(model_dir),
+                                    workdir, WARMUP)
+            requests.setdefault(WARMUP, sent)
+        for i, scenario in enumerate(plan):
+            for position, system in enumerate(systems if i % 2 == 0 else systems[::-1]):
+                run, sent = _run_scenario(cfg, scenario, system, live[system], str(model_dir),
                                           workdir)
-                runs[scenario.name][system] = run
+                runs[scenario.name][system] = {**run, "ran_first": position == 0}
                 requests.setdefault(scenario.name, sent)
     return runs, requests, servers
 

@@ -46,6 +46,9 @@ def test_bench_serving_reports_both_servers_and_the_offline_engine(embedded_mode
         assert run["tpot_p50_ms"] > 0 and run["itl_p50_ms"] > 0
         assert "--temperature" in run["client_argv"]
         assert len(run["loadavg_before"]) == len(run["loadavg_after"]) == 3
+    # the first scenario runs Quire first; the next would run vLLM first
+    assert (entry["serving"]["quire"]["ran_first"], entry["serving"]["vllm"]["ran_first"]) == (
+        True, False)
     offline = entry["offline_quire"]
     assert (offline["num_requests"], offline["num_output_tokens"]) == (
         NUM_PROMPTS, NUM_PROMPTS * OUTPUT_LEN)
