@@ -178,6 +178,19 @@ inline void softmax_block(Scratch& w, const int64_t* pos, int64_t key0, float sc
   }
 }
 
+// Tiles 0..3 += tile 4 (loaded by the caller) times the B tiles at b, b + 16, b + 32, b + 48
+// (16 pair columns each; rows `stride` bytes apart), each loaded into tile 5 in turn.
+QUIRE_AMX_TARGET inline void times_four_b(const uint32_t* b, int64_t stride) {
+  _tile_loadd(5, b, stride);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(5, b + 16, stride);
+  _tile_dpbf16ps(1, 4, 5);
+  _tile_loadd(5, b + 32, stride);
+  _tile_dpbf16ps(2, 4, 5);
+  _tile_loadd(5, b + 48, stride);
+  _tile_dpbf16ps(3, 4, 5);
+}
+
 // Rows [r0, r0 + 16) of the item (w.q) against keys [0, pos[15]]: O / l into out[r].
 QUIRE_AMX_TARGET inline void rows_tile(Scratch& w, int64_t r0, const int64_t* pos,
                                        at::BFloat16* const* out, int num_out, int64_t d,
@@ -198,15 +211,7 @@ QUIRE_AMX_TARGET inline void rows_tile(Scratch& w, int64_t r0, const int64_t* po
     _tile_zero(3);
     for (int64_t c = 0; c < d; c += 32) {
       _tile_loadd(4, q + c, d * 2);
-      const uint32_t* kc = kb + (c / 2) * kKeys;
-      _tile_loadd(5, kc, kKeys * 4);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(5, kc + 16, kKeys * 4);
-      _tile_dpbf16ps(1, 4, 5);
-      _tile_loadd(5, kc + 32, kKeys * 4);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(5, kc + 48, kKeys * 4);
-      _tile_dpbf16ps(3, 4, 5);
+      times_four_b(kb + (c / 2) * kKeys, kKeys * 4);
     }
     _tile_stored(0, &w.s[0][0], kKeys * 4);
     _tile_stored(1, &w.s[0][16], kKeys * 4);
@@ -223,15 +228,7 @@ QUIRE_AMX_TARGET inline void rows_tile(Scratch& w, int64_t r0, const int64_t* po
       _tile_loadd(3, o + 48, d * 4);
       for (int ks = 0; ks < kKeys / 32; ++ks) {
         _tile_loadd(4, &w.p[0][32 * ks], kKeys * 2);
-        const uint32_t* vc = vb + (16 * ks) * d + c;
-        _tile_loadd(5, vc, d * 4);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(5, vc + 16, d * 4);
-        _tile_dpbf16ps(1, 4, 5);
-        _tile_loadd(5, vc + 32, d * 4);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(5, vc + 48, d * 4);
-        _tile_dpbf16ps(3, 4, 5);
+        times_four_b(vb + (16 * ks) * d + c, d * 4);
       }
       _tile_stored(0, o, d * 4);
       _tile_stored(1, o + 16, d * 4);
