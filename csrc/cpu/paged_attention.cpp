@@ -264,7 +264,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
   const std::vector<Item> items =
       make_items(qsl, lens, seq_lens.size(0), lay.num_kv_heads, at::get_num_threads(),
                  std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TKV, at::BFloat16>
-                     ? prefill_positions_per_item(kPrefillTile)
+                     ? prefill_positions_per_item(lay.head_dim, kPrefillTile)
                      : kPrefillTile);
   const TQ* qp = q.data_ptr<TQ>();
   TQ* op = out.data_ptr<TQ>();

@@ -52,7 +52,7 @@ inline void dots16_transposed(const float* q, const float* kT, int64_t d, Vec (&
   }
 }
 
-inline int64_t prefill_positions_per_item(int64_t fallback) { return fallback; }
+inline int64_t prefill_positions_per_item(int64_t, int64_t fallback) { return fallback; }
 
 inline bool attention_tiles(std::optional<bool>) { return false; }
 

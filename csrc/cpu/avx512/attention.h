@@ -67,9 +67,9 @@ inline void dots16_transposed(const float* q, const float* kT, int64_t d, Vec (&
 
 // Query positions per prefill work item: more on AMX tiles, where packing the keys an item
 // sees is a larger share of its work.
-inline int64_t prefill_positions_per_item(int64_t fallback) {
+inline int64_t prefill_positions_per_item(int64_t head_dim, int64_t fallback) {
 #if defined(QUIRE_AMX_ATTENTION)
-  if (prefill_amx::enabled()) return prefill_amx::kPositionsPerItem;
+  if (prefill_amx::takes(head_dim)) return prefill_amx::kPositionsPerItem;
 #endif
   return fallback;
 }
@@ -116,7 +116,7 @@ bool attend_item_native(const Item& it, const TQ* q, TQ* out, const Layout<TKV>&
         return [=](int64_t i, int64_t g) { return base + row + (i * num_heads + g) * d; };
       };
 #if defined(QUIRE_AMX_ATTENTION)
-      if (d % 64 == 0 && prefill_amx::enabled()) {
+      if (prefill_amx::takes(d)) {
         prefill_amx::attend_tile(at(q), at(out), num_pos, group, d, first_pos, scale, keys,
                                  values, offsets.data());
         continue;

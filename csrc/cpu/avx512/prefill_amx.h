@@ -54,6 +54,8 @@ inline std::atomic<bool>& wanted() {
   return on;
 }
 inline bool enabled() { return wanted().load(std::memory_order_relaxed) && amx_tiles_usable(); }
+// Whether a bf16 prefill of head_dim d runs here (d a multiple of 64, at most 256).
+inline bool takes(int64_t d) { return d % 64 == 0 && d <= 256 && enabled(); }
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
