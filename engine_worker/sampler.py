@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine_worker.backends.base import ArgmaxFn, torch_argmax
 from engine_worker.platform import to_device
 from engine_worker.sampling_draw import PivotRounds, draw_tokens
 from engine_worker.step_types import SampledLogprobs
@@ -89,10 +90,11 @@ def draw_uniforms(logits: torch.Tensor, meta: SamplingMetadata,
     return u
 
 
-def sample_tokens(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, LogprobTensors | None]:
+def sample_tokens(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.Tensor | None,
+                  argmax: ArgmaxFn = torch_argmax) -> tuple[torch.Tensor, LogprobTensors | None]:
     """The device part: token ids [num_rows] and, where asked for, their logprobs, all left
-    on the device. ``uniforms`` are ``draw_uniforms``'s (None only when every row is greedy)."""
+    on the device. ``uniforms`` are ``draw_uniforms``'s (None only when every row is greedy);
+    ``argmax``: the backend's (``Backend.argmax``), for the greedy rows."""
     if meta.token_bitmask is not None:
         logits = apply_token_bitmask(logits, meta.token_bitmask)
     raw_logprobs = None
@@ -104,11 +106,11 @@ def sample_tokens(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
     if meta.all_greedy:
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax(logits)
     else:
         tokens = _sample_random(logits, meta, uniforms)
         if meta.any_greedy:
-            tokens = torch.where(meta.temperature == 0, logits.argmax(dim=-1), tokens)
+            tokens = torch.where(meta.temperature == 0, argmax(logits), tokens)
     logprobs = None
     if raw_logprobs is not None:
         logprobs = logprob_tensors(raw_logprobs, tokens, meta.max_num_logprobs)

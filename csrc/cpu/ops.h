@@ -5,9 +5,9 @@
 // Shared sources (this directory): RMSNorm, SwiGLU and RoPE (elementwise.cpp), varlen paged
 // attention and the cache write (paged_attention.cpp), the fused layer halves and the layer
 // stack (llama_block.cpp), GGUF block-quantized linear layers (quant_linear.cpp), batched
-// LoRA (lora.cpp), the shared-memory all-reduce (shm_all_reduce.cpp). Each
-// instruction set adds, in its own directory, what only it can
-// do: its linear layers (<isa>/linear.h) and its attention dot products and kernels
+// LoRA (lora.cpp), the shared-memory all-reduce (shm_all_reduce.cpp), the sampler's row scans
+// (sampling.cpp). Each instruction set adds, in its own directory, what only it can do: its
+// linear layers (<isa>/linear.h) and its attention dot products and kernels
 // (<isa>/attention.h).
 #pragma once
 

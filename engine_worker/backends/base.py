@@ -31,6 +31,12 @@ PackFn = Callable[..., Any]
 NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 # (positions, q, k, cos, sin) -> (q, k) rotated
 RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# logits [rows, vocab] -> int64 [rows], each row's first largest value (torch.argmax(dim=-1))
+ArgmaxFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
 
 
 class AttentionBackend(Protocol):
@@ -93,6 +99,8 @@ class Backend:
     # GGUF block types (``"Q4_1"``...) whose weights linear / pack_weight take as they are
     # stored (uint8 [N, K / 32, block bytes]); the loader de-quantizes any other
     quantized_types: frozenset[str] = frozenset()
+    # the sampler's greedy rows (engine_worker/sampler.py)
+    argmax: ArgmaxFn = torch_argmax
 
     def fuse(self, stack: Any) -> LayersFn | None:
         """A model's exported stack as one call a step, where this backend fuses it."""

@@ -128,6 +128,13 @@ class CpuOps:
             return self.ops.silu_and_mul(x)
         return silu_and_mul(x)
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        # torch's CPU argmax reads a row a value at a time: ~3.5 ms for 64 x 49,152 logits
+        if logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1 \
+                and logits.shape[1] > 0:
+            return self.ops.argmax_rows(logits)
+        return logits.argmax(dim=-1)
+
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
              cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """In place on q and k (views into the step's fused QKV output)."""
@@ -280,7 +287,7 @@ def make_cpu_backend(kernels: CpuKernels, name: str, description: str) -> Backen
                    attention=CpuPagedAttentionBackend(name, kernels.ops),
                    fused_stacks={"llama": ops.fuse_llama},
                    quantized_types=GGUF_NATIVE_TYPES if kernels.has("quant_linear")
-                   else frozenset())
+                   else frozenset(), argmax=ops.argmax)
 
 
 def cpu_backend_entry(name: str, description: str, variant: CpuVariant) -> BackendEntry:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_worker.backends.base import ArgmaxFn, torch_argmax
 from engine_worker.grammar import GrammarBitmask
 from engine_worker.lora.manager import LoRAManager
 from engine_worker.model_runner.graphs import CudaGraphDecoder
@@ -86,11 +87,14 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, vocab_size: int, eos_token_ids: frozenset[int],
                  seed: int, graphs: CudaGraphDecoder | None = None,
-                 pooler: Pooler | None = None, lora: LoRAManager | None = None) -> None:
+                 pooler: Pooler | None = None, lora: LoRAManager | None = None,
+                 argmax: ArgmaxFn = torch_argmax) -> None:
         """``graphs``: decode-only steps replayed from its captured graphs (captured over
         ``kv_caches``); None runs every step eagerly. ``pooler``: how pooling requests'
         hidden states become their vectors (needed once one is sent). ``lora``: the adapters
-        requests may run under (None: LoRA is off)."""
+        requests may run under (None: LoRA is off). ``argmax``: the backend's, for greedy
+        rows (``Backend.argmax``)."""
+        self.argmax = argmax
         self.model = model
         self.lora = lora
         self.pooler = pooler
@@ -224,7 +228,7 @@ class ModelRunner:
                    for j, (s, d) in enumerate(zip(picked, drafts))
                    if d and s.generator is not None and not s.params.is_greedy}
         uniforms = draw_uniforms(logits, meta, self.default_generator)
-        token_ids, logprobs = sample_tokens(logits, meta, uniforms)
+        token_ids, logprobs = sample_tokens(logits, meta, uniforms, self.argmax)
         return _DeviceSamples(picked, row_starts, drafts, token_ids, logprobs, rewinds)
 
     def _rewind(self, generator: torch.Generator, state: torch.Tensor, num_uniforms: int,

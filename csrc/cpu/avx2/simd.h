@@ -73,6 +73,14 @@ inline float reduce_max(Vec a) {
   return _mm_cvtss_f32(s);
 }
 
+// Bit i set where lane i of a equals lane i of b (a NaN equals nothing), where it is a NaN.
+inline unsigned equal_lanes(Vec a, Vec b) {
+  return unsigned(_mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_EQ_OQ)));
+}
+inline unsigned nan_lanes(Vec a) {
+  return unsigned(_mm256_movemask_ps(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q)));
+}
+
 // Lane i: the sum of a[i]'s lanes. Eight horizontal sums sharing one shuffle tree.
 inline Vec sum8(const Vec* a) {
   const __m256 t0 = _mm256_hadd_ps(a[0].v, a[1].v), t1 = _mm256_hadd_ps(a[2].v, a[3].v);

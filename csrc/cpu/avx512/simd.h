@@ -62,6 +62,10 @@ inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a.v, b.v); }
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
 inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
 
+// Bit i set where lane i of a equals lane i of b (a NaN equals nothing), where it is a NaN.
+inline unsigned equal_lanes(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ); }
+inline unsigned nan_lanes(Vec a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }
+
 // The mask of lanes [0, n), n clamped to 0..16.
 inline __mmask16 lanes_below(int64_t n) {
   return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1u);

@@ -214,6 +214,46 @@ def test_write_kv_rejects_out_of_range_slot(cpu_kernels):
         cpu_kernels.ops.write_kv(cache, k, k, torch.tensor([4 * 16]))
 
 
+# ---------------------------------------------------------------- the sampler's argmax
+
+def _argmax_rows_cases(width: int) -> torch.Tensor:
+    """Rows torch.argmax must agree on: plain, ties (first one wins), NaN, infinities."""
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(12, width, generator=g)
+    top = float(x.max()) + 1
+    x[1, width // 3] = x[1, width - 1] = top  # a tie, the second in the tail
+    x[2, :] = top  # all equal: index 0
+    x[3, width // 2] = float("nan")
+    x[3, width - 1] = float("inf")  # a NaN beats +inf
+    x[4, :] = -float("inf")
+    x[5, width - 1] = float("inf")
+    x[6, width - 1] = float("nan")  # a NaN in the tail only
+    x[7, :] = float("nan")
+    x[8].clamp_(max=0.5)  # many equal maxima spread over every vector
+    x[9, ::3] = top  # ties in every vector; the first at 0
+    x[10, 1::5] = top
+    x[11] = x[11].to(torch.bfloat16).float()  # coarse values: near-ties
+    return x
+
+
+@pytest.mark.parametrize("width", [1, 7, 16, 17, 100, 49152, 49157])
+def test_argmax_rows_is_torch_argmax(width, cpu_kernels):
+    x = _argmax_rows_cases(width)
+    assert torch.equal(cpu_kernels.ops.argmax_rows(x), x.argmax(dim=-1))
+    wide = torch.cat([x, x.flip(1)], dim=1)[:, :width]  # rows of a wider tensor
+    assert torch.equal(cpu_kernels.ops.argmax_rows(wide), wide.argmax(dim=-1))
+
+
+def test_backend_argmax_takes_what_the_kernel_cannot(cpu_kernels):
+    x = torch.randn(3, 49)
+    for logits in (x, x.to(torch.bfloat16), x.t().contiguous().t(), x[:, :0]):
+        if logits.numel() == 0:  # torch refuses an empty row as well
+            with pytest.raises((RuntimeError, IndexError)):
+                cpu_kernels.backend.argmax(logits)
+            continue
+        assert torch.equal(cpu_kernels.backend.argmax(logits), logits.argmax(dim=-1))
+
+
 # ---------------------------------------------------------------- AVX-512: bf16 skinny matmul
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
