@@ -349,7 +349,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, kv_caches, cache.block_size, self._device,
                                   model.cfg.vocab_size, self.tokenizer.eos_token_ids,
                                   self.config.model.seed, graphs=graphs, pooler=self._pooler,
-                                  lora=self._lora, argmax=self._backend.backend.argmax)
+                                  lora=self._lora,
+                                  sampling_kernels=self._backend.backend.sampling)
         self.input_processor = InputProcessor(
             self.tokenizer, max_model_len=self._max_model_len,
             kv_capacity_tokens=num_blocks * cache.block_size, vocab_size=model.cfg.vocab_size,

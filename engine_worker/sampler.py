@@ -5,7 +5,9 @@ Order (as vLLM and Hugging Face apply them): a structured output's grammar masks
 min_tokens masking, logit_bias, repetition / presence / frequency penalties, then greedy rows take the
 argmax and random rows go through temperature, then top-k, top-p and min-p with an exact draw
 of a few uniforms per row (``sampling_draw``). Seeded rows draw their uniforms from their own
-generator, the same number every step, so their tokens do not depend on the batch.
+generator, the same number every step, so their tokens do not depend on the batch. A backend
+may bring its own argmax and untruncated draw (``Backend.sampling``: the CPU kernels scan a
+row in two vector passes), the same functions of the logits and uniforms.
 
 The device part never reads a device value on the host: ``draw_uniforms`` (random kernels only)
 and ``sample_tokens`` (tensors in, tensors out) queue work and return; the caller copies the
@@ -21,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine_worker.backends.base import ArgmaxFn, torch_argmax
+from engine_worker.backends.base import SamplingKernels
 from engine_worker.platform import to_device
 from engine_worker.sampling_draw import PivotRounds, draw_tokens
 from engine_worker.step_types import SampledLogprobs
@@ -91,10 +93,11 @@ def draw_uniforms(logits: torch.Tensor, meta: SamplingMetadata,
 
 
 def sample_tokens(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.Tensor | None,
-                  argmax: ArgmaxFn = torch_argmax) -> tuple[torch.Tensor, LogprobTensors | None]:
+                  kernels: SamplingKernels = SamplingKernels()
+                  ) -> tuple[torch.Tensor, LogprobTensors | None]:
     """The device part: token ids [num_rows] and, where asked for, their logprobs, all left
     on the device. ``uniforms`` are ``draw_uniforms``'s (None only when every row is greedy);
-    ``argmax``: the backend's (``Backend.argmax``), for the greedy rows."""
+    ``kernels``: the backend's argmax and draw (``Backend.sampling``)."""
     if meta.token_bitmask is not None:
         logits = apply_token_bitmask(logits, meta.token_bitmask)
     raw_logprobs = None
@@ -106,11 +109,11 @@ def sample_tokens(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
     if meta.all_greedy:
-        tokens = argmax(logits)
+        tokens = kernels.argmax(logits)
     else:
-        tokens = _sample_random(logits, meta, uniforms)
+        tokens = _sample_random(logits, meta, uniforms, kernels.draw)
         if meta.any_greedy:
-            tokens = torch.where(meta.temperature == 0, argmax(logits), tokens)
+            tokens = torch.where(meta.temperature == 0, kernels.argmax(logits), tokens)
     logprobs = None
     if raw_logprobs is not None:
         logprobs = logprob_tensors(raw_logprobs, tokens, meta.max_num_logprobs)
@@ -166,13 +169,39 @@ def apply_penalties(logits: torch.Tensor, p: PenaltyInputs) -> torch.Tensor:
     return logits - p.presence[:, None] * (output_counts > 0).to(logits.dtype)
 
 
-def _sample_random(logits: torch.Tensor, meta: SamplingMetadata,
-                   uniforms: torch.Tensor) -> torch.Tensor:
+def _untruncated(meta: SamplingMetadata, vocab_size: int) -> torch.Tensor | None:
+    """[num_rows] bool: rows without top-k, top-p or min-p; None when that is every row."""
+    if meta.top_k is None and meta.top_p is None and meta.min_p is None:
+        return None
+    plain = torch.ones_like(meta.temperature, dtype=torch.bool)
+    if meta.top_k is not None:
+        plain &= meta.top_k >= vocab_size
+    if meta.top_p is not None:
+        plain &= meta.top_p >= 1
+    if meta.min_p is not None:
+        plain &= meta.min_p <= 0
+    return plain
+
+
+def _sample_random(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.Tensor,
+                   draw=None) -> torch.Tensor:
+    """The random rows' tokens (greedy rows get an arbitrary id). ``draw``: the backend's
+    draw for untruncated rows (``SamplingKernels.draw``). Whether a row takes it depends on
+    that row's own parameters only, so a seeded row's tokens do not depend on the batch."""
+    plain = _untruncated(meta, logits.shape[1])
+    drawn = None
+    if draw is not None:
+        temperature = meta.temperature if plain is None else \
+            torch.where(plain, meta.temperature, 0.0)  # the kernel skips rows at 0
+        drawn = draw(logits, temperature, uniforms[:, 0])
+        if drawn is not None and plain is None:
+            return drawn
     random_rows = meta.temperature > 0
     temperature = torch.where(random_rows, meta.temperature, 1.0)
     probs = torch.softmax(logits / temperature[:, None], dim=-1, dtype=torch.float32)
-    return draw_tokens(probs, random_rows, uniforms, meta.rounds, top_k=meta.top_k,
-                       max_top_k=meta.max_top_k, top_p=meta.top_p, min_p=meta.min_p)
+    tokens = draw_tokens(probs, random_rows, uniforms, meta.rounds, top_k=meta.top_k,
+                         max_top_k=meta.max_top_k, top_p=meta.top_p, min_p=meta.min_p)
+    return tokens if drawn is None else torch.where(plain, drawn, tokens)
 
 
 def logprob_tensors(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobTensors:

@@ -6,12 +6,24 @@
 // on two cores, a greedy step's whole sampling cost; two vector passes, the maximum and then
 // the first lane that holds it, take a tenth of that. Reference: torch.argmax
 // (engine_worker/sampler.py).
+//
+// draw_rows: one token per row from softmax(logits / temperature), no truncation, by inverse
+// CDF with the row's one uniform: the first token whose running sum of exp((x - max) / T)
+// passes u times the row's total (running sums in float64, over blocks of kDrawBlock tokens
+// first). The same draw as the sampler's PyTorch path (engine_worker/sampling_draw.py, which
+// the rows with top-k, top-p or min-p take), in two passes over the row instead of a softmax
+// written out and read back three times: ~0.6 ms for 64 x 49,152 logits on two cores against
+// ~3.4 ms. Weights are left unnormalised (the draw does not depend on the scale); a weight
+// whose exponent is below -87 is 0, as fp32's softmax underflows there, so a token of logit
+// -inf (a grammar's mask, a ban) is never drawn.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "ops.h"
 
@@ -61,7 +73,102 @@ int64_t argmax_row(const float* x, int64_t n) {
   return 0;  // not reached: best is one of the row's values
 }
 
+constexpr int64_t kDrawBlock = 256;  // a multiple of every set's lane count
+
+// Lane i of the result: exp((x_i - top) / T), 0 where that exponent is below -87 or x_i -inf.
+inline Vec weights_of(Vec x, Vec top, Vec inv_t) {
+  const Vec z = (x - top) * inv_t;
+  return simd::where_at_least(z, -87.f, simd::exp(z));
+}
+
+// The weights of x[start, end) into w (end - start <= kDrawBlock); their sum. A part vector at
+// the end is read through a copy padded with -inf (weight 0).
+float block_weights(const float* x, int64_t start, int64_t end, Vec top, Vec inv_t, float* w) {
+  Vec acc = Vec::zero();
+  int64_t c = start;
+  for (; c + W <= end; c += W) {
+    const Vec v = weights_of(Vec::load(x + c), top, inv_t);
+    v.store(w + (c - start));
+    acc = acc + v;
+  }
+  if (c < end) {
+    alignas(64) float tail[W];
+    for (int i = 0; i < W; ++i) tail[i] = c + i < end ? x[c + i] : -INFINITY;
+    const Vec v = weights_of(Vec::load(tail), top, inv_t);
+    alignas(64) float out[W];
+    v.store(out);
+    for (int64_t i = 0; c + i < end; ++i) w[c - start + i] = out[i];
+    acc = acc + v;
+  }
+  return simd::reduce_add(acc);
+}
+
+int64_t draw_row(const float* x, int64_t n, float temperature, double u,
+                 std::vector<double>& block_sums) {
+  const Vec lowest = Vec::broadcast(-INFINITY);
+  Vec m0 = lowest, m1 = lowest;
+  int64_t c = 0;
+  for (; c + 2 * W <= n; c += 2 * W) {
+    m0 = simd::max(m0, Vec::load(x + c));
+    m1 = simd::max(m1, Vec::load(x + c + W));
+  }
+  for (; c + W <= n; c += W) m0 = simd::max(m0, Vec::load(x + c));
+  float top = simd::reduce_max(simd::max(m0, m1));
+  for (; c < n; ++c) top = std::max(top, x[c]);
+  if (!std::isfinite(top)) return 0;  // every token masked (or a NaN): nothing to draw
+  const Vec topv = Vec::broadcast(top), inv_t = Vec::broadcast(1.f / temperature);
+  alignas(64) float w[kDrawBlock];
+  const int64_t num_blocks = (n + kDrawBlock - 1) / kDrawBlock;
+  block_sums.resize(num_blocks);
+  double total = 0;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    block_sums[b] = block_weights(x, b * kDrawBlock, std::min(n, (b + 1) * kDrawBlock), topv,
+                                  inv_t, w);
+    total += block_sums[b];
+  }
+  // the first running sum strictly above the target, the target strictly below the total: a
+  // token of weight 0 is never drawn (its running sum equals the one before it)
+  const double target = std::min(u * total, std::nextafter(total, 0.0));
+  int64_t b = 0;
+  double before = 0;
+  for (; b < num_blocks - 1 && before + block_sums[b] <= target; ++b) before += block_sums[b];
+  const int64_t start = b * kDrawBlock, end = std::min(n, start + kDrawBlock);
+  block_weights(x, start, end, topv, inv_t, w);
+  double inside = 0;
+  for (int64_t i = 0; i < end - start; ++i) inside += w[i];
+  const double rest = std::min(std::max(target - before, 0.0), std::nextafter(inside, 0.0));
+  double running = 0;
+  for (int64_t i = 0; i < end - start; ++i) {
+    running += w[i];
+    if (running > rest) return start + i;
+  }
+  return end - 1;  // not reached: rest is below the block's sum
+}
+
 }  // namespace
+
+at::Tensor draw_rows(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& u) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
+              "draw_rows: fp32 x [rows, n] with unit stride and n > 0");
+  TORCH_CHECK(temperature.dim() == 1 && temperature.size(0) == x.size(0) &&
+                  temperature.dtype() == at::kFloat && temperature.is_contiguous(),
+              "draw_rows: fp32 temperature [rows]");
+  TORCH_CHECK(u.dim() == 1 && u.size(0) == x.size(0) && u.dtype() == at::kDouble,
+              "draw_rows: float64 u [rows]");
+  at::Tensor out = at::zeros({x.size(0)}, x.options().dtype(at::kLong));
+  const float* base = x.data_ptr<float>();
+  const float* temp = temperature.data_ptr<float>();
+  const at::Tensor uc = u.contiguous();
+  const double* uu = uc.data_ptr<double>();
+  int64_t* idx = out.data_ptr<int64_t>();
+  const int64_t n = x.size(1), stride = x.stride(0);
+  at::parallel_for(0, x.size(0), 4, [&](int64_t begin, int64_t end) {
+    std::vector<double> block_sums;
+    for (int64_t r = begin; r < end; ++r)
+      if (temp[r] > 0.f) idx[r] = draw_row(base + r * stride, n, temp[r], uu[r], block_sums);
+  });
+  return out;
+}
 
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.dtype() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
@@ -76,8 +183,14 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) { m.def("argmax_rows(Tensor x) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
+  m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("draw_rows(Tensor x, Tensor temperature, Tensor u) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(QUIRE_NS, CPU, m) { m.impl("argmax_rows", &argmax_rows); }
+TORCH_LIBRARY_IMPL(QUIRE_NS, CPU, m) {
+  m.impl("argmax_rows", &argmax_rows);
+  m.impl("draw_rows", &draw_rows);
+}
 
 }  // namespace QUIRE_NS

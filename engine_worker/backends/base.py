@@ -31,12 +31,26 @@ PackFn = Callable[..., Any]
 NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 # (positions, q, k, cos, sin) -> (q, k) rotated
 RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-# logits [rows, vocab] -> int64 [rows], each row's first largest value (torch.argmax(dim=-1))
-ArgmaxFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingKernels:
+    """What the sampler (engine_worker/sampler.py) asks of a backend, where it has faster
+    versions than the sampler's own tensor ops.
+
+    ``argmax``: logits [rows, vocab] -> int64 [rows], each row's first largest value
+    (``torch.argmax(dim=-1)``), for greedy rows. ``draw``: (logits [rows, vocab], temperature
+    fp32 [rows], u float64 [rows]) -> int64 [rows], one token per row with temperature > 0
+    from ``softmax(logits / temperature)`` by inverse CDF with the row's uniform (the same draw
+    as ``sampling_draw.draw_tokens`` without truncation), or None where it cannot take these
+    logits; rows with top-k, top-p or min-p never go to it. None: the sampler's own draw."""
+
+    argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax
+    draw: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
 
 
 class AttentionBackend(Protocol):
@@ -99,8 +113,7 @@ class Backend:
     # GGUF block types (``"Q4_1"``...) whose weights linear / pack_weight take as they are
     # stored (uint8 [N, K / 32, block bytes]); the loader de-quantizes any other
     quantized_types: frozenset[str] = frozenset()
-    # the sampler's greedy rows (engine_worker/sampler.py)
-    argmax: ArgmaxFn = torch_argmax
+    sampling: SamplingKernels = SamplingKernels()
 
     def fuse(self, stack: Any) -> LayersFn | None:
         """A model's exported stack as one call a step, where this backend fuses it."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine_worker.attention.metadata import AttentionMetadata
-from engine_worker.backends.base import Backend, BackendEntry, LayersFn
+from engine_worker.backends.base import Backend, BackendEntry, LayersFn, SamplingKernels
 from engine_worker.backends.cpu_linear import (DENSE_TWIN_ROWS, GGUF_NATIVE_TYPES,
                                                K_QUANT_BLOCK_BYTES, PANELS_BF16, SKINNY_BF16,
                                                SKINNY_MAX_ROWS, GgufBlocks, is_gguf_blocks)
@@ -128,12 +128,23 @@ class CpuOps:
             return self.ops.silu_and_mul(x)
         return silu_and_mul(x)
 
+    @staticmethod
+    def _rows_kernel_takes(logits: torch.Tensor) -> bool:
+        return logits.dim() == 2 and logits.dtype == torch.float32 and \
+            logits.stride(1) == 1 and logits.shape[1] > 0
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         # torch's CPU argmax reads a row a value at a time: ~3.5 ms for 64 x 49,152 logits
-        if logits.dim() == 2 and logits.dtype == torch.float32 and logits.stride(1) == 1 \
-                and logits.shape[1] > 0:
+        if self._rows_kernel_takes(logits):
             return self.ops.argmax_rows(logits)
         return logits.argmax(dim=-1)
+
+    def draw(self, logits: torch.Tensor, temperature: torch.Tensor,
+             u: torch.Tensor) -> torch.Tensor | None:
+        if self._rows_kernel_takes(logits) and temperature.dtype == torch.float32 and \
+                u.dtype == torch.float64:
+            return self.ops.draw_rows(logits, temperature.contiguous(), u)
+        return None
 
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
              cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,7 +298,8 @@ def make_cpu_backend(kernels: CpuKernels, name: str, description: str) -> Backen
                    attention=CpuPagedAttentionBackend(name, kernels.ops),
                    fused_stacks={"llama": ops.fuse_llama},
                    quantized_types=GGUF_NATIVE_TYPES if kernels.has("quant_linear")
-                   else frozenset(), argmax=ops.argmax)
+                   else frozenset(),
+                   sampling=SamplingKernels(argmax=ops.argmax, draw=ops.draw))
 
 
 def cpu_backend_entry(name: str, description: str, variant: CpuVariant) -> BackendEntry:

@@ -127,7 +127,7 @@ def _serve(spec: WorkerSpec) -> None:
                  for shape in model.kv_cache_shapes(start.num_blocks, start.block_size)]
     runner = ModelRunner(model, kv_caches, start.block_size, device, model.cfg.vocab_size,
                          start.eos_token_ids, start.seed, pooler=Pooler(start.pooler_config),
-                         lora=lora, argmax=backend.backend.argmax)
+                         lora=lora, sampling_kernels=backend.backend.sampling)
     comm.barrier()  # every rank ready: rank 0 may announce and serve
     while True:
         step = comm.broadcast_object()

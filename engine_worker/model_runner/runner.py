@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_worker.backends.base import ArgmaxFn, torch_argmax
+from engine_worker.backends.base import SamplingKernels
 from engine_worker.grammar import GrammarBitmask
 from engine_worker.lora.manager import LoRAManager
 from engine_worker.model_runner.graphs import CudaGraphDecoder
@@ -88,13 +88,13 @@ class ModelRunner:
                  device: torch.device, vocab_size: int, eos_token_ids: frozenset[int],
                  seed: int, graphs: CudaGraphDecoder | None = None,
                  pooler: Pooler | None = None, lora: LoRAManager | None = None,
-                 argmax: ArgmaxFn = torch_argmax) -> None:
+                 sampling_kernels: SamplingKernels = SamplingKernels()) -> None:
         """``graphs``: decode-only steps replayed from its captured graphs (captured over
         ``kv_caches``); None runs every step eagerly. ``pooler``: how pooling requests'
         hidden states become their vectors (needed once one is sent). ``lora``: the adapters
-        requests may run under (None: LoRA is off). ``argmax``: the backend's, for greedy
-        rows (``Backend.argmax``)."""
-        self.argmax = argmax
+        requests may run under (None: LoRA is off). ``sampling_kernels``: the backend's
+        (``Backend.sampling``)."""
+        self.sampling_kernels = sampling_kernels
         self.model = model
         self.lora = lora
         self.pooler = pooler
@@ -228,7 +228,7 @@ class ModelRunner:
                    for j, (s, d) in enumerate(zip(picked, drafts))
                    if d and s.generator is not None and not s.params.is_greedy}
         uniforms = draw_uniforms(logits, meta, self.default_generator)
-        token_ids, logprobs = sample_tokens(logits, meta, uniforms, self.argmax)
+        token_ids, logprobs = sample_tokens(logits, meta, uniforms, self.sampling_kernels)
         return _DeviceSamples(picked, row_starts, drafts, token_ids, logprobs, rewinds)
 
     def _rewind(self, generator: torch.Generator, state: torch.Tensor, num_uniforms: int,

@@ -81,6 +81,11 @@ inline unsigned nan_lanes(Vec a) {
   return unsigned(_mm256_movemask_ps(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q)));
 }
 
+// Lanes of v where z >= bound, 0 elsewhere (and where z is a NaN).
+inline Vec where_at_least(Vec z, float bound, Vec v) {
+  return _mm256_and_ps(_mm256_cmp_ps(z.v, _mm256_set1_ps(bound), _CMP_GE_OQ), v.v);
+}
+
 // Lane i: the sum of a[i]'s lanes. Eight horizontal sums sharing one shuffle tree.
 inline Vec sum8(const Vec* a) {
   const __m256 t0 = _mm256_hadd_ps(a[0].v, a[1].v), t1 = _mm256_hadd_ps(a[2].v, a[3].v);

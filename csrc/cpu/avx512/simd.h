@@ -66,6 +66,11 @@ inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
 inline unsigned equal_lanes(Vec a, Vec b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ); }
 inline unsigned nan_lanes(Vec a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }
 
+// Lanes of v where z >= bound, 0 elsewhere (and where z is a NaN).
+inline Vec where_at_least(Vec z, float bound, Vec v) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(z.v, _mm512_set1_ps(bound), _CMP_GE_OQ), v.v);
+}
+
 // The mask of lanes [0, n), n clamped to 0..16.
 inline __mmask16 lanes_below(int64_t n) {
   return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1u);

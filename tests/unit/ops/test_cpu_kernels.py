@@ -249,9 +249,97 @@ def test_backend_argmax_takes_what_the_kernel_cannot(cpu_kernels):
     for logits in (x, x.to(torch.bfloat16), x.t().contiguous().t(), x[:, :0]):
         if logits.numel() == 0:  # torch refuses an empty row as well
             with pytest.raises((RuntimeError, IndexError)):
-                cpu_kernels.backend.argmax(logits)
+                cpu_kernels.backend.sampling.argmax(logits)
             continue
-        assert torch.equal(cpu_kernels.backend.argmax(logits), logits.argmax(dim=-1))
+        assert torch.equal(cpu_kernels.backend.sampling.argmax(logits), logits.argmax(dim=-1))
+
+
+# ---------------------------------------------------------------- the sampler's draw
+
+def _sample_with(kernels, logits, meta, generator):
+    from engine_worker.sampler import draw_uniforms, sample_tokens
+
+    return sample_tokens(logits, meta, draw_uniforms(logits, meta, generator), kernels)[0]
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("vocab", [300, 4099])  # neither a multiple of the draw's blocks
+def test_draw_rows_matches_multinomial(vocab, temperature, cpu_kernels):
+    from tests.unit.test_sampler import (NUM_DRAWS, _assert_same_distribution, _meta,
+                                         _reference, _zipf_like_logits)
+
+    logits = _zipf_like_logits(vocab, seed=40)
+    meta = _meta(NUM_DRAWS, temperature=torch.full((NUM_DRAWS,), temperature))
+    tokens = _sample_with(cpu_kernels.backend.sampling, logits.repeat(NUM_DRAWS, 1), meta,
+                          torch.Generator().manual_seed(41))
+    _assert_same_distribution(tokens, _reference(torch.softmax(logits.double() / temperature,
+                                                               dim=-1)), seed=42)
+
+
+def test_draw_rows_is_the_samplers_own_draw(cpu_kernels):
+    """Same logits, same uniforms: the kernel and the sampler's tensor ops pick the same token
+    but where a running sum lands within rounding of its target (none expected in 2,000)."""
+    from engine_worker.sampling_draw import PivotRounds, draw_tokens
+
+    g = torch.Generator().manual_seed(43)
+    rows, vocab = 2000, 1000
+    logits = 3 * torch.randn(rows, vocab, generator=g) - torch.arange(vocab).log1p()
+    temperature = 0.25 + 1.5 * torch.rand(rows, generator=g)
+    u = torch.rand(rows, dtype=torch.float64, generator=g)
+    ours = cpu_kernels.ops.draw_rows(logits, temperature, u)
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    theirs = draw_tokens(probs, torch.ones(rows, dtype=torch.bool), u[:, None],
+                         PivotRounds(0, True), top_k=None, max_top_k=0, top_p=None, min_p=None)
+    assert (ours != theirs).sum() <= 2
+
+
+def test_draw_rows_never_draws_a_masked_token(cpu_kernels):
+    """-inf first, last, at block edges and over a whole block, uniforms at both ends of [0, 1)
+    and between; rows at temperature 0 and rows with nothing left are skipped (id 0)."""
+    vocab = 3 * 256 + 17
+    masked = torch.zeros(vocab, dtype=torch.bool)
+    masked[[0, 1, 255, 256, 511, vocab - 2, vocab - 1]] = True
+    masked[512:768] = True
+    g = torch.Generator().manual_seed(44)
+    rows = 2000
+    logits = torch.randn(rows, vocab, generator=g).masked_fill(masked, float("-inf"))
+    u = torch.rand(rows, dtype=torch.float64, generator=g)
+    u[0], u[1] = 0.0, 1.0 - 2.0 ** -53
+    temperature = torch.full((rows,), 0.8)
+    tokens = cpu_kernels.ops.draw_rows(logits, temperature, u)
+    assert not masked[tokens].any()
+    temperature[5] = 0.0
+    logits[6] = float("-inf")
+    tokens = cpu_kernels.ops.draw_rows(logits, temperature, u)
+    assert tokens[5] == 0 and tokens[6] == 0
+
+
+def test_a_seeded_untruncated_row_draws_the_same_tokens_alone_and_in_a_batch(cpu_kernels):
+    """The kernel's rows and the tensor ops' rows side by side: a row goes to the kernel by
+    its own parameters, so its tokens do not depend on what else the step holds."""
+    from tests.unit.test_sampler import _meta, _zipf_like_logits
+
+    vocab = 1000
+    row = _zipf_like_logits(vocab, seed=45)
+    others = torch.stack([_zipf_like_logits(vocab, seed=46 + i) * s
+                          for i, s in enumerate((0.1, 0.5, 3.0))])
+
+    def run(logits, row_index, truncate_others):
+        n = logits.shape[0]
+        generators = {row_index: torch.Generator().manual_seed(47)}
+        top_p = torch.full((n,), 0.9 if truncate_others else 1.0)
+        top_p[row_index] = 1.0
+        engine = torch.Generator().manual_seed(48 + n)
+        tokens = []
+        for _ in range(5):
+            meta = _meta(n, generators=generators, top_p=top_p)
+            tokens.append(_sample_with(cpu_kernels.backend.sampling, logits, meta,
+                                       engine)[row_index].item())
+        return tokens
+
+    alone = run(row[None], 0, False)
+    assert run(torch.cat([others, row[None]]), 3, True) == alone
+    assert run(torch.cat([others[:1], row[None], others[1:]]), 1, False) == alone
 
 
 # ---------------------------------------------------------------- AVX-512: bf16 skinny matmul
