@@ -111,7 +111,7 @@ def sample_tokens(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.
     if meta.all_greedy:
         tokens = kernels.argmax(logits)
     else:
-        tokens = _sample_random(logits, meta, uniforms, kernels.draw)
+        tokens = _sample_random(logits, meta, uniforms, kernels)
         if meta.any_greedy:
             tokens = torch.where(meta.temperature == 0, kernels.argmax(logits), tokens)
     logprobs = None
@@ -184,16 +184,16 @@ def _untruncated(meta: SamplingMetadata, vocab_size: int) -> torch.Tensor | None
 
 
 def _sample_random(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.Tensor,
-                   draw=None) -> torch.Tensor:
-    """The random rows' tokens (greedy rows get an arbitrary id). ``draw``: the backend's
-    draw for untruncated rows (``SamplingKernels.draw``). Whether a row takes it depends on
+                   kernels: SamplingKernels) -> torch.Tensor:
+    """The random rows' tokens (greedy rows get an arbitrary id). Untruncated rows take the
+    backend's draw where it has one (``SamplingKernels.draw``): whether a row does depends on
     that row's own parameters only, so a seeded row's tokens do not depend on the batch."""
     plain = _untruncated(meta, logits.shape[1])
     drawn = None
-    if draw is not None:
+    if kernels.draw is not None:
         temperature = meta.temperature if plain is None else \
             torch.where(plain, meta.temperature, 0.0)  # the kernel skips rows at 0
-        drawn = draw(logits, temperature, uniforms[:, 0])
+        drawn = kernels.draw(logits, temperature, uniforms[:, 0])
         if drawn is not None and plain is None:
             return drawn
     random_rows = meta.temperature > 0

@@ -38,15 +38,17 @@ int64_t first_nan(const float* x, int64_t n) {
   return -1;
 }
 
-int64_t argmax_row(const float* x, int64_t n) {
+// The row's largest value, and in nan whether it holds a NaN (then the value is unspecified).
+float row_max(const float* x, int64_t n, bool& nan) {
   const Vec lowest = Vec::broadcast(-std::numeric_limits<float>::infinity());
   Vec m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;  // four chains: max's latency
-  unsigned nan = 0;
+  unsigned nan_bits = 0;
   int64_t c = 0;
   for (; c + 4 * W <= n; c += 4 * W) {
     const Vec a = Vec::load(x + c), b = Vec::load(x + c + W);
     const Vec d = Vec::load(x + c + 2 * W), e = Vec::load(x + c + 3 * W);
-    nan |= simd::nan_lanes(a) | simd::nan_lanes(b) | simd::nan_lanes(d) | simd::nan_lanes(e);
+    nan_bits |= simd::nan_lanes(a) | simd::nan_lanes(b) | simd::nan_lanes(d) |
+                simd::nan_lanes(e);
     m0 = simd::max(m0, a);
     m1 = simd::max(m1, b);
     m2 = simd::max(m2, d);
@@ -54,17 +56,25 @@ int64_t argmax_row(const float* x, int64_t n) {
   }
   for (; c + W <= n; c += W) {
     const Vec a = Vec::load(x + c);
-    nan |= simd::nan_lanes(a);
+    nan_bits |= simd::nan_lanes(a);
     m0 = simd::max(m0, a);
   }
   float best = simd::reduce_max(simd::max(simd::max(m0, m1), simd::max(m2, m3)));
-  for (int64_t t = c; t < n; ++t) {
-    nan |= std::isnan(x[t]) ? 1u : 0u;
-    best = std::max(best, x[t]);
+  for (; c < n; ++c) {
+    nan_bits |= std::isnan(x[c]) ? 1u : 0u;
+    best = std::max(best, x[c]);
   }
+  nan = nan_bits != 0;
+  return best;
+}
+
+int64_t argmax_row(const float* x, int64_t n) {
+  bool nan = false;
+  const float best = row_max(x, n, nan);
   if (nan) return first_nan(x, n);
   const Vec target = Vec::broadcast(best);
-  for (c = 0; c + W <= n; c += W) {
+  int64_t c = 0;
+  for (; c + W <= n; c += W) {
     const unsigned hit = simd::equal_lanes(Vec::load(x + c), target);
     if (hit) return c + __builtin_ctz(hit);
   }
@@ -92,8 +102,9 @@ float block_weights(const float* x, int64_t start, int64_t end, Vec top, Vec inv
     acc = acc + v;
   }
   if (c < end) {
+    constexpr float kMasked = -std::numeric_limits<float>::infinity();
     alignas(64) float tail[W];
-    for (int i = 0; i < W; ++i) tail[i] = c + i < end ? x[c + i] : -INFINITY;
+    for (int i = 0; i < W; ++i) tail[i] = c + i < end ? x[c + i] : kMasked;
     const Vec v = weights_of(Vec::load(tail), top, inv_t);
     alignas(64) float out[W];
     v.store(out);
@@ -105,17 +116,9 @@ float block_weights(const float* x, int64_t start, int64_t end, Vec top, Vec inv
 
 int64_t draw_row(const float* x, int64_t n, float temperature, double u,
                  std::vector<double>& block_sums) {
-  const Vec lowest = Vec::broadcast(-INFINITY);
-  Vec m0 = lowest, m1 = lowest;
-  int64_t c = 0;
-  for (; c + 2 * W <= n; c += 2 * W) {
-    m0 = simd::max(m0, Vec::load(x + c));
-    m1 = simd::max(m1, Vec::load(x + c + W));
-  }
-  for (; c + W <= n; c += W) m0 = simd::max(m0, Vec::load(x + c));
-  float top = simd::reduce_max(simd::max(m0, m1));
-  for (; c < n; ++c) top = std::max(top, x[c]);
-  if (!std::isfinite(top)) return 0;  // every token masked (or a NaN): nothing to draw
+  bool nan = false;  // a NaN logit's weight is 0 (weights_of): never drawn
+  const float top = row_max(x, n, nan);
+  if (!std::isfinite(top)) return 0;  // every token masked (or no maximum): nothing to draw
   const Vec topv = Vec::broadcast(top), inv_t = Vec::broadcast(1.f / temperature);
   alignas(64) float w[kDrawBlock];
   const int64_t num_blocks = (n + kDrawBlock - 1) / kDrawBlock;
