@@ -15,7 +15,8 @@
 // written out and read back three times: ~0.6 ms for 64 x 49,152 logits on two cores against
 // ~3.4 ms. Weights are left unnormalised (the draw does not depend on the scale); a weight
 // whose exponent is below -87 is 0, as fp32's softmax underflows there, so a token of logit
-// -inf (a grammar's mask, a ban) is never drawn.
+// -inf (a grammar's mask, a ban) is never drawn, nor one of logit NaN; a row with +inf logits
+// takes the first of them, a row of -inf only (or at temperature 0) is skipped (id 0).
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -38,7 +39,7 @@ int64_t first_nan(const float* x, int64_t n) {
   return -1;
 }
 
-// The row's largest value, and in nan whether it holds a NaN (then the value is unspecified).
+// The row's largest value leaving NaNs out, and in nan whether it holds one.
 float row_max(const float* x, int64_t n, bool& nan) {
   const Vec lowest = Vec::broadcast(-std::numeric_limits<float>::infinity());
   Vec m0 = lowest, m1 = lowest, m2 = lowest, m3 = lowest;  // four chains: max's latency
@@ -49,20 +50,22 @@ float row_max(const float* x, int64_t n, bool& nan) {
     const Vec d = Vec::load(x + c + 2 * W), e = Vec::load(x + c + 3 * W);
     nan_bits |= simd::nan_lanes(a) | simd::nan_lanes(b) | simd::nan_lanes(d) |
                 simd::nan_lanes(e);
-    m0 = simd::max(m0, a);
-    m1 = simd::max(m1, b);
-    m2 = simd::max(m2, d);
-    m3 = simd::max(m3, e);
+    // max(new, running): where the new lane is a NaN, max gives its second operand, so a
+    // NaN never enters the running maximum (natively and in SIMDe's emulation alike)
+    m0 = simd::max(a, m0);
+    m1 = simd::max(b, m1);
+    m2 = simd::max(d, m2);
+    m3 = simd::max(e, m3);
   }
   for (; c + W <= n; c += W) {
     const Vec a = Vec::load(x + c);
     nan_bits |= simd::nan_lanes(a);
-    m0 = simd::max(m0, a);
+    m0 = simd::max(a, m0);
   }
   float best = simd::reduce_max(simd::max(simd::max(m0, m1), simd::max(m2, m3)));
   for (; c < n; ++c) {
     nan_bits |= std::isnan(x[c]) ? 1u : 0u;
-    best = std::max(best, x[c]);
+    if (x[c] > best) best = x[c];
   }
   nan = nan_bits != 0;
   return best;
@@ -118,7 +121,11 @@ int64_t draw_row(const float* x, int64_t n, float temperature, double u,
                  std::vector<double>& block_sums) {
   bool nan = false;  // a NaN logit's weight is 0 (weights_of): never drawn
   const float top = row_max(x, n, nan);
-  if (!std::isfinite(top)) return 0;  // every token masked (or no maximum): nothing to draw
+  if (top == -std::numeric_limits<float>::infinity()) return 0;  // every token masked
+  if (top == std::numeric_limits<float>::infinity()) {  // all the mass on the +inf tokens
+    for (int64_t c = 0; c < n; ++c)
+      if (x[c] == top) return c;
+  }
   const Vec topv = Vec::broadcast(top), inv_t = Vec::broadcast(1.f / temperature);
   alignas(64) float w[kDrawBlock];
   const int64_t num_blocks = (n + kDrawBlock - 1) / kDrawBlock;

@@ -314,6 +314,66 @@ def test_draw_rows_never_draws_a_masked_token(cpu_kernels):
     assert tokens[5] == 0 and tokens[6] == 0
 
 
+def test_draw_rows_leaves_nans_out_and_takes_infinities(cpu_kernels):
+    """A NaN right after the maximum in the same vector lane must not hide the maximum (a
+    NaN is never drawn, nor a masked token); +inf logits take all the mass (the first)."""
+    from tests.unit.test_sampler import NUM_DRAWS, _assert_same_distribution
+
+    lanes = LANES[cpu_kernels.isa]
+    g = torch.Generator().manual_seed(49)
+    vocab = 300
+    row = torch.randn(vocab, generator=g)
+    row[5] = 6.0  # the maximum, then NaNs in its lane of later vectors, the last ones
+    row[5 + lanes] = row[5 + 4 * lanes] = row[261] = row[277] = float("nan")
+    row[0] = float("-inf")
+    u = torch.rand(NUM_DRAWS, dtype=torch.float64, generator=g)
+    tokens = cpu_kernels.ops.draw_rows(row.repeat(NUM_DRAWS, 1), torch.ones(NUM_DRAWS), u)
+    expected = torch.softmax(row.nan_to_num(nan=float("-inf")).double(), dim=-1)
+    _assert_same_distribution(tokens, expected, seed=50)
+    inf_row = torch.randn(1, vocab, generator=g)
+    inf_row[0, [7, 100]] = float("inf")
+    assert cpu_kernels.ops.draw_rows(inf_row, torch.ones(1), u[:1]).item() == 7
+
+
+def test_draw_rows_reads_strided_rows_and_uniforms(cpu_kernels):
+    g = torch.Generator().manual_seed(51)
+    wide = torch.randn(64, 2 * 1000, generator=g)
+    uu = torch.rand(64, 2, dtype=torch.float64, generator=g)
+    temperature = torch.full((64,), 0.9)
+    strided = cpu_kernels.ops.draw_rows(wide[:, :1000], temperature, uu[:, 0])
+    packed = cpu_kernels.ops.draw_rows(wide[:, :1000].contiguous(), temperature,
+                                       uu[:, 0].contiguous())
+    assert torch.equal(strided, packed)
+
+
+def test_the_sampler_sends_exactly_the_untruncated_random_rows_to_the_draw(cpu_kernels):
+    """Rows with top-p go through the tensor ops, greedy rows take the argmax, the rest
+    take the backend's draw: a stand-in draw that answers a token no other path can give
+    (logit -inf) shows which rows took it."""
+    from engine_worker.backends.base import SamplingKernels
+    from tests.unit.test_sampler import _meta, _zipf_like_logits
+
+    vocab = 500
+    logits = torch.stack([_zipf_like_logits(vocab, seed=52 + i) for i in range(6)])
+    logits[:, vocab - 1] = float("-inf")
+    seen = []
+
+    def stand_in(x, temperature, u):
+        seen.append(temperature.clone())
+        return torch.full((x.shape[0],), vocab - 1)
+
+    kernels = SamplingKernels(argmax=cpu_kernels.backend.sampling.argmax, draw=stand_in)
+    temperature = torch.tensor([1.0, 0.7, 0.0, 1.0, 1.2, 0.0])
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0, 0.9])
+    meta = _meta(6, temperature=temperature, top_p=top_p, any_greedy=True)
+    tokens = _sample_with(kernels, logits, meta, torch.Generator().manual_seed(58))
+    assert len(seen) == 1
+    assert (seen[0] > 0).tolist() == [True, False, False, False, True, False]
+    assert tokens[[0, 4]].tolist() == [vocab - 1] * 2
+    assert (tokens[[1, 3]] != vocab - 1).all()
+    assert tokens[[2, 5]].tolist() == logits[[2, 5]].argmax(dim=-1).tolist()
+
+
 def test_a_seeded_untruncated_row_draws_the_same_tokens_alone_and_in_a_batch(cpu_kernels):
     """The kernel's rows and the tensor ops' rows side by side: a row goes to the kernel by
     its own parameters, so its tokens do not depend on what else the step holds."""
