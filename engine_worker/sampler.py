@@ -199,7 +199,8 @@ def _sample_random(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch
     random_rows = meta.temperature > 0
     temperature = torch.where(random_rows, meta.temperature, 1.0)
     probs = torch.softmax(logits / temperature[:, None], dim=-1, dtype=torch.float32)
-    tokens = draw_tokens(probs, random_rows, uniforms, meta.rounds, top_k=meta.top_k,
+    drawing = random_rows if drawn is None else random_rows & ~plain  # the kernel drew those
+    tokens = draw_tokens(probs, drawing, uniforms, meta.rounds, top_k=meta.top_k,
                          max_top_k=meta.max_top_k, top_p=meta.top_p, min_p=meta.min_p)
     return tokens if drawn is None else torch.where(plain, drawn, tokens)
 
