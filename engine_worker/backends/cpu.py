@@ -288,10 +288,11 @@ def make_cpu_backend(kernels: CpuKernels, name: str, description: str) -> Backen
     if ops.tiles:
         # oneDNN's many-row bf16 matmuls run on the tiles; quantized layers keep bf16 tile
         # twins for them (cpu_linear.GgufBlocks) or meet them sooner (int8_rows_limit); bf16
-        # prefill attention runs on them too (csrc/cpu/avx512/prefill_amx.h)
+        # prefill attention and decode scores run on them too (csrc/cpu/avx512/prefill_amx.h,
+        # decode_amx.h)
         description += ", AMX tiles for many-row matmuls"
         if kernels.has("attention_tiles") and kernels.ops.attention_tiles():
-            description += " and bf16 prefill attention"
+            description += " and bf16 attention (prefill; decode scores)"
     return Backend(name=name, description=description, linear=ops.linear,
                    pack_weight=ops.pack_weight, rms_norm=ops.rms_norm,
                    silu_and_mul=ops.silu_and_mul, rope=ops.rope,

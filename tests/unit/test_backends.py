@@ -37,7 +37,7 @@ def test_auto_on_the_cpu_takes_the_kernels_where_they_build_and_says_why_not():
         assert (choice.name, choice.fallback) == ("cpu", False)
         # where oneDNN has AMX tiles (Intel Sapphire Rapids and later) the line says so
         flags = set(Path("/proc/cpuinfo").read_text().split())
-        amx = ", AMX tiles for many-row matmuls and bf16 prefill attention" \
+        amx = ", AMX tiles for many-row matmuls and bf16 attention (prefill; decode scores)" \
             if {"amx_tile", "amx_bf16", "amx_int8"} <= flags else ""
         assert choice.describe() == (f"cpu (compiled CPU kernels, AVX-512{amx}): the fastest "
                                      "backend that runs on cpu")

@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_amx.h"
 #include "decode_bf16.h"
 #include "paged_attention.h"
 #include "prefill_amx.h"
@@ -107,6 +108,13 @@ bool attend_item_native(const Item& it, const TQ* q, TQ* out, const Layout<TKV>&
       const TKV* values = lay.value_cache + kv_head * d;
       const int64_t row = (it.row_begin * num_heads + kv_head * group) * d;
       if (num_pos == 1) {  // a decode: every kv head of the item in one walk of the keys
+#if defined(QUIRE_AMX_ATTENTION)
+        if (decode_amx::takes(group, d)) {
+          decode_amx::dispatch(q + row, out + row, int(group), d, int(it.kv_end - kv_head),
+                               last_pos + 1, scale, keys, values, offsets.data());
+          break;
+        }
+#endif
         decode_bf16::dispatch(q + row, out + row, int(group), d, int(it.kv_end - kv_head),
                               last_pos + 1, scale, keys, values, offsets.data());
         break;

@@ -86,6 +86,12 @@ struct Rows {
                  float scale) {
     __m512 s[GA];
     scores<GA, ZA>(qv, krow, count, group, nz, s);
+    add_scores(s, vrow, count, scale);
+  }
+
+  // the chunk's scores s[g] (unscaled; lanes past count ignored) into the softmax and P @ V
+  void add_scores(const __m512 (&s)[GA], const at::BFloat16* const* vrow, int count,
+                  float scale) {
     // probabilities, as bf16 pairs (keys 2i, 2i + 1) per row
     alignas(64) uint32_t pairs[GA][8];
     for (int g = 0; g < group; ++g) {

@@ -185,6 +185,70 @@ def test_bf16_prefill_on_amx_tiles_reads_only_its_own_blocks(cpu_kernels):
         cpu_kernels.ops.attention_tiles(True)
 
 
+# bf16 decodes alone: the AMX decode kernel's group sizes (1-4 query heads per kv head; 5 is
+# the vector kernel's), head dims, and chunks of 16 keys read in place (block size 16 or 32)
+# or copied (block size 8: two blocks, adjacent or not; and every sequence's partial last chunk)
+DECODES = [(0, 1), (15, 1), (16, 1), (47, 1), (200, 1), (319, 1)]
+
+
+@pytest.mark.cpu_ops("attention_tiles")
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("heads", [(3, 3, 64), (6, 3, 64), (9, 3, 64), (8, 2, 128), (4, 1, 256),
+                                   (10, 2, 64)], ids=lambda h: "{}:{}-d{}".format(*h))
+def test_bf16_decode_on_amx_tiles_and_vectors_both_match_reference(heads, block_size,
+                                                                   cpu_kernels):
+    """Decode scores run on AMX tiles exactly where the CPU has them and the group has at
+    most 4 query heads; tiles and vectors both match the reference, and NaN outside the
+    sequences' keys (other blocks, past the end in the last one) reaches neither."""
+    ops = cpu_kernels.ops
+    tiles_here = (_amx_here() and cpu_kernels.kernels.variant.name == "avx512"
+                  and heads[0] // heads[1] <= 4)
+    rng = random.Random(hash((heads, block_size)) & 0xFFFF)
+    torch.manual_seed(rng.randrange(1 << 30))
+    num_blocks = 512 // block_size * len(DECODES)
+    meta = make_step(rng, DECODES, block_size, num_blocks)
+    q, k, v, _ = random_inputs(meta, heads, num_blocks, block_size, torch.bfloat16)
+    cache = nan_outside_requests(meta, num_blocks, block_size, heads[1], heads[2]).bfloat16()
+    clean = cache.nan_to_num(0.0)
+    scale = heads[2] ** -0.5
+    want = TorchAttentionBackend().forward(q, k, v, clean.clone(), meta, scale)
+    outs = {}
+    try:
+        for tiles in (True, False):
+            ops.attention_tiles(tiles)
+            outs[tiles] = cpu_kernels.backend.attention.forward(q, k, v, cache.clone(), meta,
+                                                                scale)
+            assert not outs[tiles].isnan().any()
+            torch.testing.assert_close(outs[tiles].float(), want.float(), atol=2e-2, rtol=2e-2)
+    finally:
+        ops.attention_tiles(True)
+    if heads[0] // heads[1] > 4 or not tiles_here:  # both runs took the vector kernel
+        assert torch.equal(outs[True], outs[False])
+
+
+@pytest.mark.cpu_ops("attention_tiles")
+def test_bf16_decode_tiles_are_another_kernel_than_vectors(cpu_kernels):
+    """Where the CPU has tiles, a batch of 64 decodes (36,864 outputs) differs from the vector
+    kernel's in some bits (their scores sum in another order), so the tiles did run; elsewhere
+    both runs are the vector kernel's, bit for bit."""
+    ops = cpu_kernels.ops
+    tiles_here = _amx_here() and cpu_kernels.kernels.variant.name == "avx512"
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    meta = make_step(rng, [(rng.randrange(100, 400), 1) for _ in range(64)], 16, 64 * 26)
+    q, k, v, cache = random_inputs(meta, (9, 3, 64), 64 * 26, 16, torch.bfloat16)
+    outs = {}
+    try:
+        for tiles in (True, False):
+            ops.attention_tiles(tiles)
+            outs[tiles] = cpu_kernels.backend.attention.forward(q, k, v, cache.clone(), meta,
+                                                                0.125)
+    finally:
+        ops.attention_tiles(True)
+    torch.testing.assert_close(outs[True].float(), outs[False].float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(outs[True], outs[False]) != tiles_here
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 def test_write_kv_narrows_as_torch_casts(cache_dtype, cpu_kernels):
     """fp32 K/V into a narrower cache: torch's rounding (to nearest even), bit for bit, with
