@@ -95,18 +95,22 @@ QUIRE_AMX_TARGET void attend(const at::BFloat16* q, at::BFloat16* out, int group
   const int64_t row_bytes = num_kv * d * 2;
   for (int64_t pos = 0; pos < seq_len; pos += 16) {
     const int count = int(std::min<int64_t>(16, seq_len - pos));
-    // the next chunk's slots, every kv head's rows (as decode_bf16::attend)
-    for (int64_t p = pos + 16, e = std::min(seq_len, p + 16); p < e; ++p)
-      for (int64_t b = 0; b < row_bytes; b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(keys + offsets[p]) + b, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(values + offsets[p]) + b, _MM_HINT_T0);
-      }
     // the chunk's 16 slots evenly spaced (one block's, or adjacent blocks'): tiles read them
     // in place
     bool in_place = count == 16;
     const int64_t step = in_place ? offsets[pos + 1] - offsets[pos] : 0;
     for (int j = 2; in_place && j < 16; ++j) in_place = offsets[pos + j] - offsets[pos] == j * step;
     for (int h = 0; h < num_kv; ++h) {
+      {  // this head's share of the next chunk's slot rows (K and V): asked for a head at a
+         // time, not all 192 lines at once (more than a core's outstanding misses, which
+         // then queued ahead of the chunk's own loads); inline (as a function it ran slower)
+        const int64_t lo = h * row_bytes / num_kv, hi = (h + 1) * row_bytes / num_kv;
+        for (int64_t p = pos + 16, e = std::min(seq_len, p + 16); p < e; ++p)
+          for (int64_t b = lo & ~63; b < hi; b += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(keys + offsets[p]) + b, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(values + offsets[p]) + b, _MM_HINT_T0);
+          }
+      }
       const at::BFloat16* base;
       int64_t stride;
       if (in_place) {
