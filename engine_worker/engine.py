@@ -39,8 +39,8 @@ from engine_worker.model_runner.profiling import CudaMemory, profile_memory
 from engine_worker.model_runner.runner import ModelRunner
 from engine_worker.output_processor import OutputProcessor
 from engine_worker.outputs import RequestOutput
-from engine_worker.platform import (allocate_zeroed, available_memory_bytes, select_device,
-                                   select_dtype)
+from engine_worker.platform import (allocate_zeroed, available_memory_bytes, keep_freed_memory,
+                                   select_device, select_dtype)
 from engine_worker.pooler import Pooler
 from engine_worker.pooling_params import PoolingParams
 from engine_worker.progress import progress, start_summary
@@ -117,6 +117,7 @@ class LLMEngine:
         self.dead_reason: str | None = None  # set when a step failed; the engine is unusable
         self._executor: MultiprocExecutor | None = None
         world_size = config.parallel.world_size
+        self._host_malloc = keep_freed_memory()
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
         elif world_size > 1:  # the ranks share the cores: one torch team each
@@ -369,6 +370,7 @@ class LLMEngine:
             tokenizer_dir=self._tokenizer_dir, architecture=loaded.architecture,
             max_model_len=self._max_model_len, vocab_size=self.tokenizer.vocab_size,
             device=self._device, dtype=self._dtype, num_threads=torch.get_num_threads(),
+            host_malloc=self._host_malloc,
             backend=backend.name, attention=backend.backend.attention.name,
             backend_reason=backend.reason, backend_fallback=backend.fallback,
             backend_summary=backend.describe(), cuda_graphs=self._graph_choice.describe(),

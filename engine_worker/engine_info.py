@@ -73,6 +73,8 @@ class EngineInfo:
     pooling_type: str = "LAST"  # "LAST", "MEAN" or "CLS"
     pooling_normalize: bool = True  # embeddings are L2-normalised unless a request says not
     hidden_size: int = 0  # the embeddings' dimension
+    # ---- how host memory is reused between steps (platform.keep_freed_memory)
+    host_malloc: str = ""
     # LoRA (vLLM's arguments; max_* are 0 when LoRA is off)
     enable_lora: bool = False
     max_loras: int = 0

@@ -68,6 +68,8 @@ def start_summary(info: EngineInfo, *, elapsed_s: float) -> str:
         lines.insert(3, f"  Quantization: {info.quantization_summary}")
     if info.memory is not None:
         lines.append(f"  Memory: {info.memory}")
+    if info.host_malloc:
+        lines.append(f"  Host malloc: {info.host_malloc}")
     if info.tensor_parallel_size * info.pipeline_parallel_size > 1:
         lines.append(f"  Parallel: tensor_parallel_size={info.tensor_parallel_size} x "
                      f"pipeline_parallel_size={info.pipeline_parallel_size} "

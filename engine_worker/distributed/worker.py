@@ -99,10 +99,11 @@ def _serve(spec: WorkerSpec) -> None:
     from engine_worker.distributed.comm import make_comm, make_store
     from engine_worker.lora.manager import LoRAManager, LoRARegistry
     from engine_worker.model_runner.runner import ModelRunner
-    from engine_worker.platform import allocate_zeroed
+    from engine_worker.platform import allocate_zeroed, keep_freed_memory
     from engine_worker.pooler import Pooler
     from engine_worker.weights.loader import load_model
 
+    keep_freed_memory()  # as rank 0 (a warning of its own where it cannot)
     torch.set_num_threads(spec.num_threads)
     device = worker_device(spec.device, spec.rank)
     if device.type == "cuda":
