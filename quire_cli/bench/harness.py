@@ -16,6 +16,7 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from dataclasses import dataclass
 
 import grpc
@@ -132,6 +133,32 @@ def describe_ms(values_s: Sequence[float], quantiles=(50, 90, 99)) -> dict[str, 
 
 def _ms(value_s: float | None) -> float | None:
     return None if value_s is None else value_s * 1e3
+
+
+def cpu_busy(window_s: float) -> float:
+    """The fraction of every CPU's time spent busy (not idle or waiting on I/O) over the next
+    ``window_s`` seconds, from /proc/stat (Linux)."""
+    def sample():
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+    total0, idle0 = sample()
+    time.sleep(window_s)
+    total1, idle1 = sample()
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_until_quiet(max_busy: float = 0.1, window_s: float = 1.0,
+                     timeout_s: float = 30.0) -> dict:
+    """Waits until the machine's CPUs are at most ``max_busy`` busy over a window (what a
+    server that just finished a run still does: freeing, logging, collecting), at most
+    ``timeout_s``; returns how long it waited and the last window's busy fraction, for the
+    run's record."""
+    start = time.monotonic()
+    while True:
+        busy = cpu_busy(window_s)
+        waited = time.monotonic() - start
+        if busy <= max_busy or waited >= timeout_s:
+            return {"waited_s": round(waited, 1), "cpu_busy": round(busy, 3)}
 
 
 def machine_info() -> dict:

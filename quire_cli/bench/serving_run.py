@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from quire_cli.bench.harness import wait_until_quiet
 from quire_cli.bench.report import write_json
 from quire_cli.bench.serving import (SYSTEMS, Scenario, ServingBenchConfig, choose_dtypes,
                                      client_argv, cpu_slug, git_commit, scenarios, warmup)
@@ -61,12 +62,16 @@ def _run_scenario(cfg: ServingBenchConfig, scenario: Scenario, system: str, serv
                        tokenizer=tokenizer,
                        label=system, result_path=result_path, requests_path=requests_path)
     print(f"{system}: {tag or scenario.name}", file=sys.stderr, flush=True)
+    # the other server (or this one) may still be busy from the run before: each run starts
+    # on a quiet machine
+    quiet = wait_until_quiet()
     before = os.getloadavg()
     run_client(cfg.vllm_python, argv, workdir / f"{stem}-client.log", cfg.client_timeout_s)
     after = os.getloadavg()
     requests = json.loads(requests_path.read_text())
     return ({"client_result": json.loads(result_path.read_text()), "client_argv": argv,
              "loadavg_before": list(before), "loadavg_after": list(after),
+             "quiet_before": quiet,
              "requests_sha256": requests_digest(requests)}, requests)
 
 

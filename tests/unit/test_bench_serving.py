@@ -4,6 +4,7 @@ from the client's result JSON (figures, ratios, table, plot)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,16 @@ def test_requests_digest_tells_request_sets_apart():
     a = [{"prompt": "x y", "prompt_len": 2, "expected_output_len": 8}]
     b = [{"prompt": "x z", "prompt_len": 2, "expected_output_len": 8}]
     assert requests_digest(a) == requests_digest([dict(a[0])]) != requests_digest(b)
+
+
+def test_wait_until_quiet_returns_once_quiet_or_at_its_timeout():
+    """A machine counts as quiet at once when any load is allowed; when none is (a busy
+    fraction below 0 never comes), the wait ends at its timeout, a window at a time."""
+    from quire_cli.bench.harness import wait_until_quiet
+
+    start = time.monotonic()
+    quiet = wait_until_quiet(max_busy=1.0, window_s=0.1, timeout_s=5.0)
+    assert time.monotonic() - start < 2.0 and 0.0 <= quiet["cpu_busy"] <= 1.0
+    start = time.monotonic()
+    never = wait_until_quiet(max_busy=-1.0, window_s=0.1, timeout_s=0.3)
+    assert time.monotonic() - start >= 0.3 and never["waited_s"] >= 0.3
