@@ -142,18 +142,21 @@ QUIRE_AMX_TARGET void attend(const at::BFloat16* q, at::BFloat16* out, int group
   for (int h = 0; h < num_kv; ++h) heads[h].finish(out + h * rows_stride);
 }
 
-// attend<G, NZ> for the common shapes, the runtime-sized loop otherwise (group <= 4).
+struct Tiles {
+  static constexpr int kMaxGroup = decode_amx::kMaxGroup;
+  template <int G, int NZ>
+  static void run(const decode_bf16::DecodeArgs& a) {
+    attend<G, NZ>(a.q, a.out, a.group, a.nz, a.num_kv, a.seq_len, a.scale, a.keys, a.values,
+                  a.offsets);
+  }
+};
+
+// As decode_bf16::dispatch, for a group of at most 4 (takes()).
 inline void dispatch(const at::BFloat16* q, at::BFloat16* out, int group, int64_t d, int num_kv,
                      int64_t seq_len, float scale, const at::BFloat16* keys,
                      const at::BFloat16* values, const int64_t* offsets) {
-  const int nz = int(d / 32);
-#define QUIRE_CASE(g, z)                                                                   \
-  if (group == g && nz == z)                                                               \
-    return attend<g, z>(q, out, group, nz, num_kv, seq_len, scale, keys, values, offsets);
-  QUIRE_CASE(1, 2) QUIRE_CASE(2, 2) QUIRE_CASE(3, 2) QUIRE_CASE(4, 2)
-  QUIRE_CASE(1, 4) QUIRE_CASE(2, 4) QUIRE_CASE(4, 4)
-#undef QUIRE_CASE
-  attend<0, 0>(q, out, group, nz, num_kv, seq_len, scale, keys, values, offsets);
+  decode_bf16::dispatch_shape<Tiles>(
+      {q, out, group, int(d / 32), num_kv, seq_len, scale, keys, values, offsets});
 }
 
 }  // namespace QUIRE_NS::decode_amx

@@ -180,18 +180,55 @@ void attend(const at::BFloat16* q, at::BFloat16* out, int group_rt, int nz_rt, i
   for (int h = 0; h < num_kv; ++h) heads[h].finish(out + h * rows_stride);
 }
 
-// attend<G, NZ> for the common shapes, the runtime-sized loop otherwise.
+// A decode kernel's arguments, through the shape dispatch below.
+struct DecodeArgs {
+  const at::BFloat16* q;
+  at::BFloat16* out;
+  int group, nz, num_kv;
+  int64_t seq_len;
+  float scale;
+  const at::BFloat16* keys;
+  const at::BFloat16* values;
+  const int64_t* offsets;
+};
+
+template <typename Kernel, int G, int NZ>
+inline bool run_if_shape(const DecodeArgs& a) {
+  if constexpr (G > Kernel::kMaxGroup) {
+    return false;
+  } else {
+    if (a.group != G || a.nz != NZ) return false;
+    Kernel::template run<G, NZ>(a);
+    return true;
+  }
+}
+
+// Kernel::run<G, NZ> for the common shapes (arrays sized at compile time), <0, 0> (sized at
+// run time) otherwise; shapes with more than Kernel::kMaxGroup query heads are never made.
+template <typename Kernel>
+inline void dispatch_shape(const DecodeArgs& a) {
+  if (run_if_shape<Kernel, 1, 2>(a) || run_if_shape<Kernel, 2, 2>(a) ||
+      run_if_shape<Kernel, 3, 2>(a) || run_if_shape<Kernel, 4, 2>(a) ||
+      run_if_shape<Kernel, 1, 4>(a) || run_if_shape<Kernel, 2, 4>(a) ||
+      run_if_shape<Kernel, 4, 4>(a) || run_if_shape<Kernel, 8, 4>(a))
+    return;
+  Kernel::template run<0, 0>(a);
+}
+
+struct Vectors {
+  static constexpr int kMaxGroup = decode_bf16::kMaxGroup;
+  template <int G, int NZ>
+  static void run(const DecodeArgs& a) {
+    attend<G, NZ>(a.q, a.out, a.group, a.nz, a.num_kv, a.seq_len, a.scale, a.keys, a.values,
+                  a.offsets);
+  }
+};
+
 inline void dispatch(const at::BFloat16* q, at::BFloat16* out, int group, int64_t d, int num_kv,
                      int64_t seq_len, float scale, const at::BFloat16* keys,
                      const at::BFloat16* values, const int64_t* offsets) {
-  const int nz = int(d / 32);
-#define QUIRE_CASE(g, z)                                                                   \
-  if (group == g && nz == z)                                                               \
-    return attend<g, z>(q, out, group, nz, num_kv, seq_len, scale, keys, values, offsets);
-  QUIRE_CASE(1, 2) QUIRE_CASE(2, 2) QUIRE_CASE(3, 2) QUIRE_CASE(4, 2)
-  QUIRE_CASE(1, 4) QUIRE_CASE(2, 4) QUIRE_CASE(4, 4) QUIRE_CASE(8, 4)
-#undef QUIRE_CASE
-  attend<0, 0>(q, out, group, nz, num_kv, seq_len, scale, keys, values, offsets);
+  dispatch_shape<Vectors>(
+      {q, out, group, int(d / 32), num_kv, seq_len, scale, keys, values, offsets});
 }
 
 }  // namespace QUIRE_NS::decode_bf16
