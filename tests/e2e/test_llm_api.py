@@ -298,6 +298,7 @@ def test_start_shows_progress_and_one_summary_of_the_choices(tiny_model_dir, cap
     summaries = [r for r in caplog.records if r.getMessage().startswith("Engine ready in ")]
     assert len(summaries) == 1 and summaries[0].levelno == logging.INFO
     num_blocks = llm.info.num_kv_blocks
+    assert llm.info.host_malloc  # what the engine did with malloc, glibc or not
     block_bytes = 3 * 2 * 2 * 16 * 16 * 4  # layers, K and V, kv heads, head dim, tokens, fp32
     assert summaries[0].getMessage().splitlines()[1:] == [
         "  Device: cpu, %d threads, dtype float32" % torch.get_num_threads(),
@@ -307,5 +308,6 @@ def test_start_shows_progress_and_one_summary_of_the_choices(tiny_model_dir, cap
         "  CUDA graphs: off (cpu)",
         f"  KV cache: {num_blocks} blocks x 16 tokens = {num_blocks * 16} tokens, "
         f"{num_blocks * block_bytes / 2**30:.2f} GiB ({block_bytes // 16} bytes a token)",
+        f"  Host malloc: {llm.info.host_malloc}",
         f"  Max model len: 512 tokens ({num_blocks * 16 / 512:.2f} full-length sequences "
         f"fit at once)"]
