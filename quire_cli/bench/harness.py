@@ -16,8 +16,8 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
