@@ -179,6 +179,10 @@ at::Tensor linear_bf16w(const at::Tensor& x, const at::Tensor& packed_w,
   return out;
 }
 
+int64_t packed_out_features(const at::Tensor& w) {
+  return w.scalar_type() == at::kBFloat16 && w.dim() == 3 ? w.size(0) * w.size(2) : 0;
+}
+
 std::optional<at::Tensor> packed_linear(const at::Tensor& x, const at::Tensor& w,
                                         const std::optional<at::Tensor>& bias) {
   if (w.scalar_type() != at::kBFloat16 || w.dim() != 3) return std::nullopt;

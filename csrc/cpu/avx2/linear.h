@@ -23,5 +23,7 @@ at::Tensor linear_bf16w(const at::Tensor& x, const at::Tensor& packed_w,
 // for anything else
 std::optional<at::Tensor> packed_linear(const at::Tensor& x, const at::Tensor& w,
                                         const std::optional<at::Tensor>& bias);
+// the output features of a weight this set packed (0 where its layout does not say)
+int64_t packed_out_features(const at::Tensor& w);
 
 }  // namespace QUIRE_NS

@@ -303,6 +303,11 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w,
 
 }  // namespace
 
+int64_t packed_out_features(const at::Tensor& w) {
+  if (w.scalar_type() == at::kBFloat16 && w.dim() == 4) return w.size(0) * w.size(2);
+  return 0;  // pack_coded's bytes: not read here
+}
+
 std::optional<at::Tensor> packed_linear(const at::Tensor& x, const at::Tensor& w,
                                         const std::optional<at::Tensor>& bias) {
   const bool packed = (w.scalar_type() == at::kByte && w.dim() == 2) ||

@@ -22,5 +22,7 @@ at::Tensor skinny_linear_packed(const at::Tensor& x, const at::Tensor& wp,
 // (here: up to 8 rows on pack_skinny / pack_coded weights); nullopt for anything else
 std::optional<at::Tensor> packed_linear(const at::Tensor& x, const at::Tensor& w,
                                         const std::optional<at::Tensor>& bias);
+// the output features of a weight this set packed (0 where its layout does not say)
+int64_t packed_out_features(const at::Tensor& w);
 
 }  // namespace QUIRE_NS

@@ -118,6 +118,53 @@ def test_residual_mlp_is_the_composition_bit_for_bit(rows, bias, cpu_kernels):
                                atol=0.1, rtol=0.05)
 
 
+# rows whose gate/up output (2 x 1,536 wide) passes the op's 12 MiB slice: 2,048 bf16 rows
+# (AVX-512) or 1,024 fp32 rows (AVX2) fit in one, so these run in 3 and 5 slices
+SLICED_ROWS = 4500
+
+
+def _residual_mlp_op(ops, w, few_and_many, x, attn, eps):
+    """The op on the layer's exported weights, its norm and biases in x's dtype."""
+    o_few, o_many = few_and_many(w.o_proj.packed)
+    gate_up_few, gate_up_many = few_and_many(w.gate_up_proj.packed)
+    down_few, down_many = few_and_many(w.down_proj.packed)
+    o_bias, gate_up_bias, down_bias = (lin.bias.to(x.dtype) for lin in
+                                       (w.o_proj, w.gate_up_proj, w.down_proj))
+    return ops.residual_mlp(x, attn, o_few, o_many, o_bias, w.post_attention_norm.to(x.dtype),
+                            eps, gate_up_few, gate_up_many, gate_up_bias, down_few, down_many,
+                            down_bias)
+
+
+def test_residual_mlp_in_slices_is_every_row_alone(cpu_kernels):
+    """Past its slice the op runs the MLP a slice of rows at a time (its widest buffer then
+    stays in cache): every row's result is what the op gives it in calls of fewer rows than
+    a slice (pieces of 1,000 rows: neither the slices nor their boundaries). The matmuls
+    block their rows by the row count, so a row's last bits may move with it (oneDNN's bf16:
+    about 1 element in 2,000 here): each dtype's tolerance, and on AVX-512 the unsliced
+    composition of the layer's modules too."""
+    if cpu_kernels.isa == "avx512":
+        skip_without_onednn_bf16()
+    layer = _layer(cpu_kernels.backend, True)
+    w = layer.export()
+    dtype = ACTIVATIONS[cpu_kernels.isa]
+    few_and_many = FEW_AND_MANY[cpu_kernels.isa]
+    eps = layer.post_attention_layernorm.eps
+    torch.manual_seed(7)
+    x = (torch.randn(SLICED_ROWS, HIDDEN) * 2).to(dtype)
+    attn = torch.randn(SLICED_ROWS, HEADS * HEAD_DIM).to(dtype)
+    got = _residual_mlp_op(cpu_kernels.ops, w, few_and_many, x, attn, eps)
+    want = torch.cat([_residual_mlp_op(cpu_kernels.ops, w, few_and_many, x[i:i + 1000],
+                                       attn[i:i + 1000], eps)
+                      for i in range(0, SLICED_ROWS, 1000)])
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want)
+        return
+    # bf16: a relative 2^-6, and one unit in the last place of the residual stream's values
+    # (about 2) where a row's sum cancels to near 0
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=2 ** -6)
+    torch.testing.assert_close(got, _residual_mlp(layer, x, attn), rtol=1.6e-2, atol=2 ** -6)
+
+
 @PACKED_BF16
 def test_fp32_layers_are_not_packed_for_the_fused_stack(cpu_kernels):
     """The CPU layouts are bf16 only: an fp32 model runs its layers one by one."""
