@@ -11,9 +11,14 @@
 //   - S = Q K^T: A tiles are the rows' queries (copied once per item, [rows][d] bf16), B tiles
 //     the keys as dimension pairs, key-major in a row ([block][d / 2][64 keys] uint32, the
 //     VNNI layout tdpbf16ps reads);
-//   - O += P V: A tiles are the probabilities (bf16 [16][64]), B tiles the values as key pairs
-//     ([block][32 key pairs][d] uint32); the fp32 accumulators O [16][d] are rescaled in memory
-//     where a row's max moved and loaded into C tiles for the product.
+//   - P V: A tiles are the probabilities (bf16 [16][64]), B tiles the values as key pairs
+//     ([block][32 key pairs][d] uint32), into zeroed C tiles stored to a scratch block; the
+//     vectors then fold it into the fp32 accumulators, O = O * alpha + P V, with the rescale
+//     where a row's max moved. (Loading O into the C tiles instead, right after the vectors
+//     rescaled it, stalled each block on the stores: a tile load does not take forwarded
+//     stores. It was a third of the kernel's samples in a perf profile.)
+//   - B tiles alternate between two registers, so a load need not wait for the product
+//     before it to finish reading the last one.
 // Each thread configures its tiles (palette 1: eight tiles of 16 rows x 64 bytes) per item and
 // releases them after. Linux grants the tile state per process: amx_tiles_usable() asks once.
 // Not compiled into the emulated AVX-512 set (tests on AVX2 machines), which has no tiles.
@@ -29,7 +34,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
+#include <new>
 
 #include "simd.h"
 
@@ -65,11 +71,34 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// A buffer that grows and is never cleared: std::vector's resize writes every element it
+// adds, which items of alternating sizes paid again and again (3 % of a prefill's samples).
+template <typename T>
+class Grown {
+ public:
+  T* get(int64_t n) {
+    if (n > capacity_) {
+      data_.reset(static_cast<T*>(::operator new[](n * sizeof(T), std::align_val_t(64))));
+      capacity_ = n;
+    }
+    return data_.get();
+  }
+  T* data() const { return data_.get(); }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { ::operator delete[](p, std::align_val_t(64)); }
+  };
+  std::unique_ptr<T, Free> data_;
+  int64_t capacity_ = 0;
+};
+
 struct Scratch {
-  std::vector<uint32_t> k;  // [block][d / 2][kKeys]
-  std::vector<uint32_t> v;  // [block][kKeys / 2][d]
-  std::vector<at::BFloat16> q;  // [rows rounded up to 16][d]
-  std::vector<float> o;     // [16][d]
+  Grown<uint32_t> k;      // [block][d / 2][kKeys]
+  Grown<uint32_t> v;      // [block][kKeys / 2][d]
+  Grown<at::BFloat16> q;  // [rows rounded up to 16][d]
+  alignas(64) float o[kRows][256];   // the accumulators, [16][d]
+  alignas(64) float pv[kRows][256];  // one block's P V, [16][d]
   alignas(64) float s[kRows][kKeys];
   alignas(64) at::BFloat16 p[kRows][kKeys];
 };
@@ -80,14 +109,14 @@ inline void pack(const at::BFloat16* keys, const at::BFloat16* values, const int
                  int64_t num_keys, int64_t d, Scratch& w) {
   alignas(64) static const at::BFloat16 zeros[256] = {};
   const int64_t blocks = (num_keys + kKeys - 1) / kKeys, pairs = d / 2;
-  w.k.resize(blocks * pairs * kKeys);
-  w.v.resize(blocks * (kKeys / 2) * d);
+  uint32_t* const k_packed = w.k.get(blocks * pairs * kKeys);
+  uint32_t* const v_packed = w.v.get(blocks * (kKeys / 2) * d);
   // dimension pair i of 32 keys of a dimension group: [i][key] from [key][i]
   const __m512i lo_idx = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
   const __m512i hi_idx = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
   for (int64_t b = 0; b < blocks; ++b) {
-    uint32_t* kb = w.k.data() + b * pairs * kKeys;
-    uint32_t* vb = w.v.data() + b * (kKeys / 2) * d;
+    uint32_t* kb = k_packed + b * pairs * kKeys;
+    uint32_t* vb = v_packed + b * (kKeys / 2) * d;
     const at::BFloat16* krow[kKeys];
     const at::BFloat16* vrow[kKeys];
     for (int j = 0; j < kKeys; ++j) {
@@ -128,12 +157,13 @@ inline __m512 exp2_neg(__m512 t) {
 }
 
 // The softmax step of 16 rows over one block's scores (w.s, unscaled): probabilities into w.p
-// (bf16), running max m (of the scores in base 2) and sum l, the accumulators w.o rescaled where a row's max moved.
+// (bf16), running max m (of the scores in base 2) and sum l; each row's factor for its
+// accumulators into alpha (1 where the max stayed).
 // pos[r]: the last key row r sees; key0: the block's first key. In passes over all 16 rows
 // (maxima, then the exps, then the rescale) so that the rows' exp chains overlap and no branch
 // waits on a row's max.
 inline void softmax_block(Scratch& w, const int64_t* pos, int64_t key0, float scale, float* m,
-                          float* l, int64_t d) {
+                          float* l, float* alpha_out) {
   constexpr int V = kKeys / 16;
   // in base 2: scores times scale * log2(e), so each probability is one exp2_neg
   const __m512 vscale = _mm512_set1_ps(scale * 1.44269504088896341f);
@@ -152,8 +182,6 @@ inline void softmax_block(Scratch& w, const int64_t* pos, int64_t key0, float sc
   const __m512 m_old = _mm512_loadu_ps(m), m_now = _mm512_load_ps(m_new);
   // exp(m_old - m_new): 0 on the first block (m_old -inf), 1 where the max stayed
   const __m512 alpha = exp2_neg(_mm512_sub_ps(m_old, m_now));
-  alignas(64) float a[kRows];
-  _mm512_store_ps(a, alpha);
   alignas(64) float sums[kRows];
   for (int r = 0; r < kRows; ++r) {
     const __m512 mv = _mm512_set1_ps(m_new[r]);
@@ -170,42 +198,45 @@ inline void softmax_block(Scratch& w, const int64_t* pos, int64_t key0, float sc
   }
   _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, _mm512_load_ps(sums)));
   _mm512_storeu_ps(m, m_now);
-  if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) == 0) return;
+  _mm512_storeu_ps(alpha_out, alpha);
+}
+
+// O = O * alpha + P V, row by row (w.o, w.pv: [16][d])
+inline void fold_block(Scratch& w, const float* alpha, int64_t d) {
   for (int r = 0; r < kRows; ++r) {
-    if (a[r] == 1.f) continue;
-    float* o = w.o.data() + r * d;
-    const __m512 av = _mm512_set1_ps(a[r]);
+    const __m512 a = _mm512_set1_ps(alpha[r]);
     for (int64_t c = 0; c < d; c += 16)
-      _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), av));
+      _mm512_store_ps(w.o[r] + c, _mm512_fmadd_ps(_mm512_load_ps(w.o[r] + c), a,
+                                                  _mm512_load_ps(w.pv[r] + c)));
   }
 }
 
 // Tiles 0..3 += tile 4 (loaded by the caller) times the B tiles at b, b + 16, b + 32, b + 48
-// (16 pair columns each; rows `stride` bytes apart), each loaded into tile 5 in turn.
+// (16 pair columns each; rows `stride` bytes apart), loaded into tiles 5 and 6 in turn.
 QUIRE_AMX_TARGET inline void times_four_b(const uint32_t* b, int64_t stride) {
   _tile_loadd(5, b, stride);
+  _tile_loadd(6, b + 16, stride);
   _tile_dpbf16ps(0, 4, 5);
-  _tile_loadd(5, b + 16, stride);
-  _tile_dpbf16ps(1, 4, 5);
+  _tile_dpbf16ps(1, 4, 6);
   _tile_loadd(5, b + 32, stride);
+  _tile_loadd(6, b + 48, stride);
   _tile_dpbf16ps(2, 4, 5);
-  _tile_loadd(5, b + 48, stride);
-  _tile_dpbf16ps(3, 4, 5);
+  _tile_dpbf16ps(3, 4, 6);
 }
 
 // Rows [r0, r0 + 16) of the item (w.q) against keys [0, pos[15]]: O / l into out[r].
 QUIRE_AMX_TARGET inline void rows_tile(Scratch& w, int64_t r0, const int64_t* pos,
                                        at::BFloat16* const* out, int num_out, int64_t d,
                                        float scale) {
-  float m[kRows], l[kRows];
+  alignas(64) float m[kRows], l[kRows], alpha[kRows];
   std::fill(m, m + kRows, -INFINITY);
   std::fill(l, l + kRows, 0.f);
-  std::fill(w.o.begin(), w.o.end(), 0.f);
+  for (int r = 0; r < kRows; ++r) std::fill(w.o[r], w.o[r] + d, 0.f);
   const int64_t pairs = d / 2;
   const at::BFloat16* q = w.q.data() + r0 * d;
   const int64_t last = pos[kRows - 1];  // rows ascend by position
   for (int64_t b = 0; b * kKeys <= last; ++b) {
-    // S = Q K^T: tiles 0..3 the scores of keys 16c..16c+15, 4 the queries, 5 the keys
+    // S = Q K^T: tiles 0..3 the scores of keys 16c..16c+15, 4 the queries, 5 and 6 the keys
     const uint32_t* kb = w.k.data() + b * pairs * kKeys;
     _tile_zero(0);
     _tile_zero(1);
@@ -219,28 +250,29 @@ QUIRE_AMX_TARGET inline void rows_tile(Scratch& w, int64_t r0, const int64_t* po
     _tile_stored(1, &w.s[0][16], kKeys * 4);
     _tile_stored(2, &w.s[0][32], kKeys * 4);
     _tile_stored(3, &w.s[0][48], kKeys * 4);
-    softmax_block(w, pos, b * kKeys, scale, m, l, d);
-    // O += P V, 64 dimensions at a time: tiles 0..3 the accumulators, 4 P, 5 the values
+    softmax_block(w, pos, b * kKeys, scale, m, l, alpha);
+    // P V, 64 dimensions at a time: tiles 0..3 the products, 4 P, 5 and 6 the values
     const uint32_t* vb = w.v.data() + b * (kKeys / 2) * d;
     for (int64_t c = 0; c < d; c += 64) {
-      float* o = w.o.data() + c;
-      _tile_loadd(0, o, d * 4);
-      _tile_loadd(1, o + 16, d * 4);
-      _tile_loadd(2, o + 32, d * 4);
-      _tile_loadd(3, o + 48, d * 4);
+      float* pv = &w.pv[0][c];
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
       for (int ks = 0; ks < kKeys / 32; ++ks) {
         _tile_loadd(4, &w.p[0][32 * ks], kKeys * 2);
         times_four_b(vb + (16 * ks) * d + c, d * 4);
       }
-      _tile_stored(0, o, d * 4);
-      _tile_stored(1, o + 16, d * 4);
-      _tile_stored(2, o + 32, d * 4);
-      _tile_stored(3, o + 48, d * 4);
+      _tile_stored(0, pv, sizeof w.pv[0]);
+      _tile_stored(1, pv + 16, sizeof w.pv[0]);
+      _tile_stored(2, pv + 32, sizeof w.pv[0]);
+      _tile_stored(3, pv + 48, sizeof w.pv[0]);
     }
+    fold_block(w, alpha, d);
   }
   for (int r = 0; r < num_out; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-    const float* o = w.o.data() + r * d;
+    const float* o = w.o[r];
     for (int64_t c = 0; c < d; c += 16)
       simd::Vec(_mm512_mul_ps(_mm512_loadu_ps(o + c), inv)).store(out[r] + c);
   }
@@ -258,31 +290,30 @@ QUIRE_AMX_TARGET void attend_tile(QAt q_row, OutAt out_row, int64_t num_pos, int
   pack(keys, values, offsets, first_pos + num_pos, d, w);
   const int64_t num_rows = num_pos * group;
   const int64_t padded = (num_rows + kRows - 1) / kRows * kRows;
-  w.q.resize(padded * d);
-  w.o.resize(kRows * d);
-  thread_local std::vector<int64_t> pos;
-  thread_local std::vector<at::BFloat16*> out;
-  pos.resize(padded);
-  out.resize(padded);
+  at::BFloat16* const qs = w.q.get(padded * d);
+  thread_local Grown<int64_t> pos_buffer;
+  thread_local Grown<at::BFloat16*> out_buffer;
+  int64_t* const pos = pos_buffer.get(padded);
+  at::BFloat16** const out = out_buffer.get(padded);
   for (int64_t r = 0; r < padded; ++r) {  // rows by position, then head: causal limits rise
     if (r < num_rows) {
-      std::memcpy(w.q.data() + r * d, q_row(r / group, r % group), d * 2);
+      std::memcpy(qs + r * d, q_row(r / group, r % group), d * 2);
       out[r] = out_row(r / group, r % group);
       pos[r] = first_pos + r / group;
     } else {  // padding: zero queries at the last position, never written out
-      std::memset(w.q.data() + r * d, 0, d * 2);
+      std::memset(qs + r * d, 0, d * 2);
       out[r] = nullptr;
       pos[r] = first_pos + num_pos - 1;
     }
   }
   TileConfig cfg;
-  for (int t = 0; t < 6; ++t) {
+  for (int t = 0; t < 7; ++t) {
     cfg.rows[t] = kRows;
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
   for (int64_t r0 = 0; r0 < padded; r0 += kRows)
-    rows_tile(w, r0, pos.data() + r0, out.data() + r0,
+    rows_tile(w, r0, pos + r0, out + r0,
               int(std::min<int64_t>(kRows, num_rows - r0)), d, scale);
   _tile_release();
 }
