@@ -46,6 +46,10 @@ template <typename T>
 inline Vec round_as(Vec x) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
+#if defined(QUIRE_ISA_AVX512)
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return simd::round_bf16(x);
+#endif
   } else {
     alignas(64) T tmp[Vec::kWidth];
     x.store(tmp);

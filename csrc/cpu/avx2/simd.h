@@ -58,6 +58,14 @@ struct Vec {
 inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a.v, b.v, c.v); }  // a*b + c
 inline Vec fms(Vec a, Vec b, Vec c) { return _mm256_fmsub_ps(a.v, b.v, c.v); }  // a*b - c
 inline Vec max(Vec a, Vec b) { return _mm256_max_ps(a.v, b.v); }
+inline Vec min(Vec a, Vec b) { return _mm256_min_ps(a.v, b.v); }
+
+// 1 / x to about 2^-22 relative: rcp's 12-bit estimate and one Newton step, where a division
+// costs several cycles a vector. x finite and nonzero (an infinite x gives a NaN).
+inline Vec reciprocal(Vec x) {
+  const __m256 r = _mm256_rcp_ps(x.v);
+  return _mm256_mul_ps(r, _mm256_fnmadd_ps(x.v, r, _mm256_set1_ps(2.f)));
+}
 
 inline float reduce_add(Vec a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
