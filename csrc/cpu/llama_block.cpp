@@ -128,8 +128,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_rope(
 // memory: past this many bytes the rows run in slices of at most this much, each slice's MLP
 // whole before the next, so the buffer a slice writes is still in cache when the next op reads
 // it. An 8,192-token pooling step of SmolLM2 (gate/up 2 x 1,536 wide, bf16) writes 48 MiB there
-// and took 1.4-1.6x the time of four 2,048-token slices (oneDNN on AMX; slices of 1,024 rows
-// were slower again). A prefill step of the default 2,048 tokens stays one slice.
+// and took 1.2-1.6x the time of four 2,048-token slices (oneDNN on AMX; slices of 1,024 rows
+// were slower again). A prefill step of the default 2,048 tokens stays one slice. A sliced
+// row may differ from the unsliced composition in its last bf16 bit (oneDNN blocks by the row
+// count), so past one slice the op is the per-op path within bf16's tolerance, not bit for bit.
 constexpr int64_t kMlpSliceBytes = int64_t(12) << 20;
 
 // the output features of a weight for more rows, where its layout says (0 where not)
