@@ -152,25 +152,33 @@ int64_t mlp_slice_rows(int64_t rows, const at::Tensor& gate_up, int64_t element_
   return (rows + slices - 1) / slices;
 }
 
+// A layer's second half's weights (see residual_mlp_lora)
+struct MlpWeights {
+  const at::Tensor& o_few;
+  const at::Tensor& o_many;
+  const std::optional<at::Tensor>& o_bias;
+  const at::Tensor& norm_weight;
+  double eps;
+  const at::Tensor& gate_up_few;
+  const at::Tensor& gate_up_many;
+  const std::optional<at::Tensor>& gate_up_bias;
+  const at::Tensor& down_few;
+  const at::Tensor& down_many;
+  const std::optional<at::Tensor>& down_bias;
+};
+
 at::Tensor residual_mlp_rows(const at::Tensor& x, const at::Tensor& attn_rows,
-                             const at::Tensor& o_few, const at::Tensor& o_many,
-                             const std::optional<at::Tensor>& o_bias,
-                             const at::Tensor& norm_weight, double eps,
-                             const at::Tensor& gate_up_few, const at::Tensor& gate_up_many,
-                             const std::optional<at::Tensor>& gate_up_bias,
-                             const at::Tensor& down_few, const at::Tensor& down_many,
-                             const std::optional<at::Tensor>& down_bias,
-                             const LoRAProjection* lora, const ShmGroup* tp) {
-  at::Tensor h = linear(attn_rows, o_few, o_many, o_bias);
+                             const MlpWeights& w, const LoRAProjection* lora, const ShmGroup* tp) {
+  at::Tensor h = linear(attn_rows, w.o_few, w.o_many, w.o_bias);
   TORCH_CHECK(h.sizes() == x.sizes(), "residual_mlp: o_proj must map back to hidden");
   add_lora(h, attn_rows, lora ? lora + 0 : nullptr);
   if (tp) shm_all_reduce(h, *tp);  // row-parallel: every rank's partial sum
   h.add_(x);  // x + o_proj(attn)
-  const at::Tensor normed = rms_norm(h, norm_weight, eps);
-  at::Tensor gate_up = linear(normed, gate_up_few, gate_up_many, gate_up_bias);
+  const at::Tensor normed = rms_norm(h, w.norm_weight, w.eps);
+  at::Tensor gate_up = linear(normed, w.gate_up_few, w.gate_up_many, w.gate_up_bias);
   add_lora(gate_up, normed, lora ? lora + 1 : nullptr);
   const at::Tensor act = silu_and_mul(gate_up);
-  at::Tensor out = linear(act, down_few, down_many, down_bias);
+  at::Tensor out = linear(act, w.down_few, w.down_many, w.down_bias);
   TORCH_CHECK(out.sizes() == x.sizes(), "residual_mlp: down_proj must map back to hidden");
   add_lora(out, act, lora ? lora + 2 : nullptr);
   if (tp) shm_all_reduce(out, *tp);
@@ -192,20 +200,18 @@ at::Tensor residual_mlp_lora(const at::Tensor& x, const at::Tensor& attn,
   check_x(x, "residual_mlp");
   TORCH_CHECK(attn.dim() == 2 && attn.size(0) == x.size(0) && attn.dtype() == x.dtype(),
               "residual_mlp: attn must be [tokens, heads * head_dim] in x's dtype");
+  const MlpWeights w{o_few, o_many, o_bias, norm_weight, eps, gate_up_few, gate_up_many,
+                     gate_up_bias, down_few, down_many, down_bias};
   const at::Tensor attn_rows = attn.contiguous();
   const int64_t rows = x.size(0);
   const int64_t slice = lora != nullptr ? rows
                                         : mlp_slice_rows(rows, gate_up_many, x.element_size());
-  if (slice >= rows)
-    return residual_mlp_rows(x, attn_rows, o_few, o_many, o_bias, norm_weight, eps, gate_up_few,
-                             gate_up_many, gate_up_bias, down_few, down_many, down_bias, lora,
-                             tp);
+  if (slice >= rows) return residual_mlp_rows(x, attn_rows, w, lora, tp);
   at::Tensor out = at::empty_like(x);
   for (int64_t r = 0; r < rows; r += slice) {
     const int64_t n = std::min(slice, rows - r);
-    out.narrow(0, r, n).copy_(residual_mlp_rows(
-        x.narrow(0, r, n), attn_rows.narrow(0, r, n), o_few, o_many, o_bias, norm_weight, eps,
-        gate_up_few, gate_up_many, gate_up_bias, down_few, down_many, down_bias, nullptr, tp));
+    out.narrow(0, r, n).copy_(
+        residual_mlp_rows(x.narrow(0, r, n), attn_rows.narrow(0, r, n), w, nullptr, tp));
   }
   return out;
 }
