@@ -6,9 +6,10 @@ Flags are derived from ``EngineArgs`` (see ``quire.config_args``).
 from __future__ import annotations
 
 import argparse
+import os
 
 from engine_worker.config import EngineArgs
-from quire.config_args import add_dataclass_args, dataclass_from_namespace
+from quire.config_args import add_dataclass_args, dataclass_from_namespace, env_name
 
 _HELP = {
     "model": "local HF directory, .gguf file, or the embedded model's Hub id (default: embedded "
@@ -28,6 +29,9 @@ _HELP = {
                               "0.9); on a CPU, of available host memory for the KV cache "
                               "(default 0.25)",
     "enable_prefix_caching": "reuse cached KV blocks across requests (true/false)",
+    "kv_cache_prefault": "on a CPU, fault the KV cache's pages in at start, as vLLM's "
+                         "zero-filled cache is, so no step waits on fresh pages (true/false; "
+                         "default true for quire engine and quire up, false for LLM)",
     "max_num_seqs": "most requests in one batch",
     "max_num_batched_tokens": "most tokens in one step (prefill is chunked to fit)",
     "scheduling_policy": "fcfs or priority",
@@ -77,6 +81,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for action in parser._actions:  # vLLM's --lora-modules takes several name=path values
         if action.dest == "lora_modules":
             action.nargs = "+"
+
+
+# where a server's default differs from ``LLM``'s: the KV cache faulted in at start
+SERVER_DEFAULTS = {"kv_cache_prefault": True}
+
+
+def add_server_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags of a server (``quire engine``, ``quire up``) and of the benchmarks that
+    measure one: ``SERVER_DEFAULTS`` unless a flag or QUIRE_* variable says otherwise."""
+    add_engine_args(parser)
+    parser.set_defaults(**{name: value for name, value in SERVER_DEFAULTS.items()
+                           if env_name(name) not in os.environ})
 
 
 def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -90,10 +90,14 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
+    # fault the CPU cache's pages in at start (kv_cache/prefault.py); servers default to true
+    kv_cache_prefault: bool = False
 
     def __post_init__(self) -> None:
         _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching",
                f"must be a boolean, got {self.enable_prefix_caching!r}")
+        _check(isinstance(self.kv_cache_prefault, bool), "kv_cache_prefault",
+               f"must be a boolean, got {self.kv_cache_prefault!r}")
         _check(_is_int(self.block_size) and self.block_size in (1, 2, 4, 8, 16, 32, 64,
                                                                          128, 256),
                "block_size", f"must be a power of two between 1 and 256, got {self.block_size!r}")
@@ -228,6 +232,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
+    kv_cache_prefault: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     scheduling_policy: str = "fcfs"
@@ -268,7 +273,8 @@ class EngineArgs:
             cache=CacheConfig(block_size=self.block_size,
                               kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                               gpu_memory_utilization=self.gpu_memory_utilization,
-                              enable_prefix_caching=self.enable_prefix_caching),
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              kv_cache_prefault=self.kv_cache_prefault),
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs,
                                       scheduling_policy=self.scheduling_policy,

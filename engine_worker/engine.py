@@ -28,6 +28,7 @@ from engine_worker.grammar import GrammarCompilerCache
 from engine_worker.input_processor import InputProcessor, PromptType
 from engine_worker.kv_cache.events import KVEventRecorder
 from engine_worker.kv_cache.manager import KVCacheManager, KVCacheStats
+from engine_worker.kv_cache.prefault import LAZY, prefault_kv_cache
 from engine_worker.lora.cache import UnknownLoRAError
 from engine_worker.lora.manager import LoRAManager, LoRAStats
 from engine_worker.lora.request import LoRARequest
@@ -160,7 +161,8 @@ class LLMEngine:
                 self._executor.start_workers(WorkerStart(
                     num_blocks=size.num_blocks, block_size=config.cache.block_size,
                     eos_token_ids=self.tokenizer.eos_token_ids, seed=config.model.seed,
-                    pooler_config=self._pooler.config))
+                    pooler_config=self._pooler.config,
+                    kv_cache_prefault=config.cache.kv_cache_prefault))
         kv_caches = self._allocate_kv_cache(loaded.model, size.num_blocks)
         self._build(loaded.model, kv_caches, size.num_blocks)
         self.info = self._facts(loaded, size)
@@ -324,8 +326,13 @@ class LLMEngine:
     def _allocate_kv_cache(self, model, num_blocks: int) -> list[torch.Tensor]:
         with progress(logger, "Allocating the KV cache"):
             # one tensor a layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
-            return [allocate_zeroed(shape, self._dtype, self._device)
-                    for shape in model.kv_cache_shapes(num_blocks, self.config.cache.block_size)]
+            kv_caches = [allocate_zeroed(shape, self._dtype, self._device) for shape
+                         in model.kv_cache_shapes(num_blocks, self.config.cache.block_size)]
+        self._kv_cache_pages = "" if self._device.type != "cpu" else LAZY
+        if self.config.cache.kv_cache_prefault and self._device.type == "cpu":
+            with progress(logger, "Faulting the KV cache's pages in"):
+                self._kv_cache_pages = prefault_kv_cache(kv_caches, torch.get_num_threads())
+        return kv_caches
 
     def _build(self, model, kv_caches: list[torch.Tensor], num_blocks: int) -> None:
         """The collaborators: graphs (captured over the real cache), KV events, the cache
@@ -370,7 +377,7 @@ class LLMEngine:
             tokenizer_dir=self._tokenizer_dir, architecture=loaded.architecture,
             max_model_len=self._max_model_len, vocab_size=self.tokenizer.vocab_size,
             device=self._device, dtype=self._dtype, num_threads=torch.get_num_threads(),
-            host_malloc=self._host_malloc,
+            host_malloc=self._host_malloc, kv_cache_pages=self._kv_cache_pages,
             backend=backend.name, attention=backend.backend.attention.name,
             backend_reason=backend.reason, backend_fallback=backend.fallback,
             backend_summary=backend.describe(), cuda_graphs=self._graph_choice.describe(),

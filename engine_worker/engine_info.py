@@ -75,6 +75,8 @@ class EngineInfo:
     hidden_size: int = 0  # the embeddings' dimension
     # ---- how host memory is reused between steps (platform.keep_freed_memory)
     host_malloc: str = ""
+    # how the KV cache's pages come in (kv_cache/prefault.py; "" off the CPU)
+    kv_cache_pages: str = ""
     # LoRA (vLLM's arguments; max_* are 0 when LoRA is off)
     enable_lora: bool = False
     max_loras: int = 0

@@ -70,6 +70,8 @@ def start_summary(info: EngineInfo, *, elapsed_s: float) -> str:
         lines.append(f"  Memory: {info.memory}")
     if info.host_malloc:
         lines.append(f"  Host malloc: {info.host_malloc}")
+    if info.kv_cache_pages:
+        lines.append(f"  KV cache pages: {info.kv_cache_pages}")
     if info.tensor_parallel_size * info.pipeline_parallel_size > 1:
         lines.append(f"  Parallel: tensor_parallel_size={info.tensor_parallel_size} x "
                      f"pipeline_parallel_size={info.pipeline_parallel_size} "

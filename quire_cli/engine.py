@@ -6,12 +6,12 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from engine_worker.arg_utils import add_engine_args
+    from engine_worker.arg_utils import add_server_engine_args
     from engine_worker.server.config import ServerConfig
     from quire.config_args import add_dataclass_args
 
     add_dataclass_args(parser, ServerConfig, "server")
-    add_engine_args(parser)
+    add_server_engine_args(parser)
 
 
 def main(ns: argparse.Namespace) -> int:

@@ -60,15 +60,16 @@ def _engine_argv(engine_flags: list[str], num_threads: int) -> list[str]:
 
 
 def changed_engine_flags(ns) -> list[str]:
-    """The engine flags the user changed from their defaults, to pass on to ``quire engine``."""
+    """The engine flags the user changed from ``quire engine``'s defaults, to pass on to it."""
     import dataclasses
 
+    from engine_worker.arg_utils import SERVER_DEFAULTS
     from engine_worker.config import EngineArgs
 
     flags = []
     for field in dataclasses.fields(EngineArgs):
         value = getattr(ns, field.name)
-        if value != field.default:
+        if value != SERVER_DEFAULTS.get(field.name, field.default):
             if isinstance(value, (list, tuple)):  # --lora-modules a=/x b=/y: one value
                 value = ",".join(map(str, value))
             flags += ["--" + field.name.replace("_", "-"), str(value)]
@@ -258,14 +259,14 @@ async def run_stack(cfg: StackConfig, engines, flow=None) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from engine_worker.arg_utils import add_engine_args
+    from engine_worker.arg_utils import add_server_engine_args
     from quire.config_args import add_dataclass_args
 
     from router.flow_config import FLOW_HELP, FlowConfig
 
     add_dataclass_args(parser, StackConfig, "stack")
     add_dataclass_args(parser, FlowConfig, "router flow control", FLOW_HELP)
-    add_engine_args(parser)
+    add_server_engine_args(parser)
 
 
 def main(ns: argparse.Namespace) -> int:

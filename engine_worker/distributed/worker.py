@@ -58,6 +58,7 @@ class WorkerStart:
     eos_token_ids: frozenset[int]
     seed: int
     pooler_config: object  # the engine's resolved PoolerConfig
+    kv_cache_prefault: bool = False  # fault the cache in as rank 0 does (kv_cache/prefault.py)
 
 
 def alive_key(rank: int) -> str:
@@ -126,6 +127,9 @@ def _serve(spec: WorkerSpec) -> None:
     start: WorkerStart = comm.broadcast_object()
     kv_caches = [allocate_zeroed(shape, spec.dtype, device)
                  for shape in model.kv_cache_shapes(start.num_blocks, start.block_size)]
+    if start.kv_cache_prefault and device.type == "cpu":
+        from engine_worker.kv_cache.prefault import prefault_kv_cache
+        prefault_kv_cache(kv_caches, spec.num_threads)
     runner = ModelRunner(model, kv_caches, start.block_size, device, model.cfg.vocab_size,
                          start.eos_token_ids, start.seed, pooler=Pooler(start.pooler_config),
                          lora=lora, sampling_kernels=backend.backend.sampling)

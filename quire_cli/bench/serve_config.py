@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine_worker.arg_utils import add_engine_args
+from engine_worker.arg_utils import add_server_engine_args
 from quire.config_args import add_dataclass_args, require_at_least
 from router.balancer import POLICIES
 from router.flow_config import GRADIENT_LIMIT_MODES
@@ -220,7 +220,7 @@ def _add_args(parser: argparse.ArgumentParser, config_cls, help_texts: dict[str,
     """Benchmark flags, then every engine flag (passed on to the engines when changed;
     ``--seed`` also seeds the workload)."""
     add_dataclass_args(parser, config_cls, "benchmark", help_texts)
-    add_engine_args(parser)
+    add_server_engine_args(parser)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

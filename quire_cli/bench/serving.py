@@ -244,10 +244,10 @@ HELP = {
 
 
 def add_serving_args(parser: argparse.ArgumentParser) -> None:
-    from engine_worker.arg_utils import add_engine_args
+    from engine_worker.arg_utils import add_server_engine_args
 
     add_dataclass_args(parser, ServingBenchConfig, "benchmark", HELP)
-    add_engine_args(parser)
+    add_server_engine_args(parser)
     parser.set_defaults(num_threads=2)  # the setting: one engine, two threads
 
 

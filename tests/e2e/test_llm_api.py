@@ -30,6 +30,21 @@ def _tokens(llm, params, prompt=PROMPT):
     return llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
 
 
+def test_a_prefaulted_cache_generates_as_the_lazy_one_and_says_so(llm, tiny_model_dir):
+    """``kv_cache_prefault`` (a server's default) faults the cache in at start; the tokens are
+    those of the lazily mapped cache, preemption and prefix reuse included (a small cache)."""
+    prefaulted = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=1 << 24,
+                     kv_cache_prefault=True)
+    total = prefaulted.info.kv_cache_bytes / 2**30
+    assert prefaulted.info.kv_cache_pages.startswith(
+        f"faulted in at start, {total:.2f} of {total:.2f} GiB in ")
+    prompts = [{"prompt_token_ids": [300 + i + j for j in range(40)]} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in prefaulted.generate(prompts, params, use_tqdm=False)]
+    lazy = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert ours == lazy
+
+
 def test_repetition_penalty_matches_transformers(llm, hf_model):
     ours = _tokens(llm, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
                                        repetition_penalty=1.5))
@@ -309,5 +324,7 @@ def test_start_shows_progress_and_one_summary_of_the_choices(tiny_model_dir, cap
         f"  KV cache: {num_blocks} blocks x 16 tokens = {num_blocks * 16} tokens, "
         f"{num_blocks * block_bytes / 2**30:.2f} GiB ({block_bytes // 16} bytes a token)",
         f"  Host malloc: {llm.info.host_malloc}",
+        "  KV cache pages: mapped lazily: pages fault in as steps first use them "
+        "(kv_cache_prefault off)",
         f"  Max model len: 512 tokens ({num_blocks * 16 / 512:.2f} full-length sequences "
         f"fit at once)"]

@@ -111,11 +111,14 @@ def test_tp4_replicates_kv_heads_and_matches_one_process(tiny_model_dir):
 
 @pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
 def test_pipeline_stages_match_one_process(bias_model_dir, single, tp, pp):
-    # 3 layers: stage 0 holds layer 0, stage 1 layers 1 and 2
+    # 3 layers: stage 0 holds layer 0, stage 1 layers 1 and 2; at tp 2 x pp 2 every rank
+    # faults its cache in at start, as a server's do (its other stages' layers are empty)
     expected = single.generate(PROMPTS, GREEDY, use_tqdm=False)
     with LLM(str(bias_model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp,
-             **ENGINE) as llm:
+             kv_cache_prefault=tp == 2, **ENGINE) as llm:
         assert (llm.info.tensor_parallel_size, llm.info.pipeline_parallel_size) == (tp, pp)
+        assert llm.info.kv_cache_pages.startswith("faulted in at start" if tp == 2
+                                                  else "mapped lazily")
         assert len(llm.info.worker_pids) == tp * pp - 1
         assert_parallel_equal(expected, llm.generate(PROMPTS, GREEDY, use_tqdm=False))
         again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # from the prefix cache

@@ -116,7 +116,7 @@ def test_the_engine_flag_takes_vllms_json():
     from engine_worker.arg_utils import add_engine_args, engine_args_from_namespace
 
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
+    add_server_engine_args(parser)
     ns = parser.parse_args(["--speculative-config",
                             '{"method": "ngram", "num_speculative_tokens": 2}'])
     config = engine_args_from_namespace(ns).create_engine_config()
@@ -155,11 +155,11 @@ def test_start_block_and_metrics_show_the_config():
 def test_quire_up_passes_the_json_on_to_its_engines():
     import argparse
 
-    from engine_worker.arg_utils import add_engine_args
+    from engine_worker.arg_utils import add_server_engine_args
     from quire_cli.stack import changed_engine_flags
 
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
+    add_server_engine_args(parser)
     spec = '{"method": "suffix", "num_speculative_tokens": 3}'
     flags = changed_engine_flags(parser.parse_args(["--speculative-config", spec]))
     assert flags == ["--speculative-config", spec]
