@@ -105,13 +105,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_rope_lora(
   add_lora(qkv, normed, lora);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
               "norm_qkv_rope: the QKV weight does not give (heads + 2 kv heads) * head_dim");
-  // views into the one [tokens, (heads + 2 kv_heads) * head_dim] output, as torch's split
-  at::Tensor q = qkv.narrow(1, 0, num_heads * head_dim).view({tokens, num_heads, head_dim});
+  // views into the one [tokens, (heads + 2 kv_heads) * head_dim] output, as torch's split;
+  // q's rotation goes to a tensor of its own, the contiguous q attention takes (one pass,
+  // where rotating in place and copying took two)
+  const at::Tensor q_rows = qkv.narrow(1, 0, num_heads * head_dim)
+                                .view({tokens, num_heads, head_dim});
+  at::Tensor q = at::empty({tokens, num_heads, head_dim}, qkv.options());
   at::Tensor k = qkv.narrow(1, num_heads * head_dim, num_kv_heads * head_dim)
                      .view({tokens, num_kv_heads, head_dim});
   at::Tensor v = qkv.narrow(1, (num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim)
                      .view({tokens, num_kv_heads, head_dim});
-  rotary_embedding(q, k, positions, cos, sin);
+  rotary_embedding_into(q, q_rows, k, positions, cos, sin);
   return {q, k, v};
 }
 
@@ -167,14 +171,16 @@ struct MlpWeights {
   const std::optional<at::Tensor>& down_bias;
 };
 
+// x + o_proj(attn) + mlp(norm(...)); into `dst` (rows of a larger output) when given, so a
+// slice's result is written once instead of returned and copied
 at::Tensor residual_mlp_rows(const at::Tensor& x, const at::Tensor& attn_rows,
-                             const MlpWeights& w, const LoRAProjection* lora, const ShmGroup* tp) {
+                             const MlpWeights& w, const LoRAProjection* lora, const ShmGroup* tp,
+                             at::Tensor* dst = nullptr) {
   at::Tensor h = linear(attn_rows, w.o_few, w.o_many, w.o_bias);
   TORCH_CHECK(h.sizes() == x.sizes(), "residual_mlp: o_proj must map back to hidden");
   add_lora(h, attn_rows, lora ? lora + 0 : nullptr);
   if (tp) shm_all_reduce(h, *tp);  // row-parallel: every rank's partial sum
-  h.add_(x);  // x + o_proj(attn)
-  const at::Tensor normed = rms_norm(h, w.norm_weight, w.eps);
+  const at::Tensor normed = add_rms_norm(h, x, w.norm_weight, w.eps);  // h = x + o_proj(attn)
   at::Tensor gate_up = linear(normed, w.gate_up_few, w.gate_up_many, w.gate_up_bias);
   add_lora(gate_up, normed, lora ? lora + 1 : nullptr);
   const at::Tensor act = silu_and_mul(gate_up);
@@ -182,7 +188,9 @@ at::Tensor residual_mlp_rows(const at::Tensor& x, const at::Tensor& attn_rows,
   TORCH_CHECK(out.sizes() == x.sizes(), "residual_mlp: down_proj must map back to hidden");
   add_lora(out, act, lora ? lora + 2 : nullptr);
   if (tp) shm_all_reduce(out, *tp);
-  return out.add_(h);
+  at::Tensor& sum = dst == nullptr ? out : *dst;
+  add_into(sum, out, h);
+  return sum;
 }
 
 // lora: null, or the o, gate/up and down projections' LoRA, in that order. Rows past
@@ -210,8 +218,8 @@ at::Tensor residual_mlp_lora(const at::Tensor& x, const at::Tensor& attn,
   at::Tensor out = at::empty_like(x);
   for (int64_t r = 0; r < rows; r += slice) {
     const int64_t n = std::min(slice, rows - r);
-    out.narrow(0, r, n).copy_(
-        residual_mlp_rows(x.narrow(0, r, n), attn_rows.narrow(0, r, n), w, nullptr, tp));
+    at::Tensor rows_out = out.narrow(0, r, n);  // contiguous: whole rows
+    residual_mlp_rows(x.narrow(0, r, n), attn_rows.narrow(0, r, n), w, nullptr, tp, &rows_out);
   }
   return out;
 }

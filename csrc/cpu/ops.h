@@ -39,11 +39,21 @@ namespace QUIRE_NS {
 
 // weight * round(x / rms(x)) per row of x [rows, hidden]
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// h = h + x in place (rounded to h's dtype), then rms_norm(h, weight, eps), in one pass
+at::Tensor add_rms_norm(at::Tensor& h, const at::Tensor& x, const at::Tensor& weight,
+                        double eps);
+// out = a + b (rounded to their dtype); all contiguous, one shape
+void add_into(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
 // [rows, 2 * width] -> silu(gate) * up [rows, width]
 at::Tensor silu_and_mul(const at::Tensor& x);
 // NeoX rotary embedding in place on q, k [tokens, heads, head_dim]
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
                       const at::Tensor& cos, const at::Tensor& sin);
+// the same with q's rotation written to q_out (contiguous heads; q itself untouched unless it
+// is q_out), k in place
+void rotary_embedding_into(at::Tensor& q_out, const at::Tensor& q, at::Tensor& k,
+                           const at::Tensor& positions, const at::Tensor& cos,
+                           const at::Tensor& sin);
 // varlen paged attention over block tables into out [tokens, heads, head_dim]; the cache may
 // be fp32, bf16 or fp16 under fp32 queries, else in the queries' dtype
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,

@@ -56,6 +56,34 @@ def test_rms_norm_reads_strided_rows(cpu_kernels):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("extra_vectors", [0, 1])
+def test_add_rms_norm_is_torchs_add_then_the_kernels_norm_bit_for_bit(dtype, rows,
+                                                                     extra_vectors, cpu_kernels):
+    """The layer stack's residual add and the norm after it, in one pass: h becomes h + x
+    rounded as torch's add_ rounds it, and the output is rms_norm of that, to the bit."""
+    torch.manual_seed(rows)
+    hidden = 576 + extra_vectors * LANES[cpu_kernels.isa]
+    h, x = ((torch.randn(rows, hidden) * 3).to(dtype) for _ in range(2))
+    weight = (1 + torch.randn(hidden) / 4).to(dtype)
+    want_h = h + x
+    want = cpu_kernels.ops.rms_norm(want_h, weight, 1e-5)
+    got = cpu_kernels.ops.add_rms_norm(h, x, weight, 1e-5)
+    assert torch.equal(h, want_h) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_into_is_torchs_add_bit_for_bit(dtype, cpu_kernels):
+    torch.manual_seed(1)
+    a, b = ((torch.randn(300, 576) * 3).to(dtype) for _ in range(2))
+    out = torch.empty_like(a)
+    cpu_kernels.ops.add_into(out, a, b)
+    assert torch.equal(out, a + b)
+    cpu_kernels.ops.add_into(a, a, b)  # in place, as the layer stack sums into its output
+    assert torch.equal(a, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 130])
 def test_silu_and_mul_matches_reference(dtype, rows, cpu_kernels):
     torch.manual_seed(rows)
