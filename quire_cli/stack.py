@@ -32,7 +32,9 @@ class StackConfig:
     http_port: int = 8000  # OpenAI-compatible HTTP front on the router
     policy: str = "prefix_aware"
     startup_timeout_s: float = 600.0
-    once: bool = False  # exit after the example request (scripts, CI)
+    # exit after the example request (scripts, CI); its engines then map their KV cache
+    # lazily (no kv_cache_prefault: faulting GiBs in for one request only delays it)
+    once: bool = False
     # the engines' --lora-adapter-dirs: where /v1/load_lora_adapter may load adapters from
     lora_adapter_dirs: str | None = None
     # the router loads an adapter no engine holds from <dir>/<name> on the engine where it
@@ -283,7 +285,10 @@ def main(ns: argparse.Namespace) -> int:
     check_ports_free([(cfg.router_host, cfg.router_port, "router_port"),
                       (cfg.router_host, cfg.http_port, "http_port")])
     resolve_model_once(ns.model)
-    engines = start_engines(cfg, changed_engine_flags(ns),
+    engine_flags = changed_engine_flags(ns)
+    if cfg.once and ns.kv_cache_prefault:
+        engine_flags += ["--kv-cache-prefault", "False"]
+    engines = start_engines(cfg, engine_flags,
                             ranks_per_engine=ns.tensor_parallel_size
                             * ns.pipeline_parallel_size)
     try:

@@ -43,6 +43,8 @@ def test_up_answers_the_example_and_exits(tiny_model_dir):
     assert re.search(r"router on 127\.0\.0\.1:\d+ .*http://127\.0\.0\.1:\d+/v1 .*"
                      r"engines on 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+", result.stdout)
     assert re.search(rf"example: {re.escape(repr(EXAMPLE_QUESTION))} -> '.+'", result.stdout)
+    # a stack that exits after one request does not fault its engines' caches in first
+    assert result.stderr.count("KV cache pages: mapped lazily") == 2, result.stderr[-2000:]
 
 
 def test_up_on_the_embedded_model_answers_as_the_readme_says():
