@@ -18,6 +18,32 @@ namespace {
 
 constexpr int W = Vec::kWidth;
 
+// One row's RMSNorm: out = weight * round(row / rms(row)), where value(c) gives the row's
+// vector at column c (loading it, or making and storing it first). The sum of squares runs in
+// two chains (half the FMA latency), the order every caller shares, so their results agree
+// to the bit.
+template <typename T, typename F>
+inline void norm_row(T* out, const T* row, const T* weight, int64_t hidden, float eps,
+                     F value) {
+  Vec sq0 = Vec::zero(), sq1 = Vec::zero();
+  int64_t c = 0;
+  for (; c + 2 * W <= hidden; c += 2 * W) {
+    const Vec a = value(c), b = value(c + W);
+    sq0 = simd::fma(a, a, sq0);
+    sq1 = simd::fma(b, b, sq1);
+  }
+  for (; c < hidden; c += W) {
+    const Vec a = value(c);
+    sq0 = simd::fma(a, a, sq0);
+  }
+  const float inv = 1.f / std::sqrt(simd::reduce_add(sq0 + sq1) / float(hidden) + eps);
+  const Vec f = Vec::broadcast(inv);
+  for (c = 0; c < hidden; c += W) {
+    const Vec normed = simd::round_as<T>(Vec::load(row + c) * f);
+    (Vec::load(weight + c) * normed).store(out + c);
+  }
+}
+
 // out = weight * round(x / rms(x)), per row of [rows, hidden]
 template <typename T>
 void rms_norm_typed(T* out, const T* x, const T* weight, int64_t rows, int64_t hidden,
@@ -25,30 +51,15 @@ void rms_norm_typed(T* out, const T* x, const T* weight, int64_t rows, int64_t h
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = x + r * x_stride;
-      Vec sq0 = Vec::zero(), sq1 = Vec::zero();  // two chains: half the FMA latency
-      int64_t c = 0;
-      for (; c + 2 * W <= hidden; c += 2 * W) {
-        const Vec a = Vec::load(row + c), b = Vec::load(row + c + W);
-        sq0 = simd::fma(a, a, sq0);
-        sq1 = simd::fma(b, b, sq1);
-      }
-      for (; c < hidden; c += W) {
-        const Vec a = Vec::load(row + c);
-        sq0 = simd::fma(a, a, sq0);
-      }
-      const float inv = 1.f / std::sqrt(simd::reduce_add(sq0 + sq1) / float(hidden) + eps);
-      const Vec f = Vec::broadcast(inv);
-      for (c = 0; c < hidden; c += W) {
-        const Vec normed = simd::round_as<T>(Vec::load(row + c) * f);
-        (Vec::load(weight + c) * normed).store(out + r * hidden + c);
-      }
+      norm_row(out + r * hidden, row, weight, hidden, eps,
+               [&](int64_t c) { return Vec::load(row + c); });
     }
   });
 }
 
 // h = round(h + x), then out = weight * round(h / rms(h)), per row: the residual add and the
-// norm after it in one pass over memory (the row is still in L1 for the second loop), each
-// rounding where torch's add_ and rms_norm round
+// norm after it in one pass over memory (the row is still in L1 for the norm's second loop),
+// each rounding where torch's add_ and rms_norm round
 template <typename T>
 void add_rms_norm_typed(T* out, T* h, const T* x, const T* weight, int64_t rows,
                         int64_t hidden, float eps) {
@@ -56,28 +67,11 @@ void add_rms_norm_typed(T* out, T* h, const T* x, const T* weight, int64_t rows,
     for (int64_t r = begin; r < end; ++r) {
       T* row = h + r * hidden;
       const T* add = x + r * hidden;
-      const auto sum_at = [&](int64_t c) {
+      norm_row(out + r * hidden, row, weight, hidden, eps, [&](int64_t c) {
         const Vec sum = simd::round_as<T>(Vec::load(row + c) + Vec::load(add + c));
         sum.store(row + c);
         return sum;
-      };
-      Vec sq0 = Vec::zero(), sq1 = Vec::zero();  // rms_norm_typed's two chains, its sum
-      int64_t c = 0;
-      for (; c + 2 * W <= hidden; c += 2 * W) {
-        const Vec a = sum_at(c), b = sum_at(c + W);
-        sq0 = simd::fma(a, a, sq0);
-        sq1 = simd::fma(b, b, sq1);
-      }
-      for (; c < hidden; c += W) {
-        const Vec a = sum_at(c);
-        sq0 = simd::fma(a, a, sq0);
-      }
-      const float inv = 1.f / std::sqrt(simd::reduce_add(sq0 + sq1) / float(hidden) + eps);
-      const Vec f = Vec::broadcast(inv);
-      for (c = 0; c < hidden; c += W) {
-        const Vec normed = simd::round_as<T>(Vec::load(row + c) * f);
-        (Vec::load(weight + c) * normed).store(out + r * hidden + c);
-      }
+      });
     }
   });
 }
