@@ -116,7 +116,7 @@ def test_the_engine_flag_takes_vllms_json():
     from engine_worker.arg_utils import add_engine_args, engine_args_from_namespace
 
     parser = argparse.ArgumentParser()
-    add_server_engine_args(parser)
+    add_engine_args(parser)
     ns = parser.parse_args(["--speculative-config",
                             '{"method": "ngram", "num_speculative_tokens": 2}'])
     config = engine_args_from_namespace(ns).create_engine_config()
