@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -64,18 +65,17 @@ def block_windows(kv_caches: Sequence[torch.Tensor],
     return [[h[b:b + step] for h in halves] for b in range(0, num_blocks, step)]
 
 
-def _populate(view: torch.Tensor, madvise) -> bool:
+def _populate(view: torch.Tensor, madvise: Callable[[int, int, int], int]) -> bool:
     """Fault ``view``'s pages in; False where the kernel lacks the advice (then nothing done)."""
     start = view.data_ptr()
-    page = os.sysconf("SC_PAGE_SIZE")
-    aligned = start - start % page
+    aligned = start - start % mmap.PAGESIZE
     length = start + view.numel() * view.element_size() - aligned
-    if madvise is not None and madvise(aligned, length, MADV_POPULATE_WRITE) == 0:
+    if madvise(aligned, length, MADV_POPULATE_WRITE) == 0:
         return True
     err = ctypes.get_errno()
-    if madvise is not None and err not in (errno.EINVAL, errno.ENOSYS):
-        raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
-    return False
+    if err in (errno.EINVAL, errno.ENOSYS):
+        return False
+    raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
 
 
 def prefault_kv_cache(kv_caches: Sequence[torch.Tensor], num_threads: int, *,
