@@ -83,11 +83,12 @@ def _run_key(scenario: Scenario, repeat: int, repeats: int) -> str:
 def _serve_all(cfg: ServingBenchConfig, engine_args, dtypes: dict, model_dir: Path,
                workdir: Path):
     """Every system's server up at once (the idle one waits on its socket), then each scenario
-    against each system back to back, which one goes first alternating from run to run
-    (ABBA): the machines here run in fast and slow phases of minutes, and one server's
-    whole run after the other's let a phase fall on one system only. ``cfg.repeats`` times
-    the whole plan, each time on fresh seeds -> (runs by scenario: one {system: run} a repeat,
-    the first system's requests by run key, server info by system)."""
+    against each system back to back, which one goes first alternating (ABBA) between
+    scenarios and between a scenario's repeats: the machines here run in fast and slow phases
+    of minutes, and one server's whole run after the other's let a phase fall on one system
+    only. ``cfg.repeats`` times the whole plan, each time on fresh seeds -> (runs by scenario:
+    one {system: run} a repeat, the first system's requests by run key, server info by
+    system)."""
     base = scenarios(cfg)
     runs: dict[str, list[dict]] = {s.name: [] for s in base}
     requests: dict[str, list[dict]] = {}
@@ -105,19 +106,20 @@ def _serve_all(cfg: ServingBenchConfig, engine_args, dtypes: dict, model_dir: Pa
             _, sent = _run_scenario(warm_cfg, warm, system, live[system], str(model_dir),
                                     workdir, WARMUP)
             requests.setdefault(WARMUP, sent)
-        turn = 0
         for repeat in range(cfg.repeats):
-            for scenario in scenarios(cfg, repeat):
+            for i, scenario in enumerate(scenarios(cfg, repeat)):
                 key = _run_key(scenario, repeat, cfg.repeats)
                 by_system: dict[str, dict] = {}
-                for position, system in enumerate(systems if turn % 2 == 0 else systems[::-1]):
+                # who goes first alternates from scenario to scenario and, for each scenario,
+                # from repeat to repeat
+                order = systems if (i + repeat) % 2 == 0 else systems[::-1]
+                for position, system in enumerate(order):
                     run, sent = _run_scenario(cfg, scenario, system, live[system],
                                               str(model_dir), workdir,
                                               key.replace("/", "-").replace("#", "-run"))
                     by_system[system] = {**run, "ran_first": position == 0}
                     requests.setdefault(key, sent)
-                runs[scenario.name].append(by_system)
-                turn += 1
+                runs[scenario.name].append({system: by_system[system] for system in systems})
     return runs, requests, servers
 
 
