@@ -232,7 +232,8 @@ HELP = {
     "samplings": "comma-separated: default (no temperature sent), greedy (--temperature 0)",
     "prefix_len": "prefix_repetition: shared prefix tokens (the rest of input_len is unique)",
     "num_prefixes": "prefix_repetition: distinct prefixes (must divide num_prompts)",
-    "dataset_seed": "the first scenario's client --seed; each next scenario adds 1",
+    "dataset_seed": "the first scenario's client --seed; each next scenario adds 1, the "
+                    "warm-up takes the next, and each repeat starts past those",
     "repeats": "runs of every scenario against each system, each with prompts of its own "
                "seeds; the report gives the median figures and the median of the runs' "
                "Quire/vLLM ratios (each ratio from two runs back to back)",

@@ -92,19 +92,25 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(known) if known else None
 
 
+# counts over repeats: the worst run's (a median would hide one run's failures)
+COUNT_SUMMARY = {"num_completed": min, "num_failed": max, "num_output_tokens": min}
+
+
 def repeated_report(name: str, runs: list[dict[str, dict]],
                     offlines: list[dict | None]) -> dict:
     """One scenario over its repeats (one ``{system: run}`` and one offline result a repeat).
     One repeat: ``scenario_report``'s entry. Several: each system's figures are the medians
-    over the runs, each ratio the median of the runs' own ratios (each from two client runs
-    back to back, so a slow phase of the machine falls on both sides of it), with its range;
-    ``runs`` keeps every run's whole entry."""
+    over the runs (the counts: the worst run's), each ratio the median of the runs' own ratios
+    (Quire/vLLM: each from two client runs back to back, so a slow phase of the machine falls
+    on both sides of it; serving/offline pairs a repeat's serving run with its offline run,
+    which ran after all the serving), with its range; ``runs`` keeps every run's whole
+    entry."""
     entries = [scenario_report(name, r, o) for r, o in zip(runs, offlines, strict=True)]
     if len(entries) == 1:
         return entries[0]
-    figure_names = [f.name for f in fields(ServingFigures)]
-    serving = {system: {key: _median([e["serving"][system][key] for e in entries])
-                        for key in figure_names}
+    serving = {system: {key: COUNT_SUMMARY.get(key, _median)(
+                            [e["serving"][system][key] for e in entries])
+                        for key in (f.name for f in fields(ServingFigures))}
                for system in entries[0]["serving"]}
     offline_tps = _median([o and o["output_tokens_per_s"] for o in offlines])
     offline = None if offline_tps is None else {"output_tokens_per_s": offline_tps}

@@ -80,6 +80,25 @@ def _run_key(scenario: Scenario, repeat: int, repeats: int) -> str:
     return scenario.name if repeats == 1 else f"{scenario.name}#{repeat + 1}"
 
 
+def _keyed_runs(cfg: ServingBenchConfig) -> list[tuple[Scenario, int, str]]:
+    """(scenario, repeat, run key) of every run, in the order they ran."""
+    return [(scenario, repeat, _run_key(scenario, repeat, cfg.repeats))
+            for repeat in range(cfg.repeats) for scenario in scenarios(cfg, repeat)]
+
+
+def report_entries(cfg: ServingBenchConfig, runs: dict[str, list[dict]],
+                   offline: dict[str, dict]) -> tuple[list[dict], dict[str, bool]]:
+    """The report's scenario entries (``repeated_report``: medians over the repeats) and, by
+    run key, whether every system got the same requests."""
+    entries = [repeated_report(s.name, runs[s.name],
+                               [offline.get(_run_key(s, r, cfg.repeats))
+                                for r in range(cfg.repeats)])
+               for s in scenarios(cfg)]
+    same = {key: len({r["requests_sha256"] for r in runs[s.name][repeat].values()}) == 1
+            for s, repeat, key in _keyed_runs(cfg)}
+    return entries, same
+
+
 def _serve_all(cfg: ServingBenchConfig, engine_args, dtypes: dict, model_dir: Path,
                workdir: Path):
     """Every system's server up at once (the idle one waits on its socket), then each scenario
@@ -137,21 +156,14 @@ def run(cfg: ServingBenchConfig, engine_args) -> int:
     env.update(model_dir=str(model_dir), dtypes=dtypes, dtype_choice=why, git=git_commit(),
                loadavg_at_start=list(os.getloadavg()))
     runs, requests, servers = _serve_all(cfg, engine_args, dtypes, model_dir, workdir)
-    keyed = [(scenario, repeat, _run_key(scenario, repeat, cfg.repeats))
-             for repeat in range(cfg.repeats) for scenario in scenarios(cfg, repeat)]
     offline = {}
     if not cfg.skip_offline:
         print("quire offline (LLM.generate)", file=sys.stderr, flush=True)
         offline = run_offline(engine_args, requests[WARMUP], [
             OfflineScenario(key, requests[key], s.temperature, cfg.num_warmups)
-            for s, _, key in keyed], cfg.ignore_eos)
+            for s, _, key in _keyed_runs(cfg)], cfg.ignore_eos)
     env["loadavg_at_end"] = list(os.getloadavg())
-    entries = [repeated_report(s.name, runs[s.name],
-                               [offline.get(_run_key(s, r, cfg.repeats))
-                                for r in range(cfg.repeats)])
-               for s in scenarios(cfg)]
-    same = {key: len({r["requests_sha256"] for r in runs[s.name][repeat].values()}) == 1
-            for s, repeat, key in keyed}
+    entries, same = report_entries(cfg, runs, offline)
     report = {"config": dataclasses.asdict(cfg), "engine": dataclasses.asdict(engine_args),
               "environment": env, "servers": servers, "same_requests": same,
               "scenarios": entries}

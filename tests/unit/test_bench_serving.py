@@ -4,6 +4,7 @@ from the client's result JSON (figures, ratios, table, plot)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -219,6 +220,88 @@ def test_one_repeat_is_the_plain_scenario_entry_and_missing_offline_runs_are_lef
     assert entry["ratios"]["quire_serving_over_offline"] == pytest.approx(0.5, rel=1e-12)
     assert repeated_report("random/default", runs * 2, [None, None])["offline_quire"] is None
     assert "medians of 2 runs" in format_table([entry])
+
+
+def test_counts_over_repeats_are_the_worst_runs():
+    runs = [{"quire": {"client_result": {**CLIENT_RESULT, "failed": f, "completed": 4 - f,
+                                         "total_output_tokens": 32 - 8 * f}}}
+            for f in (0, 0, 1, 0)]
+    entry = repeated_report("random/greedy", runs, [None] * 4)
+    quire = entry["serving"]["quire"]
+    assert (quire["num_failed"], quire["num_completed"], quire["num_output_tokens"]) == (1, 3, 24)
+    assert entry["ratios"]["output_throughput_quire_over_vllm"] is None
+    assert "throughput ratios -, serving/offline -" in format_table([entry])
+
+
+def _fake_stack(monkeypatch, tmp_path, cfg):
+    """serving_run's orchestration with servers and client replaced: every client run is
+    recorded (system, run tag, seed), and its 'requests' are the scenario's seed."""
+    from quire_cli.bench import serving_run
+    from quire_cli.bench.serving_systems import Server
+
+    calls = []
+
+    def server(system):
+        @contextlib.contextmanager
+        def start(*args):
+            yield Server(f"http://{system}", "m", {"system": system})
+        return start
+
+    def run_scenario(cfg, scenario, system, server, tokenizer, workdir, tag=""):
+        calls.append((system, tag, scenario.seed))
+        sent = [{"prompt": str(scenario.seed)}]
+        result = {**CLIENT_RESULT, "label": system,
+                  "output_throughput": 100.0 + scenario.seed + (system == "quire") * 100}
+        return ({"client_result": result, "requests_sha256": requests_digest(sent)}, sent)
+
+    monkeypatch.setattr(serving_run, "SERVERS", {s: server(s) for s in ("quire", "vllm")})
+    monkeypatch.setattr(serving_run, "_run_scenario", run_scenario)
+    runs, requests, servers = serving_run._serve_all(cfg, None, {}, Path("/m"), tmp_path)
+    return serving_run, calls, runs, requests, servers
+
+
+def test_repeats_alternate_who_runs_first_and_key_every_run(monkeypatch, tmp_path):
+    cfg = ServingBenchConfig(datasets="random", repeats=2)
+    serving_run, calls, runs, requests, servers = _fake_stack(monkeypatch, tmp_path, cfg)
+    assert set(servers) == {"quire", "vllm"}
+    assert [(system, tag) for system, tag, _ in calls] == [
+        ("quire", "warm-up"), ("vllm", "warm-up"),
+        ("quire", "random-default-run1"), ("vllm", "random-default-run1"),
+        ("vllm", "random-greedy-run1"), ("quire", "random-greedy-run1"),
+        ("vllm", "random-default-run2"), ("quire", "random-default-run2"),
+        ("quire", "random-greedy-run2"), ("vllm", "random-greedy-run2")]
+    # the two systems of a run got the same seed; no two runs (nor the warm-up) share one
+    seeds = [seed for _, _, seed in calls]
+    assert seeds[::2] == seeds[1::2] and len(set(seeds[::2])) == 5
+    assert set(requests) == {"warm-up", "random/default#1", "random/greedy#1",
+                             "random/default#2", "random/greedy#2"}
+    assert [run["quire"]["ran_first"] for run in runs["random/greedy"]] == [False, True]
+    offline = {"random/default#1": {"output_tokens_per_s": 400.0},
+               "random/default#2": {"output_tokens_per_s": 400.0}}
+    entries, same = serving_run.report_entries(cfg, runs, offline)
+    assert same == dict.fromkeys(["random/default#1", "random/greedy#1", "random/default#2",
+                                  "random/greedy#2"], True)
+    default, greedy = entries
+    assert default["repeats"] == greedy["repeats"] == 2
+    # each run's Quire against its own vLLM pair: (200 + s) / (100 + s) for the run's seed
+    s1, s2 = (run["quire"]["client_result"]["output_throughput"] - 200
+              for run in runs["random/default"])
+    assert default["ratio_ranges"]["output_throughput_quire_over_vllm"] == pytest.approx(
+        sorted([(200 + s1) / (100 + s1), (200 + s2) / (100 + s2)]), rel=1e-12)
+    assert default["offline_quire"] == {"output_tokens_per_s": 400.0}
+    assert greedy["offline_quire"] is None
+
+
+def test_one_repeat_keeps_the_plain_names_and_quire_alone_runs_alone(monkeypatch, tmp_path):
+    cfg = ServingBenchConfig(datasets="random", samplings="greedy", skip_vllm=True)
+    serving_run, calls, runs, requests, _ = _fake_stack(monkeypatch, tmp_path, cfg)
+    assert [(system, tag) for system, tag, _ in calls] == [
+        ("quire", "warm-up"), ("quire", "random-greedy")]
+    entries, same = serving_run.report_entries(cfg, runs, {})
+    assert same == {"random/greedy": True} and set(requests) == {"warm-up", "random/greedy"}
+    (entry,) = entries
+    assert "repeats" not in entry and set(entry["serving"]) == {"quire"}
+    assert entry["ratios"]["output_throughput_quire_over_vllm"] is None
 
 
 def test_requests_digest_tells_request_sets_apart():
