@@ -55,7 +55,7 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
 
-def _median(values: list[float | None]) -> float | None:
+def median_of_known(values: list[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return statistics.median(known) if known else None
 
@@ -70,10 +70,11 @@ def medians(runs: list[dict]) -> dict:
     for (workload, policy), group in groups.items():
         out.setdefault(workload, {})[policy] = {
             "num_runs": len(group),
-            "ttft_p50_ms": _median([r["ttft_ms"]["p50"] for r in group]),
-            "ttft_p90_ms": _median([r["ttft_ms"]["p90"] for r in group]),
-            "output_token_throughput": _median([r["output_token_throughput"] for r in group]),
-            "cache_hit_rate": _median([r["cache_hit_rate"] for r in group]),
+            "ttft_p50_ms": median_of_known([r["ttft_ms"]["p50"] for r in group]),
+            "ttft_p90_ms": median_of_known([r["ttft_ms"]["p90"] for r in group]),
+            "output_token_throughput": median_of_known([r["output_token_throughput"]
+                                                        for r in group]),
+            "cache_hit_rate": median_of_known([r["cache_hit_rate"] for r in group]),
         }
     return out
 

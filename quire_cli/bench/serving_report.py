@@ -8,10 +8,11 @@ recomputed here, only picked out and divided.
 
 from __future__ import annotations
 
-import statistics
 import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
+from quire_cli.bench.serve_report import median_of_known
 
 # (report name, key in vLLM's result JSON); percentiles need --metric-percentiles 50,90
 CLIENT_METRICS = (
@@ -87,11 +88,6 @@ def scenario_report(name: str, runs: dict[str, dict], offline: dict | None) -> d
             "ratios": scenario_ratios(figures["quire"], figures.get("vllm"), offline_tps)}
 
 
-def _median(values: list[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else None
-
-
 # counts over repeats: the worst run's (a median would hide one run's failures)
 COUNT_SUMMARY = {"num_completed": min, "num_failed": max, "num_output_tokens": min}
 
@@ -108,13 +104,14 @@ def repeated_report(name: str, runs: list[dict[str, dict]],
     entries = [scenario_report(name, r, o) for r, o in zip(runs, offlines, strict=True)]
     if len(entries) == 1:
         return entries[0]
-    serving = {system: {key: COUNT_SUMMARY.get(key, _median)(
+    serving = {system: {key: COUNT_SUMMARY.get(key, median_of_known)(
                             [e["serving"][system][key] for e in entries])
                         for key in (f.name for f in fields(ServingFigures))}
                for system in entries[0]["serving"]}
-    offline_tps = _median([o and o["output_tokens_per_s"] for o in offlines])
+    offline_tps = median_of_known([o and o["output_tokens_per_s"] for o in offlines])
     offline = None if offline_tps is None else {"output_tokens_per_s": offline_tps}
-    ratios = {key: _median([e["ratios"][key] for e in entries]) for key in entries[0]["ratios"]}
+    ratios = {key: median_of_known([e["ratios"][key] for e in entries])
+              for key in entries[0]["ratios"]}
     ranges = {key: [min(known), max(known)] if (known := [e["ratios"][key] for e in entries
                                                           if e["ratios"][key] is not None])
               else None for key in ratios}

@@ -108,8 +108,7 @@ def _serve_all(cfg: ServingBenchConfig, engine_args, dtypes: dict, model_dir: Pa
     only. ``cfg.repeats`` times the whole plan, each time on fresh seeds -> (runs by scenario:
     one {system: run} a repeat, the first system's requests by run key, server info by
     system)."""
-    base = scenarios(cfg)
-    runs: dict[str, list[dict]] = {s.name: [] for s in base}
+    runs: dict[str, list[dict]] = {s.name: [] for s in scenarios(cfg)}
     requests: dict[str, list[dict]] = {}
     servers: dict[str, dict] = {}
     systems = SYSTEMS[:1] if cfg.skip_vllm else SYSTEMS
