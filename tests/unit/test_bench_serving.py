@@ -234,8 +234,9 @@ def test_counts_over_repeats_are_the_worst_runs():
 
 
 def _fake_stack(monkeypatch, tmp_path, cfg):
-    """serving_run's orchestration with servers and client replaced: every client run is
-    recorded (system, run tag, seed), and its 'requests' are the scenario's seed."""
+    """serving_run's orchestration with servers, client and offline engine replaced: every
+    client run is recorded (system, run tag, seed), its 'requests' are the scenario's seed,
+    and every offline run is recorded as ("offline", run key, the requests' seed)."""
     from quire_cli.bench import serving_run
     from quire_cli.bench.serving_systems import Server
 
@@ -254,16 +255,35 @@ def _fake_stack(monkeypatch, tmp_path, cfg):
                   "output_throughput": 100.0 + scenario.seed + (system == "quire") * 100}
         return ({"client_result": result, "requests_sha256": requests_digest(sent)}, sent)
 
+    class Offline:
+        def __init__(self, engine_args, warmup_requests, ignore_eos):
+            calls.append(("offline", "start", int(warmup_requests[0]["prompt"])))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            calls.append(("offline", "stop", None))
+
+        def run(self, scenario):
+            seed = int(scenario.requests[0]["prompt"])
+            calls.append(("offline", scenario.name, seed))
+            return {"output_tokens_per_s": 1000.0 + seed}
+
     monkeypatch.setattr(serving_run, "SERVERS", {s: server(s) for s in ("quire", "vllm")})
+    monkeypatch.setattr(serving_run, "OFFLINE", Offline)
     monkeypatch.setattr(serving_run, "_run_scenario", run_scenario)
-    runs, requests, servers = serving_run._serve_all(cfg, None, {}, Path("/m"), tmp_path)
-    return serving_run, calls, runs, requests, servers
+    monkeypatch.setattr(serving_run, "wait_until_quiet", lambda: True)
+    runs, requests, servers, offline = serving_run._serve_all(cfg, None, {}, Path("/m"),
+                                                              tmp_path)
+    return serving_run, calls, runs, requests, servers, offline
 
 
 def test_repeats_alternate_who_runs_first_and_key_every_run(monkeypatch, tmp_path):
-    cfg = ServingBenchConfig(datasets="random", repeats=2)
-    serving_run, calls, runs, requests, servers = _fake_stack(monkeypatch, tmp_path, cfg)
-    assert set(servers) == {"quire", "vllm"}
+    cfg = ServingBenchConfig(datasets="random", repeats=2, skip_offline=True)
+    serving_run, calls, runs, requests, servers, offline = _fake_stack(monkeypatch, tmp_path,
+                                                                       cfg)
+    assert set(servers) == {"quire", "vllm"} and offline == {}
     assert [(system, tag) for system, tag, _ in calls] == [
         ("quire", "warm-up"), ("vllm", "warm-up"),
         ("quire", "random-default-run1"), ("vllm", "random-default-run1"),
@@ -293,8 +313,9 @@ def test_repeats_alternate_who_runs_first_and_key_every_run(monkeypatch, tmp_pat
 
 
 def test_one_repeat_keeps_the_plain_names_and_quire_alone_runs_alone(monkeypatch, tmp_path):
-    cfg = ServingBenchConfig(datasets="random", samplings="greedy", skip_vllm=True)
-    serving_run, calls, runs, requests, _ = _fake_stack(monkeypatch, tmp_path, cfg)
+    cfg = ServingBenchConfig(datasets="random", samplings="greedy", skip_vllm=True,
+                             skip_offline=True)
+    serving_run, calls, runs, requests, _, _ = _fake_stack(monkeypatch, tmp_path, cfg)
     assert [(system, tag) for system, tag, _ in calls] == [
         ("quire", "warm-up"), ("quire", "random-greedy")]
     entries, same = serving_run.report_entries(cfg, runs, {})
@@ -302,6 +323,39 @@ def test_one_repeat_keeps_the_plain_names_and_quire_alone_runs_alone(monkeypatch
     (entry,) = entries
     assert "repeats" not in entry and set(entry["serving"]) == {"quire"}
     assert entry["ratios"]["output_throughput_quire_over_vllm"] is None
+
+
+def test_each_offline_run_follows_its_quire_serving_run_on_the_same_requests(monkeypatch,
+                                                                          tmp_path):
+    cfg = ServingBenchConfig(datasets="random", repeats=2)
+    serving_run, calls, runs, requests, _, offline = _fake_stack(monkeypatch, tmp_path, cfg)
+    warm_seed = calls[0][2]
+    assert [(who, tag) for who, tag, _ in calls] == [
+        ("quire", "warm-up"), ("vllm", "warm-up"), ("offline", "start"),
+        ("quire", "random-default-run1"), ("offline", "random/default#1"),
+        ("vllm", "random-default-run1"),
+        ("vllm", "random-greedy-run1"), ("quire", "random-greedy-run1"),
+        ("offline", "random/greedy#1"),
+        ("vllm", "random-default-run2"), ("quire", "random-default-run2"),
+        ("offline", "random/default#2"),
+        ("quire", "random-greedy-run2"), ("offline", "random/greedy#2"),
+        ("vllm", "random-greedy-run2"), ("offline", "stop")]
+    # the engine warmed up on the servers' warm-up requests; each offline run replayed what
+    # the client had just sent Quire's server
+    assert calls[2][2] == warm_seed
+    for i, (who, tag, seed) in enumerate(calls):
+        if who == "offline" and "/" in tag:
+            assert calls[i - 1][0] == "quire" and calls[i - 1][2] == seed
+    assert set(offline) == {"random/default#1", "random/greedy#1", "random/default#2",
+                            "random/greedy#2"}
+    assert all(run["quiet_before"] for run in offline.values())
+    entries, _ = serving_run.report_entries(cfg, runs, offline)
+    for entry in entries:  # each repeat's serving over its own offline run, then the median
+        pairs = [(run["quire"]["client_result"]["output_throughput"],
+                  offline[f"{entry['scenario']}#{k + 1}"]["output_tokens_per_s"])
+                 for k, run in enumerate(runs[entry["scenario"]])]
+        assert entry["ratio_ranges"]["quire_serving_over_offline"] == pytest.approx(
+            sorted(s / o for s, o in pairs), rel=1e-12)
 
 
 def test_requests_digest_tells_request_sets_apart():
