@@ -11,7 +11,9 @@ at once (the idle one waits on its socket) and each scenario runs against one an
 other, which one first alternating (ABBA), after an unrecorded warm-up pass each; with
 ``repeats`` above 1 the whole plan runs again on fresh seeds and the report takes medians.
 The client writes the requests it sends (``serving_client.py``); the report checks that both
-systems got the same ones, and Quire's ``LLM.generate`` runs them offline last.
+systems got the same ones, and Quire's ``LLM.generate`` runs them offline right after Quire's
+serving run (an engine built while the servers are up), so that serving / offline is a pair
+in time too.
 
 Figures are the client's (output throughput, TTFT p50/p90, TPOT p50, ITL p50), kept with its
 whole result JSON, the load average around each run, the CPU, the dtypes and the git commit.
