@@ -29,6 +29,7 @@ from engine_worker.layers.activation import silu_and_mul
 from engine_worker.layers.norm import rms_norm
 from engine_worker.layers.rotary import apply_rope
 from engine_worker.ops import CpuKernels, CpuVariant, Unavailable, cannot_run_reason, load
+from engine_worker.ops.cpu_isa import cpu_flags, cpu_vendor_family, full_width_bf16
 from engine_worker.platform import available_memory_bytes
 from engine_worker.progress import progress
 
@@ -60,18 +61,22 @@ class CpuOps:
     """The op wrappers of a CPU backend over one variant's kernels: each calls the kernel where
     the kernel's shape rules (csrc/cpu/elementwise.cpp) hold, the reference elsewhere."""
 
-    __slots__ = ("ops", "lanes", "tiles", "_linear", "_twin_bytes_left", "_twins_said")
+    __slots__ = ("ops", "lanes", "tiles", "twins", "_linear", "_twin_bytes_left",
+                 "_twins_said")
 
     def __init__(self, kernels: CpuKernels) -> None:
         profile = ISA_PROFILES[kernels.isa]
         self.ops = kernels.ops
         self.lanes = profile.lanes
         self._linear = profile.linear
-        # AMX tiles: quantized layer weights get bf16 tile twins (cpu_linear.GgufBlocks) while
-        # they fit in a quarter of the memory available at load; the KV cache is sized after
+        # where oneDNN's bf16 matmuls outrun the int8 kernel past the decode rows (AMX tiles,
+        # a full-width AVX-512 BF16 datapath: bf16_twins_reason), quantized layer weights get
+        # bf16 twins (cpu_linear.GgufBlocks) while they fit in a quarter of the memory
+        # available at load; the KV cache is sized after
         self.tiles = amx_tiles(kernels)  # the start block names them (make_cpu_backend)
+        self.twins = bf16_twins_reason(kernels)
         self._twin_bytes_left = available_memory_bytes(torch.device("cpu")) // 4 \
-            if self.tiles else 0
+            if self.twins else 0
         self._twins_said = False
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -92,21 +97,23 @@ class CpuOps:
                     (256 if weight.shape[2] in K_QUANT_BLOCK_BYTES else 32)  # bf16
                 if twin_bytes <= self._twin_bytes_left:
                     if not self._twins_said:
-                        logger.info("AMX tiles: each quantized layer weight is also kept "
+                        logger.info("%s: each quantized layer weight is also kept "
                                     "de-quantized in oneDNN's bf16 layout (2 bytes a weight, up "
                                     "to %.1f GiB: a quarter of available memory) for steps of "
                                     "more than 8 rows; up to 8 rows stream the blocks",
-                                    self._twin_bytes_left / 2 ** 30)
+                                    self.twins, self._twin_bytes_left / 2 ** 30)
                         self._twins_said = True
                     self._twin_bytes_left -= twin_bytes
                     return GgufBlocks.with_tile_twin(self.ops, weight)
-                logger.warning("AMX tiles: no room left for a bf16 tile twin of a %s weight "
-                               "(a quarter of available memory is spent): it and the weights "
-                               "after it de-quantize on every call of more than 64 rows",
-                               tuple(weight.shape[:2]))
+                logger.warning("%s: no room left for a bf16 twin of a %s weight (a quarter "
+                               "of available memory is spent): it and the weights after it "
+                               "take the int8 kernel, and de-quantize on every call past its "
+                               "rows", self.twins, tuple(weight.shape[:2]))
                 self._twin_bytes_left = 0
-            # a tied embedding's table (dense): past the decode rows where oneDNN has tiles
-            twin_rows = SKINNY_MAX_ROWS if self.tiles else DENSE_TWIN_ROWS
+            # a tied embedding's table (dense): past the decode rows where bf16 matmuls are
+            # fast (Zen 5, the tied Q8_0 logits table 49152 x 576 at 16 rows: 1.7 ms against
+            # 2.4 on the int8 kernel)
+            twin_rows = SKINNY_MAX_ROWS if self.twins else DENSE_TWIN_ROWS
             return GgufBlocks.of(self.ops, weight, dense, self._linear, twin_rows)
         return self._linear.pack(self.ops, weight)
 
@@ -282,6 +289,18 @@ def amx_tiles(kernels: CpuKernels) -> bool:
         kernels.has("amx_tiles") and bool(kernels.ops.amx_tiles())
 
 
+def bf16_twins_reason(kernels: CpuKernels) -> str | None:
+    """Why this set's quantized layer weights keep bf16 twins for many-row steps, or None: a
+    set whose activations are bf16 (AVX-512), on a CPU whose oneDNN bf16 matmuls outrun the
+    int8 kernel there (AMX tiles; a full-width AVX-512 BF16 datapath, cpu_isa.full_width_bf16)."""
+    if amx_tiles(kernels):
+        return "AMX tiles"
+    if ISA_PROFILES[kernels.isa].linear.activation_dtype == torch.bfloat16 and \
+            full_width_bf16(*cpu_vendor_family(), cpu_flags()):
+        return "Full-width AVX-512 BF16"
+    return None
+
+
 def make_cpu_backend(kernels: CpuKernels, name: str, description: str) -> Backend:
     """The backend that runs ``kernels`` (one variant's, loaded)."""
     ops = CpuOps(kernels)
@@ -293,6 +312,10 @@ def make_cpu_backend(kernels: CpuKernels, name: str, description: str) -> Backen
         description += ", AMX tiles for many-row matmuls"
         if kernels.has("attention_tiles") and kernels.ops.attention_tiles():
             description += " and bf16 attention (prefill; decode scores)"
+    elif ops.twins:
+        # oneDNN's bf16 matmul on a full 512-bit datapath: quantized layers keep bf16 twins
+        description += ", bf16 twins of quantized weights for many-row matmuls (full-width " \
+            "AVX-512 BF16)"
     return Backend(name=name, description=description, linear=ops.linear,
                    pack_weight=ops.pack_weight, rms_norm=ops.rms_norm,
                    silu_and_mul=ops.silu_and_mul, rope=ops.rope,

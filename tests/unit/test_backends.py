@@ -13,6 +13,7 @@ import torch
 
 from engine_worker.backends import BACKENDS, PREFERENCE, select_backend
 from engine_worker.config import KERNEL_CHOICES
+from engine_worker.ops.cpu_isa import cpu_vendor_family, full_width_bf16
 from tests.conftest import cpu_kernels_unavailable_reason
 
 CPU = torch.device("cpu")
@@ -35,10 +36,13 @@ def test_auto_on_the_cpu_takes_the_kernels_where_they_build_and_says_why_not():
     choice = select_backend("auto", CPU)
     if avx512 is None:
         assert (choice.name, choice.fallback) == ("cpu", False)
-        # where oneDNN has AMX tiles (Intel Sapphire Rapids and later) the line says so
+        # where oneDNN has AMX tiles (Intel Sapphire Rapids and later) the line says so, and
+        # where it has a full-width AVX-512 BF16 datapath (AMD Zen 5) the line names the twins
         flags = set(Path("/proc/cpuinfo").read_text().split())
         amx = ", AMX tiles for many-row matmuls and bf16 attention (prefill; decode scores)" \
-            if {"amx_tile", "amx_bf16", "amx_int8"} <= flags else ""
+            if {"amx_tile", "amx_bf16", "amx_int8"} <= flags else \
+            ", bf16 twins of quantized weights for many-row matmuls (full-width AVX-512 BF16)" \
+            if full_width_bf16(*cpu_vendor_family(), frozenset(flags)) else ""
         assert choice.describe() == (f"cpu (compiled CPU kernels, AVX-512{amx}): the fastest "
                                      "backend that runs on cpu")
     elif avx2 is None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,13 @@ import torch
 
 from engine_worker.ops import (VARIANTS, CpuKernels, Unavailable, available_isas,
                                cannot_run_reason, load)
-from engine_worker.ops.cpu_isa import isa_for_flags, runnable_isas
+from engine_worker.ops.cpu_isa import full_width_bf16, isa_for_flags, runnable_isas
 
 ZEN3 = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}  # AVX2 only (this project's Zen 3)
 ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16",
                "avx512_vnni"}
+# the module (engine_worker.ops re-exports its function cpu_isa under the same name)
+cpu_isa = importlib.import_module("engine_worker.ops.cpu_isa")
 SKYLAKE_X = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}  # no BF16
 
 
@@ -32,6 +35,36 @@ SKYLAKE_X = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}  
 def test_the_best_variant_the_flags_allow(flags, best, runnable):
     assert isa_for_flags(frozenset(flags)) == best
     assert runnable_isas(frozenset(flags)) == runnable
+
+
+@pytest.mark.parametrize("vendor, family, flags, full", [
+    ("AuthenticAMD", 26, ZEN4, True),  # Zen 5: one 512-bit bf16 dot product a cycle
+    ("AuthenticAMD", 25, ZEN4, False),  # Zen 4 splits it in two 256-bit halves
+    ("AuthenticAMD", 25, ZEN3, False),
+    ("AuthenticAMD", 26, ZEN3, False),  # no AVX-512 BF16 reported (a VM may hide it)
+    ("GenuineIntel", 6, ZEN4, False),  # Intel: AMX tiles decide (backends/cpu.amx_tiles)
+    ("", -1, set(), False),
+])
+def test_full_width_bf16_is_amd_from_family_26_with_avx512_bf16(vendor, family, flags, full):
+    assert full_width_bf16(vendor, family, frozenset(flags)) is full
+
+
+def test_the_vendor_and_family_come_from_the_first_processor_in_cpuinfo(tmp_path, monkeypatch):
+    info = tmp_path / "cpuinfo"
+    processor = "processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\n"
+    info.write_text(processor.format(n=0) + processor.format(n=1))
+    monkeypatch.setattr(cpu_isa, "CPUINFO", info)
+    cpu_isa.cpu_vendor_family.cache_clear()
+    try:
+        assert cpu_isa.cpu_vendor_family() == ("AuthenticAMD", 26)
+        info.write_text("processor\t: 0\nfeatures\t: fp asimd\n")  # an Arm CPU says neither
+        cpu_isa.cpu_vendor_family.cache_clear()
+        assert cpu_isa.cpu_vendor_family() == ("", -1)
+        monkeypatch.setattr(cpu_isa, "CPUINFO", tmp_path / "absent")
+        cpu_isa.cpu_vendor_family.cache_clear()
+        assert cpu_isa.cpu_vendor_family() == ("", -1)
+    finally:
+        cpu_isa.cpu_vendor_family.cache_clear()
 
 
 def test_a_variant_this_cpu_cannot_run_is_refused_with_the_missing_flags():

@@ -21,6 +21,14 @@ from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
 from engine_worker.backends.cpu_linear import DENSE_TWIN_ROWS  # noqa: E402
+from engine_worker.ops.cpu_isa import cpu_flags, cpu_vendor_family, full_width_bf16  # noqa: E402
+
+
+def bf16_twins_expected(isa: str) -> bool:
+    """Whether quantized weights should get bf16 twins here: the AVX-512 set (bf16
+    activations) on a CPU with AMX tiles or a full-width AVX-512 BF16 datapath."""
+    amx = {"amx_tile", "amx_bf16", "amx_int8"} <= cpu_flags()
+    return isa == "avx512" and (amx or full_width_bf16(*cpu_vendor_family(), cpu_flags()))
 
 TYPES = (QT.Q4_0, QT.Q4_1, QT.Q8_0)
 
@@ -273,9 +281,9 @@ def test_a_dense_twin_serves_the_rows_past_the_int8_path(cpu_kernels):
     table = ref.to(torch.bfloat16)  # what the loader's embedding holds: exact for Q8_0 in bf16
     packed = backend.pack_weight(blocks, dense=table)
     doubled = backend.pack_weight(blocks, dense=table * 2)
-    # where oneDNN has AMX tiles the table takes over past the decode rows
-    amx = {"amx_tile", "amx_bf16", "amx_int8"} <= set(Path("/proc/cpuinfo").read_text().split())
-    twin_rows = 8 if amx and cpu_kernels.isa == "avx512" else DENSE_TWIN_ROWS
+    # where oneDNN's bf16 matmuls are fast (AMX tiles, a full-width AVX-512 BF16 datapath)
+    # the table takes over past the decode rows
+    twin_rows = 8 if bf16_twins_expected(cpu_kernels.isa) else DENSE_TWIN_ROWS
     limit = min(twin_rows, int(ops.quant_int8_rows(packed.blocks, dtype)))
     assert packed.int8_rows == limit
     for rows in (1, limit, limit + 1, 40):
@@ -296,9 +304,10 @@ def test_a_dense_twin_serves_the_rows_past_the_int8_path(cpu_kernels):
 
 @pytest.mark.cpu_ops("quant_linear", "amx_tiles")
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q4_K], ids=lambda t: t.name)
-def test_amx_cpus_multiply_rows_past_the_decode_rows_on_a_bf16_tile_twin(cpu_kernels, qtype):
-    """Where oneDNN runs on AMX tiles (read here from /proc/cpuinfo), a quantized layer weight
-    is packed with its exact de-quantized values in oneDNN's bf16 layout: bf16 calls of up to 8
+def test_fast_bf16_cpus_multiply_rows_past_the_decode_rows_on_a_bf16_twin(cpu_kernels, qtype):
+    """Where oneDNN's bf16 matmuls outrun the int8 kernel (AMX tiles, read here from
+    /proc/cpuinfo; AMD's full-width AVX-512 BF16 from Zen 5), a quantized layer weight is
+    packed with its exact de-quantized values in oneDNN's bf16 layout: bf16 calls of up to 8
     rows stream the blocks (the int8 kernel's result, bit for bit), more rows multiply the
     twin (a float matmul on bf16-rounded weights). Elsewhere no twin is made; the twin itself
     is checked wherever oneDNN has bf16 (AVX-512 BF16), built directly."""
@@ -307,12 +316,10 @@ def test_amx_cpus_multiply_rows_past_the_decode_rows_on_a_bf16_tile_twin(cpu_ker
     if cpu_kernels.isa != "avx512":
         pytest.skip("tile twins serve bf16 activations: the AVX-512 set's")
     backend, ops = cpu_kernels.backend, cpu_kernels.ops
-    flags = set(Path("/proc/cpuinfo").read_text().split())
-    amx = {"amx_tile", "amx_bf16", "amx_int8"} <= flags
     k = 512 if qtype == QT.Q4_K else 96
     blocks, ref = k_quantized(64, k, qtype, seed=7) if qtype == QT.Q4_K else \
         quantized(64, k, qtype, seed=7)
-    assert (backend.pack_weight(blocks).tile_twin is not None) == amx
+    assert (backend.pack_weight(blocks).tile_twin is not None) == bf16_twins_expected("avx512")
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN has no bf16 matmul on this CPU")
     packed = GgufBlocks.with_tile_twin(ops, blocks)
