@@ -66,13 +66,15 @@ inline void dots16_transposed(const float* q, const float* kT, int64_t d, Vec (&
   for (int r = 0; r < RB; ++r) s[r][0] = _mm512_add_ps(even[r], odd[r]);
 }
 
-// Query positions per prefill work item: more on AMX tiles, where packing the keys an item
-// sees is a larger share of its work.
+// Query positions per prefill work item of bf16 attention: 128 on AMX tiles and on the
+// vectors alike (packing the keys an item sees is a large share of its work); `fallback` is
+// the fp32 kernels' count, which this set's bf16 kernels never take.
 inline int64_t prefill_positions_per_item(int64_t head_dim, int64_t fallback) {
 #if defined(QUIRE_AMX_ATTENTION)
   if (prefill_amx::takes(head_dim)) return prefill_amx::kPositionsPerItem;
 #endif
-  return fallback;
+  (void)fallback;
+  return prefill_bf16::kPositionsPerItem;
 }
 
 // Whether prefill attention runs on AMX tiles here; `want` turns that on or off (it stays
