@@ -74,7 +74,7 @@ class CpuOps:
         # bf16 twins (cpu_linear.GgufBlocks) while they fit in a quarter of the memory
         # available at load; the KV cache is sized after
         self.tiles = amx_tiles(kernels)  # the start block names them (make_cpu_backend)
-        self.twins = bf16_twins_reason(kernels)
+        self.twins = bf16_twins_reason(kernels, self.tiles)
         self._twin_bytes_left = available_memory_bytes(torch.device("cpu")) // 4 \
             if self.twins else 0
         self._twins_said = False
@@ -289,11 +289,12 @@ def amx_tiles(kernels: CpuKernels) -> bool:
         kernels.has("amx_tiles") and bool(kernels.ops.amx_tiles())
 
 
-def bf16_twins_reason(kernels: CpuKernels) -> str | None:
+def bf16_twins_reason(kernels: CpuKernels, tiles: bool) -> str | None:
     """Why this set's quantized layer weights keep bf16 twins for many-row steps, or None: a
     set whose activations are bf16 (AVX-512), on a CPU whose oneDNN bf16 matmuls outrun the
-    int8 kernel there (AMX tiles; a full-width AVX-512 BF16 datapath, cpu_isa.full_width_bf16)."""
-    if amx_tiles(kernels):
+    int8 kernel there (AMX tiles: ``tiles``, amx_tiles' answer; a full-width AVX-512 BF16
+    datapath, cpu_isa.full_width_bf16)."""
+    if tiles:
         return "AMX tiles"
     if ISA_PROFILES[kernels.isa].linear.activation_dtype == torch.bfloat16 and \
             full_width_bf16(*cpu_vendor_family(), cpu_flags()):

@@ -38,50 +38,37 @@ def missing_flags(isa: str, flags: frozenset[str] | set[str]) -> list[str]:
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags of this CPU (x86 Linux: the first ``flags`` line of
-    /proc/cpuinfo); empty where the CPU reports none (another OS or architecture)."""
+def cpuinfo_fields() -> dict[str, str]:
+    """/proc/cpuinfo's fields, each as its first line gives it (the first processor's, on x86
+    Linux), read once; empty where there is no such file (another OS)."""
     try:
         text = CPUINFO.read_text(errors="replace")
     except OSError:
-        return frozenset()
+        return {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
 
 
-@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of this CPU (x86 Linux: the first ``flags`` line of
+    /proc/cpuinfo); empty where the CPU reports none (another OS or architecture)."""
+    return frozenset(cpuinfo_fields().get("flags", "").split())
+
+
 def cpu_model_name() -> str:
-    try:
-        for line in CPUINFO.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo_fields().get("model name") or platform.processor() or platform.machine()
 
 
-@functools.cache
 def cpu_vendor_family() -> tuple[str, int]:
     """This CPU's vendor and family as /proc/cpuinfo gives them (``vendor_id``, ``cpu
     family``): ("AuthenticAMD", 26) on a Zen 5; ("", -1) where it says nothing."""
-    vendor, family = "", -1
-    try:
-        lines = CPUINFO.read_text(errors="replace").splitlines()
-    except OSError:
-        return vendor, family
-    for line in lines:
-        key, _, value = line.partition(":")
-        if key.strip() == "vendor_id" and not vendor:
-            vendor = value.strip()
-        elif key.strip() == "cpu family" and family < 0:
-            family = int(value) if value.strip().isdigit() else -1
-        if vendor and family >= 0:
-            break
-    return vendor, family
+    fields = cpuinfo_fields()
+    family = fields.get("cpu family", "")
+    return fields.get("vendor_id", ""), int(family) if family.isdigit() else -1
 
 
 def full_width_bf16(vendor: str, family: int, flags: frozenset[str] | set[str]) -> bool:

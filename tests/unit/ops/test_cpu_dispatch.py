@@ -54,17 +54,17 @@ def test_the_vendor_and_family_come_from_the_first_processor_in_cpuinfo(tmp_path
     processor = "processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\n"
     info.write_text(processor.format(n=0) + processor.format(n=1))
     monkeypatch.setattr(cpu_isa, "CPUINFO", info)
-    cpu_isa.cpu_vendor_family.cache_clear()
+    cpu_isa.cpuinfo_fields.cache_clear()
     try:
         assert cpu_isa.cpu_vendor_family() == ("AuthenticAMD", 26)
         info.write_text("processor\t: 0\nfeatures\t: fp asimd\n")  # an Arm CPU says neither
-        cpu_isa.cpu_vendor_family.cache_clear()
+        cpu_isa.cpuinfo_fields.cache_clear()
         assert cpu_isa.cpu_vendor_family() == ("", -1)
         monkeypatch.setattr(cpu_isa, "CPUINFO", tmp_path / "absent")
-        cpu_isa.cpu_vendor_family.cache_clear()
+        cpu_isa.cpuinfo_fields.cache_clear()
         assert cpu_isa.cpu_vendor_family() == ("", -1)
     finally:
-        cpu_isa.cpu_vendor_family.cache_clear()
+        cpu_isa.cpuinfo_fields.cache_clear()
 
 
 def test_a_variant_this_cpu_cannot_run_is_refused_with_the_missing_flags():
