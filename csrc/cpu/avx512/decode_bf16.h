@@ -25,9 +25,17 @@ namespace QUIRE_NS::decode_bf16 {
 constexpr int kMaxGroup = 16;   // query heads per kv head
 constexpr int kMaxZ = 8;        // head_dim / 32, head_dim up to 256
 
-// Dimension held by lane i of the lo (hi = false) or hi accumulator of 32-dim slice z.
-inline int64_t lane_dim(int z, bool hi, int i) {
-  return 32 * z + (i / 4) * 8 + (hi ? 4 : 0) + i % 4;
+// A 32-dim slice's lo and hi accumulators times `inv`, stored as 32 bf16 in dimension order.
+// The interleave permutes dimensions within 128-bit lanes: lane i of lo holds dimension
+// 8 * (i / 4) + i % 4 of the slice, of hi that plus 4. One permute per 16 dimensions undoes
+// it; one conversion rounds as at::BFloat16 does (to nearest even).
+inline void store_slice(__m512 lo, __m512 hi, __m512 inv, at::BFloat16* out) {
+  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second =
+      _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  const __m512 a = _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), inv);
+  const __m512 b = _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), inv);
+  _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
 
 // Scores [group][16] of the rows against the chunk's key rows (lanes past count are 0).
@@ -125,15 +133,7 @@ struct Rows {
   void finish(at::BFloat16* out) const {
     for (int g = 0; g < group; ++g) {
       const __m512 inv = _mm512_set1_ps(1.f / l[g]);
-      for (int z = 0; z < nz; ++z) {
-        alignas(64) float a[16], b[16];
-        _mm512_store_ps(a, _mm512_mul_ps(lo[g][z], inv));
-        _mm512_store_ps(b, _mm512_mul_ps(hi[g][z], inv));
-        for (int i = 0; i < 16; ++i) {
-          out[g * 32 * nz + lane_dim(z, false, i)] = at::BFloat16(a[i]);
-          out[g * 32 * nz + lane_dim(z, true, i)] = at::BFloat16(b[i]);
-        }
-      }
+      for (int z = 0; z < nz; ++z) store_slice(lo[g][z], hi[g][z], inv, out + (g * nz + z) * 32);
     }
   }
 };

@@ -140,21 +140,7 @@ inline void pack(const at::BFloat16* keys, const at::BFloat16* values, const int
   }
 }
 
-// 2^t for t <= 0: 2^round(t) times a degree-4 polynomial of the rest (|f| <= 1/2), relative
-// error under 5e-5, well inside the bf16 rounding the probabilities get. Below -125 (-inf
-// included) it gives 2^-125, never a subnormal (a microcode assist each on Intel cores): the
-// callers mask what must be 0.
-inline __m512 exp2_neg(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-125.f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(9.6181291e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+using simd::exp2_neg;
 
 // The softmax step of 16 rows over one block's scores (w.s, unscaled): probabilities into w.p
 // (bf16), running max m (of the scores in base 2) and sum l; each row's factor for its
