@@ -5,6 +5,8 @@ host would run short; servers on by default, ``LLM`` off."""
 from __future__ import annotations
 
 import argparse
+import ctypes
+import mmap
 import sys
 
 import pytest
@@ -14,7 +16,7 @@ from engine_worker.kv_cache.prefault import block_windows, prefault_kv_cache
 from engine_worker.platform import allocate_zeroed
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="reads the process's pages from /proc (Linux)")
+                                reason="asks Linux which pages are resident (mincore)")
 
 # 3 layers of [2 (K, V), blocks, 16 tokens, 2 heads, 64 dims] in bf16: 4 KiB a block a half,
 # 8 MiB a half (four 2 MiB huge pages: populating one block brings its whole huge page in)
@@ -27,19 +29,24 @@ def _caches() -> list[torch.Tensor]:
             for _ in range(LAYERS)]
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
+PAGE = mmap.PAGESIZE
+
+
 def _resident_bytes(t: torch.Tensor) -> int:
-    """Bytes of ``t``'s mapping that are present (/proc/self/smaps' Rss of the mapping)."""
-    address = t.data_ptr()
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError("mapping not found")
+    """Bytes of ``t``'s own pages that are present (mincore over exactly its address range).
+
+    Not the Rss of its mapping in /proc/self/smaps: Linux merges neighbouring anonymous mappings
+    with the same flags into one, so that Rss can include another tensor's pages (the three
+    caches here, or a huge-page weight copy an earlier test left alive next to them)."""
+    address, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    assert address % PAGE == 0
+    pages = -(-nbytes // PAGE)
+    vec = (ctypes.c_ubyte * pages)()
+    if _LIBC.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(b & 1 for b in vec) * PAGE
 
 
 def test_windows_cover_every_block_of_every_layer_once_first_blocks_first():
