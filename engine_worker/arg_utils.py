@@ -36,6 +36,10 @@ _HELP = {
     "max_num_batched_tokens": "most tokens in one step (prefill is chunked to fit)",
     "scheduling_policy": "fcfs or priority",
     "long_prefill_token_threshold": "cap on one request's prefill chunk (0: none)",
+    "short_prompts_first": "a prompt that would cost more than the rest of its step together "
+                           "waits one step (once) while the shorter prompts behind it run "
+                           "(true/false; default true for quire engine and quire up, false "
+                           "for LLM)",
     "seed": "seed of the engine's default random stream",
     "device": "auto, cpu or cuda[:N]",
     "num_threads": "torch CPU threads (of each rank under tensor parallelism; default there: "
@@ -83,8 +87,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             action.nargs = "+"
 
 
-# where a server's default differs from ``LLM``'s: the KV cache faulted in at start
-SERVER_DEFAULTS = {"kv_cache_prefault": True}
+# where a server's default differs from ``LLM``'s: the KV cache faulted in at start, and
+# short prompts not kept waiting behind a long one (an offline batch wants full steps)
+SERVER_DEFAULTS = {"kv_cache_prefault": True, "short_prompts_first": True}
 
 
 def add_server_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -122,6 +122,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
+    short_prompts_first: bool = False
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens > 0,
@@ -134,6 +135,8 @@ class SchedulerConfig:
         _check(_is_int(self.long_prefill_token_threshold)
                and self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
                f"must be a non-negative integer, got {self.long_prefill_token_threshold!r}")
+        _check(isinstance(self.short_prompts_first, bool), "short_prompts_first",
+               f"must be a boolean, got {self.short_prompts_first!r}")
 
 
 KERNEL_CHOICES = ("auto", "torch", "cpu", "cpu-avx2", "triton")  # "auto" and the keys of backends.BACKENDS
@@ -237,6 +240,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
+    short_prompts_first: bool = False
     seed: int = 0
     device: str = "auto"
     num_threads: int | None = None
@@ -278,7 +282,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_num_seqs=self.max_num_seqs,
                                       scheduling_policy=self.scheduling_policy,
-                                      long_prefill_token_threshold=self.long_prefill_token_threshold),
+                                      long_prefill_token_threshold=self.long_prefill_token_threshold,
+                                      short_prompts_first=self.short_prompts_first),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads,
                                 kernels=self.kernels,
                                 attention_backend=self.attention_backend,

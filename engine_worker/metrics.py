@@ -193,6 +193,10 @@ class EngineMetrics:
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."))
         self._num_preemptions = _CumulativeCounter(counter(
             "vllm:num_preemptions", "Cumulative number of preemptions from the engine."))
+        self._prompts_passed = _CumulativeCounter(counter(
+            "quire:prompts_passed_by_shorter",
+            "Prompts that waited one step while shorter prompts behind them ran "
+            "(short_prompts_first)."))
         self._spec = _SpecDecodeCounters(registry=r, model_name=model_name,
                                          speculative_config=info.speculative_config)
         self._lora = _LoRAMetrics(registry=r, model_name=model_name, enabled=info.enable_lora)
@@ -225,12 +229,12 @@ class EngineMetrics:
     def observe_step(self, *, num_running: int, num_waiting: int, kv_cache_usage: float,
                      prefix_cache_queries: int, prefix_cache_hits: int,
                      num_preemptions: int, spec_decoding: SpecDecodingStats | None = None,
-                     lora: LoRAStats | None = None) -> None:
+                     lora: LoRAStats | None = None, num_prompts_passed: int = 0) -> None:
         """Record the engine's state after a step.
 
         ``kv_cache_usage`` is a fraction in [0, 1]. The other arguments are the engine's
         running totals (tokens queried, tokens hit, preemptions, speculative decoding's
-        counts), not this step's increments.
+        counts, prompts passed by shorter ones), not this step's increments.
         """
         self._num_running.set(num_running)
         self._num_waiting.set(num_waiting)
@@ -239,6 +243,7 @@ class EngineMetrics:
             self._prefix_cache_queries.update(prefix_cache_queries)
             self._prefix_cache_hits.update(prefix_cache_hits)
             self._num_preemptions.update(num_preemptions)
+            self._prompts_passed.update(num_prompts_passed)
             if spec_decoding is not None:
                 self._spec.update(spec_decoding)
             if lora is not None:

@@ -53,7 +53,7 @@ class Request:
                  "num_computed_tokens", "stop_reason", "num_preemptions", "admit_seq",
                  "cache_salt", "block_hashes", "num_cached_tokens", "fork_children",
                  "grammar", "pooling_params", "reads_prefix_cache", "lora_name",
-                 "num_found_cached_tokens")
+                 "num_found_cached_tokens", "passed_by_shorter")
 
     def __init__(self, req_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None, eos_token_ids: frozenset[int],
@@ -83,6 +83,8 @@ class Request:
         # the prefix-cache hit the scheduler found on its arrival: the part of its prompt that
         # the load report does not count as queued work while it waits
         self.num_found_cached_tokens = 0
+        # it waited a step while shorter prompts behind it ran (Scheduler.short_prompts_first)
+        self.passed_by_shorter = False
         # n > 1: the other samples, created by forking this request once its prompt is done
         self.fork_children = fork_children
         # structured outputs: the matcher of this sequence's grammar (advanced by the scheduler)

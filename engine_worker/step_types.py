@@ -149,3 +149,5 @@ class SchedulerStats:
     # the last step left requests waiting for batch room (max_num_seqs, KV blocks, a
     # preemption), not only for its token budget or a LoRA slot (LoadReport.batch_full)
     batch_full: bool = False
+    # long prompts that waited a step for shorter ones (short_prompts_first), a running total
+    num_prompts_passed: int = 0

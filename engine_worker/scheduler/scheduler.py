@@ -9,7 +9,9 @@ Order of a step:
    remaining budget is prefilled in chunks. With LoRA, a request whose adapter would make the
    running set exceed ``max_loras`` distinct adapters waits (vLLM's ``curr_loras`` rule) and
    later ones may pass it, but only for ``LORA_MAX_SKIPPED_STEPS`` steps: after that nothing
-   passes it until its adapter fits, so no adapter starves.
+   passes it until its adapter fits, so no adapter starves. With ``short_prompts_first``, a
+   prompt that would cost more than the rest of the step together waits one step while the
+   shorter prompts behind it run (``_short_prompts_to_pass``).
 With a ``Speculator``, a request in its decode phase may also verify draft tokens in step 1:
 they are budgeted as extra tokens of its step (and given up before anything is preempted for
 them); after the step the rejected drafts' slots are given back (``KVCacheManager.trim``).
@@ -45,7 +47,7 @@ class Scheduler:
 
     def __init__(self, *, kv_cache_manager: KVCacheManager, max_num_batched_tokens: int,
                  max_num_seqs: int, max_model_len: int, policy: str = "fcfs",
-                 long_prefill_token_threshold: int = 0,
+                 long_prefill_token_threshold: int = 0, short_prompts_first: bool = False,
                  speculator: Speculator | None = None, max_loras: int | None = None,
                  pooling_batched_tokens: int | None = None) -> None:
         """``speculator``: proposes draft tokens for decoding requests (None: no speculative
@@ -61,6 +63,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.short_prompts_first = short_prompts_first
+        self.num_prompts_passed = 0  # long prompts that waited a step for shorter ones
         self.waiting = QUEUE_POLICIES[policy]()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -121,7 +125,8 @@ class Scheduler:
             num_queued_tokens=sum(self._queued_tokens(r) for r in self.requests.values()),
             num_preemptions=self.num_preemptions,
             spec_decoding=self.speculator.stats() if self.speculator is not None else None,
-            batch_full=self.batch_full and bool(len(self.waiting)))
+            batch_full=self.batch_full and bool(len(self.waiting)),
+            num_prompts_passed=self.num_prompts_passed)
 
     @staticmethod
     def _queued_tokens(request: Request) -> int:
@@ -216,8 +221,22 @@ class Scheduler:
         num_seqs = len(self.running) + sum(len(r.fork_children) for r in self.running)
         loras = {r.lora_name for r in self.running if r.lora_name is not None}
         passed_over: list[Request] = []
-        while len(self.waiting) and budget > 0:
+        held: list[Request] = []  # long prompts waiting this step for shorter ones to run
+        left = -1  # admissions left in this step (-1: no limit)
+        step_tokens = sum(num_scheduled.values())
+        admitted: list[int] = []  # tokens of the prompts admitted so far this step
+        while len(self.waiting) and budget > 0 and left != 0:
             request = self.waiting.peek()
+            if self.short_prompts_first and not held:
+                held, num_short = self._short_prompts_to_pass(request, budget, step_tokens,
+                                                              admitted)
+                if held:
+                    for long in held:
+                        self.waiting.remove(long)
+                        long.passed_by_shorter = True
+                    self.num_prompts_passed += len(held)
+                    left = num_short
+                    continue
             if num_seqs + 1 + len(request.fork_children) > self.max_num_seqs:
                 self.batch_full = True
                 break
@@ -248,9 +267,60 @@ class Scheduler:
             num_scheduled[request.req_id] = num_new
             allocations[request.req_id] = allocation
             budget -= num_new
-        for request in reversed(passed_over):  # back at the head, in their order
+            step_tokens += num_new
+            admitted.append(num_new)
+            if left > 0:
+                left -= 1
+        # back at the head in their order: the ones passed over for their adapter (they came
+        # first), then the held prompts
+        for request in reversed(passed_over + held):
             self.waiting.add_preempted(request)
         return budget
+
+    def _short_prompts_to_pass(self, head: Request, budget: int, step_tokens: int,
+                               admitted: list[int]) -> tuple[list[Request], int]:
+        """Whether ``head`` waits a step so that shorter prompts do not wait for it: the
+        prompts to hold back (``head`` and those in its window no shorter) and how many of the
+        shorter ones behind it to admit; ``([], 0)`` when it joins the step as usual.
+
+        The step's prompts all give their first token when it ends, so joining it, ``head``
+        makes every shorter prompt of it wait for its tokens: those admitted before it
+        (``admitted``: their tokens) and those behind it in its window (the waiting prompts
+        that fit in the budget it leaves). Held, it waits one step of the others. It waits
+        only where it is the longest of its window, there is a shorter prompt to gain and its
+        own tokens outweigh everything else the step computes (the running requests' and the
+        shorter prompts'), so a step that batches prompts of like length is never split and
+        one with decodes only never delays it; and each prompt is held at most once, so none
+        starves. vLLM V0 let short prompts pass long ones for the same reason
+        (``max_long_partial_prefills``)."""
+        long = self._queued_tokens(head)
+        if long <= step_tokens or not self._may_hold(head):
+            return [], 0
+        num_before = sum(tokens < long for tokens in admitted)
+        held, num_short, short_tokens, window = [head], 0, 0, budget - long
+        for request in itertools.islice(iter(self.waiting), 1, None):
+            tokens = self._queued_tokens(request)
+            if tokens > window:
+                break
+            window -= tokens
+            if tokens > long:
+                return [], 0  # a longer prompt behind it: that one is weighed when it comes
+            if tokens < long and request.priority <= head.priority:
+                num_short += 1
+                short_tokens += tokens
+            elif self._may_hold(request):
+                held.append(request)  # as long, or of a worse priority: it waits too
+            else:
+                return [], 0  # held once already: it runs now, and head with it
+        if num_before + num_short and long > step_tokens + short_tokens:
+            return held, num_short
+        return [], 0
+
+    @staticmethod
+    def _may_hold(request: Request) -> bool:
+        """A prompt not yet begun, never preempted and never held before."""
+        return request.num_computed_tokens == 0 and not request.num_preemptions and \
+            not request.passed_by_shorter
 
     def _lora_fits(self, request: Request, loras: set[str]) -> bool:
         return request.lora_name is None or request.lora_name in loras or \

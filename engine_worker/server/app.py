@@ -159,7 +159,8 @@ def _step_recorder(metrics: EngineMetrics):
                              prefix_cache_queries=stats.kv_cache.prefix_cache_queries,
                              prefix_cache_hits=stats.kv_cache.prefix_cache_hits,
                              num_preemptions=stats.scheduler.num_preemptions,
-                             spec_decoding=stats.scheduler.spec_decoding, lora=stats.lora)
+                             spec_decoding=stats.scheduler.spec_decoding, lora=stats.lora,
+                             num_prompts_passed=stats.scheduler.num_prompts_passed)
     return record
 
 

@@ -43,12 +43,14 @@ def make_scheduler(*, num_blocks: int = 64, block_size: int = 4,
                    max_num_batched_tokens: int = 64, max_num_seqs: int = 8,
                    max_model_len: int = 1024, policy: str = "fcfs",
                    long_prefill_token_threshold: int = 0,
-                   enable_prefix_caching: bool = False) -> Scheduler:
+                   enable_prefix_caching: bool = False,
+                   short_prompts_first: bool = False) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
     return Scheduler(kv_cache_manager=kv,
                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                      max_model_len=max_model_len, policy=policy,
-                     long_prefill_token_threshold=long_prefill_token_threshold)
+                     long_prefill_token_threshold=long_prefill_token_threshold,
+                     short_prompts_first=short_prompts_first)
 
 
 class FakeRunner:

@@ -89,7 +89,7 @@ def test_scripted_sequence_exact_values(metrics: EngineMetrics, server: MetricsS
     step(metrics, num_running=3, num_waiting=2, kv_cache_usage=0.25, prefix_cache_queries=100,
          prefix_cache_hits=40, num_preemptions=1)
     step(metrics, num_running=2, num_waiting=1, kv_cache_usage=0.5, prefix_cache_queries=164,
-         prefix_cache_hits=72, num_preemptions=1)
+         prefix_cache_hits=72, num_preemptions=1, num_prompts_passed=3)
 
     # TTFT 0.5, queue 0.25, e2e 2.5, TPOT (12.5 - 10.5) / (5 - 1) = 0.5
     metrics.observe_finished(finish_reason="stop", num_prompt_tokens=10,
@@ -114,6 +114,7 @@ def test_scripted_sequence_exact_values(metrics: EngineMetrics, server: MetricsS
     assert value(text, "vllm:prefix_cache_queries_total") == 164
     assert value(text, "vllm:prefix_cache_hits_total") == 72
     assert value(text, "vllm:num_preemptions_total") == 1
+    assert value(text, "quire:prompts_passed_by_shorter_total") == 3
     assert value(text, "vllm:prompt_tokens_total") == 20
     assert value(text, "vllm:generation_tokens_total") == 6
     for reason in ("stop", "length", "abort"):
