@@ -36,6 +36,13 @@ def test_same_tokens_alone_batched_chunked_and_preempted(tiny_model_dir, seeded)
     assert batched == alone
     llm, chunked = _run(tiny_model_dir, PROMPTS, params, max_num_batched_tokens=8)
     assert chunked == alone
+    # the 90-token prompt first, in steps of 100 tokens: it waits a step for the 3-token one
+    order = [3, 0, 1, 2, 4, 5, 6, 7]
+    llm, short_first = _run(tiny_model_dir, [PROMPTS[i] for i in order],
+                            [params[i] for i in order], short_prompts_first=True,
+                            max_num_batched_tokens=100)
+    assert llm.engine.stats().scheduler.num_prompts_passed > 0
+    assert short_first == [alone[i] for i in order]
     # 14 blocks of 16 tokens for 8 requests needing up to 7 blocks each: preemption is forced.
     block_bytes = 3 * 2 * 16 * 2 * 16 * 4  # layers * (K, V) * block * kv_heads * head_dim * fp32
     llm, preempted = _run(tiny_model_dir, PROMPTS, params, kv_cache_memory_bytes=14 * block_bytes)
@@ -43,6 +50,20 @@ def test_same_tokens_alone_batched_chunked_and_preempted(tiny_model_dir, seeded)
     assert llm.engine.stats().scheduler.num_preemptions > 0
     assert preempted == alone
     assert llm.engine.stats().kv_cache.num_free_blocks == 14
+
+
+def test_a_short_prompt_beside_a_long_one_answers_a_step_earlier(tiny_model_dir):
+    """The real engine with the servers' default: the short prompt's first token comes from a
+    step the long prompt is not in, and the long one's from the next."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_model_dir), dtype="float32",
+                                                   kv_cache_memory_bytes=1 << 22,
+                                                   short_prompts_first=True))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("long", {"prompt_token_ids": PROMPTS[3]}, params)  # 90 tokens
+    engine.add_request("short", {"prompt_token_ids": PROMPTS[0]}, params)  # 3 tokens
+    first = [[out.request_id for out in engine.step().outputs] for _ in range(2)]
+    assert first == [["short"], ["short", "long"]]
+    assert engine.stats().scheduler.num_prompts_passed == 1
 
 
 def test_every_block_returns_after_finish_and_abort(tiny_model_dir):
