@@ -352,7 +352,8 @@ class LLMEngine:
             max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
             max_model_len=self._max_model_len, policy=sched.scheduling_policy,
             long_prefill_token_threshold=sched.long_prefill_token_threshold,
-            short_prompts_first=sched.short_prompts_first, speculator=self._speculator, max_loras=None if lora is None else lora.max_loras,
+            short_prompts_first=sched.short_prompts_first, speculator=self._speculator,
+            max_loras=None if lora is None else lora.max_loras,
             pooling_batched_tokens=self._pooling_batched_tokens())
         self.runner = ModelRunner(model, kv_caches, cache.block_size, self._device,
                                   model.cfg.vocab_size, self.tokenizer.eos_token_ids,
