@@ -3,7 +3,9 @@ ratios the issue's targets are stated in, a table and a plot. Pure functions ove
 (no torch, no vLLM), so the tests check them exactly.
 
 Every serving figure is the client's own (``vllm bench serve --save-result``): nothing is
-recomputed here, only picked out and divided.
+recomputed here, only picked out and divided. Beside them, each server's CPU time during the
+run (``cpu_time``, read from ``/proc`` around the client), so a run also says where the cores
+went.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from quire_cli.bench import cpu_time
 from quire_cli.bench.serve_report import median_of_known
 
 # (report name, key in vLLM's result JSON); percentiles need --metric-percentiles 50,90
@@ -26,6 +29,11 @@ CLIENT_METRICS = (
     ("num_output_tokens", "total_output_tokens"),
     ("duration_s", "duration"),
 )
+
+
+# each system's server CPU time in a run (cpu_time.summarize), medians over repeats
+CPU_FIGURES = ("server_cpu_s", "front_cpu_s", "engine_main_thread_cpu_s",
+               "engine_other_threads_cpu_s", "server_cpu_ms_per_output_token")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,14 +83,23 @@ def scenario_ratios(quire: ServingFigures, vllm: ServingFigures | None,
     }
 
 
+def cpu_figures(run: dict, num_output_tokens: int) -> dict[str, float | None]:
+    """A run's server CPU (``cpu_time.summarize``), each figure None where the run measured
+    none (a server without a known process)."""
+    if run.get("server_cpu") is None:
+        return dict.fromkeys(CPU_FIGURES)
+    return cpu_time.summarize(run["server_cpu"], num_output_tokens)
+
+
 def scenario_report(name: str, runs: dict[str, dict], offline: dict | None) -> dict:
     """One scenario's entry: each system's figures (from its client JSON, kept whole under
-    ``client_result``), Quire's offline run, and the ratios."""
+    ``client_result``) and server CPU time, Quire's offline run, and the ratios."""
     figures = {system: figures_from_client(run["client_result"])
                for system, run in runs.items()}
     offline_tps = offline["output_tokens_per_s"] if offline else None
     return {"scenario": name,
-            "serving": {system: {**asdict(figures[system]), **run}
+            "serving": {system: {**asdict(figures[system]),
+                                 **cpu_figures(run, figures[system].num_output_tokens), **run}
                         for system, run in runs.items()},
             "offline_quire": offline,
             "ratios": scenario_ratios(figures["quire"], figures.get("vllm"), offline_tps)}
@@ -106,7 +123,7 @@ def repeated_report(name: str, runs: list[dict[str, dict]],
         return entries[0]
     serving = {system: {key: COUNT_SUMMARY.get(key, median_of_known)(
                             [e["serving"][system][key] for e in entries])
-                        for key in (f.name for f in fields(ServingFigures))}
+                        for key in (*(f.name for f in fields(ServingFigures)), *CPU_FIGURES)}
                for system in entries[0]["serving"]}
     offline_tps = median_of_known([o and o["output_tokens_per_s"] for o in offlines])
     offline = None if offline_tps is None else {"output_tokens_per_s": offline_tps}
@@ -135,6 +152,14 @@ def format_table(scenarios: list[dict]) -> str:
                          f"{run['output_tokens_per_s']:>10.1f}{run['ttft_p50_ms']:>10.0f}"
                          f"{run['ttft_p90_ms']:>10.0f}{run['tpot_p50_ms']:>10.1f}"
                          f"{run['itl_p50_ms']:>9.1f}")
+        for system, run in s["serving"].items():
+            if run.get("server_cpu_s") is not None:
+                lines.append(f"{'':<26}{system} CPU s: {run['server_cpu_s']:.1f} in all: "
+                             f"front {run['front_cpu_s']:.1f}, engine processes' main threads "
+                             f"{run['engine_main_thread_cpu_s']:.1f}, their other threads "
+                             f"{run['engine_other_threads_cpu_s']:.1f} "
+                             f"({_fmt(run['server_cpu_ms_per_output_token'], '.2f')} ms a "
+                             f"token)")
         if s["offline_quire"]:
             lines.append(f"{s['scenario']:<26}{'quire offline':<15}"
                          f"{s['offline_quire']['output_tokens_per_s']:>10.1f}")

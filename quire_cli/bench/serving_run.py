@@ -8,9 +8,11 @@ import contextlib
 import dataclasses
 import json
 import os
+import resource
 import sys
 from pathlib import Path
 
+from quire_cli.bench import cpu_time
 from quire_cli.bench.harness import wait_until_quiet
 from quire_cli.bench.report import write_json
 from quire_cli.bench.serving import (SYSTEMS, Scenario, ServingBenchConfig, choose_dtypes,
@@ -68,12 +70,20 @@ def _run_scenario(cfg: ServingBenchConfig, scenario: Scenario, system: str, serv
     # on a quiet machine
     quiet = wait_until_quiet()
     before = os.getloadavg()
+    cpu_before = cpu_time.snapshot(server.pid) if server.pid else {}
+    client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     run_client(cfg.vllm_python, argv, workdir / f"{stem}-client.log", cfg.client_timeout_s)
+    client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    server_cpu = cpu_time.cpu_used(cpu_before, cpu_time.snapshot(server.pid), server.pid) \
+        if server.pid else None
     after = os.getloadavg()
     requests = json.loads(requests_path.read_text())
     return ({"client_result": json.loads(result_path.read_text()), "client_argv": argv,
              "loadavg_before": list(before), "loadavg_after": list(after),
-             "quiet_before": quiet,
+             "quiet_before": quiet, "server_cpu": server_cpu,
+             # the whole client process, its start (imports, drawing the requests) included
+             "client_cpu_s": round(client_after.ru_utime + client_after.ru_stime
+                                   - client_before.ru_utime - client_before.ru_stime, 2),
              "requests_sha256": requests_digest(requests)}, requests)
 
 

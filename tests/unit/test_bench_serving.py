@@ -233,6 +233,37 @@ def test_counts_over_repeats_are_the_worst_runs():
     assert "throughput ratios -, serving/offline -" in format_table([entry])
 
 
+def _cpu(front: float, engine: float, engine_main: float) -> list[dict]:
+    return [{"pid": 1, "command": "quire up", "role": "front", "cpu_s": front,
+             "main_thread_cpu_s": front},
+            {"pid": 2, "command": "quire engine", "role": "engine", "cpu_s": engine,
+             "main_thread_cpu_s": engine_main}]
+
+
+def test_server_cpu_per_run_and_its_medians_over_repeats():
+    """Each run's server CPU (by process, from /proc around the client) is summed into front,
+    engine main thread and the engine's other threads; repeats give each figure's median; a
+    server without a process (no record) gives None, and the table leaves it out."""
+    runs = [{"quire": {**_run("quire", 500.0, 100.0), "server_cpu": _cpu(f, e, m)},
+             "vllm": _run("vllm", 200.0, 400.0)}
+            for f, e, m in ((0.8, 20.5, 0.5), (1.0, 20.0, 0.75), (0.6, 21.0, 0.25))]
+    one = scenario_report("random/greedy", runs[0], None)["serving"]
+    assert (one["quire"]["server_cpu_s"], one["quire"]["front_cpu_s"],
+            one["quire"]["engine_main_thread_cpu_s"],
+            one["quire"]["engine_other_threads_cpu_s"]) == (21.3, 0.8, 0.5, 20.0)
+    assert one["quire"]["server_cpu_ms_per_output_token"] == pytest.approx(21.3e3 / 32)
+    assert one["vllm"]["server_cpu_s"] is None
+    entry = repeated_report("random/greedy", runs, [None] * 3)
+    quire = entry["serving"]["quire"]
+    assert (quire["server_cpu_s"], quire["front_cpu_s"], quire["engine_main_thread_cpu_s"]) \
+        == (21.3, 0.8, 0.5)
+    assert entry["serving"]["vllm"]["server_cpu_s"] is None
+    table = format_table([entry])
+    assert "quire CPU s: 21.3 in all: front 0.8, engine processes' main threads 0.5, their " \
+           "other threads 20.0 (665.62 ms a token)" in table
+    assert "vllm CPU s" not in table
+
+
 def _fake_stack(monkeypatch, tmp_path, cfg):
     """serving_run's orchestration with servers, client and offline engine replaced: every
     client run is recorded (system, run tag, seed), its 'requests' are the scenario's seed,
