@@ -88,12 +88,12 @@ def cpu_used(before: dict[int, ProcessCpu], after: dict[int, ProcessCpu],
     "main_thread_cpu_s"}`` with role ``front`` for the root and ``engine`` for the rest."""
     used = []
     for pid, now in after.items():
-        then = before.get(pid)
+        then = before.get(pid) or ProcessCpu(pid, now.command, 0.0, 0.0)
         used.append({"pid": pid, "command": now.command,
                      "role": "front" if pid == root_pid else "engine",
-                     "cpu_s": round(now.cpu_s - (then.cpu_s if then else 0.0), 2),
-                     "main_thread_cpu_s": round(now.main_thread_cpu_s -
-                                                (then.main_thread_cpu_s if then else 0.0), 2)})
+                     "cpu_s": round(now.cpu_s - then.cpu_s, 2),
+                     "main_thread_cpu_s": round(now.main_thread_cpu_s - then.main_thread_cpu_s,
+                                                2)})
     return sorted(used, key=lambda p: (p["role"] != "front", p["pid"]))
 
 
@@ -104,11 +104,11 @@ def summarize(processes: list[dict], num_output_tokens: int) -> dict[str, float 
     process of its own) and in their other threads (Quire: the model loop and its OpenMP
     team), and the server's milliseconds per output token (None without tokens)."""
     front = sum(p["cpu_s"] for p in processes if p["role"] == "front")
-    engine = [p for p in processes if p["role"] == "engine"]
-    main = sum(p["main_thread_cpu_s"] for p in engine)
-    total = front + sum(p["cpu_s"] for p in engine)
+    engine = sum(p["cpu_s"] for p in processes if p["role"] == "engine")
+    main = sum(p["main_thread_cpu_s"] for p in processes if p["role"] == "engine")
+    total = front + engine
     return {"server_cpu_s": round(total, 2), "front_cpu_s": round(front, 2),
             "engine_main_thread_cpu_s": round(main, 2),
-            "engine_other_threads_cpu_s": round(sum(p["cpu_s"] for p in engine) - main, 2),
+            "engine_other_threads_cpu_s": round(engine - main, 2),
             "server_cpu_ms_per_output_token":
                 round(1000 * total / num_output_tokens, 3) if num_output_tokens else None}

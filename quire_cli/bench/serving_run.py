@@ -70,12 +70,12 @@ def _run_scenario(cfg: ServingBenchConfig, scenario: Scenario, system: str, serv
     # on a quiet machine
     quiet = wait_until_quiet()
     before = os.getloadavg()
-    cpu_before = cpu_time.snapshot(server.pid) if server.pid else {}
+    cpu_before = cpu_time.snapshot(server.pid) if server.pid else None
     client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     run_client(cfg.vllm_python, argv, workdir / f"{stem}-client.log", cfg.client_timeout_s)
     client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    server_cpu = cpu_time.cpu_used(cpu_before, cpu_time.snapshot(server.pid), server.pid) \
-        if server.pid else None
+    server_cpu = None if cpu_before is None else \
+        cpu_time.cpu_used(cpu_before, cpu_time.snapshot(server.pid), server.pid)
     after = os.getloadavg()
     requests = json.loads(requests_path.read_text())
     return ({"client_result": json.loads(result_path.read_text()), "client_argv": argv,
