@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -24,6 +25,8 @@ UINT32_MAX = 2 ** 32 - 1
 INT32_MAX = 2 ** 31 - 1
 SEED_MAX = 2 ** 63 - 1  # a torch generator takes seeds in [0, 2**63)
 FLOAT32_MAX = 3.4028234663852886e38  # the wire's floats are float32: nothing larger travels
+# a client-chosen request id: it goes into every log line, span and event about the request
+MAX_REQUEST_ID_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,13 +71,31 @@ SAMPLING_RANGES: Mapping[str, Range] = {
 }
 
 
-def _shown(value: object, limit: int = 64) -> str:
+def shown(value: object, limit: int = 64) -> str:
     """A value as it was sent (JSON where it can be), cut short for messages."""
     try:
         text = json.dumps(value)
     except (TypeError, ValueError):
         text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def load_json(text: str | bytes, field: str) -> object:
+    """``text`` parsed as JSON, or ``FieldError`` naming ``field`` and why: not JSON, nested too
+    deeply for the parser (about 1,000 levels), or an integer too long for Python to convert
+    (``sys.get_int_max_str_digits()``, 4,300 digits), which json raises as a plain ValueError."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FieldError(field, f"not valid JSON ({e})") from None
+    except UnicodeDecodeError as e:
+        raise FieldError(field, f"not valid JSON (not UTF-8: {e.reason} at byte {e.start})"
+                         ) from None
+    except RecursionError:
+        raise FieldError(field, "not valid JSON here: nested too deeply") from None
+    except ValueError:  # int('1' * 5000): json's only other ValueError
+        raise FieldError(field, "not valid JSON here: an integer of more than "
+                         f"{sys.get_int_max_str_digits()} digits") from None
 
 
 def check_sampling(name: str, value: object, *, field: str | None = None,
@@ -86,14 +107,24 @@ def check_sampling(name: str, value: object, *, field: str | None = None,
     field = field or name
     if isinstance(value, bool) or not isinstance(value, (int,) if rule.integer else (int, float)):
         raise FieldError(field, f"must be {'an integer' if rule.integer else 'a number'}, "
-                         f"got {_shown(value)}")
-    if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
-        raise FieldError(field, f"must be a finite number, got {_shown(value)}")
+                         f"got {shown(value)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise FieldError(field, f"must be a finite number, got {shown(value)}")
+    if not rule.integer and abs(value) > FLOAT32_MAX:  # an int too: 10**400 overflows a float
+        raise FieldError(field, f"must be at most {FLOAT32_MAX:.7g} in magnitude (a float32), "
+                         f"got {shown(value)}")
     if hi is not None and (rule.hi is None or hi < rule.hi):
         rule = replace(rule, hi=hi, note=why + rule.note)
     if not rule.contains(value):
-        raise FieldError(field, f"{rule.describe()}{rule.note}, got {_shown(value)}")
+        raise FieldError(field, f"{rule.describe()}{rule.note}, got {shown(value)}")
     return value
+
+
+def check_request_id(request_id: str) -> None:
+    """A caller's request id (empty: one is made up) of at most ``MAX_REQUEST_ID_CHARS``."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise FieldError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got "
+                         f"{len(request_id)}")
 
 
 def check_min_tokens(min_tokens: int, max_tokens: int | None,

@@ -8,11 +8,10 @@ names the field and xgrammar's reason.
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Mapping
 
 from quire.errors import FieldError
+from quire.limits import UINT32_MAX, load_json, shown
 
 # vLLM's StructuredOutputsParams fields, in the order a spec is described.
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -41,10 +40,7 @@ def structured_outputs_kind(spec: Mapping[str, object], field: str = "structured
     if kind == "json":
         if isinstance(value, str):
             _check_size(value, name)
-            try:
-                value = json.loads(value)
-            except (json.JSONDecodeError, RecursionError) as e:
-                raise FieldError(name, f"not valid JSON ({e})") from None
+            value = load_json(value, name)
         if not isinstance(value, (dict, bool)):
             raise FieldError(name, "must be a JSON schema (an object)")
     elif kind in ("regex", "grammar"):
@@ -90,15 +86,19 @@ def check_logit_bias(bias: Mapping, vocab_size: int | None = None, field: str = 
     out: dict[int, float] = {}
     for key, value in bias.items():
         token_id = key
-        if isinstance(key, str):
-            token_id = int(key) if key.isascii() and key.isdigit() else None
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0 or \
+        if isinstance(key, str):  # no int() of a long key: past 4,300 digits it raises
+            short = key.isascii() and key.isdigit() and len(key) <= len(str(UINT32_MAX))
+            token_id = int(key) if short else None
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or \
+                not 0 <= token_id <= UINT32_MAX or \
                 (vocab_size is not None and token_id >= vocab_size):
             where = f" in [0, {vocab_size})" if vocab_size is not None else ""
-            raise FieldError(field, f"{key!r} is not a token id{where}")
+            raise FieldError(field, f"{shown(key)} is not a token id{where}")
+        # abs(x) <= bound, not isfinite: an int too large for a float (10**400) is refused
+        # like any other, and NaN compares false
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not math.isfinite(value) or abs(value) > LOGIT_BIAS_MAX:
+                not abs(value) <= LOGIT_BIAS_MAX:
             raise FieldError(field, f"the bias of token {token_id} must be a number in "
-                             f"[-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], got {value!r}")
+                             f"[-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], got {shown(value)}")
         out[token_id] = float(value)
     return out

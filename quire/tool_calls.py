@@ -90,8 +90,8 @@ class ToolChoice:
             try:
                 calls = [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
                          for c in json.loads(text)]
-            except (ValueError, TypeError, KeyError):
-                return text, []  # cut short (max_tokens): what came, as text
+            except (ValueError, TypeError, KeyError, RecursionError):
+                return text, []  # cut short (max_tokens), or nested past the parser: as text
             return None, calls
         start = text.find(TOOL_CALL_START)
         if start < 0:
@@ -105,7 +105,7 @@ class ToolChoice:
     def _hermes(self, block: str) -> ToolCall | None:
         try:
             call = json.loads(block)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if not isinstance(call, dict) or call.get("name") not in self.names:
             return None
@@ -124,7 +124,7 @@ class ToolChoice:
 def _compact(text: str) -> str:
     try:
         return json.dumps(json.loads(text), ensure_ascii=False)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
 
 
@@ -251,7 +251,7 @@ def _arguments_object(arguments):
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON (or nested past the parser): as sent
             return arguments
     return arguments
 

@@ -27,7 +27,9 @@ class ApiKeys:
     def check(self, authorization: str | None) -> bool:
         """Whether an ``Authorization`` value carries one of the keys."""
         scheme, _, token = (authorization or "").partition(" ")
-        presented = token.strip().encode("utf-8") if scheme.lower() == "bearer" else b""
+        # the header's bytes as sent: aiohttp decodes a non-UTF-8 value with surrogateescape
+        presented = token.strip().encode("utf-8", "surrogateescape") \
+            if scheme.lower() == "bearer" else b""
         ok = False
         for key in self._keys:
             ok |= hmac.compare_digest(presented, key)

@@ -218,7 +218,7 @@ class RoundRobin:
 
 def rendezvous_weight(session_key: str, engine_id: str) -> int:
     """Stable 64-bit weight of a (key, engine) pair; the same in every router process."""
-    data = session_key.encode("utf-8") + b"\x00" + engine_id.encode("utf-8")
+    data = session_key.encode("utf-8", "surrogateescape") + b"\x00" + engine_id.encode("utf-8")
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 import grpc
 from aiohttp import web
 
-from quire.errors import field_of
+from quire.errors import FieldError, field_of
+from quire.limits import load_json
 from quire.ports import PortInUseError
 from quire.tool_calls import render_inputs
 from quire.tracing import TRACE_HEADERS
@@ -415,11 +416,9 @@ class OpenAIFront:
             detail = " ".join(str(e).split()).removeprefix("400, message: ")[:200]
             raise BodyError(f"body: malformed ({detail})", "body") from None
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise RequestError(f"body: not valid JSON ({e})", "body") from None
-        except RecursionError:  # the C parser stops ~1000 levels deep: no traceback, a 400
-            raise RequestError("body: JSON nested too deeply", "body") from None
+            body = load_json(raw, "body")
+        except FieldError as e:
+            raise RequestError(str(e), e.field) from None
         if not isinstance(body, dict):
             raise RequestError("body: must be a JSON object", "body")
         check_body(body, chat=chat, known=known)

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from quire.errors import FieldError, NotFoundError, field_of, http_status
 from quire.limits import (DEFAULT_MAX_N, UINT32_MAX, check_min_tokens, check_n,
-                          check_sampling)
+                          check_sampling, shown)
 from quire.list_limits import MAX_CHAT_MESSAGES, MAX_CONTENT_PARTS, MAX_STOP_TOKEN_IDS
 from quire.structured_outputs import check_logit_bias, structured_outputs_kind
 from quire.tool_calls import ToolCallStream, ToolChoice, tool_choice_of
@@ -131,15 +131,6 @@ CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w{0,63}", re.ASCII)
-
-
-def shown(value, limit: int = 64) -> str:
-    """A value as the client sent it (JSON), cut short for error messages."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def body_key(name: str, position: int) -> str:

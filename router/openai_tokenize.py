@@ -4,9 +4,10 @@ Served by the router's own tokenizer (``quire.tokenizer``), which tokenizes and 
 templates exactly as the engines do: no engine is asked. The shapes are vLLM's:
 
 - tokenize, completion form: ``{"model", "prompt", "add_special_tokens" (default true),
-  "return_token_strs"}``; chat form: ``{"model", "messages", "add_generation_prompt"
+  "return_token_strs"}``; chat form: ``{"model", "messages", "tools", "add_generation_prompt"
   (default true), "continue_final_message" (default false), "add_special_tokens" (default
-  false), "chat_template_kwargs", "return_token_strs"}``
+  false), "chat_template_kwargs", "return_token_strs"}``, rendered as chat renders it (tool
+  calls, tool results and the tools the prompt shows included, ``quire.tool_calls``)
   -> ``{"count", "max_model_len", "tokens", "token_strs"}``;
 - detokenize: ``{"model", "tokens"}`` -> ``{"prompt"}``.
 
@@ -18,17 +19,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from quire.errors import FieldError
+from quire.tool_calls import render_inputs, tool_choice_of
 from router.chat_template import CHAT_TEMPLATE_FIELDS, ChatTemplateOptions, flag
 from router.openai_protocol import RequestError, chat_messages, shown, token_list
 
 if TYPE_CHECKING:
     from quire.tokenizer import FastTokenizer
 
-TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens",
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "tools", "add_special_tokens",
                              "return_token_strs", *CHAT_TEMPLATE_FIELDS})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 _PROMPT_ONLY = ("prompt",)
-_CHAT_ONLY = ("messages",) + CHAT_TEMPLATE_FIELDS
+_CHAT_ONLY = ("messages", "tools") + CHAT_TEMPLATE_FIELDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +44,7 @@ class TokenizeRequest:
     add_special_tokens: bool
     chat: ChatTemplateOptions | None
     return_token_strs: bool
+    tools: tuple[dict, ...] = ()  # the tools the chat prompt shows
 
     @classmethod
     def from_body(cls, body: dict, max_chars: int) -> TokenizeRequest:
@@ -54,9 +58,15 @@ class TokenizeRequest:
                 raise RequestError(f"{name}: only with {'prompt' if chat else 'messages'}",
                                    name)
         text = messages = options = None
+        tools: tuple[dict, ...] = ()
         if chat:
             messages = chat_messages(body, max_chars)
             options = ChatTemplateOptions.from_body(body, messages)
+            try:  # checked as chat checks them (tool_choice and the rest are chat's alone)
+                tool_choice_of({"tools": body.get("tools")})
+            except FieldError as e:
+                raise RequestError(str(e), e.field) from None
+            tools = tuple(body.get("tools") or ())
         else:
             text = body["prompt"]
             if not isinstance(text, str):
@@ -66,12 +76,15 @@ class TokenizeRequest:
                                    "prompt")
         return cls(text=text, messages=messages,
                    add_special_tokens=flag(body, "add_special_tokens", not chat),
-                   chat=options, return_token_strs=flag(body, "return_token_strs", False))
+                   chat=options, return_token_strs=flag(body, "return_token_strs", False),
+                   tools=tools)
 
     def token_ids(self, tokenizer: FastTokenizer) -> list[int]:
-        """The ids an engine would be sent for this prompt (chat: the rendered template)."""
+        """The ids an engine would be sent for this prompt (chat: the rendered template, as
+        the chat route renders it)."""
         if self.chat is not None:
-            return self.chat.token_ids(tokenizer, self.messages)
+            messages, tools = render_inputs(self.messages, self.tools, tokenizer.chat_template)
+            return self.chat.token_ids(tokenizer, messages, tools)
         return tokenizer.encode(self.text, add_special_tokens=self.add_special_tokens)
 
 

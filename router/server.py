@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from quire.load_stream import load_reports
-from quire.limits import DEFAULT_MAX_N, check_n, request_prompt
+from quire.limits import DEFAULT_MAX_N, check_n, check_request_id, request_prompt
 from quire.list_limits import MAX_STOP_TOKEN_IDS, check_length
 from quire.structured_outputs import check_logit_bias, spec_from_proto, structured_outputs_kind
 from quire.tracing import traced_generate
@@ -72,6 +72,7 @@ class RequestLimits:
 
     def check(self, request: pb.GenerateRequest) -> None:
         """Raise ValueError naming the field when the request exceeds a limit."""
+        check_request_id(request.request_id)
         sampling = request.sampling
         if sampling.HasField("n"):
             check_n(sampling.n, self.max_n, field="sampling.n")
@@ -310,6 +311,7 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
         try:
+            check_request_id(request.request_id)
             if request.WhichOneof("prompt") == "text" and \
                     len(request.text) > self.limits.max_prompt_chars:
                 raise FieldError("text", f"at most {self.limits.max_prompt_chars} characters, "

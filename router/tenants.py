@@ -59,7 +59,9 @@ class Tenant:
 
 
 def key_digest(api_key: str) -> str:
-    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+    """The key's sha256, of its bytes as sent (a non-UTF-8 header value reaches here decoded
+    with surrogateescape, as aiohttp decodes headers)."""
+    return hashlib.sha256(api_key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ from engine_worker.input_processor import DefaultMaxTokens
 from engine_worker.outputs import PoolingRequestOutput, RequestOutput
 from engine_worker.pooling_params import PoolingParams
 from engine_worker.sampling_params import SamplingParams, StructuredOutputsParams
-from quire.limits import check_n, request_prompt
+from quire.limits import check_n, check_request_id, request_prompt
 from quire.structured_outputs import spec_from_proto, structured_outputs_kind
 from quire.v1 import engine_pb2 as pb
 
@@ -22,6 +22,7 @@ _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty"
 
 def request_from_proto(message: pb.GenerateRequest, limits: RequestLimits):
     """-> (prompt for LLMEngine.add_request, SamplingParams, priority, cache_salt)."""
+    check_request_id(message.request_id)
     prompt = request_prompt(message)
     if not isinstance(prompt, str):
         prompt = {"prompt_token_ids": prompt}
@@ -51,6 +52,7 @@ def request_from_proto(message: pb.GenerateRequest, limits: RequestLimits):
 
 def embed_request_from_proto(message: pb.EmbedRequest, limits: RequestLimits):
     """-> (prompt for LLMEngine.add_request, PoolingParams, priority, cache_salt)."""
+    check_request_id(message.request_id)
     prompt = request_prompt(message)
     if isinstance(prompt, str) and len(prompt) > limits.max_prompt_chars:
         raise FieldError("text", f"at most {limits.max_prompt_chars} characters, got "

@@ -62,7 +62,8 @@ def test_a_missing_or_empty_prompt_names_the_field(request_, field):
     ("seed", 2 ** 63, "seed: must be >= 0 and <= 9223372036854775807, got 9223372036854775808"),
     ("logprobs", 21, "logprobs: must be >= 0 and <= 20, got 21"),
     ("temperature", float("nan"), "temperature: must be a finite number, got NaN"),
-    ("temperature", 1e39, "temperature: must be a finite number, got 1e+39"),
+    ("temperature", 1e39, "temperature: must be at most 3.402823e+38 in magnitude (a float32), "
+     "got 1e+39"),
     ("temperature", True, "temperature: must be a number, got true"),
     ("top_k", 1.0, "top_k: must be an integer, got 1.0"),
     ("seed", "7", 'seed: must be an integer, got "7"'),
@@ -138,3 +139,42 @@ def test_the_http_front_names_the_openai_field(body, param, message):
     with pytest.raises(RequestError) as err:
         sampling_options(body, chat=True)
     assert (err.value.param, str(err.value)) == (param, message)
+
+
+def test_float_fields_refuse_magnitudes_past_float32_ints_included():
+    """An int too large for a float (10**400) is refused like 1e39, naming the field, instead
+    of overflowing where it is converted."""
+    from quire.errors import FieldError
+    from quire.limits import FLOAT32_MAX, check_sampling
+
+    for value in (10 ** 400, 10 ** 39, 1e39, -1e39):
+        with pytest.raises(FieldError) as e:
+            check_sampling("presence_penalty" if value < 0 else "temperature", value)
+        assert "float32" in str(e.value) or "must be >=" in str(e.value)
+    assert check_sampling("temperature", 2) == 2
+    assert check_sampling("repetition_penalty", FLOAT32_MAX) == FLOAT32_MAX
+
+
+def test_load_json_names_the_field_for_every_way_json_text_fails():
+    from quire.errors import FieldError
+    from quire.limits import load_json
+
+    assert load_json('{"a": [1, 2]}', "f") == {"a": [1, 2]}
+    for text, words in (("{", "not valid JSON"), (b"\xff", "not UTF-8"),
+                        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+                        ("1" * 5000, "4300 digits")):
+        with pytest.raises(FieldError) as e:
+            load_json(text, "body")
+        assert e.value.field == "body" and words in str(e.value), e.value
+
+
+def test_logit_bias_keys_and_values_are_bounded_before_any_conversion():
+    from quire.errors import FieldError
+    from quire.structured_outputs import check_logit_bias
+
+    assert check_logit_bias({"5": 1, 7: -100}) == {5: 1.0, 7: -100.0}
+    for bias in ({"4294967296": 1}, {"1" * 5000: 1}, {"-1": 1}, {"1": 10 ** 400},
+                 {"1": float("nan")}, {"1": float("inf")}):
+        with pytest.raises(FieldError) as e:
+            check_logit_bias(bias)
+        assert e.value.field == "logit_bias"

@@ -11,7 +11,7 @@ import pytest
 
 from router.balancer import (POLICIES, Decision, EndpointSnapshot, LeastLoaded, NoEndpointError,
                              PrefixAffinity, PrefixAware, RoundRobin, RoutingRequest,
-                             SessionAffinity, choose, make_policy)
+                             SessionAffinity, choose, make_policy, rendezvous_weight)
 
 BLOCK_SIZE = 16
 REQUEST = RoutingRequest(block_hashes=tuple(range(5)), num_prompt_tokens=80)  # 5 full blocks
@@ -212,3 +212,15 @@ def test_router_modules_do_not_import_torch():
             "bad = sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+def test_a_session_key_that_is_not_utf8_hashes_as_its_bytes():
+    """A header value aiohttp decoded with surrogateescape places like any other key, by the
+    bytes sent (the same in every router replica)."""
+    raw = b"s\xff\xfe".decode("utf-8", "surrogateescape")
+    assert rendezvous_weight(raw, "e0") == rendezvous_weight(raw, "e0")
+    assert rendezvous_weight(raw, "e0") != rendezvous_weight("s", "e0")
+    request = RoutingRequest(block_hashes=(), num_prompt_tokens=4, session_key=raw)
+    endpoints = [EndpointSnapshot(engine_id=f"e{i}", healthy=True, cached_blocks=0,
+                                  block_size=BLOCK_SIZE) for i in range(3)]
+    assert choose(request, endpoints, SessionAffinity()).engine_id in {"e0", "e1", "e2"}

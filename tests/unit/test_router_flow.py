@@ -267,6 +267,11 @@ def test_tenants_resolve_by_header_then_key_digest():
     # metric labels: 0 and the tenants' defaults by value, any other priority as "other"
     assert [table.priority_label(p) for p in (0, -1, 7)] == ["0", "-1", "other"]
     assert isinstance(TenantTable().resolve(()), Tenant)
+    # a key that is not UTF-8 (aiohttp hands it over decoded with surrogateescape) is digested
+    # as the bytes sent: a tenant, not a crash
+    raw = b"sk-\xff\xfe".decode("utf-8", "surrogateescape")
+    assert table.resolve((("authorization", f"Bearer {raw}"),)).name == \
+        "key:" + hashlib.sha256(b"sk-\xff\xfe").hexdigest()[:12]
 
 
 @pytest.mark.parametrize("fields, message", [
