@@ -3,10 +3,16 @@ bitmask of a step.
 
 ``GrammarCompilerCache`` compiles a ``StructuredOutputsParams`` with xgrammar and keeps the
 result under (kind, canonical spec), so a schema sent a thousand times compiles once. The
-server compiles on the cache's own worker thread before it hands a request to the engine loop
-(``compile_async``): a large schema then delays only its own request while the loop keeps
-stepping the others; ``LLMEngine.add_request`` finds it compiled. A spec xgrammar refuses is a
-``FieldError`` naming ``structured_outputs.<kind>`` and xgrammar's reason.
+server compiles before it hands a request to the engine loop (``compile_async``), in child
+processes (``engine_worker.grammar_worker``, up to ``compile_workers`` at once) whose results
+come back serialized: a large schema then delays only its own request while the loop keeps
+stepping the others, and a compile can be stopped, which a thread running xgrammar's C++ cannot
+be. One that outlives ``compile_timeout_s`` is killed and its request refused (INVALID_ARGUMENT
+naming the field: the spec is too costly for this server); one whose every waiting request
+has gone (the client left) is killed at once. Requests for a spec being compiled wait for that
+compile. ``LLMEngine.add_request`` finds it compiled (offline, ``compile`` compiles in the
+calling thread). A spec xgrammar refuses is a ``FieldError`` naming
+``structured_outputs.<kind>`` and xgrammar's reason.
 
 The scheduler owns a ``RequestGrammar`` per sequence (n > 1: one each, forked fresh from the
 compiled grammar), fills the step's ``GrammarBitmask`` for the rows that sample and advances
@@ -18,7 +24,11 @@ so engines that never see a structured request never pay for it.
 from __future__ import annotations
 
 import asyncio
-import re
+import json
+import logging
+import os
+import signal
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -28,11 +38,17 @@ from typing import Any
 
 import numpy as np
 
+from engine_worker.grammar_worker import FRAME_LENGTH, compile_spec
 from engine_worker.sampling_params import StructuredOutputsParams
 from quire.errors import FieldError
 
+logger = logging.getLogger(__name__)
+
 _MAX_CACHED_GRAMMARS = 256
-_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+# a compile past this is stopped and its request refused: xgrammar compiles ordinary schemas in
+# milliseconds to a second or two here; nested bounded repetitions in a pattern take minutes
+DEFAULT_COMPILE_TIMEOUT_S = 30.0
+DEFAULT_COMPILE_WORKERS = 2  # compiles at once: one costly spec leaves the other free
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,10 +114,45 @@ def grammar_bitmask(rows: list[tuple[str, RequestGrammar]]) -> GrammarBitmask | 
     return GrammarBitmask(tuple(r for r, _ in rows), bitmask.numpy())
 
 
-def choice_grammar(choices: list[str]) -> str:
-    """EBNF accepting exactly one of ``choices`` (vLLM's ``choice_as_grammar``)."""
-    return "root ::= " + " | ".join('"' + re.sub(r'(["\\])', r"\\\1", c) + '"'
-                                    for c in choices)
+class _CompileWorker:
+    """One ``engine_worker.grammar_worker`` process and its pipes."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+
+    @classmethod
+    async def start(cls, tokenizer_info_json: str) -> _CompileWorker:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "engine_worker.grammar_worker",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        worker = cls(process)
+        try:
+            await worker._send(tokenizer_info_json)
+        except BaseException:  # cancelled (its requests left) while starting: no orphan
+            worker.kill()
+            raise
+        return worker
+
+    async def _send(self, payload: object) -> None:
+        data = json.dumps(payload).encode("utf-8")
+        self.process.stdin.write(FRAME_LENGTH.pack(len(data)) + data)
+        await self.process.stdin.drain()
+
+    async def compile(self, kind: str, spec: str) -> dict:
+        await self._send([kind, spec])
+        try:
+            head = await self.process.stdout.readexactly(FRAME_LENGTH.size)
+            return json.loads(await self.process.stdout.readexactly(FRAME_LENGTH.unpack(head)[0]))
+        except asyncio.IncompleteReadError:
+            raise RuntimeError(f"the grammar compile worker (pid {self.process.pid}) exited "
+                               f"with {await self.process.wait()}") from None
+
+    def kill(self) -> None:
+        if self.process.returncode is None:
+            try:  # by pid: the transport may belong to a loop that has ended
+                os.kill(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 class GrammarCompilerCache:
@@ -110,16 +161,33 @@ class GrammarCompilerCache:
     tokenizer's)."""
 
     def __init__(self, hf_tokenizer: Callable[[], Any], vocab_size: int,
-                 stop_token_ids: frozenset[int], max_cached: int = _MAX_CACHED_GRAMMARS) -> None:
+                 stop_token_ids: frozenset[int], max_cached: int = _MAX_CACHED_GRAMMARS,
+                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+                 compile_workers: int = DEFAULT_COMPILE_WORKERS) -> None:
+        if compile_timeout_s <= 0 or compile_workers < 1:
+            raise ValueError("compile_timeout_s must be > 0 and compile_workers >= 1")
         self._hf_tokenizer = hf_tokenizer  # transformers' tokenizer, asked for on first use
         self.vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         self._max_cached = max_cached
+        self.compile_timeout_s = compile_timeout_s
+        self.compile_workers = compile_workers
         self._lock = threading.Lock()
         self._compiler = None  # built on first use (imports xgrammar)
+        self._info = None  # its TokenizerInfo, which the workers' results are read with
+        self._info_json: str | None = None  # serialized once, sent to each worker at start
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
-        # one thread: compilations queue behind each other, never behind the engine loop
+        # a thread for what blocks: building the compiler (xgrammar's import, the vocabulary)
+        # and reading a worker's result; compiles themselves run in the workers
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        # the server loop's: compiles running by key, how many requests wait for each, idle
+        # workers, and the slots that bound the workers (made on first use, in that loop)
+        self._running: dict[tuple[str, str], asyncio.Task] = {}
+        self._waiting: dict[tuple[str, str], int] = {}
+        self._idle: list[_CompileWorker] = []
+        self._busy: set[_CompileWorker] = set()
+        self._slots: asyncio.Semaphore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _get_compiler(self):
         with self._lock:
@@ -130,7 +198,22 @@ class GrammarCompilerCache:
                     self._hf_tokenizer(), vocab_size=self.vocab_size,
                     stop_token_ids=self._stop_token_ids or None)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self._info = info
             return self._compiler
+
+    def _get_info_json(self) -> str:
+        self._get_compiler()
+        with self._lock:
+            if self._info_json is None:
+                self._info_json = self._info.serialize_json()
+            return self._info_json
+
+    def _store(self, key: tuple[str, str], compiled) -> None:
+        with self._lock:
+            self._cache[key] = compiled
+            self._cache.move_to_end(key)
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
 
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar (cached); FieldError naming the field when xgrammar refuses."""
@@ -139,44 +222,95 @@ class GrammarCompilerCache:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        compiled = self._compile(self._get_compiler(), *key)
-        with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > self._max_cached:
-                self._cache.popitem(last=False)
+        compiled = compile_spec(self._get_compiler(), *key)
+        self._store(key, compiled)
         return compiled
 
     async def compile_async(self, params: StructuredOutputsParams):
-        """``compile`` on the cache's worker thread (awaited without blocking the caller's
-        event loop or the engine loop)."""
+        """The compiled grammar, compiled in a worker process (see the module's docstring)
+        without blocking the caller's event loop or the engine loop. Cancelling the last
+        request that waits for a spec kills its compile."""
         key = params.spec()
         with self._lock:
             if key in self._cache:
+                self._cache.move_to_end(key)
                 return self._cache[key]
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.compile, params)
+        task = self._running.get(key)
+        if task is None:
+            task = asyncio.ensure_future(self._compile_in_worker(key))
+            self._running[key] = task
+            self._waiting[key] = 0
+            task.add_done_callback(lambda _: (self._running.pop(key, None),
+                                              self._waiting.pop(key, None)))
+        self._waiting[key] += 1
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done() and key in self._waiting:
+                self._waiting[key] -= 1
+                if self._waiting[key] == 0:  # nobody wants it any more: stop the work
+                    task.cancel()
+            raise
+
+    async def _compile_in_worker(self, key: tuple[str, str]):
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # workers' pipes and the slots belong to one event loop
+            for worker in self._idle:
+                worker.kill()
+            self._idle.clear()
+            self._slots = asyncio.Semaphore(self.compile_workers)
+            self._loop = loop
+        kind, spec = key
+        async with self._slots:
+            info_json = await loop.run_in_executor(self._pool, self._get_info_json)
+            worker = self._idle.pop() if self._idle else await _CompileWorker.start(info_json)
+            self._busy.add(worker)
+            try:
+                async with asyncio.timeout(self.compile_timeout_s):
+                    reply = await worker.compile(kind, spec)
+            except TimeoutError:
+                worker.kill()
+                logger.warning("a %s spec did not compile within %g s: its compile was "
+                               "stopped and the request refused", kind,
+                               self.compile_timeout_s)
+                raise FieldError(f"structured_outputs.{kind}",
+                                 f"not compiled within {self.compile_timeout_s:g} s (the "
+                                 "server's limit, --grammar-compile-timeout-s): too costly a "
+                                 "grammar for this server") from None
+            except BaseException:  # cancelled (every waiting request left), or the worker died
+                worker.kill()
+                raise
+            else:
+                self._idle.append(worker)
+            finally:
+                self._busy.discard(worker)
+        if "error" in reply:
+            raise FieldError(reply["field"], reply["error"].removeprefix(reply["field"] + ": "))
+        import xgrammar as xgr
+
+        compiled = await loop.run_in_executor(
+            self._pool, xgr.CompiledGrammar.deserialize_json, reply["ok"], self._info)
+        self._store(key, compiled)
+        return compiled
+
+    def worker_pids(self) -> list[int]:
+        """The compile workers alive now, busy or idle (for tests and diagnostics)."""
+        return [w.process.pid for w in (*self._busy, *self._idle)
+                if w.process.returncode is None]
 
     def matcher(self, params: StructuredOutputsParams) -> RequestGrammar:
         return RequestGrammar(self.compile(params))
 
-    @staticmethod
-    def _compile(compiler, kind: str, spec: str):
-        field = f"structured_outputs.{kind}"
-        try:
-            if kind == "json":
-                return compiler.compile_json_schema(spec, any_whitespace=False)
-            if kind == "json_object":  # an object, as OpenAI's json_object promises
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if kind == "regex":
-                return compiler.compile_regex(spec)
-            if kind == "choice":
-                import json
-
-                return compiler.compile_grammar(choice_grammar(json.loads(spec)))
-            return compiler.compile_grammar(spec)
-        except (RuntimeError, ValueError, TypeError) as e:
-            # xgrammar's messages start "[hh:mm:ss] /path/file.cc:123: ": not the client's concern
-            reason = _LOG_PREFIX.sub("", " ".join(str(e).split()))[:500] or type(e).__name__
-            raise FieldError(field, f"cannot be compiled: {reason}") from None
-
     def close(self) -> None:
+        """Kill the compile workers (their compiles fail) and stop the thread."""
+        for worker in (*self._busy, *self._idle):
+            worker.kill()
+        self._idle.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def aclose(self) -> None:
+        """``close``, then wait for the workers to exit (on the loop that started them)."""
+        workers = [*self._busy, *self._idle]
+        self.close()
+        if workers and self._loop is asyncio.get_running_loop():
+            await asyncio.gather(*(w.process.wait() for w in workers))

@@ -48,6 +48,8 @@ class EngineServer:
         """``tracing``: where request spans go (None: off; the owner shuts it down).
         ``model_thread``: the thread that built ``engine``, which then runs its loop."""
         self.cfg = cfg
+        # served requests compile in worker processes, stopped past this (engine_worker.grammar)
+        engine.grammars.compile_timeout_s = cfg.grammar_compile_timeout_s
         model_name = cfg.model_name or engine.info.model
         self.metrics = (EngineMetrics(model_name, engine.info)
                         if cfg.metrics_port is not None else None)
@@ -146,6 +148,7 @@ class EngineServer:
             await asyncio.gather(self._kv_zmq, return_exceptions=True)
         if self.server is not None:
             await self.server.stop(grace_s)
+        await self.async_engine.engine.grammars.aclose()  # the compile worker processes
         await asyncio.to_thread(self.async_engine.stop)
         if self.metrics_server is not None:
             self.metrics_server.stop()

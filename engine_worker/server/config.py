@@ -27,6 +27,9 @@ class ServerConfig:
     max_tokens_limit: int = 4096
     http_timeout_s: float = 10.0  # the metrics server drops a connection not done within this
     max_message_bytes: int = 16 << 20
+    # a structured-output grammar still compiling after this many seconds is stopped (its
+    # worker process killed) and its request refused, INVALID_ARGUMENT naming the field
+    grammar_compile_timeout_s: float = 30.0
     drain_timeout_s: float = 30.0
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -51,6 +54,9 @@ class ServerConfig:
                 raise ValueError(f"{name}: must be a tcp:// or ipc:// endpoint, got {value!r}")
         if self.kv_events_replay and not self.kv_events_zmq:
             raise ValueError("kv_events_replay: needs kv_events_zmq")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError("grammar_compile_timeout_s: must be > 0, got "
+                             f"{self.grammar_compile_timeout_s}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_worker.grammar import GrammarBitmask, choice_grammar
+from engine_worker.grammar import GrammarBitmask
+from engine_worker.grammar_worker import choice_grammar
 from engine_worker.sampler import apply_token_bitmask
 from engine_worker.sampling_params import SamplingParams, StructuredOutputsParams
 from quire.errors import FieldError
@@ -150,31 +151,52 @@ def test_vllm_engines_get_the_fields_under_vllms_names():
     assert completion_body("m", request)["structured_outputs"] == {"choice": ["a", "b"]}
 
 
-@pytest.mark.slow  # the embedded model's tokenizer, and xgrammar's first import
-def test_compiled_grammars_are_cached_and_compiled_off_the_callers_thread(embedded_model_dir):
+@pytest.mark.slow  # the embedded model's tokenizer, and xgrammar's first import (twice)
+def test_compiled_grammars_are_cached_and_compiled_in_a_worker_process(embedded_model_dir):
+    """compile_async compiles in a child process and reads the result back: the grammar
+    allows exactly what the same spec compiled here allows, it is cached (a second request,
+    offline or served, compiles nothing), and a spec xgrammar refuses names its field."""
     import asyncio
-    import threading
+    import os
 
-    from engine_worker.grammar import GrammarCompilerCache
+    import xgrammar as xgr
+
+    from engine_worker.grammar import GrammarCompilerCache, RequestGrammar
     from engine_worker.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(embedded_model_dir)
     cache = GrammarCompilerCache(lambda: tokenizer.hf, 49152, tokenizer.eos_token_ids)
-    threads = []
-    compile_one = cache._compile
-
-    def recording(*args):
-        threads.append(threading.current_thread().name)
-        return compile_one(*args)
-
-    cache._compile = recording
+    here = GrammarCompilerCache(lambda: tokenizer.hf, 49152, tokenizer.eos_token_ids)
     params = StructuredOutputsParams(json={"type": "object", "properties": {
-        "a": {"type": "integer"}}})
-    first = asyncio.run(cache.compile_async(params))
-    again = cache.compile(StructuredOutputsParams(json='{"type":"object","properties":'
-                                                       '{"a":{"type":"integer"}}}'))
-    assert again is first and len(threads) == 1 and threads[0].startswith("grammar-compile")
-    with pytest.raises(FieldError) as e:
-        asyncio.run(cache.compile_async(StructuredOutputsParams(regex="[z-a]")))
-    assert e.value.field == "structured_outputs.regex"
-    cache.close()
+        "a": {"type": "integer"}, "b": {"enum": ["x", "y"]}}, "required": ["a", "b"]})
+
+    async def served():
+        first = await cache.compile_async(params)
+        pids = cache.worker_pids()
+        second = await cache.compile_async(params)
+        with pytest.raises(FieldError) as e:
+            await cache.compile_async(StructuredOutputsParams(regex="[z-a]"))
+        await cache.aclose()
+        return first, pids, second, e.value
+
+    first, pids, second, refused = asyncio.run(served())
+    assert refused.field == "structured_outputs.regex" and "cannot be compiled" in str(refused)
+    assert pids and os.getpid() not in pids and second is first
+    assert cache.compile(StructuredOutputsParams(
+        json='{"type":"object","properties":{"a":{"type":"integer"},"b":{"enum":["x","y"]}},'
+             '"required":["a","b"]}')) is first  # the same spec, canonically: no new compile
+    local = here.compile(params)
+    # the same tokens allowed after each prefix of one valid output
+    text = '{"a": 12, "b": "y"}'  # xgrammar's separators without any_whitespace: ", " ": "
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    ours, theirs = RequestGrammar(first), RequestGrammar(local)
+    for token_id in [None, *ids]:
+        if token_id is not None:
+            assert ours.accept(token_id) and theirs.accept(token_id)
+        masks = xgr.allocate_token_bitmask(2, 49152)
+        ours.fill(masks, 0)
+        theirs.fill(masks, 1)
+        assert (masks[0] == masks[1]).all()
+    eos = min(tokenizer.eos_token_ids)
+    assert ours.accept(eos) and theirs.accept(eos) and ours.is_terminated and theirs.is_terminated
+    here.close()

@@ -1,0 +1,99 @@
+"""A child process that compiles grammars with xgrammar, so that a compile can be stopped.
+
+xgrammar compiles in C++ and cannot be interrupted: a JSON schema whose string ``pattern`` nests
+bounded repetitions (``([a-w]{1,91}){1,91}``) took 144 s here, and a thread running it could
+neither be timed out nor stopped when its client left. The engine's server compiles in these
+processes instead (``engine_worker.grammar.GrammarCompilerCache.compile_async``) and kills one
+whose compile outlives its deadline or every request that waits for it.
+
+The protocol, on the child's stdin and stdout, is frames of an 8-byte little-endian length
+and that many bytes of UTF-8 JSON: first the tokenizer info (``TokenizerInfo.serialize_json``),
+then one ``[kind, spec]`` per compile, each answered by ``{"ok": CompiledGrammar JSON}`` or
+``{"field": ..., "error": ...}`` (a spec xgrammar refuses). Imports only xgrammar and the shared
+error type, so a worker starts in the time xgrammar's import takes (about 2-3 s here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import sys
+from typing import BinaryIO
+
+from quire.errors import FieldError
+
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+FRAME_LENGTH = struct.Struct("<Q")
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF accepting exactly one of ``choices`` (vLLM's ``choice_as_grammar``)."""
+    return "root ::= " + " | ".join('"' + re.sub(r'(["\\])', r"\\\1", c) + '"'
+                                    for c in choices)
+
+
+def compile_spec(compiler, kind: str, spec: str):
+    """``spec`` of ``kind`` (a ``StructuredOutputsParams.spec()``) compiled by ``compiler``;
+    FieldError naming ``structured_outputs.<kind>`` and xgrammar's reason when it refuses."""
+    field = f"structured_outputs.{kind}"
+    try:
+        if kind == "json":
+            return compiler.compile_json_schema(spec, any_whitespace=False)
+        if kind == "json_object":  # an object, as OpenAI's json_object promises
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "regex":
+            return compiler.compile_regex(spec)
+        if kind == "choice":
+            return compiler.compile_grammar(choice_grammar(json.loads(spec)))
+        return compiler.compile_grammar(spec)
+    except (RuntimeError, ValueError, TypeError) as e:
+        # xgrammar's messages start "[hh:mm:ss] /path/file.cc:123: ": not the client's concern
+        reason = _LOG_PREFIX.sub("", " ".join(str(e).split()))[:500] or type(e).__name__
+        raise FieldError(field, f"cannot be compiled: {reason}") from None
+
+
+def write_frame(stream: BinaryIO, payload: object) -> None:
+    data = json.dumps(payload).encode("utf-8")
+    stream.write(FRAME_LENGTH.pack(len(data)) + data)
+    stream.flush()
+
+
+def read_frame(stream: BinaryIO) -> object | None:
+    """The next frame's JSON; None at the end of the stream."""
+    head = stream.read(FRAME_LENGTH.size)
+    if len(head) < FRAME_LENGTH.size:
+        return None
+    (length,) = FRAME_LENGTH.unpack(head)
+    data = stream.read(length)
+    if len(data) < length:
+        return None
+    return json.loads(data)
+
+
+def main() -> int:
+    # frames go out on a private copy of stdout; anything the libraries print goes to stderr
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    source = sys.stdin.buffer
+    info_json = read_frame(source)
+    if info_json is None:
+        return 0
+    import xgrammar as xgr
+
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json),
+                                   max_threads=1, cache_enabled=False)
+    while (request := read_frame(source)) is not None:
+        kind, spec = request
+        try:
+            compiled = compile_spec(compiler, kind, spec)
+        except FieldError as e:
+            write_frame(out, {"field": e.field, "error": str(e)})
+            continue
+        write_frame(out, {"ok": compiled.serialize_json()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Grammar compiles run in worker processes that can be stopped (engine_worker.grammar), against
+a real engine server on loopback: a costly spec is refused after --grammar-compile-timeout-s
+and its compile killed, a compile whose client left is killed, and a costly compile does not
+hold back another request's grammar.
+
+The costly spec is a JSON-schema string ``pattern`` with nested bounded repetitions, which
+xgrammar 0.2.9 compiles in time growing with the product of the bounds: 9 s for
+``([a-w]{1,20}){1,20}`` and 23 s for ``{1,30}`` x ``{1,30}`` on a 2-core Zen 5 (144 s for
+``{1,91}`` x ``{1,91}``, the probe's spec). The tests use ``{1,40}`` x ``{1,40}``, which no
+machine here compiles within the few seconds the tests allow it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import grpc
+import pytest
+
+from quire.v1 import engine_pb2 as pb
+from tests.e2e.router_harness import TIMEOUT_S, start_engine
+
+COSTLY = '{"type": "string", "pattern": "([a-w]{1,40}){1,40}"}'
+TIMEOUT = 4.0  # the server's --grammar-compile-timeout-s here
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    running = start_engine(tiny_model_dir, grammar_compile_timeout_s=TIMEOUT)
+    yield running
+    running.close()
+
+
+def grammars(engine):
+    return engine.server.async_engine.engine.grammars
+
+
+def worker_pids(engine) -> list[int]:
+    async def read():
+        return grammars(engine).worker_pids()
+    return engine.call(read())
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def structured(json_schema: str | None = None, choices=None, **kwargs) -> pb.GenerateRequest:
+    outputs = pb.StructuredOutputs(json=json_schema) if json_schema is not None else \
+        pb.StructuredOutputs(choice=pb.StructuredOutputs.Choices(choices=choices))
+    return pb.GenerateRequest(text="Answer:", sampling=pb.SamplingOptions(
+        max_tokens=4, structured_outputs=outputs), **kwargs)
+
+
+def wait_for(predicate, timeout_s: float = TIMEOUT_S) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_a_costly_grammar_is_refused_after_the_timeout_and_its_compile_killed(engine):
+    seen: set[int] = set()
+    watching = threading.Event()
+
+    def watch():
+        while not watching.is_set():
+            seen.update(worker_pids(engine))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            list(engine.stub.Generate(structured(COSTLY), timeout=TIMEOUT_S))
+    finally:
+        watching.set()
+        watcher.join()
+    error = info.value
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert dict(error.trailing_metadata())["quire-error-field"] == "structured_outputs.json"
+    assert f"not compiled within {TIMEOUT:g} s" in error.details()
+    assert seen and os.getpid() not in seen
+    # the one worker that ran it was killed (no other compile started one)
+    assert wait_for(lambda: not any(alive(p) for p in seen)), seen
+    # the engine serves on, structured requests included
+    done = list(engine.stub.Generate(structured(choices=["yes", "no"]), timeout=TIMEOUT_S))
+    text = "".join(d.text for m in done for d in m.outputs)
+    assert text in ("yes", "no") and done[-1].outputs[0].finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_a_cheap_grammar_is_served_while_a_costly_one_compiles_and_a_leaving_client_stops_it(
+        engine):
+    grammars(engine).compile_timeout_s = 600.0  # only the client's leaving stops it here
+    try:
+        costly = engine.stub.Generate(structured(COSTLY), timeout=TIMEOUT_S)
+        first: list = []
+        reader = threading.Thread(target=lambda: first.extend(_drain(costly)))
+        reader.start()
+        assert wait_for(lambda: len(worker_pids(engine)) >= 1)
+        busy = set(worker_pids(engine))
+        # another spec compiles on the other worker and is answered meanwhile
+        done = list(engine.stub.Generate(structured(choices=["red", "blue"]), timeout=TIMEOUT_S))
+        text = "".join(d.text for m in done for d in m.outputs)
+        assert text in ("red", "blue")
+        assert reader.is_alive(), "the costly compile ended before the cheap request was served"
+        costly.cancel()  # the client leaves: its compile is killed, not left to run on
+        reader.join(TIMEOUT_S)
+        assert wait_for(lambda: not any(alive(p) for p in busy)), busy
+    finally:
+        grammars(engine).compile_timeout_s = TIMEOUT
+
+
+def _drain(call):
+    try:
+        return list(call)
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.CANCELLED, e
+        return []
