@@ -66,6 +66,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
                    "special_tokens_map.json")
 
 
+def float_checkpoint(hf_dir: Path, out_dir: Path, tensors: dict) -> Path:
+    """A float checkpoint directory of ``tensors`` (the names a GGUF writer returns, without
+    the ``model.`` prefix) with ``hf_dir``'s config and tokenizer: the de-quantized reference
+    a native GGUF engine is compared against."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir()
+    save_file({f"model.{k}": v.contiguous() for k, v in tensors.items()},
+              str(out_dir / "model.safetensors"))
+    for name in ("config.json", *TOKENIZER_FILES):
+        if (hf_dir / name).exists():
+            shutil.copy(hf_dir / name, out_dir / name)
+    return out_dir
+
+
 @pytest.fixture(scope="session")
 def embedded_model_dir() -> Path:
     from engine_worker.weights.resolve import resolve_model_dir

@@ -48,7 +48,9 @@ def test_auto_on_the_cpu_takes_the_kernels_where_they_build_and_says_why_not():
     elif avx2 is None:
         assert (choice.name, choice.fallback) == ("cpu-avx2", False)
         assert choice.reason == f"compiled CPU kernels, AVX-512 unavailable: {avx512}"
-        assert choice.describe().startswith("cpu-avx2 (compiled CPU kernels, AVX2): ")
+        assert choice.describe().startswith(
+            "cpu-avx2 (compiled CPU kernels, AVX2, bf16 panel twins of a bf16 model's quantized "
+            "weights for many-row matmuls): ")
     else:
         assert (choice.name, choice.fallback) == ("torch", True)
         assert choice.reason == (f"compiled CPU kernels, AVX-512 unavailable: {avx512}; "

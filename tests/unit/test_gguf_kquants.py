@@ -14,7 +14,6 @@ embedding in Q6_K. (llama.cpp's quantizer makes real files: scripts/install-llam
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +23,10 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from engine_worker.weights.gguf_weights import _unpermute_rows, read_gguf_state  # noqa: E402
-from tests.conftest import TOKENIZER_FILES  # noqa: E402
+from tests.conftest import float_checkpoint  # noqa: E402
 from tests.unit.test_gguf_weights import _gguf_name  # noqa: E402
 
 NATIVE = frozenset({"Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
@@ -128,13 +127,7 @@ def test_an_engine_on_k_quant_blocks_matches_the_dequantized_weights(tiny_hf_dir
     use_cpu_variant(monkeypatch, "avx2")
     path = tmp_path / "k.gguf"
     values = write_kquant_gguf(tiny_hf_dir, path)
-    reference_dir = tmp_path / "dequantized"
-    reference_dir.mkdir()
-    save_file({f"model.{k}": v for k, v in values.items()},
-              str(reference_dir / "model.safetensors"))
-    for name in ("config.json", *TOKENIZER_FILES):
-        if (tiny_hf_dir / name).exists():
-            shutil.copy(tiny_hf_dir / name, reference_dir / name)
+    reference_dir = float_checkpoint(tiny_hf_dir, tmp_path / "dequantized", values)
     common = dict(dtype="float32", kernels="cpu-avx2", kv_cache_memory_bytes=1 << 24)
     native = LLM(str(path), tokenizer=str(tiny_hf_dir), quantization="gguf", **common)
     assert native.info.quantization == "gguf"

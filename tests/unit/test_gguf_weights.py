@@ -14,7 +14,6 @@ type without a kernel), named and Q/K-permuted as llama.cpp's converter writes t
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +23,10 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from engine_worker.weights.gguf_weights import dequantize_blocks, read_gguf_state  # noqa: E402
-from tests.conftest import TOKENIZER_FILES  # noqa: E402
+from tests.conftest import float_checkpoint  # noqa: E402
 
 NATIVE = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 _LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -166,13 +165,7 @@ def test_an_engine_on_native_blocks_matches_the_dequantized_weights(tiny_hf_dir,
     use_cpu_variant(monkeypatch, "avx2")
     path = tmp_path / "tiny.gguf"
     written = write_gguf(tiny_hf_dir, path, qtype)
-    reference_dir = tmp_path / "dequantized"
-    reference_dir.mkdir()
-    save_file({f"model.{k}": v.contiguous() for k, v in written.items()},
-              str(reference_dir / "model.safetensors"))
-    for name in ("config.json", *TOKENIZER_FILES):
-        if (tiny_hf_dir / name).exists():
-            shutil.copy(tiny_hf_dir / name, reference_dir / name)
+    reference_dir = float_checkpoint(tiny_hf_dir, tmp_path / "dequantized", written)
     common = dict(dtype="float32", kernels="cpu-avx2", kv_cache_memory_bytes=1 << 24)
     native = LLM(str(path), tokenizer=str(tiny_hf_dir), quantization="gguf", **common)
     assert native.info.quantization == "gguf"
@@ -188,4 +181,37 @@ def test_an_engine_on_native_blocks_matches_the_dequantized_weights(tiny_hf_dir,
             # (csrc/cpu/quant_linear.cpp, bounded there): logprobs of about -12 move by
             # thousandths (seen up to 4.4e-3); a wrong block or scale moves them by whole units
             assert abs(gl[token].logprob - wl[token].logprob) < 1e-2
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+
+
+def test_a_bf16_model_on_avx2_prefills_on_panel_twins_like_the_dequantized_path(
+        tiny_hf_dir, tmp_path, monkeypatch):
+    """A bf16 model on the AVX2 kernels: prompts of more than 8 tokens multiply the layers'
+    bf16 panel twins, the weights the de-quantized bf16 path multiplies (CpuOps._panel_twin),
+    so its prompt logprobs are that path's up to the order of float sums, and greedy decoding
+    (up to 8 rows: the int8 kernel) gives the same tokens."""
+    from engine_worker.llm import LLM
+    from engine_worker.sampling_params import SamplingParams
+    from tests.conftest import use_cpu_variant
+
+    monkeypatch.setenv("QUIRE_CACHE_DIR", str(tmp_path / "cache"))
+    use_cpu_variant(monkeypatch, "avx2")
+    path = tmp_path / "tiny.gguf"
+    written = write_gguf(tiny_hf_dir, path, QT.Q4_1)
+    reference_dir = float_checkpoint(tiny_hf_dir, tmp_path / "dequantized",
+                                     {k: v.to(torch.bfloat16) for k, v in written.items()})
+    common = dict(dtype="bfloat16", kernels="cpu-avx2", kv_cache_memory_bytes=1 << 24)
+    native = LLM(str(path), tokenizer=str(tiny_hf_dir), quantization="gguf", **common)
+    assert "bf16 panel twins" in native.info.backend_summary
+    reference = LLM(str(reference_dir), **common)
+    prompts = [list(range(3, 40)), [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 400, 2000]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    got = native.generate([{"prompt_token_ids": p} for p in prompts], params)
+    want = reference.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for g, w, p in zip(got, want, prompts):
+        diffs = [abs(gl[t].logprob - wl[t].logprob)
+                 for gl, wl, t in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:], p[1:])]
+        # the same bf16 weights and bf16-rounded activations: sums in another order at most
+        # (without the twins, fp32 weights de-quantized per call, they moved by 1.6e-2 here)
+        assert max(diffs) < 2e-3, max(diffs)
         assert g.outputs[0].token_ids == w.outputs[0].token_ids

@@ -336,3 +336,43 @@ def test_fast_bf16_cpus_multiply_rows_past_the_decode_rows_on_a_bf16_twin(cpu_ke
                 (rows, (out.float() - expected).abs().max())
             if rows <= ops.quant_int8_rows(packed.blocks, torch.bfloat16):  # int8 there
                 assert not torch.equal(out, ops.quant_linear(x, packed.blocks, None))
+
+
+@pytest.mark.cpu_ops("quant_linear", "pack_bf16w", "linear_bf16w", "dequantize_weight")
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q4_K], ids=lambda t: t.name)
+def test_avx2_stacks_of_a_bf16_model_keep_bf16_panel_twins(cpu_kernels, qtype):
+    """The AVX2 set's fused stack of a bf16 model multiplies a quantized layer weight past 8
+    rows on its de-quantized bf16 panels, made once (what the dequantize path multiplies),
+    instead of de-quantizing it into fp32 on every such call; up to 8 rows stream the
+    blocks. An fp32 model keeps the exact de-quantized values (no twin); a weight the panels
+    do not divide keeps its blocks."""
+    from engine_worker.backends.base import LinearWeights
+
+    if cpu_kernels.isa != "avx2":
+        pytest.skip("panel twins are the AVX2 set's")
+    backend, ops = cpu_kernels.backend, cpu_kernels.ops
+    cpu_ops = backend.pack_weight.__self__
+    assert cpu_ops.twins == "AVX2 bf16 panels"
+    k = 512 if qtype == QT.Q4_K else 96
+    blocks, ref = k_quantized(64, k, qtype, seed=3) if qtype == QT.Q4_K else \
+        quantized(64, k, qtype, seed=3)
+    packed = backend.pack_weight(blocks)
+    lin = LinearWeights(blocks, None, packed)
+    few, many = cpu_ops._stack_weights(lin, torch.float32, torch.bfloat16)
+    assert few is packed.blocks
+    twin = ops.pack_bf16w(ref.to(torch.bfloat16))
+    # the twin holds the de-quantized weight rounded to bf16, in pack_bf16w's panels
+    assert many.dtype == torch.bfloat16 and many.shape == twin.shape
+    assert (many.float() - twin.float()).abs().max() <= ref.abs().max() * 2 ** -8
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(1))
+    out = ops.linear_bf16w(x, many, None)
+    expected = x @ ref.T
+    bound = (x.abs() @ ref.abs().T) * 2 ** -8 + 1e-4  # weights rounded to bf16 (2^-9 each)
+    assert ((out - expected).abs() <= bound).all(), (out - expected).abs().max()
+    # an fp32 model: the blocks both ways (many rows de-quantize exactly, into fp32)
+    assert cpu_ops._stack_weights(lin, torch.float32, torch.float32) == (packed.blocks,
+                                                                         packed.blocks)
+    odd_blocks, _ = quantized(40, 96, QT.Q4_1, seed=4)  # 40 rows: no whole panels of 16
+    odd = backend.pack_weight(odd_blocks)
+    assert cpu_ops._stack_weights(LinearWeights(odd_blocks, None, odd), torch.float32,
+                                  torch.bfloat16) == (odd.blocks, odd.blocks)
