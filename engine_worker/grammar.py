@@ -34,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -236,21 +237,25 @@ class GrammarCompilerCache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         task = self._running.get(key)
-        if task is None:
+        if task is None or task.cancelling():  # none, or one being stopped: a fresh compile
             task = asyncio.ensure_future(self._compile_in_worker(key))
             self._running[key] = task
             self._waiting[key] = 0
-            task.add_done_callback(lambda _: (self._running.pop(key, None),
-                                              self._waiting.pop(key, None)))
+            task.add_done_callback(partial(self._compile_done, key))
         self._waiting[key] += 1
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            if not task.done() and key in self._waiting:
+            if not task.done() and self._running.get(key) is task:
                 self._waiting[key] -= 1
                 if self._waiting[key] == 0:  # nobody wants it any more: stop the work
                     task.cancel()
             raise
+
+    def _compile_done(self, key: tuple[str, str], task: asyncio.Task) -> None:
+        if self._running.get(key) is task:  # not a fresh compile of the same spec since
+            del self._running[key]
+            self._waiting.pop(key, None)
 
     async def _compile_in_worker(self, key: tuple[str, str]):
         loop = asyncio.get_running_loop()

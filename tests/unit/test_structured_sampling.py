@@ -200,3 +200,45 @@ def test_compiled_grammars_are_cached_and_compiled_in_a_worker_process(embedded_
     eos = min(tokenizer.eos_token_ids)
     assert ours.accept(eos) and theirs.accept(eos) and ours.is_terminated and theirs.is_terminated
     here.close()
+
+
+@pytest.mark.slow  # the embedded model's tokenizer, and a worker process's start
+def test_a_request_for_a_spec_whose_compile_is_being_stopped_gets_a_fresh_compile(
+        embedded_model_dir):
+    """The last waiter of a costly compile leaves (its compile is cancelled and its worker
+    killed); a request for the same spec arriving before that compile has ended waits for a
+    compile of its own, instead of inheriting the cancellation."""
+    import asyncio
+
+    from engine_worker.grammar import GrammarCompilerCache
+    from engine_worker.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(embedded_model_dir)
+    cache = GrammarCompilerCache(lambda: tokenizer.hf, 49152, tokenizer.eos_token_ids,
+                                 compile_timeout_s=600)
+    costly = StructuredOutputsParams(
+        json='{"type": "string", "pattern": "([a-w]{1,40}){1,40}"}')
+
+    async def main():
+        first = asyncio.ensure_future(cache.compile_async(costly))
+        for _ in range(400):  # until its worker runs it
+            await asyncio.sleep(0.05)
+            if cache.worker_pids():
+                break
+        killed = cache.worker_pids()
+        first.cancel()
+        await asyncio.sleep(0)  # its waiter has left: the compile is being stopped
+        second = asyncio.ensure_future(cache.compile_async(costly))
+        await asyncio.sleep(0.5)
+        state = (second.done(), cache.worker_pids())
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        cheap = await cache.compile_async(StructuredOutputsParams(choice=["a", "b"]))
+        await cache.aclose()
+        return killed, state, cheap
+
+    killed, (second_done, pids_after), cheap = asyncio.run(main())
+    assert killed and not second_done  # still compiling: not cancelled with the first
+    assert pids_after and not set(killed) & set(pids_after)  # a worker of its own
+    assert cheap is not None
