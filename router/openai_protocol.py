@@ -454,7 +454,11 @@ class OpenAIRequest:
             body.get("logprobs") is not None)
         # fields the engine names by their wire name, named as this request sent them (the
         # LoRA adapter is the request's model)
-        self.field_aliases: dict[str, str] = {"lora_name": "model"}
+        self.field_aliases: dict[str, str] = {
+            "lora_name": "model",
+            # the engine names the ids the router sent it; the client sent a prompt (or
+            # messages, rendered into ids)
+            "prompt_token_ids": "messages" if chat else "prompt"}
         if body.get("response_format") is not None:
             self.field_aliases["structured_outputs.json"] = "response_format"
         for name, kind in GUIDED_FIELDS.items():

@@ -120,6 +120,12 @@ def test_non_utf8_session_and_tenant_headers_are_served(router, caplog):
     assert no_tracebacks(caplog)
 
 
+def test_a_token_id_outside_the_vocabulary_is_named_as_the_prompt_sent(router):
+    status, answer = post(router, "/v1/completions",
+                          {"model": MODEL, "prompt": [5, 60000], "max_tokens": 2})
+    assert_400(status, answer, "prompt", "prompt: 60000 is not a token id")
+
+
 def test_deeply_nested_tool_call_arguments_render_as_sent(router, caplog):
     arguments = "[" * 100_000 + "]" * 100_000  # past the JSON parser's ~1,000 levels
     messages = USER + [{"role": "assistant", "tool_calls": [
