@@ -45,6 +45,7 @@ def test_bad_guided_fields_name_themselves(body, param, words):
 def test_engine_refusals_of_a_guided_spec_name_the_guided_field():
     request = OpenAIRequest({"messages": [], "guided_regex": "(("}, chat=True, model_name="m",
                             token_text=str)
-    # (the adapter a request names is its model: always aliased)
+    # (the adapter a request names is its model, and the ids the router sent are the chat's
+    # messages: always aliased)
     assert request.field_aliases == {"structured_outputs.regex": "guided_regex",
-                                     "lora_name": "model"}
+                                     "lora_name": "model", "prompt_token_ids": "messages"}
