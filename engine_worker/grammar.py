@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from engine_worker.grammar_worker import FRAME_LENGTH, compile_spec
+from engine_worker.grammar_worker import FRAME_LENGTH, compile_spec, frame
 from engine_worker.sampling_params import StructuredOutputsParams
 from quire.errors import FieldError
 
@@ -135,8 +135,7 @@ class _CompileWorker:
         return worker
 
     async def _send(self, payload: object) -> None:
-        data = json.dumps(payload).encode("utf-8")
-        self.process.stdin.write(FRAME_LENGTH.pack(len(data)) + data)
+        self.process.stdin.write(frame(payload))
         await self.process.stdin.drain()
 
     async def compile(self, kind: str, spec: str) -> dict:
@@ -267,8 +266,11 @@ class GrammarCompilerCache:
             self._loop = loop
         kind, spec = key
         async with self._slots:
-            info_json = await loop.run_in_executor(self._pool, self._get_info_json)
-            worker = self._idle.pop() if self._idle else await _CompileWorker.start(info_json)
+            if self._idle:
+                worker = self._idle.pop()
+            else:  # a new worker reads the tokenizer first (built and serialized once)
+                info_json = await loop.run_in_executor(self._pool, self._get_info_json)
+                worker = await _CompileWorker.start(info_json)
             self._busy.add(worker)
             try:
                 async with asyncio.timeout(self.compile_timeout_s):

@@ -54,9 +54,14 @@ def compile_spec(compiler, kind: str, spec: str):
         raise FieldError(field, f"cannot be compiled: {reason}") from None
 
 
-def write_frame(stream: BinaryIO, payload: object) -> None:
+def frame(payload: object) -> bytes:
+    """``payload`` as one frame: its JSON's length, then the JSON."""
     data = json.dumps(payload).encode("utf-8")
-    stream.write(FRAME_LENGTH.pack(len(data)) + data)
+    return FRAME_LENGTH.pack(len(data)) + data
+
+
+def write_frame(stream: BinaryIO, payload: object) -> None:
+    stream.write(frame(payload))
     stream.flush()
 
 

@@ -95,8 +95,7 @@ class CpuOps:
         if is_gguf_blocks(weight):
             if dense is None and self._twin_bytes_left > 0 and \
                     self._linear.activation_dtype == torch.bfloat16:  # oneDNN's tile twins
-                twin_bytes = weight.shape[0] * weight.shape[1] * 2 * \
-                    (256 if weight.shape[2] in K_QUANT_BLOCK_BYTES else 32)  # bf16
+                twin_bytes = _dense_numel(weight) * 2  # bf16
                 if twin_bytes <= self._twin_bytes_left:
                     if not self._twins_said:
                         logger.info("%s: each quantized layer weight is also kept "
@@ -138,15 +137,14 @@ class CpuOps:
         budget, a quarter of available memory, is spent). Measured with the AVX2 kernels on a
         2-core Zen 5: the 64 long-tailed requests at 95 output tok/s native against 160 on the
         bf16 path (0.59x) before the twins."""
-        rows, columns = blocks.shape[0], blocks.shape[1] * \
-            (256 if blocks.shape[2] in K_QUANT_BLOCK_BYTES else 32)
-        twin_bytes = rows * columns * 2
+        rows = blocks.shape[0]
+        twin_bytes = _dense_numel(blocks) * 2
         if rows % PANEL_COLUMNS or twin_bytes > self._twin_bytes_left:
             if self._twin_bytes_left and rows % PANEL_COLUMNS == 0:
                 logger.warning("%s: no room left for a bf16 twin of a %s weight (a quarter of "
                                "available memory is spent): it and the weights after it "
                                "de-quantize on every call past 8 rows", self.twins,
-                               (rows, columns))
+                               (rows, _dense_numel(blocks) // rows))
                 self._twin_bytes_left = 0
             return blocks
         if not self._twins_said:
@@ -315,6 +313,13 @@ class CpuPagedAttentionBackend:
         self._ops.paged_attention(out, q, kv_cache, meta.block_tables, meta.query_start_loc,
                                   meta.seq_lens, scale)
         return out
+
+
+def _dense_numel(blocks: torch.Tensor) -> int:
+    """Weights in a GGUF weight [N, K / block values, block bytes] (256 values a k-quant
+    super-block, 32 a legacy block): what a de-quantized twin holds."""
+    return blocks.shape[0] * blocks.shape[1] * \
+        (256 if blocks.shape[2] in K_QUANT_BLOCK_BYTES else 32)
 
 
 def amx_tiles(kernels: CpuKernels) -> bool:

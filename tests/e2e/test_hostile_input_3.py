@@ -5,7 +5,6 @@ logs a traceback; every case is sent through the real fronts."""
 
 from __future__ import annotations
 
-import http.client
 import json
 
 import grpc
@@ -14,6 +13,7 @@ import pytest
 from quire.limits import MAX_REQUEST_ID_CHARS
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
+from tests.e2e import test_hostile_input_2 as hostile_2
 from tests.e2e.router_harness import TIMEOUT_S, RunningRouter, address, engine_fleet
 
 MODEL = "tiny"
@@ -37,30 +37,18 @@ def router(engines):
 
 
 def post(router, path: str, body=None, *, raw: bytes | None = None, headers=None):
-    """(status, parsed JSON body) of one POST; ``headers`` values may be bytes (sent as is)."""
-    data = raw if raw is not None else json.dumps(body).encode()
-    conn = http.client.HTTPConnection("127.0.0.1", router.server.http_port, timeout=TIMEOUT_S)
-    try:
-        conn.putrequest("POST", path)
-        for name, value in {"Content-Type": "application/json", **AUTH,
-                            **(headers or {}), "Content-Length": str(len(data))}.items():
-            conn.putheader(name, value)
-        conn.endheaders(data)
-        response = conn.getresponse()
-        return response.status, json.loads(response.read() or b"null")
-    finally:
-        conn.close()
+    """(status, parsed JSON body) of one POST with the API key; ``headers`` values may be
+    bytes (sent as they are)."""
+    status, _, answer = hostile_2.post(router, path, body, raw=raw,
+                                       headers={**AUTH, **(headers or {})})
+    return status, answer
 
 
 def assert_400(status, body, param: str, *words: str) -> None:
-    assert status == 400, body
-    assert body["error"]["param"] == param, body
-    for word in words:
-        assert word in body["error"]["message"], body
+    hostile_2.assert_error(status, body, 400, param, *words)
 
 
-def no_tracebacks(caplog) -> bool:
-    return not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+no_tracebacks = hostile_2.no_tracebacks
 
 
 @pytest.mark.parametrize("path,body", [
