@@ -50,6 +50,16 @@ class FieldError(ValueError):
         self.field = field
 
 
+def renamed(error: FieldError, field: str) -> FieldError:
+    """The same error (same type, so the same status) naming ``field`` instead."""
+    detail = str(error).removeprefix(f"{error.field}: ")
+    clone = type(error).__new__(type(error))  # not copy.copy: it calls __init__ with args
+    clone.__dict__.update(error.__dict__)
+    clone.args = (f"{field}: {detail}",)
+    clone.field = field
+    return clone
+
+
 class NotFoundError(FieldError):
     """A field names something that is not here (a LoRA adapter no engine holds): gRPC
     NOT_FOUND, HTTP 404, the name in the message."""

@@ -61,6 +61,8 @@ def error_response(error: BaseException, aliases: dict[str, str] | None = None
         message = message or error.code().name
         field = field_of(error)  # named by the router or the engine, never parsed from text
         param = field.removeprefix("sampling.") if field else None
+        if field and field != param and message.startswith(f"{field}: "):
+            message = message.removeprefix("sampling.")  # the body's own name for it
         if aliases and param in aliases:
             message = aliases[param] + message.removeprefix(param)
             param = aliases[param]
@@ -458,7 +460,7 @@ class OpenAIRequest:
             "lora_name": "model",
             # the engine names the ids the router sent it; the client sent a prompt (or
             # messages, rendered into ids)
-            "prompt_token_ids": "messages" if chat else "prompt"}
+            "token_ids": "messages" if chat else "prompt"}
         if body.get("response_format") is not None:
             self.field_aliases["structured_outputs.json"] = "response_format"
         for name, kind in GUIDED_FIELDS.items():

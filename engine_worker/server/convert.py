@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quire.errors import FieldError
+from quire.errors import FieldError, renamed
 from engine_worker.input_processor import DefaultMaxTokens
 from engine_worker.outputs import PoolingRequestOutput, RequestOutput
 from engine_worker.pooling_params import PoolingParams
@@ -18,6 +18,25 @@ _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
 _OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
              "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens",
              "logprobs", "prompt_logprobs", "skip_special_tokens")
+
+
+_SAMPLING_WIRE_FIELDS = frozenset(pb.SamplingOptions.DESCRIPTOR.fields_by_name)
+
+
+def wire_error(error: BaseException, sampling: bool) -> BaseException:
+    """``error`` naming the field by its path in the request message a gRPC client sent, as
+    the router's own checks do: a sampling field as ``sampling.<name>`` (``sampling``: the
+    message has them, a GenerateRequest) and the engine's ``prompt_token_ids`` as
+    ``token_ids``. Other errors are returned as they are."""
+    if not isinstance(error, FieldError):
+        return error
+    field = error.field
+    root = field.split(".", 1)[0].split("[", 1)[0]
+    if root == "prompt_token_ids":
+        return renamed(error, "token_ids" + field[len(root):])
+    if sampling and root in _SAMPLING_WIRE_FIELDS:
+        return renamed(error, f"sampling.{field}")
+    return error
 
 
 def request_from_proto(message: pb.GenerateRequest, limits: RequestLimits):

@@ -20,7 +20,7 @@ from engine_worker.lora.paths import check_adapter_path
 from engine_worker.server.async_engine import AsyncEngine, EngineUnavailableError
 from engine_worker.server.convert import (RequestLimits, embed_request_from_proto,
                                           embed_response_to_proto, request_from_proto,
-                                          response_to_proto)
+                                          response_to_proto, wire_error)
 from engine_worker.server.errors import abort_with
 from quire.errors import FieldError
 from quire.tokenizer_digest import TOKENIZER_FILES
@@ -65,7 +65,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         try:
             prompt, params, priority, salt = request_from_proto(request, self.limits)
         except ValueError as e:
-            await abort_with(context, e)
+            await abort_with(context, wire_error(e, sampling=True))
             return
         first = True
         counts: dict[int, int] = {}
@@ -91,7 +91,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         except (asyncio.CancelledError, GeneratorExit):
             raise  # the engine side aborts the request (AsyncEngine.generate's finally)
         except Exception as e:
-            await abort_with(context, e)
+            await abort_with(context, wire_error(e, sampling=True))
 
     async def Embed(self, request: pb.EmbedRequest,
                     context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
@@ -103,7 +103,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             output = await self.engine.embed(request.request_id, prompt, params,
                                              priority=priority, cache_salt=salt)
         except Exception as e:  # noqa: BLE001 - mapped to a status, named where known
-            await abort_with(context, e)
+            await abort_with(context, wire_error(e, sampling=False))
             return pb.EmbedResponse()  # not reached: abort raises
         if output.outputs is None:
             await context.abort(grpc.StatusCode.ABORTED, "the request was aborted")

@@ -16,6 +16,7 @@ from engine_worker.config import EngineArgs
 from engine_worker.engine import LLMEngine
 from engine_worker.server.app import SERVICE_NAME, EngineServer
 from engine_worker.server.config import ServerConfig
+from quire.errors import FIELD_METADATA
 from quire.kv_events import KVCacheMirror, batch_from_proto, snapshot_from_proto
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
@@ -132,22 +133,30 @@ def test_deadline_is_honoured_and_work_stops(server):
     assert server.holds_no_request()
 
 
+def _sampled(**options) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(**options))
+
+
 @pytest.mark.parametrize("request_, field", [
     (pb.GenerateRequest(), "prompt"),
     (pb.GenerateRequest(text=""), "text"),
-    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[10**7])), "prompt_token_ids"),
-    (pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(temperature=-1)), "temperature"),
-    (pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(top_p=2)), "top_p"),
-    (pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(n=5)), "n"),
-    (pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(logprobs=50)), "logprobs"),
-    (pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(stop=["x"] * 17)), "stop"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[10**7])), "token_ids"),
+    (_sampled(temperature=-1), "sampling.temperature"),
+    (_sampled(top_p=2), "sampling.top_p"),
+    (_sampled(n=5), "sampling.n"),
+    (_sampled(logprobs=50), "sampling.logprobs"),
+    (_sampled(stop=["x"] * 17), "sampling.stop"),
+    (_sampled(structured_outputs=pb.StructuredOutputs(json="{")),
+     "sampling.structured_outputs.json"),
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 2000)), "prompt"),
 ])
 def test_bad_input_gets_invalid_argument_naming_the_field(server, request_, field):
     with pytest.raises(grpc.RpcError) as err:
         _collect(server.stub.Generate(request_))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details().startswith(field), err.value.details()
+    # the field's path in the message sent (as the router's own checks name it)
+    assert err.value.details().startswith(f"{field}: "), err.value.details()
+    assert dict(err.value.trailing_metadata())[FIELD_METADATA] == field
     tokens, _, _ = _collect(server.stub.Generate(_request([1, 2, 3], max_tokens=2)))
     assert len(tokens) == 2  # and the server keeps serving
 

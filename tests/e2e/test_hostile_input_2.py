@@ -230,7 +230,7 @@ def test_3_context_overflow_is_invalid_argument_on_grpc(router, engine):
         with pytest.raises(grpc.RpcError) as err:
             collect(stub.Generate(request(ids=[5] * 1020, max_tokens=100), timeout=TIMEOUT_S))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert err.value.details() == "max_tokens: " + OVERFLOW
+        assert err.value.details() == "sampling.max_tokens: " + OVERFLOW
 
 
 def test_3_without_max_tokens_the_completion_runs_to_the_models_length(router, engine):
@@ -274,7 +274,8 @@ def test_4_stop_token_ids_outside_the_vocabulary_are_refused(router, engine):
         collect(engine.stub.Generate(request(text="hi", stop_token_ids=[49152]),
                                      timeout=TIMEOUT_S))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details() == "stop_token_ids: 49152 is not a token id in [0, 49152)"
+    assert err.value.details() == \
+        "sampling.stop_token_ids: 49152 is not a token id in [0, 49152)"
 
 
 def test_4_chat_messages_and_content_parts_are_bounded(router):
@@ -339,8 +340,8 @@ def test_6_an_engine_refuses_a_kv_budget_above_available_memory(tiny_model_dir):
                   str(1 << 50))
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: kv_cache_memory_bytes: 1048576.00 GiB (1125899906842624 bytes) is "
-                           "more than this host (or its cgroup, in a container) has "
+    assert last.startswith("error: kv_cache_memory_bytes: 1048576.00 GiB (1125899906842624 "
+                           "bytes) is more than this host (or its cgroup, in a container) has "
                            "available: "), last
     assert "Traceback" not in result.stderr
 

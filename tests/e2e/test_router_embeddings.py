@@ -158,7 +158,7 @@ def test_bad_input_is_a_400_naming_it(router, client, body, param):
     (pb.EmbedRequest(), "prompt"),
     (pb.EmbedRequest(token_ids=pb.TokenIds()), "token_ids"),
     (pb.EmbedRequest(token_ids=pb.TokenIds(ids=list(range(300)))), "prompt"),
-    (pb.EmbedRequest(token_ids=pb.TokenIds(ids=[10 ** 6])), "prompt_token_ids"),
+    (pb.EmbedRequest(token_ids=pb.TokenIds(ids=[10 ** 6])), "token_ids"),
     (pb.EmbedRequest(text="x", truncate_prompt_tokens=-3), "truncate_prompt_tokens"),
 ])
 def test_grpc_embed_refusals_name_the_field(router, request_, field):

@@ -56,3 +56,28 @@ def test_a_field_error_names_its_field_and_reads_as_before():
     assert str(error) == "max_tokens: must be at least 1, got 0"
     assert isinstance(error, ValueError) and field_of(error) == "max_tokens"
     assert field_of(ValueError("max_tokens: no field carried")) is None  # never parsed
+
+
+def test_engine_errors_name_the_field_by_its_path_in_the_message_sent():
+    """An engine names sampling fields as ``sampling.<name>`` and its prompt ids as
+    ``token_ids`` over gRPC, as the router's checks do; the error keeps its type (its status)."""
+    from engine_worker.lora.cache import UnknownLoRAError
+    from engine_worker.server.convert import wire_error
+    from engine_worker.server.errors import KINDS as ENGINE_KINDS
+    from quire.errors import FieldError, NotFoundError, renamed
+
+    for field, sampling, wire in (("temperature", True, "sampling.temperature"),
+                                  ("structured_outputs.json", True,
+                                   "sampling.structured_outputs.json"),
+                                  ("logit_bias[7]", True, "sampling.logit_bias[7]"),
+                                  ("prompt_token_ids", True, "token_ids"),
+                                  ("prompt_token_ids", False, "token_ids"),
+                                  ("temperature", False, "temperature"),  # not an Embed field
+                                  ("prompt", True, "prompt"), ("lora_name", True, "lora_name")):
+        error = wire_error(FieldError(field, "bad"), sampling=sampling)
+        assert (error.field, str(error)) == (wire, f"{wire}: bad")
+    plain = ValueError("temperature: no field carried")
+    assert wire_error(plain, sampling=True) is plain
+    missing = renamed(UnknownLoRAError("x"), "sampling.x")
+    assert isinstance(missing, NotFoundError) and missing.field == "sampling.x"
+    assert status_for(missing, ENGINE_KINDS)[0] == grpc.StatusCode.NOT_FOUND
