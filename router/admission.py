@@ -1,5 +1,5 @@
-"""The gRPC edge of flow control: one call turns a Generate call into a ``FlowRequest``
-(tenant, effective priority, deadline), waits for its slot, and refuses it as
+"""The gRPC edge of flow control: one call turns a Generate or Embed call into a
+``FlowRequest`` (tenant, effective priority, deadline), waits for its slot, and refuses it as
 RESOURCE_EXHAUSTED with ``retry-after`` trailing metadata (whole seconds; the HTTP front copies
 it to its 429's ``Retry-After`` header). The slot is released when the call ends, however it
 ends: finished, failed, cancelled by the client or out of time."""
@@ -45,8 +45,9 @@ class AdmissionGate:
         self.controller = controller
         self.table = table
 
-    async def admit(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                    num_prompt_tokens: int, span: RouterSpan | None) -> Admission | _Unmetered:
+    async def admit(self, request: pb.GenerateRequest | pb.EmbedRequest,
+                    context: grpc.aio.ServicerContext, num_prompt_tokens: int,
+                    span: RouterSpan | None) -> Admission | _Unmetered:
         """The request's slot, released when the call ends; a refusal aborts the call. Its
         ``priority`` is the effective one (the tenant's default for a request that set 0); the
         engine still gets the request's own (vLLM refuses a priority other than 0 unless it

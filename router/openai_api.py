@@ -40,8 +40,8 @@ from router.openai_protocol import (FINISH, RequestError, chat_messages, check_b
                                     error_response, request_priority, sampling_options, shown,
                                     sse, token_list,
                                     usage_json, Choice, OpenAIRequest)
-from router.openai_embeddings import (EMBEDDING_FIELDS, Conversation, EmbeddingsRequest,
-                                      embeddings_response)
+from router.openai_embeddings import (EMBEDDING_FIELDS, EMBEDDING_INPUTS_IN_FLIGHT,
+                                      Conversation, EmbeddingsRequest, embeddings_response)
 from router.openai_tokenize import (DETOKENIZE_FIELDS, TOKENIZE_FIELDS, TokenizeRequest,
                                     detokenize_ids, tokenize_response)
 
@@ -297,8 +297,18 @@ class OpenAIFront:
     # ---------------------------------------------------------------------- embeddings
     async def _embeddings(self, request: web.Request) -> web.Response:
         """OpenAI's /v1/embeddings: one Embed call per input on the router's gRPC front
-        (placed like any request), all at once (``router.openai_embeddings``)."""
+        (admitted and placed like any request), at most ``EMBEDDING_INPUTS_IN_FLIGHT`` at
+        once, so that one request of many inputs fills neither the engines' queues nor its
+        tenant's queue in the router (``router.openai_embeddings``)."""
         calls = []
+        window = asyncio.Semaphore(EMBEDDING_INPUTS_IN_FLIGHT)
+
+        async def embed(message: pb.EmbedRequest, metadata) -> pb.EmbedResponse:
+            async with window:
+                return await local_unary(self.seam.embed, message,
+                                         timeout_s=self.cfg.request_timeout_s,
+                                         metadata=metadata)
+
         try:
             body = await self._body(request, known=EMBEDDING_FIELDS)
             self._check_model(body, adapters=False)
@@ -315,9 +325,7 @@ class OpenAIFront:
                     message.normalize = req.normalize
                 if req.truncate_prompt_tokens is not None:
                     message.truncate_prompt_tokens = req.truncate_prompt_tokens
-                calls.append(asyncio.ensure_future(local_unary(
-                    self.seam.embed, message, timeout_s=self.cfg.request_timeout_s,
-                    metadata=metadata)))
+                calls.append(asyncio.ensure_future(embed(message, metadata)))
             responses = await asyncio.gather(*(self._embedded(req, i, call)
                                                for i, call in enumerate(calls)))
             num_tokens = sum(r.usage.prompt_tokens for r in responses)

@@ -1,7 +1,8 @@
 """OpenAI's ``POST /v1/embeddings`` for the router's HTTP front: request checking and the
 response's shape. Each input becomes one ``Embed`` call on the router's own gRPC front, so it
-is tokenized, hashed and placed like a generation (prefix-aware), and the inputs of one request
-run concurrently, batched by the engines with whatever else they run.
+is tokenized, admitted (flow control: priority, tenant share, shedding) and placed like a
+generation (prefix-aware), and the inputs of one request run concurrently (at most
+``EMBEDDING_INPUTS_IN_FLIGHT`` at once), batched by the engines with whatever else they run.
 
 Fields (OpenAI's names; vLLM's extra ``normalize`` too): ``model``, ``input`` (a string, a
 list of strings, a list of token ids, or a list of such lists), ``encoding_format`` ("float"
@@ -29,6 +30,10 @@ EMBEDDING_FIELDS = frozenset({"model", "input", "messages", "encoding_format", "
                               "normalize", "truncate_prompt_tokens", "add_special_tokens",
                               *CHAT_TEMPLATE_FIELDS})
 MAX_EMBEDDING_INPUTS = 2048  # inputs of one request (OpenAI's limit)
+# Inputs of one request sent at once; the next goes as one finishes. A quarter of a tenant's
+# default router queue (256), so one large request never fills it, and more than a pooling
+# step's worth of typical inputs, so the engines stay busy.
+EMBEDDING_INPUTS_IN_FLIGHT = 64
 _FORMATS = ("float", "base64")
 _INPUT_FORMS = "a non-empty string, a list of them, a list of token ids, or a list of those"
 

@@ -319,6 +319,9 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
             prompt = await self._embed_prompt(request)
         except (ValueError, NoEndpointError) as e:
             await abort_with(context, e)
+        # each input waits its turn as a generation does (priority, tenant share, shedding):
+        # an embeddings flood is a tenant's demand like any other
+        await self.admission.admit(request, context, len(prompt.token_ids), None)
         forward = pb.EmbedRequest()
         forward.CopyFrom(request)
         forward.token_ids.ids[:] = prompt.token_ids

@@ -19,6 +19,7 @@ import urllib.request
 import grpc
 import pytest
 
+from quire.v1 import engine_pb2 as pb
 from router.flow import FlowRequest
 from router.tenants import Tenant, TenantPolicy
 from tests.e2e.router_harness import (TIMEOUT_S, RunningRouter, address, collect, request,
@@ -62,13 +63,15 @@ class Blocker:
 
 
 class Queued(threading.Thread):
-    """One gRPC request sent from its own thread; ``outcome`` is "OK" or the status name."""
+    """One gRPC request sent from its own thread (a Generate, or an Embed with ``embed``);
+    ``outcome`` is "OK" or the status name."""
 
     def __init__(self, router, request_id: str, *, tenant: str = "t", priority: int = 0,
-                 timeout_s: float = TIMEOUT_S) -> None:
+                 timeout_s: float = TIMEOUT_S, embed: bool = False) -> None:
         super().__init__()
-        self.router, self.timeout_s = router, timeout_s
-        self.req = request([1, 2, 3, 4], max_tokens=4)
+        self.router, self.timeout_s, self.embed = router, timeout_s, embed
+        self.req = pb.EmbedRequest(token_ids=pb.TokenIds(ids=[1, 2, 3, 4])) if embed else \
+            request([1, 2, 3, 4], max_tokens=4)
         self.req.request_id = request_id
         self.req.priority = priority
         self.metadata = ((TENANT, tenant),)
@@ -77,8 +80,11 @@ class Queued(threading.Thread):
 
     def run(self) -> None:
         try:
-            collect(self.router.stub.Generate(self.req, timeout=self.timeout_s,
-                                              metadata=self.metadata))
+            if self.embed:
+                self.router.stub.Embed(self.req, timeout=self.timeout_s, metadata=self.metadata)
+            else:
+                collect(self.router.stub.Generate(self.req, timeout=self.timeout_s,
+                                                  metadata=self.metadata))
             self.outcome = "OK"
         except grpc.RpcError as e:
             self.outcome, self.error = e.code().name, e
@@ -96,9 +102,9 @@ def placed_ids(router, among: set[str]) -> list[str]:
     return [d.request_id for d in router.decisions() if d.request_id in among]
 
 
-def http(router, body, headers=None):
+def http(router, body, headers=None, path="/v1/completions"):
     data = json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{router.server.http_port}/v1/completions",
+    req = urllib.request.Request(f"http://127.0.0.1:{router.server.http_port}{path}",
                                  data=data, method="POST",
                                  headers={"Content-Type": "application/json", **(headers or {})})
     try:
@@ -150,6 +156,61 @@ def test_a_flooding_tenant_does_not_delay_a_light_one_beyond_its_share(engine):
         # one engine with --engine-slots 1: one slot, and the gradient limit cannot go below it
         assert "quire_router_engine_slots 1.0" in metrics
         assert "quire_router_admission_limit 1.0" in metrics
+        settle(router, engine)
+    finally:
+        router.close()
+
+
+def test_embeddings_wait_their_tenants_turn_like_generations(engine):
+    """An embeddings flood is its tenant's demand: each input waits in the router and takes
+    its turn by tenant share and priority, so a light tenant's generation runs after one of
+    the flood's inputs, not after all of them (before, Embed bypassed flow control and the
+    flood sat in the engine's first-come-first-served queue)."""
+    router = flow_router(engine)
+    try:
+        blocker = Blocker(router)
+        flood = [Queued(router, f"e{i}", tenant="heavy", embed=True) for i in range(5)]
+        urgent = Queued(router, "urgent", tenant="heavy", embed=True, priority=-1)
+        light = Queued(router, "light", tenant="light")
+        sent = flood + [urgent, light]
+        queue_in_order(router, sent)
+        blocker.cancel()
+        for queued in sent:
+            queued.join()
+        assert [q.outcome for q in sent] == ["OK"] * 7
+        assert placed_ids(router, {q.req.request_id for q in sent}) == \
+            ["urgent", "e0", "light", "e1", "e2", "e3", "e4"]
+        assert 'quire_router_queue_wait_seconds_count{priority="0",tenant="other"} 6.0' in \
+            _metrics(router)
+        settle(router, engine)
+    finally:
+        router.close()
+
+
+def test_an_embeddings_request_beyond_its_tenants_queue_is_shed_whole(engine):
+    """Over HTTP, a request's inputs queue in the router: within the tenant's queue they wait
+    and are answered; beyond it the request is a 429 with Retry-After, and its inputs that
+    were waiting leave the queue at once."""
+    router = flow_router(engine, max_queue_per_tenant=2)
+    try:
+        blocker = Blocker(router)
+        answer = {}
+        body = {"input": [[5, 6, 7], [8, 9]]}
+        waiter = threading.Thread(target=lambda: answer.update(
+            fits=http(router, body, {TENANT: "t"}, "/v1/embeddings")))
+        waiter.start()
+        assert wait_for(lambda: depth(router) == 2, TIMEOUT_S)
+        status, headers, refused = http(router, {"input": ["one", "two", "three"]},
+                                        {TENANT: "u"}, "/v1/embeddings")
+        assert status == 429 and int(headers["Retry-After"]) >= 1
+        assert refused["error"]["type"] == "rate_limit_error"
+        assert "already waiting" in refused["error"]["message"]
+        assert wait_for(lambda: depth(router) == 2, TIMEOUT_S)  # t's two inputs, none of u's
+        blocker.cancel()
+        waiter.join()
+        status, _, fits = answer["fits"]
+        assert status == 200 and [d["index"] for d in fits["data"]] == [0, 1]
+        assert fits["usage"]["prompt_tokens"] == 5
         settle(router, engine)
     finally:
         router.close()
