@@ -91,7 +91,9 @@ class ToolChoice:
                 calls = [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
                          for c in json.loads(text)]
             except (ValueError, TypeError, KeyError, RecursionError):
-                return text, []  # cut short (max_tokens), or nested past the parser: as text
+                # cut short (max_tokens): the calls as far as they came, as vLLM answers; the
+                # grammar's array of {name, parameters} is never shown as content
+                return ("" if not (calls := _partial_calls(text)) else None), calls
             return None, calls
         start = text.find(TOOL_CALL_START)
         if start < 0:
@@ -119,6 +121,35 @@ class ToolChoice:
         if calls and finish == "stop" and self.mode != "named":
             return "tool_calls"
         return finish
+
+
+# The start of one element of the "required" array, up to its parameters' first character.
+_PARTIAL_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
+
+
+def _partial_calls(text: str) -> list[ToolCall]:
+    """The calls of a "required" array cut short: each complete element, then the last one's
+    name with its arguments as far as they came (not valid JSON), if its name is complete."""
+    decoder = json.JSONDecoder()
+    at = text.find("[") + 1
+    calls: list[ToolCall] = []
+    while 0 < at < len(text):
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        if at >= len(text) or text[at] == "]":
+            break
+        try:
+            element, at = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            match = _PARTIAL_CALL.match(text, at)
+            if match is not None:
+                calls.append(ToolCall(json.loads(match.group(1)), text[match.end():]))
+            break
+        if not isinstance(element, dict) or not isinstance(element.get("name"), str):
+            break
+        calls.append(ToolCall(element["name"], json.dumps(element.get("parameters", {}),
+                                                          ensure_ascii=False)))
+    return calls
 
 
 def _compact(text: str) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import grpc
 
 OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-OPEN_HTTP_PATHS = frozenset({"/health", "/metrics"})
+OPEN_HTTP_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})
 
 
 class ApiKeys:

@@ -63,6 +63,12 @@ class ChatTemplateOptions:
         if reserved:
             raise RequestError(f"chat_template_kwargs: {sorted(reserved)[0]!r} cannot be set "
                                f"here", "chat_template_kwargs")
+        effort = body.get("reasoning_effort")
+        if effort is not None:  # OpenAI's field, a template variable as vLLM passes it
+            if not isinstance(effort, str) or not 0 < len(effort) <= 32:
+                raise RequestError(f"reasoning_effort: must be a string such as low, medium or "
+                                   f"high, got {shown(effort)}", "reasoning_effort")
+            kwargs = {"reasoning_effort": effort, **kwargs}
         add_generation_prompt = flag(body, "add_generation_prompt", default_generation_prompt)
         continue_final = flag(body, "continue_final_message", False)
         if continue_final and add_generation_prompt and "add_generation_prompt" in body:

@@ -111,6 +111,7 @@ class LocalCall:
 
     def __init__(self, handler: Callable[[object, LocalContext], AsyncIterator], request,
                  *, metadata: Metadata = (), timeout_s: float | None = None) -> None:
+        self.request = request
         self.context = LocalContext(metadata, timeout_s)
         self._stream = handler(request, self.context)
         self._done = False
@@ -174,3 +175,81 @@ async def local_unary(handler: Callable[[object, LocalContext], Awaitable], requ
     if context.code() not in (None, grpc.StatusCode.OK):
         raise context.error()
     return answer
+
+
+class BatchCall:
+    """Several ``LocalCall``s (one per prompt of a completions batch) read as one stream.
+
+    Prompt ``k``'s choice ``i`` becomes choice ``k * n + i``, as vLLM numbers a batch's
+    choices; each call's usage is held back and one message with their sum is read last. The
+    first ``read()`` waits for every call's first message, so a prompt the engine refuses
+    fails the whole request with its own status before any output. ``aclose()`` closes every
+    call (each aborts its engine request)."""
+
+    def __init__(self, calls: list[LocalCall], n: int, usage_message: Callable[[], object]
+                 ) -> None:
+        """``usage_message()``: an empty response message whose ``usage`` is filled in."""
+        self.calls, self.n = calls, n
+        self._usage = usage_message()
+        self._ready: list = []
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pumps: list[asyncio.Task] = []
+        self._open = 0
+        self._started = self._done = False
+
+    def _renumbered(self, k: int, message):
+        for output in message.outputs:
+            output.index += k * self.n
+        if message.HasField("usage"):
+            for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
+                setattr(self._usage.usage, name,
+                        getattr(self._usage.usage, name) + getattr(message.usage, name))
+            message.ClearField("usage")
+        return message
+
+    async def _pump(self, k: int, call: LocalCall) -> None:
+        try:
+            while (message := await call.read()) is not grpc.aio.EOF:
+                await self._queue.put(self._renumbered(k, message))
+            await self._queue.put(grpc.aio.EOF)
+        except Exception as e:  # noqa: BLE001 - handed to the reader, who raises it
+            await self._queue.put(e)
+
+    async def read(self):
+        if self._done:
+            return grpc.aio.EOF
+        if not self._started:
+            self._started = True
+            # all of them read to their first message (none left mid-read), then any error
+            firsts = await asyncio.gather(*(call.read() for call in self.calls),
+                                          return_exceptions=True)
+            for first in firsts:
+                if isinstance(first, BaseException):
+                    self._done = True
+                    raise first
+            for k, (call, first) in enumerate(zip(self.calls, firsts)):
+                if first is not grpc.aio.EOF:
+                    self._ready.append(self._renumbered(k, first))
+                    self._pumps.append(asyncio.ensure_future(self._pump(k, call)))
+                    self._open += 1
+        while not self._ready and self._open:
+            item = await self._queue.get()
+            if item is grpc.aio.EOF:
+                self._open -= 1
+            elif isinstance(item, BaseException):
+                self._done = True
+                raise item
+            elif item.outputs:
+                self._ready.append(item)
+        if self._ready:
+            return self._ready.pop(0)
+        self._done = True
+        return self._usage
+
+    async def aclose(self) -> None:
+        self._done = True
+        for pump in self._pumps:
+            pump.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)  # no call left mid-read
+        for call in self.calls:
+            await call.aclose()

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import grpc
 from aiohttp import web
 
+import quire
 from quire.errors import FieldError, field_of
 from quire.limits import load_json
 from quire.ports import PortInUseError
@@ -34,11 +35,11 @@ from router.balancer import NoEndpointError
 from router.chat_template import ChatTemplateOptions, flag
 from router.config import RouterServerConfig
 from router.http_guard import GuardedAppRunner, RateLimitedLog, deadline_of
-from router.local_call import LocalCall, local_unary
+from router.local_call import BatchCall, LocalCall, local_unary
 from router.metrics import RouterMetrics
-from router.openai_protocol import (FINISH, RequestError, chat_messages, check_body,
-                                    error_response, request_priority, sampling_options, shown,
-                                    sse, token_list,
+from router.openai_protocol import (FINISH, RequestError, chat_messages, check_batch,
+                                    check_body, error_response, request_priority,
+                                    sampling_options, shown, sse, token_list,
                                     usage_json, Choice, OpenAIRequest)
 from router.openai_embeddings import (EMBEDDING_FIELDS, EMBEDDING_INPUTS_IN_FLIGHT,
                                       Conversation, EmbeddingsRequest, embeddings_response)
@@ -142,6 +143,9 @@ class OpenAIFront:
                         web.post("/v1/load_lora_adapter", self._load_lora),
                         web.post("/v1/unload_lora_adapter", self._unload_lora),
                         web.get("/v1/models", self._models), web.get("/health", self._health),
+                        # vLLM's liveness route (SageMaker's name) and version
+                        web.get("/ping", self._health), web.post("/ping", self._health),
+                        web.get("/version", self._version),
                         web.get("/metrics", self._metrics),
                         web.get("/debug/decisions", self._decisions)])
         # handler_cancellation: a client that disconnects cancels its handler, whose finally
@@ -203,13 +207,16 @@ class OpenAIFront:
             name = self.model_name
         except RequestError as e:
             return error_response(e)
+        # the context length too, as vLLM lists it (clients size prompts by it)
+        length = {} if self.seam.max_model_len() is None else \
+            {"max_model_len": self.seam.max_model_len()}
         return web.json_response({"object": "list", "data": [
             # "root" as vLLM's server gives it: clients such as `vllm bench serve` read it
             {"id": name, "object": "model", "created": 0, "owned_by": "quire",
-             "root": name, "parent": None}] + [
+             "root": name, "parent": None} | length] + [
             # LoRA adapters as vLLM lists them: their path as root, the base as parent
             {"id": adapter, "object": "model", "created": 0, "owned_by": "quire",
-             "root": path or adapter, "parent": name}
+             "root": path or adapter, "parent": name} | length
             for adapter, path in sorted(self.seam.adapters().items())]})
 
     async def _load_lora(self, request: web.Request) -> web.Response:
@@ -243,6 +250,9 @@ class OpenAIFront:
         return web.json_response({"serving_engines": serving, "engines": states},
                                  status=200 if ready else 503)
 
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": quire.__version__})
+
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": "text/plain; version=0.0.4"})
@@ -269,9 +279,12 @@ class OpenAIFront:
             req = OpenAIRequest(body, chat=chat,
                                 model_name=self._check_model(body) or self.model_name,
                                 token_text=self.token_text)
-            call = LocalCall(self.seam.generate, await self._generate_request(req),
-                             timeout_s=self.cfg.request_timeout_s,
-                             metadata=self._forwarded_metadata(request))
+            metadata = self._forwarded_metadata(request)
+            calls = [LocalCall(self.seam.generate, message, timeout_s=self.cfg.request_timeout_s,
+                               metadata=metadata)
+                     for message in await self._generate_requests(req)]
+            call = calls[0] if len(calls) == 1 else BatchCall(
+                calls, calls[0].request.sampling.n or 1, pb.GenerateResponse)
             first = await call.read()  # errors before any output keep their HTTP status
             if req.stream:
                 return await self._stream(request, req, call, first)
@@ -449,7 +462,29 @@ class OpenAIFront:
                 forwarded.append((key, value))
         return tuple(forwarded)
 
-    async def _generate_request(self, req: OpenAIRequest) -> pb.GenerateRequest:
+    async def _generate_requests(self, req: OpenAIRequest) -> list[pb.GenerateRequest]:
+        """One request per prompt: a chat, a completion, or each prompt of a completions
+        batch (``prompt`` a list of strings or of token-id lists, as vLLM takes it: ids
+        ``<id>-<k>``)."""
+        prompt = req.body.get("prompt")
+        batch = prompt if not req.chat and isinstance(prompt, list) and len(prompt) > 1 and \
+            all(isinstance(p, (str, list)) for p in prompt) else None
+        if batch is None:
+            return [await self._generate_request(req)]
+        check_batch(batch)
+        requests = []
+        for k, item in enumerate(batch):
+            try:
+                message = await self._generate_request(req, item)
+            except RequestError as e:  # named as the batch's item
+                raise RequestError(f"prompt[{k}]{str(e).removeprefix('prompt')}",
+                                   "prompt") from None
+            message.request_id = f"{req.id}-{k}"
+            requests.append(message)
+        return requests
+
+    async def _generate_request(self, req: OpenAIRequest, prompt=None) -> pb.GenerateRequest:
+        """``prompt``: one prompt of a batch (None: the body's)."""
         body = req.body
         lora_name = self._check_model(body)
         cfg = self.cfg
@@ -467,7 +502,8 @@ class OpenAIFront:
                 self._render_pool, self._render_chat, messages, req.prompt_tools, options)
             out.token_ids.ids[:] = ids
             return out
-        prompt = body.get("prompt")
+        if prompt is None:
+            prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str) and prompt:
@@ -483,8 +519,8 @@ class OpenAIFront:
         elif (ids := token_list(prompt)) is not None:
             out.token_ids.ids[:] = ids
         else:
-            raise RequestError("prompt: must be a non-empty string or list of token ids "
-                               "(batches of several prompts are not supported)", "prompt")
+            raise RequestError("prompt: must be a non-empty string, a list of token ids, or a "
+                               "list of those (a batch)", "prompt")
         return out
 
     def _render_chat(self, messages: list[dict], tools: tuple[dict, ...],

@@ -106,8 +106,12 @@ _SAMPLING_FIELDS = frozenset({
 # each is one structured_outputs kind, refused under its own name
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
-# Accepted and ignored: they change nothing about what is generated.
-IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+# Accepted and ignored: they change nothing about what is generated (OpenAI's own fields that
+# the official client sends: identifiers, caching and storage hints, a predicted output, which
+# only speeds up OpenAI's own decoding, and GPT-5's verbosity hint, as vLLM ignores it).
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
+                            "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
+                            "prediction", "verbosity"})
 # Accepted only in the form that means "off" (the feature is not implemented): any other value is
 # a 400 naming the field, as vLLM answers for what it does not support.
 _OFF_FORMS: dict[str, Callable[[object, dict], bool]] = {
@@ -121,15 +125,26 @@ _OFF_FORMS: dict[str, Callable[[object, dict], bool]] = {
     # a template sent in the request is code the router would run: vLLM refuses it too
     # unless started with --trust-request-chat-template
     "chat_template": lambda v, body: v is None,
+    # outputs and tools this server does not have: only their "off" values
+    "modalities": lambda v, body: v is None or v == ["text"],
+    "audio": lambda v, body: v is None,
+    "web_search_options": lambda v, body: v is None,
+    "use_beam_search": lambda v, body: v is None or v is False,
+    "kv_transfer_params": lambda v, body: v is None,
+    "prompt_embeds": lambda v, body: v is None,
 }
-COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "logprobs", "best_of", "suffix", "echo",
-                                        "add_special_tokens"}
+_OFF_EVERYWHERE = frozenset({"use_beam_search", "kv_transfer_params"})
+COMPLETION_FIELDS = _SAMPLING_FIELDS | _OFF_EVERYWHERE | {
+    "prompt", "logprobs", "best_of", "suffix", "echo", "add_special_tokens", "prompt_embeds"}
 # with vLLM's chat-template fields (router.chat_template reads them)
-CHAT_FIELDS = _SAMPLING_FIELDS | {"messages", "max_completion_tokens", "logprobs",
-                                  "top_logprobs", "tools", "tool_choice",
-                                  "functions", "function_call", "add_generation_prompt",
-                                  "continue_final_message", "chat_template_kwargs",
-                                  "add_special_tokens", "chat_template"}
+CHAT_FIELDS = _SAMPLING_FIELDS | _OFF_EVERYWHERE | {
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+    "functions", "function_call", "add_generation_prompt", "continue_final_message",
+    "chat_template_kwargs", "add_special_tokens", "chat_template", "reasoning_effort",
+    "modalities", "audio", "web_search_options"}
+# OpenAI's legacy completions default (vLLM's too): a request that does not send max_tokens
+# gets 16 tokens; one that sends null gets what the server allows.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w{0,63}", re.ASCII)
@@ -223,6 +238,15 @@ def _check_length(value, limit: int, field: str, what: str, *, param: str | None
         raise RequestError(f"{field}: at most {limit} {what}, got {len(value)}", param or field)
 
 
+# Prompts in one completions request (a batch): each is a request of its own in the router's
+# flow control, so at most a tenant's default queue (256).
+MAX_BATCH_PROMPTS = 256
+
+
+def check_batch(prompts: list) -> None:
+    _check_length(prompts, MAX_BATCH_PROMPTS, "prompt", "prompts")
+
+
 def token_list(value) -> list[int] | None:
     if isinstance(value, list) and value and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= UINT32_MAX
@@ -261,6 +285,8 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
         max_tokens = _number(body, name, rule="max_tokens", hi=cap, why=why)
         if max_tokens is not None:
             s.max_tokens = max_tokens
+    if not chat and "max_tokens" not in body:  # a cap, cut to the room the prompt leaves
+        s.default_max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     if s.HasField("min_tokens") and s.HasField("max_tokens"):
         try:
             check_min_tokens(s.min_tokens, s.max_tokens)
@@ -291,7 +317,7 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
         top = _number(body, "top_logprobs", rule="logprobs")
         if _flag(body, "logprobs"):
             s.logprobs = top or 0
-        elif top is not None:
+        elif top:  # 0 with logprobs off asks for nothing (generic clients send both defaults)
             raise RequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
     else:
         logprobs = _number(body, "logprobs")
@@ -355,7 +381,11 @@ def _response_format_spec(fmt) -> dict | None:
 _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 # Echoed back by clients from earlier responses; accepted while empty.
 _EMPTY_MESSAGE_KEYS = frozenset({"function_call", "refusal", "audio", "annotations",
-                                 "reasoning_content"})
+                                 "reasoning_content", "reasoning"})
+# An assistant's earlier text kept in history beside its content: its reasoning goes to the
+# template as ``reasoning_content`` (as vLLM passes it: templates of reasoning models read it,
+# others ignore it), a refusal is what it said where content is empty.
+_ASSISTANT_TEXT_KEYS = ("reasoning_content", "reasoning", "refusal")
 
 
 def chat_messages(body: dict, max_chars: int = 1 << 20) -> list[dict]:
@@ -370,9 +400,14 @@ def chat_messages(body: dict, max_chars: int = 1 << 20) -> list[dict]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in _ROLES:
             raise RequestError(f"messages[{i}].role: must be one of {sorted(_ROLES)}", "messages")
+        texts = {}
         for key, value in message.items():
-            if key not in _MESSAGE_KEYS and not (key in _EMPTY_MESSAGE_KEYS and value in
-                                                 (None, [], "")):
+            if key in _ASSISTANT_TEXT_KEYS and message["role"] == "assistant" and \
+                    isinstance(value, str) and value:
+                texts[key] = value
+                num_chars += len(value)
+            elif key not in _MESSAGE_KEYS and not (key in _EMPTY_MESSAGE_KEYS and value in
+                                                   (None, [], "")):
                 raise RequestError(f"messages[{i}].{key}: is not supported by this server",
                                    "messages")
         if message.get("name") is not None and not isinstance(message["name"], str):
@@ -392,8 +427,11 @@ def chat_messages(body: dict, max_chars: int = 1 << 20) -> list[dict]:
         if num_chars > max_chars:
             raise RequestError(f"messages: at most {max_chars} characters of content in all",
                                "messages")
-        entry = {"role": message["role"], "content": content or ""} | (
+        entry = {"role": message["role"], "content": content or texts.get("refusal", "")} | (
             {"name": message["name"]} if message.get("name") is not None else {})
+        reasoning = texts.get("reasoning_content") or texts.get("reasoning")
+        if reasoning:
+            entry["reasoning_content"] = reasoning
         if message.get("tool_calls") not in (None, []):
             if message["role"] != "assistant":
                 raise RequestError(f"messages[{i}].tool_calls: only assistant messages carry "
@@ -448,9 +486,12 @@ class OpenAIRequest:
         self.object = "chat.completion" if chat else "text_completion"
         self.stream = bool(_flag(body, "stream"))
         options = body.get("stream_options") or {}
-        if not isinstance(options, dict) or not set(options) <= {"include_usage"}:
+        # include_obfuscation (OpenAI's padding against length side channels): accepted and
+        # ignored, as vLLM does
+        if not isinstance(options, dict) or \
+                not set(options) <= {"include_usage", "include_obfuscation"}:
             raise RequestError("stream_options: must be an object with at most "
-                               "include_usage", "stream_options")
+                               "include_usage and include_obfuscation", "stream_options")
         self.include_usage = bool(_flag(options, "include_usage"))
         self.want_logprobs = bool(_flag(body, "logprobs")) if chat else (
             body.get("logprobs") is not None)
@@ -458,9 +499,10 @@ class OpenAIRequest:
         # LoRA adapter is the request's model)
         self.field_aliases: dict[str, str] = {
             "lora_name": "model",
-            # the engine names the ids the router sent it; the client sent a prompt (or
-            # messages, rendered into ids)
-            "token_ids": "messages" if chat else "prompt"}
+            # the engine names the ids the router sent it, and a prompt too long for the
+            # model "prompt"; the client sent a prompt (or messages, rendered into ids)
+            "token_ids": "messages" if chat else "prompt", "prompt": "messages" if chat
+            else "prompt"}
         if body.get("response_format") is not None:
             self.field_aliases["structured_outputs.json"] = "response_format"
         for name, kind in GUIDED_FIELDS.items():
@@ -483,13 +525,18 @@ class OpenAIRequest:
                                    "tool_choice")
             self.field_aliases["structured_outputs.json"] = "tools"
         self._tool_streams: dict[int, ToolCallStream] = {}
+        self._text_offsets: dict[int, int] = {}  # per choice: characters of its tokens so far
 
     def envelope(self, choices: list[dict], *, chunk: bool = False) -> dict:
         obj = self.object + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": obj, "created": self.created,
                 "model": self.model_name, "choices": choices}
 
-    def logprobs(self, entries) -> dict | None:
+    def logprobs(self, entries, index: int = 0) -> dict | None:
+        """OpenAI's logprobs object for ``entries`` of choice ``index`` (chat: ``content``;
+        completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` holding the chosen
+        token and the top k, as vLLM's, and ``text_offset``, each token's start in the
+        choice's text, counted on across a stream's chunks)."""
         if not self.want_logprobs:
             return None
         token = self.token_text
@@ -501,11 +548,17 @@ class OpenAIRequest:
                 {**item(e.token_ids[0], e.logprobs[0]),
                  "top_logprobs": [item(t, lp) for t, lp in zip(e.token_ids[1:], e.logprobs[1:])]}
                 for e in entries]}
-        return {"tokens": [token(e.token_ids[0]) for e in entries],
+        tokens = [token(e.token_ids[0]) for e in entries]
+        offsets, at = [], self._text_offsets.get(index, 0)
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        self._text_offsets[index] = at
+        return {"tokens": tokens,
                 "token_logprobs": [e.logprobs[0] for e in entries],
-                "top_logprobs": [{token(t): lp for t, lp in zip(e.token_ids[1:], e.logprobs[1:])}
+                "top_logprobs": [{token(t): lp for t, lp in zip(e.token_ids, e.logprobs)}
                                  for e in entries],
-                "text_offset": []}
+                "text_offset": offsets}
 
     def choice(self, index: int, text: str, entries, finish: str | None, *,
                chunk: bool, first: bool = False) -> dict:
@@ -518,7 +571,7 @@ class OpenAIRequest:
             else:
                 text, calls = self.tools.parse(text)
                 finish = self.tools.finish_reason(calls, finish)
-        body: dict = {"index": index, "logprobs": self.logprobs(entries),
+        body: dict = {"index": index, "logprobs": self.logprobs(entries, index),
                       "finish_reason": finish}
         if not self.chat:
             body["text"] = text

@@ -120,7 +120,8 @@ def test_deeply_nested_tool_call_arguments_render_as_sent(router, caplog):
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]
     status, answer = post(router, "/v1/chat/completions",
                           {"model": MODEL, "messages": messages, "max_tokens": 1})
-    assert status == 400 and answer["error"]["param"] == "prompt", answer  # too long, not a 500
+    # too long, not a 500; the conversation is what the client sent
+    assert status == 400 and answer["error"]["param"] == "messages", answer
     assert no_tracebacks(caplog)
 
 

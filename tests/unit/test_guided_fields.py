@@ -48,4 +48,5 @@ def test_engine_refusals_of_a_guided_spec_name_the_guided_field():
     # (the adapter a request names is its model, and the ids the router sent are the chat's
     # messages: always aliased)
     assert request.field_aliases == {"structured_outputs.regex": "guided_regex",
-                                     "lora_name": "model", "token_ids": "messages"}
+                                     "lora_name": "model", "token_ids": "messages",
+                                     "prompt": "messages"}

@@ -149,6 +149,13 @@ def test_vllm_engines_get_the_fields_under_vllms_names():
     assert body["structured_outputs"] == {"json": {"type": "object"}}
     request.sampling.structured_outputs.choice.choices[:] = ["a", "b"]
     assert completion_body("m", request)["structured_outputs"] == {"choice": ["a", "b"]}
+    # no max_tokens: null (vLLM's "what the context leaves"), not vLLM's completions default
+    # of 16; a default the router was asked for is sent as the cap
+    assert completion_body("m", request)["max_tokens"] is None
+    request.sampling.default_max_tokens = 16
+    assert completion_body("m", request)["max_tokens"] == 16
+    request.sampling.max_tokens = 5
+    assert completion_body("m", request)["max_tokens"] == 5
 
 
 @pytest.mark.slow  # the embedded model's tokenizer, and xgrammar's first import (twice)

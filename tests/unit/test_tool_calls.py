@@ -138,3 +138,22 @@ def test_templates_that_read_tools_get_them():
     rendered, tools = render_inputs(messages, _choice().tools, template)
     assert tokenizer.apply_chat_template(rendered, tools=tools) == \
         "[get_weather][get_time]assistant:(Oslo)"
+
+
+def test_a_required_choice_cut_short_returns_its_calls_so_far_never_the_grammar_text():
+    """max_tokens ending a "required" array mid-call: the complete calls, then the cut one's
+    name and its arguments as far as they came (as vLLM answers), whole or streamed; cut
+    before any name is complete: no call and empty content, not the raw array."""
+    required = _choice(tool_choice="required")
+    cut = ('[{"name": "get_weather", "parameters": {"city": "Sydney"}}, '
+           '{"name": "get_time", "parameters": {"zone": "U')
+    content, calls = required.parse(cut)
+    assert content is None
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Sydney"}'), ("get_time", '{"zone": "U')]
+    assert required.finish_reason(calls, "length") == "length"
+    text, streamed = _stream(required, [cut[:25], cut[25:]])
+    assert text == "" and [(c.name, c.arguments) for c in streamed] == \
+        [(c.name, c.arguments) for c in calls]
+    for early in ('[{"name": "get_wea', "[", ""):
+        assert required.parse(early) == ("", [])

@@ -1,0 +1,203 @@
+"""What an application written for vLLM's OpenAI server (or OpenAI's) sends and reads, served the
+same way through the router's OpenAI front: found by a side-by-side run of the official client
+against vLLM 0.32's server and `quire up` (docs/api.md). Real router + two real engines."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from tests.e2e import test_router_openai as base
+from tests.e2e.router_harness import TIMEOUT_S, wait_for
+
+# the same stack as test_router_openai (router + two engines), its fixtures
+engines, router, front, client = base.engines, base.router, base.front, base.client
+MODEL, PROMPT, _http = base.MODEL, base.PROMPT, base._http
+
+MESSAGES = [{"role": "user", "content": "Say hello."}]
+
+
+def _post(front, path, body):
+    status, text = _http(front, "POST", path, {"model": MODEL, **body})
+    return status, json.loads(text)
+
+
+def _events(front, path, body) -> list[dict]:
+    status, text = _http(front, "POST", path, {"model": MODEL, "stream": True, **body})
+    assert status == 200, text
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_completions_default_to_16_tokens_as_openai_and_vllm(client, front):
+    """OpenAI's legacy completions (and vLLM's) generate 16 tokens when max_tokens is not
+    sent, fewer where the context leaves less (never a 400 for a length nobody asked for);
+    an explicit null, and chat's default, ask for what the server allows."""
+    result = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert result.usage.completion_tokens == 16 and result.choices[0].finish_reason == "length"
+    _, tokenized = _post(front, "/tokenize", {"prompt": "hi"})
+    room = 30  # prompts that leave this much of the context: quick to fill
+    long_prompt = [5] * (tokenized["max_model_len"] - room)
+    for max_tokens, expected in ((None, room), ("absent", 16)):
+        body = {"prompt": long_prompt, "temperature": 0, "ignore_eos": True} | (
+            {} if max_tokens == "absent" else {"max_tokens": max_tokens})
+        status, answer = _post(front, "/v1/completions", body)
+        assert status == 200 and answer["usage"]["completion_tokens"] == expected, answer
+    status, answer = _post(front, "/v1/completions", {"prompt": [5] * (
+        tokenized["max_model_len"] - 4), "ignore_eos": True})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4, answer  # cut to fit
+    messages = [{"role": "user", "content": "hi"}]
+    _, chat_prompt = _post(front, "/tokenize", {"messages": messages})
+    messages[0]["content"] = "hi" + " hi" * (tokenized["max_model_len"] - room -
+                                             chat_prompt["count"])
+    _, chat_prompt = _post(front, "/tokenize", {"messages": messages})
+    status, chat = _post(front, "/v1/chat/completions", {"messages": messages,
+                                                        "ignore_eos": True})
+    left = tokenized["max_model_len"] - chat_prompt["count"]
+    assert status == 200 and chat["usage"]["completion_tokens"] == left > 16, chat
+
+
+@pytest.mark.parametrize("prompts", [
+    ["The sky is", "Water is", "The quick brown fox"],
+    [[504, 3575], [504, 3575, 282]],
+])
+def test_a_batch_of_prompts_is_answered_in_order_as_vllm_numbers_it(client, front, prompts):
+    """prompt k's choice i is choice k * n + i; usage is the batch's sum; each text equals the
+    prompt's own answer (greedy), streamed or not."""
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0)
+             for p in prompts]
+    batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0,
+                                      n=2)
+    assert [c.index for c in batch.choices] == list(range(2 * len(prompts)))
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in "ab"]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == sum(2 * a.usage.completion_tokens for a in alone)
+    chunks = _events(front, "/v1/completions", {"prompt": prompts, "max_tokens": 5,
+                                                "temperature": 0, "logprobs": 1,
+                                                "stream_options": {"include_usage": True}})
+    texts: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert [texts[k] for k in range(len(prompts))] == [a.choices[0].text for a in alone]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == \
+        sum(a.usage.completion_tokens for a in alone)
+
+
+def test_a_bad_prompt_in_a_batch_is_a_400_naming_it_and_nothing_runs(front, engines, client):
+    status, body = _post(front, "/v1/completions", {"prompt": ["fine", ""], "max_tokens": 2})
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert body["error"]["message"].startswith("prompt[1]: "), body
+    # too long for the model: the engine's refusal, before any output, fails the batch
+    status, body = _post(front, "/v1/completions", {
+        "prompt": [[5, 6], list(range(100, 2100))], "max_tokens": 2})
+    assert status == 400 and body["error"]["param"] == "prompt", body
+    status, body = _post(front, "/v1/completions", {"prompt": ["x"] * 257, "max_tokens": 1})
+    assert status == 400 and "at most 256 prompts" in body["error"]["message"]
+    assert wait_for(lambda: all(e.holds_no_request() for e in engines), TIMEOUT_S)
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).choices
+
+
+def test_a_client_that_leaves_a_streamed_batch_stops_every_prompt(front, engines):
+    body = json.dumps({"model": MODEL, "prompt": ["one", "two", "three"], "max_tokens": 500,
+                       "ignore_eos": True, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", front.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + str(len(body)).encode() +
+                     b"\r\n\r\n" + body)
+        received = b""
+        while b"data: " not in received:  # until streaming has begun
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
+        assert wait_for(lambda: not all(e.holds_no_request() for e in engines), TIMEOUT_S)
+    assert wait_for(lambda: all(e.holds_no_request() for e in engines), TIMEOUT_S)
+
+
+def test_fields_the_official_client_sends_are_accepted(client, front):
+    """Typed arguments of openai's client that change nothing here are accepted and ignored
+    (as vLLM does); their "off" values are accepted; anything asking for what this server
+    does not have is a 400 naming it."""
+    for extra in ({"reasoning_effort": "low"}, {"prompt_cache_key": "k"},
+                  {"prompt_cache_retention": "in_memory"}, {"safety_identifier": "u1"},
+                  {"verbosity": "low"}, {"modalities": ["text"]}, {"audio": None},
+                  {"prediction": {"type": "content", "content": "Hello"}},
+                  {"web_search_options": None}, {"logprobs": False, "top_logprobs": 0},
+                  {"use_beam_search": False}, {"kv_transfer_params": None}):
+        result = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                                extra_body=extra)
+        assert result.choices[0].message.role == "assistant", extra
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=2, stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert chunks[-1].usage.completion_tokens == 2
+    for extra, param in (({"modalities": ["text", "audio"]}, "modalities"),
+                         ({"web_search_options": {}}, "web_search_options"),
+                         ({"reasoning_effort": 3}, "reasoning_effort"),
+                         ({"use_beam_search": True}, "use_beam_search")):
+        status, body = _post(front, "/v1/chat/completions", {"messages": MESSAGES, **extra})
+        assert status == 400 and body["error"]["param"] == param, body
+    status, body = _post(front, "/v1/completions", {"prompt": "x", "prompt_embeds": None,
+                                                    "max_tokens": 1})
+    assert status == 200, body
+
+
+def test_replayed_history_keeps_reasoning_and_refusals(client):
+    """An assistant message from another server's answer (vLLM sends reasoning: null; reasoning
+    models fill reasoning_content; a refusal fills refusal) is accepted; a refusal is what
+    the assistant said, so it renders as its content."""
+    def prompt_tokens(assistant: dict) -> int:
+        messages = [MESSAGES[0], {"role": "assistant", **assistant},
+                    {"role": "user", "content": "Again."}]
+        return client.chat.completions.create(model=MODEL, messages=messages,
+                                              max_tokens=1).usage.prompt_tokens
+
+    said = prompt_tokens({"content": "I cannot help with that."})
+    assert prompt_tokens({"content": None, "refusal": "I cannot help with that."}) == said
+    assert prompt_tokens({"content": "I cannot help with that.", "reasoning": None,
+                          "reasoning_content": "Thinking it over."}) == said  # not in the template
+    assert prompt_tokens({"content": "Hi", "refusal": None, "annotations": [],
+                          "audio": None, "function_call": None}) > 0
+
+
+def test_completion_logprobs_carry_text_offsets_and_the_chosen_token(client, front):
+    result = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                       logprobs=2)
+    lp = result.choices[0].logprobs
+    expected, at = [], 0
+    for token in lp.tokens:
+        expected.append(at)
+        at += len(token)
+    assert lp.text_offset == expected and len(expected) == 6
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == logprob and len(top) in (2, 3)  # the chosen one and the top 2
+    streamed = _events(front, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6,
+                                                  "temperature": 0, "logprobs": 2})
+    offsets = [o for chunk in streamed for c in chunk["choices"]
+               for o in c["logprobs"]["text_offset"]]
+    assert offsets == expected  # counted on across chunks
+    zero = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
+                                     logprobs=0)
+    assert [list(top) for top in zero.choices[0].logprobs.top_logprobs] == \
+        [[token] for token in zero.choices[0].logprobs.tokens]
+
+
+def test_version_ping_and_the_context_length_in_models(front):
+    status, text = _http(front, "GET", "/version")
+    assert status == 200 and json.loads(text)["version"]
+    assert _http(front, "GET", "/ping")[0] == 200 and _http(front, "POST", "/ping")[0] == 200
+    status, text = _http(front, "GET", "/v1/models")
+    _, tokenized = _post(front, "/tokenize", {"prompt": "hi"})
+    assert [m["max_model_len"] for m in json.loads(text)["data"]] == \
+        [tokenized["max_model_len"]]
+
+
+def test_a_conversation_too_long_names_messages(front):
+    status, body = _post(front, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi " * 3000}], "max_tokens": 1})
+    assert status == 400 and body["error"]["param"] == "messages", body
+    assert body["error"]["message"].startswith("messages: "), body
