@@ -39,8 +39,8 @@ from router.local_call import BatchCall, LocalCall, local_unary
 from router.metrics import RouterMetrics
 from router.openai_protocol import (FINISH, RequestError, chat_messages, check_batch,
                                     check_body, error_response, request_priority,
-                                    sampling_options, shown, sse, token_list,
-                                    usage_json, Choice, OpenAIRequest)
+                                    sampling_options, shown, sse, token_list, Choice,
+                                    OpenAIRequest)
 from router.openai_embeddings import (EMBEDDING_FIELDS, EMBEDDING_INPUTS_IN_FLIGHT,
                                       Conversation, EmbeddingsRequest, embeddings_response)
 from router.openai_tokenize import (DETOKENIZE_FIELDS, TOKENIZE_FIELDS, TokenizeRequest,
@@ -129,6 +129,9 @@ class OpenAIFront:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.backend.decode([token_id], skip_special_tokens=False)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.backend.decode(token_ids, skip_special_tokens=False)
 
     async def start(self) -> int:
         self._render_pool = ThreadPoolExecutor(self.cfg.tokenizer_threads,
@@ -278,7 +281,7 @@ class OpenAIFront:
             # the name answers carry: the adapter asked for, else the base model
             req = OpenAIRequest(body, chat=chat,
                                 model_name=self._check_model(body) or self.model_name,
-                                token_text=self.token_text)
+                                token_text=self.token_text, decode=self._decode)
             metadata = self._forwarded_metadata(request)
             calls = [LocalCall(self.seam.generate, message, timeout_s=self.cfg.request_timeout_s,
                                metadata=metadata)
@@ -544,6 +547,7 @@ class OpenAIFront:
         choices: dict[int, Choice] = {}
         usage = pb.Usage()
         async for message in self._messages(call, first):
+            req.saw(message)
             for delta in message.outputs:
                 choice = choices.setdefault(delta.index, Choice())
                 choice.text.append(delta.text)
@@ -555,7 +559,7 @@ class OpenAIFront:
         self._account(usage)
         body = req.envelope([req.choice(i, "".join(c.text), c.logprobs, c.finish_reason,
                                         chunk=False) for i, c in sorted(choices.items())])
-        body["usage"] = usage_json(usage)
+        body["usage"] = req.usage(usage)
         return web.json_response(body)
 
     async def _stream(self, request: web.Request, req: OpenAIRequest, call, first):
@@ -565,6 +569,7 @@ class OpenAIFront:
         started: set[int] = set()
         try:
             async for message in self._messages(call, first):
+                req.saw(message)
                 choices = []
                 for delta in message.outputs:
                     finish = FINISH.get(delta.finish_reason) if delta.finish_reason else None
@@ -580,7 +585,7 @@ class OpenAIFront:
                 if message.HasField("usage"):
                     self._account(message.usage)
                     if req.include_usage:
-                        chunk = req.envelope([], chunk=True) | {"usage": usage_json(message.usage)}
+                        chunk = req.envelope([], chunk=True) | {"usage": req.usage(message.usage)}
                         await response.write(sse(chunk))
         except grpc.aio.AioRpcError as e:  # headers are gone: report the error in-band
             await response.write(sse(json.loads(error_response(e).text)))

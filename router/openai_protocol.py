@@ -117,7 +117,6 @@ IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parall
 _OFF_FORMS: dict[str, Callable[[object, dict], bool]] = {
     "best_of": lambda v, body: v is None or v == 1 or v == body.get("n", 1),
     "suffix": lambda v, body: v is None or v == "",
-    "echo": lambda v, body: v is None or v is False,
     "functions": lambda v, body: v is None or v == [],
     "function_call": lambda v, body: v is None or v == "none",
     # vLLM's default; the detokenizer joins special tokens as the tokenizer writes them
@@ -280,7 +279,11 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
         s.seed = seed
     cap, why = (max_tokens_limit, " (the server's --max-tokens-limit)") if max_tokens_limit \
         else (None, "")
+    echo = not chat and bool(_flag(body, "echo"))
     names = ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)
+    if echo and body.get("max_tokens") == 0 and not isinstance(body["max_tokens"], bool):
+        names = ()  # the prompt alone (scoring): one token is generated and left out
+        s.max_tokens = 1
     for name in names:  # chat: max_completion_tokens wins when both are set
         max_tokens = _number(body, name, rule="max_tokens", hi=cap, why=why)
         if max_tokens is not None:
@@ -323,6 +326,8 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
         logprobs = _number(body, "logprobs")
         if logprobs is not None:
             s.logprobs = logprobs
+            if echo:  # the echoed prompt's logprobs too
+                s.prompt_logprobs = logprobs
     return s
 
 
@@ -478,9 +483,19 @@ class OpenAIRequest:
     """One OpenAI request in flight: its kind, ids and how to render deltas and usage."""
 
     def __init__(self, body: dict, *, chat: bool, model_name: str,
-                 token_text: Callable[[int], str]) -> None:
+                 token_text: Callable[[int], str],
+                 decode: Callable[[list[int]], str] | None = None) -> None:
+        """``token_text``: one token's text; ``decode``: a prompt's text from its ids (for
+        ``echo``; default: its tokens' texts joined)."""
         self.body, self.chat = body, chat
         self.model_name, self.token_text = model_name, token_text
+        self.decode = decode or (lambda ids: "".join(map(token_text, ids)))
+        # completions' echo: each answer starts with its prompt (and its logprobs); with
+        # max_tokens 0 it is the prompt alone (the one token generated is left out)
+        self.echo = not chat and bool(_flag(body, "echo"))
+        self.echo_only = self.echo and body.get("max_tokens") == 0
+        self.n = body.get("n") or 1
+        self._prompts: dict[int, tuple[str, list[int], list]] = {}  # k -> text, ids, logprobs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -532,7 +547,38 @@ class OpenAIRequest:
         return {"id": self.id, "object": obj, "created": self.created,
                 "model": self.model_name, "choices": choices}
 
-    def logprobs(self, entries, index: int = 0) -> dict | None:
+    def saw(self, message) -> None:
+        """Keep what ``echo`` repeats from a response message: its prompt's ids and logprobs
+        (the first message of each prompt carries them)."""
+        if not self.echo or not message.prompt_token_ids:
+            return
+        k = message.outputs[0].index // self.n if message.outputs else 0
+        prompt = self.body.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+            prompt = prompt[k]  # one of a batch (or a batch of one)
+        ids = list(message.prompt_token_ids)
+        text = prompt if isinstance(prompt, str) else self.decode(ids)
+        self._prompts[k] = (text, ids, list(message.prompt_logprobs))
+
+    def usage(self, usage: pb.Usage) -> dict:
+        """OpenAI's usage object (with ``echo`` and max_tokens 0, nothing was completed)."""
+        body = usage_json(usage)
+        if self.echo_only:
+            body["completion_tokens"] = 0
+            body["total_tokens"] = usage.prompt_tokens
+        return body
+
+    def _echoed(self, index: int, text: str, entries) -> tuple[str, list, tuple | None]:
+        """(text, entries, prompt) of a choice's first output with ``echo``: its prompt in
+        front (``prompt``: (ids, logprob entries) for ``logprobs``)."""
+        if self.echo_only:
+            text, entries = "", []
+        prompt = self._prompts.get(index // self.n)
+        if prompt is None:
+            return text, list(entries), None
+        return prompt[0] + text, list(entries), (prompt[1], prompt[2])
+
+    def logprobs(self, entries, index: int = 0, prompt: tuple | None = None) -> dict | None:
         """OpenAI's logprobs object for ``entries`` of choice ``index`` (chat: ``content``;
         completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` holding the chosen
         token and the top k, as vLLM's, and ``text_offset``, each token's start in the
@@ -549,15 +595,22 @@ class OpenAIRequest:
                  "top_logprobs": [item(t, lp) for t, lp in zip(e.token_ids[1:], e.logprobs[1:])]}
                 for e in entries]}
         tokens = [token(e.token_ids[0]) for e in entries]
+        chosen = [e.logprobs[0] for e in entries]
+        tops = [{token(t): lp for t, lp in zip(e.token_ids, e.logprobs)} for e in entries]
+        if prompt is not None:  # echo: the prompt's positions first; the first has none
+            ids, prompt_entries = prompt
+            tokens = [token(t) for t in ids] + tokens
+            firsts = [e.logprobs[0] if e.token_ids else None for e in prompt_entries]
+            chosen = ([None] * len(ids) if not prompt_entries else firsts) + chosen
+            tops = ([None] * len(ids) if not prompt_entries else
+                    [{token(t): lp for t, lp in zip(e.token_ids, e.logprobs)} or None
+                     for e in prompt_entries]) + tops
         offsets, at = [], self._text_offsets.get(index, 0)
         for text in tokens:
             offsets.append(at)
             at += len(text)
         self._text_offsets[index] = at
-        return {"tokens": tokens,
-                "token_logprobs": [e.logprobs[0] for e in entries],
-                "top_logprobs": [{token(t): lp for t, lp in zip(e.token_ids, e.logprobs)}
-                                 for e in entries],
+        return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops,
                 "text_offset": offsets}
 
     def choice(self, index: int, text: str, entries, finish: str | None, *,
@@ -571,7 +624,12 @@ class OpenAIRequest:
             else:
                 text, calls = self.tools.parse(text)
                 finish = self.tools.finish_reason(calls, finish)
-        body: dict = {"index": index, "logprobs": self.logprobs(entries, index),
+        prompt = None
+        if self.echo and (first or not chunk):
+            text, entries, prompt = self._echoed(index, text, entries)
+        elif self.echo_only:
+            text, entries = "", []
+        body: dict = {"index": index, "logprobs": self.logprobs(entries, index, prompt),
                       "finish_reason": finish}
         if not self.chat:
             body["text"] = text

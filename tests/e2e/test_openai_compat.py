@@ -9,6 +9,7 @@ import socket
 
 import pytest
 
+from quire.v1 import engine_pb2 as pb
 from tests.e2e import test_router_openai as base
 from tests.e2e.router_harness import TIMEOUT_S, wait_for
 
@@ -201,3 +202,39 @@ def test_a_conversation_too_long_names_messages(front):
         "messages": [{"role": "user", "content": "hi " * 3000}], "max_tokens": 1})
     assert status == 400 and body["error"]["param"] == "messages", body
     assert body["error"]["message"].startswith("messages: "), body
+
+
+def test_echo_scores_a_prompt_as_evaluation_harnesses_ask(client, front, router):
+    """echo with logprobs and max_tokens 0 (how lm-eval-harness style clients score a text):
+    the prompt back with each position's logprob, the first position having none, and
+    nothing completed; the logprobs are the engine's own prompt logprobs."""
+    text = "The capital of France is Paris"
+    scored = client.completions.create(model=MODEL, prompt=text, echo=True, logprobs=1,
+                                       max_tokens=0, temperature=0)
+    choice = scored.choices[0]
+    assert choice.text == text and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == scored.usage.prompt_tokens == len(lp.text_offset)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    request = pb.GenerateRequest(text=text, sampling=pb.SamplingOptions(
+        max_tokens=1, temperature=0, prompt_logprobs=1))
+    engine = list(router.stub.Generate(request, timeout=TIMEOUT_S))
+    expected = [e.logprobs[0] for e in engine[0].prompt_logprobs[1:]]
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-6)
+    assert all(top[token] == logprob for token, logprob, top in
+               zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]))
+    # with a completion: the prompt, then what the same request answers without echo
+    plain = client.completions.create(model=MODEL, prompt=text, max_tokens=4, temperature=0)
+    echoed = client.completions.create(model=MODEL, prompt=text, max_tokens=4, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == text + plain.choices[0].text
+    events = _events(front, "/v1/completions", {"prompt": text, "max_tokens": 4,
+                                                "temperature": 0, "echo": True})
+    assert "".join(c["text"] for e in events for c in e["choices"]) == echoed.choices[0].text
+    batch = client.completions.create(model=MODEL, prompt=["One two", [504, 3575, 282]],
+                                      max_tokens=0, echo=True)
+    assert batch.choices[0].text == "One two" and batch.choices[1].text
+    status, body = _post(front, "/v1/chat/completions", {"messages": MESSAGES, "echo": True})
+    assert status == 400 and body["error"]["param"] == "echo"
+    status, body = _post(front, "/v1/completions", {"prompt": text, "max_tokens": 0})
+    assert status == 400 and body["error"]["param"] == "max_tokens"  # 0 only with echo
