@@ -554,11 +554,13 @@ class OpenAIFront:
                 choice.logprobs.extend(delta.logprobs)
                 if delta.finish_reason:
                     choice.finish_reason = FINISH.get(delta.finish_reason, "stop")
+                    choice.stop_reason = delta.stop_reason
             if message.HasField("usage"):
                 usage = message.usage
         self._account(usage)
         body = req.envelope([req.choice(i, "".join(c.text), c.logprobs, c.finish_reason,
-                                        chunk=False) for i, c in sorted(choices.items())])
+                                        chunk=False, stop_reason=c.stop_reason)
+                             for i, c in sorted(choices.items())])
         body["usage"] = req.usage(usage)
         return web.json_response(body)
 
@@ -575,7 +577,8 @@ class OpenAIFront:
                     finish = FINISH.get(delta.finish_reason) if delta.finish_reason else None
                     if delta.text or finish or delta.logprobs or delta.index not in started:
                         choice = req.choice(delta.index, delta.text, delta.logprobs, finish,
-                                            chunk=True, first=delta.index not in started)
+                                            chunk=True, first=delta.index not in started,
+                                            stop_reason=delta.stop_reason)
                         started.add(delta.index)
                         if req.tools is None or choice["delta"] or choice["finish_reason"] \
                                 or choice["logprobs"]:  # empty while a tool call is held back

@@ -477,6 +477,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[pb.PositionLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str = ""  # the engine's: the stop string or stop token id that ended it
 
 
 class OpenAIRequest:
@@ -613,8 +614,17 @@ class OpenAIRequest:
         return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops,
                 "text_offset": offsets}
 
+    def stop_reason(self, value: str) -> str | int | None:
+        """vLLM's ``stop_reason``: the stop string that ended the choice, or the stop token id
+        (an integer); None for EOS or length."""
+        stops = self.body.get("stop")
+        if not value or value in ([stops] if isinstance(stops, str) else stops or []):
+            return value or None
+        ids = self.body.get("stop_token_ids") or []
+        return int(value) if value.isdigit() and int(value) in ids else value
+
     def choice(self, index: int, text: str, entries, finish: str | None, *,
-               chunk: bool, first: bool = False) -> dict:
+               chunk: bool, first: bool = False, stop_reason: str = "") -> dict:
         calls: list = []
         if self.tools is not None:  # the calls in the text, parsed out of it
             if chunk:
@@ -631,6 +641,8 @@ class OpenAIRequest:
             text, entries = "", []
         body: dict = {"index": index, "logprobs": self.logprobs(entries, index, prompt),
                       "finish_reason": finish}
+        if finish is not None or not chunk:
+            body["stop_reason"] = self.stop_reason(stop_reason)
         if not self.chat:
             body["text"] = text
         elif chunk:

@@ -238,3 +238,28 @@ def test_echo_scores_a_prompt_as_evaluation_harnesses_ask(client, front, router)
     assert status == 400 and body["error"]["param"] == "echo"
     status, body = _post(front, "/v1/completions", {"prompt": text, "max_tokens": 0})
     assert status == 400 and body["error"]["param"] == "max_tokens"  # 0 only with echo
+
+
+def test_stop_reason_names_what_ended_a_choice(client, front, router):
+    """vLLM's stop_reason: the stop string or stop token id that ended the choice, None for
+    length; in the answer and in the stream's last chunk of the choice."""
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    assert plain.choices[0].model_extra["stop_reason"] is None
+    text = plain.choices[0].text
+    stop = text[2:4]
+    stopped = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+                                        temperature=0, stop=[stop])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].model_extra["stop_reason"] == stop
+    generated = [t for m in router.stub.Generate(pb.GenerateRequest(
+        text=PROMPT, sampling=pb.SamplingOptions(max_tokens=6, temperature=0)),
+        timeout=TIMEOUT_S) for d in m.outputs for t in d.token_ids]
+    by_id = _post(front, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6,
+                                             "temperature": 0,
+                                             "stop_token_ids": [generated[2]]})[1]
+    assert by_id["choices"][0]["finish_reason"] == "stop"
+    assert by_id["choices"][0]["stop_reason"] == generated[2]  # an integer, as vLLM's
+    events = _events(front, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6,
+                                                "temperature": 0, "stop": [stop]})
+    last = [c for e in events for c in e["choices"] if c["finish_reason"]]
+    assert [c["stop_reason"] for c in last] == [stop]
