@@ -572,10 +572,12 @@ class OpenAIFront:
         try:
             async for message in self._messages(call, first):
                 req.saw(message)
-                choices = []
+                choices = []  # one per chunk, as OpenAI and vLLM stream n > 1
                 for delta in message.outputs:
                     finish = FINISH.get(delta.finish_reason) if delta.finish_reason else None
                     if delta.text or finish or delta.logprobs or delta.index not in started:
+                        if req.chat and delta.index not in started:
+                            choices.append(req.role_choice(delta.index))
                         choice = req.choice(delta.index, delta.text, delta.logprobs, finish,
                                             chunk=True, first=delta.index not in started,
                                             stop_reason=delta.stop_reason)
@@ -584,7 +586,8 @@ class OpenAIFront:
                                 or choice["logprobs"]:  # empty while a tool call is held back
                             choices.append(choice)
                 if choices:
-                    await response.write(sse(req.envelope(choices, chunk=True)))
+                    await response.write(b"".join(sse(req.envelope([choice], chunk=True))
+                                                  for choice in choices))
                 if message.HasField("usage"):
                     self._account(message.usage)
                     if req.include_usage:

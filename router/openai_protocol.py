@@ -614,6 +614,12 @@ class OpenAIRequest:
         return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops,
                 "text_offset": offsets}
 
+    def role_choice(self, index: int) -> dict:
+        """A chat stream's first chunk of a choice: the role alone, as OpenAI and vLLM send it
+        (readers that skip it as the role chunk lose no text)."""
+        return {"index": index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}
+
     def stop_reason(self, value: str) -> str | int | None:
         """vLLM's ``stop_reason``: the stop string that ended the choice, or the stop token id
         (an integer); None for EOS or length."""
@@ -645,9 +651,8 @@ class OpenAIRequest:
             body["stop_reason"] = self.stop_reason(stop_reason)
         if not self.chat:
             body["text"] = text
-        elif chunk:
-            body["delta"] = ({"role": "assistant"} if first else {}) | (
-                {"content": text} if text or first else {}) | (
+        elif chunk:  # the role came in its own first chunk (role_choice)
+            body["delta"] = ({"content": text} if text else {}) | (
                 {"tool_calls": [c.as_json(n) for n, c in enumerate(
                     calls, len(self._tool_streams[index].calls) - len(calls))]}
                 if calls else {})

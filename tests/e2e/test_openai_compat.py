@@ -263,3 +263,27 @@ def test_stop_reason_names_what_ended_a_choice(client, front, router):
                                                 "temperature": 0, "stop": [stop]})
     last = [c for e in events for c in e["choices"] if c["finish_reason"]]
     assert [c["stop_reason"] for c in last] == [stop]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES}),
+    ("/v1/completions", {"prompt": PROMPT}),
+])
+def test_a_streamed_n_2_answer_has_one_choice_per_chunk_and_a_role_chunk_first(front, path,
+                                                                             body):
+    """As OpenAI and vLLM stream: readers that take choices[0] of each chunk see every choice,
+    and on chat each choice opens with a role-only chunk (content "")."""
+    events = _events(front, path, body | {"n": 2, "max_tokens": 4, "temperature": 0,
+                                          "seed": 3, "stream_options": {"include_usage": True}})
+    assert all(len(e["choices"]) == 1 for e in events[:-1]) and events[-1]["choices"] == []
+    by_index: dict[int, list[dict]] = {}
+    for event in events[:-1]:
+        choice = event["choices"][0]
+        by_index.setdefault(choice["index"], []).append(choice)
+    assert sorted(by_index) == [0, 1]
+    for chunks in by_index.values():
+        assert chunks[-1]["finish_reason"] == "length"
+        if "chat" in path:
+            assert chunks[0]["delta"] == {"role": "assistant", "content": ""}
+            assert all("role" not in c["delta"] for c in chunks[1:])
+            assert "".join(c["delta"].get("content", "") for c in chunks)
