@@ -24,15 +24,6 @@ from quire.list_limits import MAX_STOP_TOKEN_IDS, check_length, check_token_ids
 PromptType = Union[str, list[int], dict]
 
 
-class DefaultMaxTokens(int):
-    """A ``max_tokens`` the server chose because the client set none (its output cap): cut to
-    the room the prompt leaves within max_model_len. A ``max_tokens`` the client set that does
-    not fit is refused instead, naming both lengths, as vLLM's server refuses it: a client
-    must learn why its answer would be short rather than receive it cut."""
-
-    __slots__ = ()
-
-
 @dataclass(frozen=True, slots=True)
 class ProcessedRequest:
     prompt_text: str | None
@@ -165,13 +156,9 @@ class InputProcessor:
             raise FieldError("prompt", f"{num_prompt_tokens} tokens leave no room to generate "
                              f"within max_model_len={self.max_model_len}")
         room = self.max_model_len - num_prompt_tokens
-        if params.max_tokens is None or isinstance(params.max_tokens, DefaultMaxTokens):
-            max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        elif params.max_tokens > room:
-            raise FieldError("max_tokens", context_overflow(self.max_model_len,
-                                                            num_prompt_tokens, params.max_tokens))
-        else:
-            max_tokens = params.max_tokens
+        # what the prompt leaves, as vLLM 0.32's server cuts it (get_max_tokens): the
+        # completion then ends with finish_reason "length"
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         # The cache never holds the last sampled token, hence the - 1.
         peak = num_prompt_tokens + max_tokens - 1
         if peak > self.kv_capacity_tokens:
@@ -180,10 +167,3 @@ class InputProcessor:
                              f"but the whole cache holds {self.kv_capacity_tokens}")
         return max_tokens
 
-
-def context_overflow(max_model_len: int, num_prompt_tokens: int, max_tokens: int) -> str:
-    """vLLM's words for a prompt and a completion that do not fit the model together."""
-    return (f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-            f"messages, {max_tokens} in the completion). Please reduce the length of the "
-            f"messages or completion.")

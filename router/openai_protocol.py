@@ -288,8 +288,8 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
         max_tokens = _number(body, name, rule="max_tokens", hi=cap, why=why)
         if max_tokens is not None:
             s.max_tokens = max_tokens
-    if not chat and "max_tokens" not in body:  # a cap, cut to the room the prompt leaves
-        s.default_max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    if not chat and "max_tokens" not in body:  # cut to the room the prompt leaves, as any
+        s.max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     if s.HasField("min_tokens") and s.HasField("max_tokens"):
         try:
             check_min_tokens(s.min_tokens, s.max_tokens)

@@ -127,7 +127,7 @@ def completion_body(model: str, request: pb.GenerateRequest) -> dict:
         if s.HasField(name):
             body[name] = getattr(s, name)
     if not s.HasField("max_tokens"):  # vLLM's completions default (16) is not the router's
-        body["max_tokens"] = s.default_max_tokens if s.HasField("default_max_tokens") else None
+        body["max_tokens"] = None
     if s.stop:
         body["stop"] = list(s.stop)
     if s.stop_token_ids:

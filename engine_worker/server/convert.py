@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from quire.errors import FieldError, renamed
-from engine_worker.input_processor import DefaultMaxTokens
 from engine_worker.outputs import PoolingRequestOutput, RequestOutput
 from engine_worker.pooling_params import PoolingParams
 from engine_worker.sampling_params import SamplingParams, StructuredOutputsParams
@@ -49,12 +48,7 @@ def request_from_proto(message: pb.GenerateRequest, limits: RequestLimits):
     kwargs = {name: getattr(sampling, name) for name in _OPTIONAL if sampling.HasField(name)}
     if "max_tokens" not in kwargs:
         # up to the output cap, cut to the model's length limit, as vLLM's server does
-        cap = limits.max_tokens
-        if sampling.HasField("default_max_tokens"):
-            if sampling.default_max_tokens < 1:
-                raise FieldError("sampling.default_max_tokens", "must be >= 1, got 0")
-            cap = min(cap, sampling.default_max_tokens) if cap else sampling.default_max_tokens
-        kwargs["max_tokens"] = DefaultMaxTokens(cap) if cap else None
+        kwargs["max_tokens"] = limits.max_tokens or None
     structured = None
     if sampling.HasField("structured_outputs"):
         spec = spec_from_proto(sampling.structured_outputs)

@@ -146,7 +146,6 @@ def _sampled(**options) -> pb.GenerateRequest:
     (_sampled(n=5), "sampling.n"),
     (_sampled(logprobs=50), "sampling.logprobs"),
     (_sampled(stop=["x"] * 17), "sampling.stop"),
-    (_sampled(default_max_tokens=0), "sampling.default_max_tokens"),
     (_sampled(structured_outputs=pb.StructuredOutputs(json="{")),
      "sampling.structured_outputs.json"),
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 2000)), "prompt"),

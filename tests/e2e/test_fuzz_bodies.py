@@ -14,7 +14,7 @@ import json
 import zlib
 
 import pytest
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from quire.list_limits import MAX_CHAT_MESSAGES, MAX_CONTENT_PARTS, MAX_STOP_TOKEN_IDS
@@ -135,8 +135,6 @@ def test_stop_strings_are_served_up_to_their_limit(router, num_stops):
 @given(num_ids=lengths(MAX_MODEL_LEN), max_tokens=st.one_of(st.none(), st.integers(1, 8)))
 @example(num_ids=MAX_MODEL_LEN - 4, max_tokens=5)
 def test_token_id_prompts_are_served_up_to_the_models_length(router, num_ids, max_tokens):
-    # no max_tokens runs to the model's length: only near it, to keep the run short
-    assume(max_tokens is not None or num_ids > MAX_MODEL_LEN - 16)
     body = {"prompt": [7] * num_ids, "ignore_eos": True}
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
@@ -146,14 +144,12 @@ def test_token_id_prompts_are_served_up_to_the_models_length(router, num_ids, ma
         assert_limit_error(status, answer, "prompt")
     elif num_ids >= MAX_MODEL_LEN:
         assert_limit_error(status, answer, "prompt", f"max_model_len={MAX_MODEL_LEN}")
-    elif max_tokens is not None and num_ids + max_tokens > MAX_MODEL_LEN:
-        assert_limit_error(status, answer, "max_tokens",
-                           f"maximum context length is {MAX_MODEL_LEN} tokens",
-                           f"{num_ids} in the messages, {max_tokens} in the completion")
-    else:
+    else:  # a max_tokens past the context is cut to fit, as vLLM 0.32 cuts it
         assert status == 200, answer
         room = MAX_MODEL_LEN - num_ids
-        assert answer["usage"]["completion_tokens"] == min(room, max_tokens or room)
+        # completions' default when max_tokens is not sent: 16 (OpenAI's and vLLM's)
+        wanted = 16 if max_tokens is None else max_tokens
+        assert answer["usage"]["completion_tokens"] == min(room, wanted)
 
 
 @FUZZ
@@ -173,4 +169,4 @@ def test_chat_messages_and_parts_are_refused_only_beyond_their_limits(router, nu
     elif num_parts > MAX_CONTENT_PARTS:
         assert_limit_error(status, answer, "messages", f"at most {MAX_CONTENT_PARTS} parts")
     else:  # within the limits: served, unless the rendered conversation is too long
-        assert status == 200 or answer["error"]["param"] == "prompt", answer
+        assert status == 200 or answer["error"]["param"] == "messages", answer

@@ -210,27 +210,29 @@ def test_2_a_body_declared_too_large_is_refused_before_it_is_read(router):
 
 # ---- 3. a prompt and max_tokens that do not fit the model together --------------------------
 
-OVERFLOW = (f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you "
-            f"requested 1120 tokens (1020 in the messages, 100 in the completion). Please "
-            f"reduce the length of the messages or completion.")
+def test_3_a_max_tokens_past_the_context_is_cut_to_fit_on_http(router):
+    """As vLLM 0.32's server answers (get_max_tokens): the completion gets what the prompt
+    leaves and ends with finish_reason length; only a prompt with no room is refused."""
+    status, _, body = post(router, "/v1/completions", {"prompt": [5] * 1020, "max_tokens": 100,
+                                                       "ignore_eos": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == MAX_MODEL_LEN - 1020, body
+    assert body["choices"][0]["finish_reason"] == "length"
+    messages = [{"role": "user", "content": "hi " * 600}]
+    status, _, body = post(router, "/v1/chat/completions", {"messages": messages,
+                                                            "max_tokens": 1000,
+                                                            "ignore_eos": True})
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == MAX_MODEL_LEN - body["usage"]["prompt_tokens"]
+    status, _, body = post(router, "/v1/completions", {"prompt": [5] * MAX_MODEL_LEN,
+                                                       "max_tokens": 1})
+    assert_error(status, body, 400, "prompt", f"max_model_len={MAX_MODEL_LEN}")
 
 
-def test_3_context_overflow_is_a_400_on_http(router):
-    status, _, body = post(router, "/v1/completions", {"prompt": [5] * 1020, "max_tokens": 100})
-    assert_error(status, body, 400, "max_tokens")
-    assert body["error"]["message"] == "max_tokens: " + OVERFLOW
-    status, _, body = post(router, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "hi " * 600}], "max_tokens": 1000})
-    assert_error(status, body, 400, "max_tokens", f"maximum context length is {MAX_MODEL_LEN}",
-                 "1000 in the completion")
-
-
-def test_3_context_overflow_is_invalid_argument_on_grpc(router, engine):
+def test_3_a_max_tokens_past_the_context_is_cut_to_fit_on_grpc(router, engine):
     for stub in (router.stub, engine.stub):
-        with pytest.raises(grpc.RpcError) as err:
-            collect(stub.Generate(request(ids=[5] * 1020, max_tokens=100), timeout=TIMEOUT_S))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert err.value.details() == "sampling.max_tokens: " + OVERFLOW
+        tokens, _ = collect(stub.Generate(request(ids=[5] * 1020, max_tokens=100),
+                                          timeout=TIMEOUT_S))
+        assert len(tokens) == MAX_MODEL_LEN - 1020
 
 
 def test_3_without_max_tokens_the_completion_runs_to_the_models_length(router, engine):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_worker.input_processor import DefaultMaxTokens, InputProcessor
+from engine_worker.input_processor import InputProcessor
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.tokenizer import Tokenizer
 from quire.list_limits import MAX_STOP_TOKEN_IDS
@@ -24,20 +24,15 @@ def _max_tokens(processor, num_prompt_tokens: int, max_tokens) -> int:
     return processed.request.max_tokens
 
 
-def test_a_max_tokens_that_does_not_fit_is_refused_naming_both_lengths(processor):
-    with pytest.raises(ValueError) as err:
-        _max_tokens(processor, 60, 10)
-    assert str(err.value) == (
-        "max_tokens: This model's maximum context length is 64 tokens. However, you requested "
-        "70 tokens (60 in the messages, 10 in the completion). Please reduce the length of the "
-        "messages or completion.")
-
-
-def test_what_fits_is_kept_and_what_the_server_chose_is_cut(processor):
+def test_a_max_tokens_is_cut_to_the_room_the_prompt_leaves_as_vllm_cuts_it(processor):
+    """vLLM 0.32's server (get_max_tokens) cuts max_tokens to max_model_len - prompt; only a
+    prompt that leaves no room is refused."""
+    assert _max_tokens(processor, 60, 10) == 4
     assert _max_tokens(processor, 60, 4) == 4  # exactly fits
     assert _max_tokens(processor, 60, None) == 4  # up to the model's length
-    assert _max_tokens(processor, 60, DefaultMaxTokens(4096)) == 4  # the server's cap, cut
-    assert _max_tokens(processor, 10, DefaultMaxTokens(16)) == 16
+    assert _max_tokens(processor, 10, 16) == 16
+    with pytest.raises(ValueError, match=r"^prompt: 64 tokens leave no room"):
+        _max_tokens(processor, 64, 1)
 
 
 def test_a_prompt_that_leaves_no_room_is_refused_as_before(processor):

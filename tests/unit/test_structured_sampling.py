@@ -150,10 +150,8 @@ def test_vllm_engines_get_the_fields_under_vllms_names():
     request.sampling.structured_outputs.choice.choices[:] = ["a", "b"]
     assert completion_body("m", request)["structured_outputs"] == {"choice": ["a", "b"]}
     # no max_tokens: null (vLLM's "what the context leaves"), not vLLM's completions default
-    # of 16; a default the router was asked for is sent as the cap
+    # of 16
     assert completion_body("m", request)["max_tokens"] is None
-    request.sampling.default_max_tokens = 16
-    assert completion_body("m", request)["max_tokens"] == 16
     request.sampling.max_tokens = 5
     assert completion_body("m", request)["max_tokens"] == 5
 
