@@ -50,6 +50,12 @@ _MAX_CACHED_GRAMMARS = 256
 # milliseconds to a second or two here; nested bounded repetitions in a pattern take minutes
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 DEFAULT_COMPILE_WORKERS = 2  # compiles at once: one costly spec leaves the other free
+# each worker's address space: a worker holds about 0.75 GB of it after importing xgrammar, and
+# ordinary schemas compile within a few MB more; a 1,000-property object took 3.6 GB
+DEFAULT_COMPILE_MEMORY_BYTES = 2 << 30
+# the directory holding the engine_worker package: the workers import from it, not from their
+# working directory
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,9 +128,14 @@ class _CompileWorker:
         self.process = process
 
     @classmethod
-    async def start(cls, tokenizer_info_json: str) -> _CompileWorker:
+    async def start(cls, tokenizer_info_json: str, memory_bytes: int) -> _CompileWorker:
+        # -P: the working directory is not on its import path (a stray xgrammar.py or h2.py
+        # there would be imported instead); the package's own root is, first
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p))
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "engine_worker.grammar_worker",
+            sys.executable, "-P", "-m", "engine_worker.grammar_worker",
+            "--memory-bytes", str(memory_bytes), env=env,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         worker = cls(process)
         try:
@@ -139,13 +150,18 @@ class _CompileWorker:
         await self.process.stdin.drain()
 
     async def compile(self, kind: str, spec: str) -> dict:
-        await self._send([kind, spec])
+        """The worker's answer; FieldError naming the spec's field when the worker died on it
+        (killed for memory by the kernel, or crashed in xgrammar), logged with its status."""
         try:
+            await self._send([kind, spec])
             head = await self.process.stdout.readexactly(FRAME_LENGTH.size)
             return json.loads(await self.process.stdout.readexactly(FRAME_LENGTH.unpack(head)[0]))
-        except asyncio.IncompleteReadError:
-            raise RuntimeError(f"the grammar compile worker (pid {self.process.pid}) exited "
-                               f"with {await self.process.wait()}") from None
+        except (asyncio.IncompleteReadError, BrokenPipeError, ConnectionResetError):
+            status = await self.process.wait()
+            logger.warning("the grammar compile worker (pid %d) exited with %d while compiling "
+                           "a %s spec; the request is refused", self.process.pid, status, kind)
+            raise FieldError(f"structured_outputs.{kind}", f"cannot be compiled: the compile "
+                             f"stopped (exit status {status}) before it finished") from None
 
     def kill(self) -> None:
         if self.process.returncode is None:
@@ -163,7 +179,8 @@ class GrammarCompilerCache:
     def __init__(self, hf_tokenizer: Callable[[], Any], vocab_size: int,
                  stop_token_ids: frozenset[int], max_cached: int = _MAX_CACHED_GRAMMARS,
                  compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
-                 compile_workers: int = DEFAULT_COMPILE_WORKERS) -> None:
+                 compile_workers: int = DEFAULT_COMPILE_WORKERS,
+                 compile_memory_bytes: int = DEFAULT_COMPILE_MEMORY_BYTES) -> None:
         if compile_timeout_s <= 0 or compile_workers < 1:
             raise ValueError("compile_timeout_s must be > 0 and compile_workers >= 1")
         self._hf_tokenizer = hf_tokenizer  # transformers' tokenizer, asked for on first use
@@ -172,6 +189,7 @@ class GrammarCompilerCache:
         self._max_cached = max_cached
         self.compile_timeout_s = compile_timeout_s
         self.compile_workers = compile_workers
+        self.compile_memory_bytes = compile_memory_bytes
         self._lock = threading.Lock()
         self._compiler = None  # built on first use (imports xgrammar)
         self._info = None  # its TokenizerInfo, which the workers' results are read with
@@ -270,11 +288,15 @@ class GrammarCompilerCache:
                 worker = self._idle.pop()
             else:  # a new worker reads the tokenizer first (built and serialized once)
                 info_json = await loop.run_in_executor(self._pool, self._get_info_json)
-                worker = await _CompileWorker.start(info_json)
+                worker = await _CompileWorker.start(info_json, self.compile_memory_bytes)
             self._busy.add(worker)
             try:
                 async with asyncio.timeout(self.compile_timeout_s):
                     reply = await worker.compile(kind, spec)
+                if reply.get("retire"):  # out of memory: it has exited
+                    await worker.process.wait()
+                    logger.warning("a %s spec needed more than %d bytes to compile: the "
+                                   "request is refused", kind, self.compile_memory_bytes)
             except TimeoutError:
                 worker.kill()
                 logger.warning("a %s spec did not compile within %g s: its compile was "
@@ -288,7 +310,8 @@ class GrammarCompilerCache:
                 worker.kill()
                 raise
             else:
-                self._idle.append(worker)
+                if worker.process.returncode is None:
+                    self._idle.append(worker)
             finally:
                 self._busy.discard(worker)
         if "error" in reply:

@@ -50,6 +50,7 @@ class EngineServer:
         self.cfg = cfg
         # served requests compile in worker processes, stopped past this (engine_worker.grammar)
         engine.grammars.compile_timeout_s = cfg.grammar_compile_timeout_s
+        engine.grammars.compile_memory_bytes = cfg.grammar_compile_memory_bytes
         model_name = cfg.model_name or engine.info.model
         self.metrics = (EngineMetrics(model_name, engine.info)
                         if cfg.metrics_port is not None else None)

@@ -11,6 +11,7 @@ machine here compiles within the few seconds the tests allow it."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -85,7 +86,8 @@ def test_a_costly_grammar_is_refused_after_the_timeout_and_its_compile_killed(en
         watcher.join()
     error = info.value
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
-    assert dict(error.trailing_metadata())["quire-error-field"] == "structured_outputs.json"
+    assert dict(error.trailing_metadata())["quire-error-field"] == \
+        "sampling.structured_outputs.json"
     assert f"not compiled within {TIMEOUT:g} s" in error.details()
     assert seen and os.getpid() not in seen
     # the one worker that ran it was killed (no other compile started one)
@@ -124,3 +126,40 @@ def _drain(call):
     except grpc.RpcError as e:
         assert e.code() == grpc.StatusCode.CANCELLED, e
         return []
+
+
+def test_a_grammar_past_the_memory_cap_is_refused_without_touching_the_host(engine):
+    """A JSON schema of 3,000 required properties drove a compile worker to 16.4 GB on a 24 GiB
+    host (found by a probe): the worker's address space is capped (2 GiB by default), so the
+    compile fails in it, the request is refused naming its field, and the engine serves on."""
+    wide = json.dumps({"type": "object", "required": [f"q{i}" for i in range(3000)],
+                       "properties": {f"q{i}": {"type": "string"} for i in range(3000)}})
+    with pytest.raises(grpc.RpcError) as info:
+        list(engine.stub.Generate(structured(wide), timeout=TIMEOUT_S))
+    error = info.value
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert dict(error.trailing_metadata())["quire-error-field"] == \
+        "sampling.structured_outputs.json"
+    assert "bytes of memory" in error.details(), error.details()
+    done = list(engine.stub.Generate(structured(choices=["yes", "no"]), timeout=TIMEOUT_S))
+    assert "".join(d.text for m in done for d in m.outputs) in ("yes", "no")
+
+
+def test_compile_workers_import_from_the_package_not_the_working_directory(
+        engine, tmp_path, monkeypatch):
+    """A module in the server's working directory named as one the worker imports (the probe's
+    own scripts did this) is not imported by the workers."""
+    from engine_worker.grammar import _CompileWorker
+
+    (tmp_path / "xgrammar.py").write_text("raise SystemExit('a stray module was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    cache = grammars(engine)
+
+    async def compile_once():
+        worker = await _CompileWorker.start(cache._get_info_json(), cache.compile_memory_bytes)
+        try:
+            return await worker.compile("regex", "[ab]+")
+        finally:
+            worker.kill()
+
+    assert "ok" in engine.call(compile_once())
