@@ -27,6 +27,8 @@ SEED_MAX = 2 ** 63 - 1  # a torch generator takes seeds in [0, 2**63)
 FLOAT32_MAX = 3.4028234663852886e38  # the wire's floats are float32: nothing larger travels
 # a client-chosen request id: it goes into every log line, span and event about the request
 MAX_REQUEST_ID_CHARS = 256
+# a LoRA adapter's name: it is echoed in errors, logs and the models list
+MAX_LORA_NAME_CHARS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +127,12 @@ def check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise FieldError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got "
                          f"{len(request_id)}")
+
+
+def check_lora_name(name: str, field: str = "lora_name") -> None:
+    """A LoRA adapter's name ("" : the base model) of at most ``MAX_LORA_NAME_CHARS``."""
+    if len(name) > MAX_LORA_NAME_CHARS:
+        raise FieldError(field, f"at most {MAX_LORA_NAME_CHARS} characters, got {len(name)}")
 
 
 def check_min_tokens(min_tokens: int, max_tokens: int | None,

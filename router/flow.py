@@ -253,7 +253,15 @@ class FlowController:
         limit = min((s for s in (self.queue_timeout_s or None, request.max_wait_s)
                      if s is not None), default=None)
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), limit)
+            admission = await asyncio.wait_for(asyncio.shield(waiter.future), limit)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # the caller was cancelled in the instant it was admitted: Python 3.11's
+                # wait_for then returns the result and drops the cancellation, and the request
+                # would run for a client that has gone
+                admission.release()
+                raise asyncio.CancelledError()
+            return admission
         except TimeoutError:
             if waiter.future.done():  # admitted in the same instant: keep it
                 return waiter.future.result()

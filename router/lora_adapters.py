@@ -25,6 +25,7 @@ import re
 import grpc
 
 from quire.errors import FieldError, NotFoundError
+from quire.limits import MAX_LORA_NAME_CHARS
 from router.balancer import NoEndpointError
 from router.connection import EngineConnection, LoRACapable
 from router.pool import EnginePool
@@ -34,8 +35,11 @@ _RESOLVABLE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
 
 def _check_name(value, field: str) -> str:
-    if not isinstance(value, str) or not value or len(value) > 1024:
-        raise FieldError(field, "must be a non-empty string of at most 1024 characters")
+    if not isinstance(value, str) or not value or len(value) > MAX_LORA_NAME_CHARS:
+        raise FieldError(field, f"must be a non-empty string of at most {MAX_LORA_NAME_CHARS} "
+                         "characters")
+    if "\x00" in value:
+        raise FieldError(field, "must not contain a NUL character")
     return value
 
 
@@ -87,6 +91,9 @@ async def load_everywhere(pool: EnginePool, lora_name, lora_path,
     ``sources`` remembers the path once every engine has loaded it (for engines that join
     later, and restarted ones)."""
     name, path = _check_name(lora_name, "lora_name"), _check_name(lora_path, "lora_path")
+    if any(c.info is not None and c.info.model_name == name for c in pool.serving()):
+        raise FieldError("lora_name", f"{name!r} is the base model's name: an adapter needs a "
+                         "name of its own")
     clients = [c for c in pool.serving() if isinstance(c, LoRACapable)]
     if not clients:
         raise NoEndpointError("no serving engine loads LoRA adapters")

@@ -226,6 +226,9 @@ class OpenAIFront:
         """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}: on every engine."""
         try:
             body = await self._body(request, known=_LORA_FIELDS)
+            if body.get("lora_name") == self.seam.model_name():  # the name clients use
+                raise RequestError(f"lora_name: {shown(body['lora_name'])} is the base model's "
+                                   "name: an adapter needs a name of its own", "lora_name")
             await self.seam.load_adapter(body.get("lora_name"), body.get("lora_path"))
         except NoEndpointError as e:
             return error_response(RequestError(str(e), None, 503))
@@ -261,10 +264,11 @@ class OpenAIFront:
                             headers={"Content-Type": "text/plain; version=0.0.4"})
 
     async def _decisions(self, request: web.Request) -> web.Response:
-        try:
-            limit = int(request.query.get("limit", "20"))
-        except ValueError:
-            raise RequestError("limit: must be an integer", "limit") from None
+        raw = request.query.get("limit", "20")
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 6):
+            return error_response(RequestError(f"limit: must be an integer in [0, 999999], got "
+                                               f"{shown(raw)}", "limit"))
+        limit = int(raw)
         return web.json_response({"decisions": [
             r.as_json() for r in self.metrics.decisions.latest(limit)]})
 

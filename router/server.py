@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from quire.load_stream import load_reports
-from quire.limits import DEFAULT_MAX_N, check_n, check_request_id, request_prompt
+from quire.limits import (DEFAULT_MAX_N, check_lora_name, check_n, check_request_id,
+                          request_prompt)
 from quire.list_limits import MAX_STOP_TOKEN_IDS, check_length
 from quire.structured_outputs import check_logit_bias, spec_from_proto, structured_outputs_kind
 from quire.tracing import traced_generate
@@ -73,6 +74,7 @@ class RequestLimits:
     def check(self, request: pb.GenerateRequest) -> None:
         """Raise ValueError naming the field when the request exceeds a limit."""
         check_request_id(request.request_id)
+        check_lora_name(request.lora_name)
         sampling = request.sampling
         if sampling.HasField("n"):
             check_n(sampling.n, self.max_n, field="sampling.n")

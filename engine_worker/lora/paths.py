@@ -25,6 +25,8 @@ def check_adapter_path(path: str, allowed: tuple[Path, ...]) -> str:
     if not allowed:
         raise FieldError("lora_path", "loading adapters at run time is off on this engine "
                          "(start it with --lora-adapter-dirs DIR[,DIR...])")
+    if "\x00" in path:
+        raise FieldError("lora_path", "must not contain a NUL character")
     resolved = Path(path).resolve()
     if not any(resolved == d or d in resolved.parents for d in allowed):
         raise FieldError("lora_path", f"{path!r} is outside the adapter directories "

@@ -6,7 +6,7 @@ from quire.errors import FieldError, renamed
 from engine_worker.outputs import PoolingRequestOutput, RequestOutput
 from engine_worker.pooling_params import PoolingParams
 from engine_worker.sampling_params import SamplingParams, StructuredOutputsParams
-from quire.limits import check_n, check_request_id, request_prompt
+from quire.limits import check_lora_name, check_n, check_request_id, request_prompt
 from quire.structured_outputs import spec_from_proto, structured_outputs_kind
 from quire.v1 import engine_pb2 as pb
 
@@ -41,6 +41,7 @@ def wire_error(error: BaseException, sampling: bool) -> BaseException:
 def request_from_proto(message: pb.GenerateRequest, limits: RequestLimits):
     """-> (prompt for LLMEngine.add_request, SamplingParams, priority, cache_salt)."""
     check_request_id(message.request_id)
+    check_lora_name(message.lora_name)
     prompt = request_prompt(message)
     if not isinstance(prompt, str):
         prompt = {"prompt_token_ids": prompt}

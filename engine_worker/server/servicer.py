@@ -23,6 +23,7 @@ from engine_worker.server.convert import (RequestLimits, embed_request_from_prot
                                           response_to_proto, wire_error)
 from engine_worker.server.errors import abort_with
 from quire.errors import FieldError
+from quire.limits import check_lora_name
 from quire.tokenizer_digest import TOKENIZER_FILES
 from quire.kv_events import batch_to_proto, snapshot_to_proto
 from quire.load_stream import load_reports
@@ -151,6 +152,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         try:
             if not request.lora_name:
                 raise FieldError("lora_name", "must be a non-empty string")
+            check_lora_name(request.lora_name)
+            if request.lora_name == self.model_name:
+                raise FieldError("lora_name", f"{request.lora_name!r} is the base model's name: "
+                                 "an adapter needs a name of its own")
             path = check_adapter_path(request.lora_path, self.lora_adapter_dirs)
             loaded = await self.engine.call(lambda engine: engine.add_lora(
                 engine.lora_request_for(request.lora_name, path)))

@@ -153,6 +153,28 @@ def test_a_client_that_leaves_is_dropped_at_once():
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("max_wait_s", [None, 60.0])
+def test_a_client_that_leaves_in_the_instant_it_is_admitted_gets_no_slot(max_wait_s):
+    """Its slot is granted and its caller cancelled in the same loop iteration (found by a
+    probe): with a deadline, Python 3.11's wait_for returned the admission and dropped the
+    cancellation, so the request ran for a client that had gone and held the slot."""
+    async def main():
+        flow = controller(1)
+        holder = await flow.admit(req(tenant("a")))
+        waiter = asyncio.create_task(flow.admit(req(tenant("b"), max_wait_s=max_wait_s)))
+        await asyncio.sleep(0.01)
+        assert flow.depth() == {"b": 1}
+        holder.release()  # b is granted the slot ...
+        waiter.cancel()  # ... as its client leaves
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert flow.inflight == 0 and flow.depth() == {}
+        again = await flow.admit(req(tenant("c")))  # the slot is free
+        assert flow.inflight == 1
+        again.release()
+    asyncio.run(main())
+
+
 def test_rate_limits_refuse_with_the_time_to_refill():
     clock = Clock()
     t = tenant("t", requests_per_minute=2, tokens_per_minute=600)
