@@ -50,8 +50,9 @@ _MAX_CACHED_GRAMMARS = 256
 # milliseconds to a second or two here; nested bounded repetitions in a pattern take minutes
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 DEFAULT_COMPILE_WORKERS = 2  # compiles at once: one costly spec leaves the other free
-# each worker's address space: a worker holds about 0.75 GB of it after importing xgrammar, and
-# ordinary schemas compile within a few MB more; a 1,000-property object took 3.6 GB
+# the address space a worker's compiles may take beyond what it maps after importing xgrammar
+# (about 0.75 GB with a CPU torch, gigabytes more with a CUDA one): ordinary schemas compile
+# within a few MB; a 1,000-property object took 3.6 GB
 DEFAULT_COMPILE_MEMORY_BYTES = 2 << 30
 # the directory holding the engine_worker package: the workers import from it, not from their
 # working directory
@@ -284,6 +285,8 @@ class GrammarCompilerCache:
             self._loop = loop
         kind, spec = key
         async with self._slots:
+            while self._idle and self._idle[-1].process.returncode is not None:
+                self._idle.pop()  # it died while idle: not this request's fault
             if self._idle:
                 worker = self._idle.pop()
             else:  # a new worker reads the tokenizer first (built and serialized once)

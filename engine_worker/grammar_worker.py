@@ -13,7 +13,8 @@ then one ``[kind, spec]`` per compile, each answered by ``{"ok": CompiledGrammar
 ran out of memory: the worker is not used again). Imports only xgrammar and the shared
 error type, so a worker starts in the time xgrammar's import takes (about 2-3 s here).
 
-``--memory-bytes N`` caps the worker's address space (RLIMIT_AS) before xgrammar is imported:
+``--memory-bytes N`` caps the worker's address space (RLIMIT_AS) at what it maps once xgrammar
+(and the torch it imports, whose CUDA builds map gigabytes of libraries) is imported, plus N:
 a JSON schema of 3,000 required properties drove a compile to 16.4 GB on a 24 GiB host, which
 thrashed for 7 minutes until the kernel killed it. Under the cap the allocation fails, the
 request is refused naming its field, and nothing else on the host notices.
@@ -87,12 +88,19 @@ def read_frame(stream: BinaryIO) -> object | None:
     return json.loads(data)
 
 
+def _address_space_bytes() -> int:
+    """This process's mapped address space (VmSize), which RLIMIT_AS bounds."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine_worker.grammar_worker")
     parser.add_argument("--memory-bytes", type=int, default=0, help="address-space cap (0: none)")
     memory_bytes = parser.parse_args(argv).memory_bytes
-    if memory_bytes > 0:
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     # frames go out on a private copy of stdout; anything the libraries print goes to stderr
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
@@ -104,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
 
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json),
                                    max_threads=1, cache_enabled=False)
+    if memory_bytes > 0:  # what the process maps now, plus the compiles' budget
+        limit = _address_space_bytes() + memory_bytes
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     while (request := read_frame(source)) is not None:
         kind, spec = request
         field = f"structured_outputs.{kind}"

@@ -24,6 +24,14 @@ from quire.list_limits import MAX_STOP_TOKEN_IDS, check_length, check_token_ids
 PromptType = Union[str, list[int], dict]
 
 
+class DefaultMaxTokens(int):
+    """A ``max_tokens`` the server chose because the client set none (its output cap): cut to
+    the room the prompt leaves like any, and never refused for exceeding max_model_len (a
+    client's own value past max_model_len is refused, as vLLM 0.32 refuses it)."""
+
+    __slots__ = ()
+
+
 @dataclass(frozen=True, slots=True)
 class ProcessedRequest:
     prompt_text: str | None
@@ -155,10 +163,15 @@ class InputProcessor:
         if num_prompt_tokens >= self.max_model_len:
             raise FieldError("prompt", f"{num_prompt_tokens} tokens leave no room to generate "
                              f"within max_model_len={self.max_model_len}")
+        requested = params.max_tokens
+        if requested is not None and not isinstance(requested, DefaultMaxTokens) and \
+                requested > self.max_model_len:
+            raise FieldError("max_tokens", f"max_tokens={requested} cannot be greater than "
+                             f"max_model_len={self.max_model_len}; request fewer output tokens")
         room = self.max_model_len - num_prompt_tokens
         # what the prompt leaves, as vLLM 0.32's server cuts it (get_max_tokens): the
         # completion then ends with finish_reason "length"
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        max_tokens = room if requested is None else min(requested, room)
         # The cache never holds the last sampled token, hence the - 1.
         peak = num_prompt_tokens + max_tokens - 1
         if peak > self.kv_capacity_tokens:

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message",
                         "chat_template_kwargs")
+# OpenAI's reasoning_effort values, as vLLM 0.32 takes them
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # Template variables a request may not set: the router sets them itself.
 _RESERVED_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 
@@ -64,11 +66,13 @@ class ChatTemplateOptions:
             raise RequestError(f"chat_template_kwargs: {sorted(reserved)[0]!r} cannot be set "
                                f"here", "chat_template_kwargs")
         effort = body.get("reasoning_effort")
-        if effort is not None:  # OpenAI's field, a template variable as vLLM passes it
-            if not isinstance(effort, str) or not 0 < len(effort) <= 32:
-                raise RequestError(f"reasoning_effort: must be a string such as low, medium or "
-                                   f"high, got {shown(effort)}", "reasoning_effort")
-            kwargs = {"reasoning_effort": effort, **kwargs}
+        if effort is not None:  # OpenAI's field: template variables, as vLLM 0.32 passes them
+            if effort not in REASONING_EFFORTS:
+                raise RequestError(f"reasoning_effort: must be one of "
+                                   f"{', '.join(REASONING_EFFORTS)}, got {shown(effort)}",
+                                   "reasoning_effort")
+            # thinking on unless "none", for templates that need the opt-in (Qwen3, Gemma)
+            kwargs = {"reasoning_effort": effort, "enable_thinking": effort != "none", **kwargs}
         add_generation_prompt = flag(body, "add_generation_prompt", default_generation_prompt)
         continue_final = flag(body, "continue_final_message", False)
         if continue_final and add_generation_prompt and "add_generation_prompt" in body:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
@@ -181,23 +182,26 @@ class BatchCall:
     """Several ``LocalCall``s (one per prompt of a completions batch) read as one stream.
 
     Prompt ``k``'s choice ``i`` becomes choice ``k * n + i``, as vLLM numbers a batch's
-    choices; each call's usage is held back and one message with their sum is read last. The
-    first ``read()`` waits for every call's first message, so a prompt the engine refuses
-    fails the whole request with its own status before any output. ``aclose()`` closes every
-    call (each aborts its engine request)."""
+    choices, and each message names its prompt's request (``request_id``); each call's usage
+    is held back and one message with their sum is read last. Every call is read from the
+    start, whatever the reader does (so each finishes, and frees its flow-control slot, even
+    while other prompts of the batch still wait for one), and nothing is returned before every
+    prompt has answered once: a prompt the engine refuses fails the whole request with its own
+    status before any output. ``aclose()`` closes every call (each aborts its engine request)."""
 
     def __init__(self, calls: list[LocalCall], n: int, usage_message: Callable[[], object]
                  ) -> None:
         """``usage_message()``: an empty response message whose ``usage`` is filled in."""
         self.calls, self.n = calls, n
         self._usage = usage_message()
-        self._ready: list = []
+        self._ready: deque = deque()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
-        self._open = 0
+        self._open = len(calls)
         self._started = self._done = False
 
     def _renumbered(self, k: int, message):
+        message.request_id = self.calls[k].request.request_id
         for output in message.outputs:
             output.index += k * self.n
         if message.HasField("usage"):
@@ -210,39 +214,36 @@ class BatchCall:
     async def _pump(self, k: int, call: LocalCall) -> None:
         try:
             while (message := await call.read()) is not grpc.aio.EOF:
-                await self._queue.put(self._renumbered(k, message))
-            await self._queue.put(grpc.aio.EOF)
+                await self._queue.put((k, self._renumbered(k, message)))
+            await self._queue.put((k, grpc.aio.EOF))
         except Exception as e:  # noqa: BLE001 - handed to the reader, who raises it
-            await self._queue.put(e)
+            await self._queue.put((k, e))
+
+    async def _next(self) -> tuple[int, object]:
+        k, item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item is grpc.aio.EOF:
+            self._open -= 1
+        elif item.outputs or item.prompt_token_ids or item.prompt_logprobs:
+            self._ready.append(item)
+        return k, item
 
     async def read(self):
         if self._done:
             return grpc.aio.EOF
         if not self._started:
             self._started = True
-            # all of them read to their first message (none left mid-read), then any error
-            firsts = await asyncio.gather(*(call.read() for call in self.calls),
-                                          return_exceptions=True)
-            for first in firsts:
-                if isinstance(first, BaseException):
-                    self._done = True
-                    raise first
-            for k, (call, first) in enumerate(zip(self.calls, firsts)):
-                if first is not grpc.aio.EOF:
-                    self._ready.append(self._renumbered(k, first))
-                    self._pumps.append(asyncio.ensure_future(self._pump(k, call)))
-                    self._open += 1
+            self._pumps = [asyncio.ensure_future(self._pump(k, call))
+                           for k, call in enumerate(self.calls)]
+            answered: set[int] = set()
+            while len(answered) < len(self.calls):  # each prompt's first answer (or error)
+                answered.add((await self._next())[0])
         while not self._ready and self._open:
-            item = await self._queue.get()
-            if item is grpc.aio.EOF:
-                self._open -= 1
-            elif isinstance(item, BaseException):
-                self._done = True
-                raise item
-            elif item.outputs:
-                self._ready.append(item)
+            await self._next()
         if self._ready:
-            return self._ready.pop(0)
+            return self._ready.popleft()
         self._done = True
         return self._usage
 

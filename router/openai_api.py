@@ -483,9 +483,11 @@ class OpenAIFront:
         for k, item in enumerate(batch):
             try:
                 message = await self._generate_request(req, item)
-            except RequestError as e:  # named as the batch's item
+            except RequestError as e:
+                if e.param != "prompt":
+                    raise  # a field of the whole request
                 raise RequestError(f"prompt[{k}]{str(e).removeprefix('prompt')}",
-                                   "prompt") from None
+                                   "prompt") from None  # named as the batch's item
             message.request_id = f"{req.id}-{k}"
             requests.append(message)
         return requests

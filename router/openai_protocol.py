@@ -289,7 +289,8 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
         if max_tokens is not None:
             s.max_tokens = max_tokens
     if not chat and "max_tokens" not in body:  # cut to the room the prompt leaves, as any
-        s.max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+        s.max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if cap is None else \
+            min(COMPLETIONS_DEFAULT_MAX_TOKENS, cap)
     if s.HasField("min_tokens") and s.HasField("max_tokens"):
         try:
             check_min_tokens(s.min_tokens, s.max_tokens)
@@ -549,17 +550,24 @@ class OpenAIRequest:
                 "model": self.model_name, "choices": choices}
 
     def saw(self, message) -> None:
-        """Keep what ``echo`` repeats from a response message: its prompt's ids and logprobs
-        (the first message of each prompt carries them)."""
-        if not self.echo or not message.prompt_token_ids:
+        """Keep what ``echo`` repeats from a response message: its prompt's ids (the first
+        message of each prompt) and logprobs (one message per prefill chunk, all before the
+        prompt's first output). A batch's messages name their prompt's request, ``<id>-<k>``."""
+        if not self.echo or not (message.prompt_token_ids or message.prompt_logprobs):
             return
-        k = message.outputs[0].index // self.n if message.outputs else 0
         prompt = self.body.get("prompt")
-        if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
-            prompt = prompt[k]  # one of a batch (or a batch of one)
-        ids = list(message.prompt_token_ids)
-        text = prompt if isinstance(prompt, str) else self.decode(ids)
-        self._prompts[k] = (text, ids, list(message.prompt_logprobs))
+        batch = isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt)
+        k = 0
+        if batch and len(prompt) > 1 and message.request_id.startswith(f"{self.id}-"):
+            k = int(message.request_id[len(self.id) + 1:])
+        if message.prompt_token_ids:
+            if batch:
+                prompt = prompt[k]  # one of a batch (or a batch of one)
+            ids = list(message.prompt_token_ids)
+            text = prompt if isinstance(prompt, str) else self.decode(ids)
+            self._prompts[k] = (text, ids, [])
+        if message.prompt_logprobs and k in self._prompts:
+            self._prompts[k][2].extend(message.prompt_logprobs)
 
     def usage(self, usage: pb.Usage) -> dict:
         """OpenAI's usage object (with ``echo`` and max_tokens 0, nothing was completed)."""

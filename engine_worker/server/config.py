@@ -30,8 +30,9 @@ class ServerConfig:
     # a structured-output grammar still compiling after this many seconds is stopped (its
     # worker process killed) and its request refused, INVALID_ARGUMENT naming the field
     grammar_compile_timeout_s: float = 30.0
-    # each grammar compile worker's address space (RLIMIT_AS): a compile needing more is
-    # refused, INVALID_ARGUMENT naming the field, instead of exhausting the host's memory
+    # address space a grammar compile worker's compiles may take beyond what it maps after its
+    # imports (RLIMIT_AS): a compile needing more is refused, INVALID_ARGUMENT naming the field,
+    # instead of exhausting the host's memory; 0: no cap
     grammar_compile_memory_bytes: int = 2 << 30
     drain_timeout_s: float = 30.0
     tls_cert_file: str | None = None
@@ -60,9 +61,9 @@ class ServerConfig:
         if not self.grammar_compile_timeout_s > 0:
             raise ValueError("grammar_compile_timeout_s: must be > 0, got "
                              f"{self.grammar_compile_timeout_s}")
-        if self.grammar_compile_memory_bytes < 1 << 30:  # xgrammar's import alone takes ~0.75 GB
-            raise ValueError("grammar_compile_memory_bytes: must be at least 1 GiB "
-                             f"({1 << 30}), got {self.grammar_compile_memory_bytes}")
+        if self.grammar_compile_memory_bytes != 0 and self.grammar_compile_memory_bytes < 1 << 28:
+            raise ValueError("grammar_compile_memory_bytes: must be 0 (no cap) or at least 256 "
+                             f"MiB ({1 << 28}), got {self.grammar_compile_memory_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: must be in [0, 65536), got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:

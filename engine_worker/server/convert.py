@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from quire.errors import FieldError, renamed
+from engine_worker.input_processor import DefaultMaxTokens
 from engine_worker.outputs import PoolingRequestOutput, RequestOutput
 from engine_worker.pooling_params import PoolingParams
 from engine_worker.sampling_params import SamplingParams, StructuredOutputsParams
@@ -49,7 +50,7 @@ def request_from_proto(message: pb.GenerateRequest, limits: RequestLimits):
     kwargs = {name: getattr(sampling, name) for name in _OPTIONAL if sampling.HasField(name)}
     if "max_tokens" not in kwargs:
         # up to the output cap, cut to the model's length limit, as vLLM's server does
-        kwargs["max_tokens"] = limits.max_tokens or None
+        kwargs["max_tokens"] = DefaultMaxTokens(limits.max_tokens) if limits.max_tokens else None
     structured = None
     if sampling.HasField("structured_outputs"):
         spec = spec_from_proto(sampling.structured_outputs)

@@ -97,6 +97,9 @@ def test_a_bad_prompt_in_a_batch_is_a_400_naming_it_and_nothing_runs(front, engi
     status, body = _post(front, "/v1/completions", {
         "prompt": [[5, 6], list(range(100, 2100))], "max_tokens": 2})
     assert status == 400 and body["error"]["param"] == "prompt", body
+    # a field of the whole request is named as itself, not as one of the prompts
+    status, body = _post(front, "/v1/completions", {"prompt": ["a", "b"], "temperature": -1})
+    assert status == 400 and body["error"]["param"] == "temperature", body
     status, body = _post(front, "/v1/completions", {"prompt": ["x"] * 257, "max_tokens": 1})
     assert status == 400 and "at most 256 prompts" in body["error"]["message"]
     assert wait_for(lambda: all(e.holds_no_request() for e in engines), TIMEOUT_S)
@@ -139,6 +142,7 @@ def test_fields_the_official_client_sends_are_accepted(client, front):
     for extra, param in (({"modalities": ["text", "audio"]}, "modalities"),
                          ({"web_search_options": {}}, "web_search_options"),
                          ({"reasoning_effort": 3}, "reasoning_effort"),
+                         ({"reasoning_effort": "extreme"}, "reasoning_effort"),
                          ({"use_beam_search": True}, "use_beam_search")):
         status, body = _post(front, "/v1/chat/completions", {"messages": MESSAGES, **extra})
         assert status == 400 and body["error"]["param"] == param, body

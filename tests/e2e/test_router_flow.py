@@ -216,6 +216,22 @@ def test_an_embeddings_request_beyond_its_tenants_queue_is_shed_whole(engine):
         router.close()
 
 
+def test_a_batch_of_more_prompts_than_slots_is_answered(engine):
+    """Each prompt of a completions batch is a request of its own in flow control: with one
+    slot, the first must finish (and free it) before the next runs, so the batch is read as it
+    comes rather than held until every prompt has started (which waited forever)."""
+    router = flow_router(engine)
+    try:
+        status, _, body = http(router, {"prompt": [[1, 2], [3, 4], [5, 6]], "max_tokens": 2,
+                                        "ignore_eos": True}, {TENANT: "t"})
+        assert status == 200, body
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        assert body["usage"]["completion_tokens"] == 6
+        settle(router, engine)
+    finally:
+        router.close()
+
+
 def test_shedding_answers_429_with_retry_after_and_leaves_nothing_running(engine):
     router = flow_router(engine, max_queue_per_tenant=1, queue_timeout_s=2.0)
     try:

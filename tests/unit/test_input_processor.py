@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_worker.input_processor import InputProcessor
+from engine_worker.input_processor import DefaultMaxTokens, InputProcessor
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.tokenizer import Tokenizer
 from quire.list_limits import MAX_STOP_TOKEN_IDS
@@ -33,6 +33,12 @@ def test_a_max_tokens_is_cut_to_the_room_the_prompt_leaves_as_vllm_cuts_it(proce
     assert _max_tokens(processor, 10, 16) == 16
     with pytest.raises(ValueError, match=r"^prompt: 64 tokens leave no room"):
         _max_tokens(processor, 64, 1)
+    # a client's max_tokens past max_model_len itself is refused, as vLLM 0.32 refuses it; the
+    # server's own default cap is only cut
+    with pytest.raises(ValueError, match=r"^max_tokens: max_tokens=65 cannot be greater than "
+                                         r"max_model_len=64"):
+        _max_tokens(processor, 10, 65)
+    assert _max_tokens(processor, 10, DefaultMaxTokens(4096)) == 54
 
 
 def test_a_prompt_that_leaves_no_room_is_refused_as_before(processor):

@@ -110,3 +110,45 @@ def test_body_errors_name_the_field_or_the_place_of_its_key(body, param, message
     with pytest.raises(RequestError) as err:
         check_body(body, chat=False)
     assert err.value.param == param and str(err.value).startswith(message)
+
+
+def test_echo_gathers_prompt_logprobs_from_every_prefill_chunk():
+    """The engine sends a long prompt's logprobs one prefill chunk per message, all before its
+    first output: the echoed logprobs cover every prompt position, for each prompt of a
+    batch (its messages named <id>-<k>)."""
+    from quire.v1 import engine_pb2 as pb
+    from router.openai_protocol import OpenAIRequest
+
+    def entries(ids):
+        return [pb.PositionLogprobs(token_ids=[t], logprobs=[-0.5]) for t in ids]
+
+    for prompt in ([5, 6, 7, 8, 9], [[1, 2], [5, 6, 7, 8, 9]]):
+        req = OpenAIRequest({"prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 1},
+                            chat=False, model_name="m", token_text=lambda t: f"<{t}>")
+        k = 1 if isinstance(prompt[0], list) else 0
+        rid = f"{req.id}-{k}" if k else req.id
+        req.saw(pb.GenerateResponse(request_id=rid, prompt_token_ids=[5, 6, 7, 8, 9],
+                                    prompt_logprobs=[pb.PositionLogprobs(), *entries([6, 7])]))
+        req.saw(pb.GenerateResponse(request_id=rid, prompt_logprobs=entries([8, 9])))
+        last = pb.CompletionDelta(index=k, text="<3>", token_ids=[3], logprobs=entries([3]))
+        choice = req.choice(k, last.text, last.logprobs, "length", chunk=False)
+        logprobs = choice["logprobs"]
+        assert choice["text"] == "<5><6><7><8><9><3>"
+        assert logprobs["tokens"] == [f"<{t}>" for t in (5, 6, 7, 8, 9, 3)]
+        assert logprobs["token_logprobs"] == [None, -0.5, -0.5, -0.5, -0.5, -0.5]
+        assert logprobs["top_logprobs"][0] is None and len(logprobs["top_logprobs"]) == 6
+        assert logprobs["text_offset"] == [0, 3, 6, 9, 12, 15]
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it():
+    from router.chat_template import ChatTemplateOptions
+
+    messages = [{"role": "user", "content": "hi"}]
+    options = ChatTemplateOptions.from_body({"reasoning_effort": "none"}, messages)
+    assert options.template_kwargs == {"reasoning_effort": "none", "enable_thinking": False}
+    mine = ChatTemplateOptions.from_body({"reasoning_effort": "high", "chat_template_kwargs":
+                                          {"enable_thinking": False}}, messages)
+    assert mine.template_kwargs == {"reasoning_effort": "high", "enable_thinking": False}
+    with pytest.raises(RequestError) as err:
+        ChatTemplateOptions.from_body({"reasoning_effort": "extreme"}, messages)
+    assert err.value.param == "reasoning_effort"
