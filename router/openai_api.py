@@ -37,10 +37,10 @@ from router.config import RouterServerConfig
 from router.http_guard import GuardedAppRunner, RateLimitedLog, deadline_of
 from router.local_call import BatchCall, LocalCall, local_unary
 from router.metrics import RouterMetrics
-from router.openai_protocol import (FINISH, RequestError, chat_messages, check_batch,
-                                    check_body, error_response, request_priority,
-                                    sampling_options, shown, sse, token_list, Choice,
-                                    OpenAIRequest)
+from router.openai_answer import OpenAIRequest, collect, stream
+from router.openai_protocol import (RequestError, chat_messages, check_batch, check_body,
+                                    error_response, request_priority, sampling_options, shown,
+                                    token_list)
 from router.openai_embeddings import (EMBEDDING_FIELDS, EMBEDDING_INPUTS_IN_FLIGHT,
                                       Conversation, EmbeddingsRequest, embeddings_response)
 from router.openai_tokenize import (DETOKENIZE_FIELDS, TOKENIZE_FIELDS, TokenizeRequest,
@@ -294,8 +294,8 @@ class OpenAIFront:
                 calls, calls[0].request.sampling.n or 1, pb.GenerateResponse)
             first = await call.read()  # errors before any output keep their HTTP status
             if req.stream:
-                return await self._stream(request, req, call, first)
-            return await self._collect(req, call, first)
+                return await stream(request, req, call, first, self._account)
+            return await collect(req, call, first, self._account)
         except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
             return self._error(request, e, None if req is None else req.field_aliases)
         finally:
@@ -542,67 +542,3 @@ class OpenAIFront:
         self.metrics.tokens.labels("prompt").inc(usage.prompt_tokens)
         self.metrics.tokens.labels("completion").inc(usage.completion_tokens)
         self.metrics.tokens.labels("cached").inc(usage.cached_tokens)
-
-    async def _messages(self, call, first):
-        message = first
-        while message is not grpc.aio.EOF:
-            yield message
-            message = await call.read()
-
-    async def _collect(self, req: OpenAIRequest, call, first) -> web.Response:
-        choices: dict[int, Choice] = {}
-        usage = pb.Usage()
-        async for message in self._messages(call, first):
-            req.saw(message)
-            for delta in message.outputs:
-                choice = choices.setdefault(delta.index, Choice())
-                choice.text.append(delta.text)
-                choice.logprobs.extend(delta.logprobs)
-                if delta.finish_reason:
-                    choice.finish_reason = FINISH.get(delta.finish_reason, "stop")
-                    choice.stop_reason = delta.stop_reason
-            if message.HasField("usage"):
-                usage = message.usage
-        self._account(usage)
-        body = req.envelope([req.choice(i, "".join(c.text), c.logprobs, c.finish_reason,
-                                        chunk=False, stop_reason=c.stop_reason)
-                             for i, c in sorted(choices.items())])
-        body["usage"] = req.usage(usage)
-        return web.json_response(body)
-
-    async def _stream(self, request: web.Request, req: OpenAIRequest, call, first):
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        started: set[int] = set()
-        try:
-            async for message in self._messages(call, first):
-                req.saw(message)
-                choices = []  # one per chunk, as OpenAI and vLLM stream n > 1
-                for delta in message.outputs:
-                    finish = FINISH.get(delta.finish_reason) if delta.finish_reason else None
-                    if delta.text or finish or delta.logprobs or delta.index not in started:
-                        if req.chat and delta.index not in started:
-                            choices.append(req.role_choice(delta.index))
-                        choice = req.choice(delta.index, delta.text, delta.logprobs, finish,
-                                            chunk=True, first=delta.index not in started,
-                                            stop_reason=delta.stop_reason)
-                        started.add(delta.index)
-                        if req.tools is None or choice["delta"] or choice["finish_reason"] \
-                                or choice["logprobs"]:  # empty while a tool call is held back
-                            choices.append(choice)
-                if choices:
-                    await response.write(b"".join(sse(req.envelope([choice], chunk=True))
-                                                  for choice in choices))
-                if message.HasField("usage"):
-                    self._account(message.usage)
-                    if req.include_usage:
-                        chunk = req.envelope([], chunk=True) | {"usage": req.usage(message.usage)}
-                        await response.write(sse(chunk))
-        except grpc.aio.AioRpcError as e:  # headers are gone: report the error in-band
-            await response.write(sse(json.loads(error_response(e).text)))
-        except ConnectionResetError:
-            return response  # the client left; the finally in _serve cancels the call
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response

@@ -1,6 +1,6 @@
 """The OpenAI wire format for the router's HTTP front: request validation (errors name the
-field), ``quire.v1`` request building, response/chunk rendering, and the one mapping of errors
-to HTTP statuses with an OpenAI-style JSON body.
+field), ``quire.v1`` request building, and the one mapping of errors to HTTP statuses with an
+OpenAI-style JSON body. Answers (choices, chunks, usage) are ``router.openai_answer``'s.
 """
 
 from __future__ import annotations
@@ -8,10 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import grpc
 from aiohttp import web
@@ -21,7 +18,6 @@ from quire.limits import (DEFAULT_MAX_N, UINT32_MAX, check_min_tokens, check_n,
                           check_sampling, shown)
 from quire.list_limits import MAX_CHAT_MESSAGES, MAX_CONTENT_PARTS, MAX_STOP_TOKEN_IDS
 from quire.structured_outputs import check_logit_bias, structured_outputs_kind
-from quire.tool_calls import ToolCallStream, ToolChoice, tool_choice_of
 from quire.v1 import engine_pb2 as pb
 from router.admission import RETRY_AFTER_METADATA
 
@@ -208,7 +204,7 @@ def _number(body: dict, name: str, *, rule: str | None = None, hi: int | None = 
         raise RequestError(str(e), e.field) from None
 
 
-def _flag(body: dict, name: str) -> bool | None:
+def bool_field(body: dict, name: str) -> bool | None:
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
         raise RequestError(f"{name}: must be a boolean, got {shown(value)}", name)
@@ -279,7 +275,7 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
         s.seed = seed
     cap, why = (max_tokens_limit, " (the server's --max-tokens-limit)") if max_tokens_limit \
         else (None, "")
-    echo = not chat and bool(_flag(body, "echo"))
+    echo = not chat and bool(bool_field(body, "echo"))
     names = ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)
     if echo and body.get("max_tokens") == 0 and not isinstance(body["max_tokens"], bool):
         names = ()  # the prompt alone (scoring): one token is generated and left out
@@ -304,9 +300,9 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
         if ids is None:
             raise RequestError("stop_token_ids: must be a list of token ids", "stop_token_ids")
         s.stop_token_ids[:] = ids
-    s.ignore_eos = bool(_flag(body, "ignore_eos"))
-    s.include_stop_str_in_output = bool(_flag(body, "include_stop_str_in_output"))
-    skip_special = _flag(body, "skip_special_tokens")
+    s.ignore_eos = bool(bool_field(body, "ignore_eos"))
+    s.include_stop_str_in_output = bool(bool_field(body, "include_stop_str_in_output"))
+    skip_special = bool_field(body, "skip_special_tokens")
     if skip_special is not None:
         s.skip_special_tokens = skip_special
     if body.get("logit_bias") is not None:
@@ -319,7 +315,7 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
         s.structured_outputs.CopyFrom(structured)
     if chat:
         top = _number(body, "top_logprobs", rule="logprobs")
-        if _flag(body, "logprobs"):
+        if bool_field(body, "logprobs"):
             s.logprobs = top or 0
         elif top:  # 0 with logprobs off asks for nothing (generic clients send both defaults)
             raise RequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
@@ -469,212 +465,3 @@ def _tool_calls(calls, i: int) -> list[dict]:
                     "function": {"name": function["name"],
                                  "arguments": function.get("arguments", "")}})
     return out
-
-
-# ---- responses --------------------------------------------------------------------------------
-
-@dataclass
-class Choice:
-    text: list[str] = field(default_factory=list)
-    logprobs: list[pb.PositionLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str = ""  # the engine's: the stop string or stop token id that ended it
-
-
-class OpenAIRequest:
-    """One OpenAI request in flight: its kind, ids and how to render deltas and usage."""
-
-    def __init__(self, body: dict, *, chat: bool, model_name: str,
-                 token_text: Callable[[int], str],
-                 decode: Callable[[list[int]], str] | None = None) -> None:
-        """``token_text``: one token's text; ``decode``: a prompt's text from its ids (for
-        ``echo``; default: its tokens' texts joined)."""
-        self.body, self.chat = body, chat
-        self.model_name, self.token_text = model_name, token_text
-        self.decode = decode or (lambda ids: "".join(map(token_text, ids)))
-        # completions' echo: each answer starts with its prompt (and its logprobs); with
-        # max_tokens 0 it is the prompt alone (the one token generated is left out)
-        self.echo = not chat and bool(_flag(body, "echo"))
-        self.echo_only = self.echo and body.get("max_tokens") == 0
-        self.n = body.get("n") or 1
-        self._prompts: dict[int, tuple[str, list[int], list]] = {}  # k -> text, ids, logprobs
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
-        self.stream = bool(_flag(body, "stream"))
-        options = body.get("stream_options") or {}
-        # include_obfuscation (OpenAI's padding against length side channels): accepted and
-        # ignored, as vLLM does
-        if not isinstance(options, dict) or \
-                not set(options) <= {"include_usage", "include_obfuscation"}:
-            raise RequestError("stream_options: must be an object with at most "
-                               "include_usage and include_obfuscation", "stream_options")
-        self.include_usage = bool(_flag(options, "include_usage"))
-        self.want_logprobs = bool(_flag(body, "logprobs")) if chat else (
-            body.get("logprobs") is not None)
-        # fields the engine names by their wire name, named as this request sent them (the
-        # LoRA adapter is the request's model)
-        self.field_aliases: dict[str, str] = {
-            "lora_name": "model",
-            # the engine names the ids the router sent it, and a prompt too long for the
-            # model "prompt"; the client sent a prompt (or messages, rendered into ids)
-            "token_ids": "messages" if chat else "prompt", "prompt": "messages" if chat
-            else "prompt"}
-        if body.get("response_format") is not None:
-            self.field_aliases["structured_outputs.json"] = "response_format"
-        for name, kind in GUIDED_FIELDS.items():
-            if body.get(name) is not None:
-                self.field_aliases[f"structured_outputs.{kind}"] = name
-        self.tools: ToolChoice | None = None  # how tools may be called; None: not at all
-        self.prompt_tools: tuple[dict, ...] = ()  # the tools the prompt shows (any choice)
-        if chat:
-            try:
-                self.tools = tool_choice_of(body)
-            except FieldError as e:
-                raise RequestError(str(e), e.field) from None
-            self.prompt_tools = tuple(body.get("tools") or ())
-        if self.tools is not None and self.tools.schema() is not None:
-            if body.get("response_format") is not None or \
-                    body.get("structured_outputs") is not None or \
-                    any(body.get(name) is not None for name in GUIDED_FIELDS):
-                raise RequestError("tool_choice: required or a named function cannot be "
-                                   "combined with response_format or structured_outputs",
-                                   "tool_choice")
-            self.field_aliases["structured_outputs.json"] = "tools"
-        self._tool_streams: dict[int, ToolCallStream] = {}
-        self._text_offsets: dict[int, int] = {}  # per choice: characters of its tokens so far
-
-    def envelope(self, choices: list[dict], *, chunk: bool = False) -> dict:
-        obj = self.object + (".chunk" if chunk and self.chat else "")
-        return {"id": self.id, "object": obj, "created": self.created,
-                "model": self.model_name, "choices": choices}
-
-    def saw(self, message) -> None:
-        """Keep what ``echo`` repeats from a response message: its prompt's ids (the first
-        message of each prompt) and logprobs (one message per prefill chunk, all before the
-        prompt's first output). A batch's messages name their prompt's request, ``<id>-<k>``."""
-        if not self.echo or not (message.prompt_token_ids or message.prompt_logprobs):
-            return
-        prompt = self.body.get("prompt")
-        batch = isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt)
-        k = 0
-        if batch and len(prompt) > 1 and message.request_id.startswith(f"{self.id}-"):
-            k = int(message.request_id[len(self.id) + 1:])
-        if message.prompt_token_ids:
-            if batch:
-                prompt = prompt[k]  # one of a batch (or a batch of one)
-            ids = list(message.prompt_token_ids)
-            text = prompt if isinstance(prompt, str) else self.decode(ids)
-            self._prompts[k] = (text, ids, [])
-        if message.prompt_logprobs and k in self._prompts:
-            self._prompts[k][2].extend(message.prompt_logprobs)
-
-    def usage(self, usage: pb.Usage) -> dict:
-        """OpenAI's usage object (with ``echo`` and max_tokens 0, nothing was completed)."""
-        body = usage_json(usage)
-        if self.echo_only:
-            body["completion_tokens"] = 0
-            body["total_tokens"] = usage.prompt_tokens
-        return body
-
-    def _echoed(self, index: int, text: str, entries) -> tuple[str, list, tuple | None]:
-        """(text, entries, prompt) of a choice's first output with ``echo``: its prompt in
-        front (``prompt``: (ids, logprob entries) for ``logprobs``)."""
-        if self.echo_only:
-            text, entries = "", []
-        prompt = self._prompts.get(index // self.n)
-        if prompt is None:
-            return text, list(entries), None
-        return prompt[0] + text, list(entries), (prompt[1], prompt[2])
-
-    def logprobs(self, entries, index: int = 0, prompt: tuple | None = None) -> dict | None:
-        """OpenAI's logprobs object for ``entries`` of choice ``index`` (chat: ``content``;
-        completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` holding the chosen
-        token and the top k, as vLLM's, and ``text_offset``, each token's start in the
-        choice's text, counted on across a stream's chunks)."""
-        if not self.want_logprobs:
-            return None
-        token = self.token_text
-        if self.chat:
-            def item(tid, lp):
-                text = token(tid)
-                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-            return {"content": [
-                {**item(e.token_ids[0], e.logprobs[0]),
-                 "top_logprobs": [item(t, lp) for t, lp in zip(e.token_ids[1:], e.logprobs[1:])]}
-                for e in entries]}
-        tokens = [token(e.token_ids[0]) for e in entries]
-        chosen = [e.logprobs[0] for e in entries]
-        tops = [{token(t): lp for t, lp in zip(e.token_ids, e.logprobs)} for e in entries]
-        if prompt is not None:  # echo: the prompt's positions first; the first has none
-            ids, prompt_entries = prompt
-            tokens = [token(t) for t in ids] + tokens
-            firsts = [e.logprobs[0] if e.token_ids else None for e in prompt_entries]
-            chosen = ([None] * len(ids) if not prompt_entries else firsts) + chosen
-            tops = ([None] * len(ids) if not prompt_entries else
-                    [{token(t): lp for t, lp in zip(e.token_ids, e.logprobs)} or None
-                     for e in prompt_entries]) + tops
-        offsets, at = [], self._text_offsets.get(index, 0)
-        for text in tokens:
-            offsets.append(at)
-            at += len(text)
-        self._text_offsets[index] = at
-        return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops,
-                "text_offset": offsets}
-
-    def role_choice(self, index: int) -> dict:
-        """A chat stream's first chunk of a choice: the role alone, as OpenAI and vLLM send it
-        (readers that skip it as the role chunk lose no text)."""
-        return {"index": index, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}
-
-    def stop_reason(self, value: str) -> str | int | None:
-        """vLLM's ``stop_reason``: the stop string that ended the choice, or the stop token id
-        (an integer); None for EOS or length."""
-        stops = self.body.get("stop")
-        if not value or value in ([stops] if isinstance(stops, str) else stops or []):
-            return value or None
-        ids = self.body.get("stop_token_ids") or []
-        return int(value) if value.isdigit() and int(value) in ids else value
-
-    def choice(self, index: int, text: str, entries, finish: str | None, *,
-               chunk: bool, first: bool = False, stop_reason: str = "") -> dict:
-        calls: list = []
-        if self.tools is not None:  # the calls in the text, parsed out of it
-            if chunk:
-                stream = self._tool_streams.setdefault(index, ToolCallStream(self.tools))
-                text, calls = stream.feed(text, finished=finish is not None)
-                finish = self.tools.finish_reason(stream.calls, finish)
-            else:
-                text, calls = self.tools.parse(text)
-                finish = self.tools.finish_reason(calls, finish)
-        prompt = None
-        if self.echo and (first or not chunk):
-            text, entries, prompt = self._echoed(index, text, entries)
-        elif self.echo_only:
-            text, entries = "", []
-        body: dict = {"index": index, "logprobs": self.logprobs(entries, index, prompt),
-                      "finish_reason": finish}
-        if finish is not None or not chunk:
-            body["stop_reason"] = self.stop_reason(stop_reason)
-        if not self.chat:
-            body["text"] = text
-        elif chunk:  # the role came in its own first chunk (role_choice)
-            body["delta"] = ({"content": text} if text else {}) | (
-                {"tool_calls": [c.as_json(n) for n, c in enumerate(
-                    calls, len(self._tool_streams[index].calls) - len(calls))]}
-                if calls else {})
-        else:
-            body["message"] = {"role": "assistant", "content": text} | (
-                {"tool_calls": [c.as_json() for c in calls]} if calls else {})
-        return body
-
-
-def usage_json(usage: pb.Usage) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
-
-
-def sse(payload: dict) -> bytes:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()

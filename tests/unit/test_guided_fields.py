@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from router.openai_protocol import (OpenAIRequest, RequestError, check_body,
-                                    structured_outputs_of)
+from router.openai_answer import OpenAIRequest
+from router.openai_protocol import RequestError, check_body, structured_outputs_of
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 

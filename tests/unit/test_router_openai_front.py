@@ -117,7 +117,7 @@ def test_echo_gathers_prompt_logprobs_from_every_prefill_chunk():
     first output: the echoed logprobs cover every prompt position, for each prompt of a
     batch (its messages named <id>-<k>)."""
     from quire.v1 import engine_pb2 as pb
-    from router.openai_protocol import OpenAIRequest
+    from router.openai_answer import OpenAIRequest
 
     def entries(ids):
         return [pb.PositionLogprobs(token_ids=[t], logprobs=[-0.5]) for t in ids]

@@ -1,0 +1,303 @@
+"""One OpenAI request's answer on the router's HTTP front: its deltas rendered as OpenAI's
+choices, chunks, logprobs and usage (``OpenAIRequest``), and relayed from its call, whole
+(``collect``) or as server-sent events (``stream``). What a request may carry and how it is
+checked is ``router.openai_protocol``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from aiohttp import web
+
+from quire.errors import FieldError
+from quire.tool_calls import ToolCallStream, ToolChoice, tool_choice_of
+from quire.v1 import engine_pb2 as pb
+from router.openai_protocol import (FINISH, GUIDED_FIELDS, RequestError, bool_field,
+                                    error_response)
+
+
+@dataclass
+class Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[pb.PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str = ""  # the engine's: the stop string or stop token id that ended it
+
+
+class OpenAIRequest:
+    """One OpenAI request in flight: its kind, ids and how to render deltas and usage."""
+
+    def __init__(self, body: dict, *, chat: bool, model_name: str,
+                 token_text: Callable[[int], str],
+                 decode: Callable[[list[int]], str] | None = None) -> None:
+        """``token_text``: one token's text; ``decode``: a prompt's text from its ids (for
+        ``echo``; default: its tokens' texts joined)."""
+        self.body, self.chat = body, chat
+        self.model_name, self.token_text = model_name, token_text
+        self.decode = decode or (lambda ids: "".join(map(token_text, ids)))
+        # completions' echo: each answer starts with its prompt (and its logprobs); with
+        # max_tokens 0 it is the prompt alone (the one token generated is left out)
+        self.echo = not chat and bool(bool_field(body, "echo"))
+        self.echo_only = self.echo and body.get("max_tokens") == 0
+        self.n = body.get("n") or 1
+        self._prompts: dict[int, tuple[str, list[int], list]] = {}  # k -> text, ids, logprobs
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.stream = bool(bool_field(body, "stream"))
+        options = body.get("stream_options") or {}
+        # include_obfuscation (OpenAI's padding against length side channels): accepted and
+        # ignored, as vLLM does
+        if not isinstance(options, dict) or \
+                not set(options) <= {"include_usage", "include_obfuscation"}:
+            raise RequestError("stream_options: must be an object with at most "
+                               "include_usage and include_obfuscation", "stream_options")
+        self.include_usage = bool(bool_field(options, "include_usage"))
+        self.want_logprobs = bool(bool_field(body, "logprobs")) if chat else (
+            body.get("logprobs") is not None)
+        # fields the engine names by their wire name, named as this request sent them (the
+        # LoRA adapter is the request's model)
+        self.field_aliases: dict[str, str] = {
+            "lora_name": "model",
+            # the engine names the ids the router sent it, and a prompt too long for the
+            # model "prompt"; the client sent a prompt (or messages, rendered into ids)
+            "token_ids": "messages" if chat else "prompt", "prompt": "messages" if chat
+            else "prompt"}
+        if body.get("response_format") is not None:
+            self.field_aliases["structured_outputs.json"] = "response_format"
+        for name, kind in GUIDED_FIELDS.items():
+            if body.get(name) is not None:
+                self.field_aliases[f"structured_outputs.{kind}"] = name
+        self.tools: ToolChoice | None = None  # how tools may be called; None: not at all
+        self.prompt_tools: tuple[dict, ...] = ()  # the tools the prompt shows (any choice)
+        if chat:
+            try:
+                self.tools = tool_choice_of(body)
+            except FieldError as e:
+                raise RequestError(str(e), e.field) from None
+            self.prompt_tools = tuple(body.get("tools") or ())
+        if self.tools is not None and self.tools.schema() is not None:
+            if body.get("response_format") is not None or \
+                    body.get("structured_outputs") is not None or \
+                    any(body.get(name) is not None for name in GUIDED_FIELDS):
+                raise RequestError("tool_choice: required or a named function cannot be "
+                                   "combined with response_format or structured_outputs",
+                                   "tool_choice")
+            self.field_aliases["structured_outputs.json"] = "tools"
+        self._tool_streams: dict[int, ToolCallStream] = {}
+        self._text_offsets: dict[int, int] = {}  # per choice: characters of its tokens so far
+
+    def envelope(self, choices: list[dict], *, chunk: bool = False) -> dict:
+        obj = self.object + (".chunk" if chunk and self.chat else "")
+        return {"id": self.id, "object": obj, "created": self.created,
+                "model": self.model_name, "choices": choices}
+
+    def saw(self, message) -> None:
+        """Keep what ``echo`` repeats from a response message: its prompt's ids (the first
+        message of each prompt) and logprobs (one message per prefill chunk, all before the
+        prompt's first output). A batch's messages name their prompt's request, ``<id>-<k>``."""
+        if not self.echo or not (message.prompt_token_ids or message.prompt_logprobs):
+            return
+        prompt = self.body.get("prompt")
+        batch = isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt)
+        k = 0
+        if batch and len(prompt) > 1 and message.request_id.startswith(f"{self.id}-"):
+            k = int(message.request_id[len(self.id) + 1:])
+        if message.prompt_token_ids:
+            if batch:
+                prompt = prompt[k]  # one of a batch (or a batch of one)
+            ids = list(message.prompt_token_ids)
+            text = prompt if isinstance(prompt, str) else self.decode(ids)
+            self._prompts[k] = (text, ids, [])
+        if message.prompt_logprobs and k in self._prompts:
+            self._prompts[k][2].extend(message.prompt_logprobs)
+
+    def usage(self, usage: pb.Usage) -> dict:
+        """OpenAI's usage object (with ``echo`` and max_tokens 0, nothing was completed)."""
+        body = usage_json(usage)
+        if self.echo_only:
+            body["completion_tokens"] = 0
+            body["total_tokens"] = usage.prompt_tokens
+        return body
+
+    def _echoed(self, index: int, text: str, entries) -> tuple[str, list, tuple | None]:
+        """(text, entries, prompt) of a choice's first output with ``echo``: its prompt in
+        front (``prompt``: (ids, logprob entries) for ``logprobs``)."""
+        if self.echo_only:
+            text, entries = "", []
+        prompt = self._prompts.get(index // self.n)
+        if prompt is None:
+            return text, list(entries), None
+        return prompt[0] + text, list(entries), (prompt[1], prompt[2])
+
+    def logprobs(self, entries, index: int = 0, prompt: tuple | None = None) -> dict | None:
+        """OpenAI's logprobs object for ``entries`` of choice ``index`` (chat: ``content``;
+        completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` holding the chosen
+        token and the top k, as vLLM's, and ``text_offset``, each token's start in the
+        choice's text, counted on across a stream's chunks)."""
+        if not self.want_logprobs:
+            return None
+        token = self.token_text
+        if self.chat:
+            def item(tid, lp):
+                text = token(tid)
+                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            return {"content": [
+                {**item(e.token_ids[0], e.logprobs[0]),
+                 "top_logprobs": [item(t, lp) for t, lp in zip(e.token_ids[1:], e.logprobs[1:])]}
+                for e in entries]}
+        tokens = [token(e.token_ids[0]) for e in entries]
+        chosen = [e.logprobs[0] for e in entries]
+        tops = [{token(t): lp for t, lp in zip(e.token_ids, e.logprobs)} for e in entries]
+        if prompt is not None:  # echo: the prompt's positions first; the first has none
+            ids, prompt_entries = prompt
+            tokens = [token(t) for t in ids] + tokens
+            firsts = [e.logprobs[0] if e.token_ids else None for e in prompt_entries]
+            chosen = ([None] * len(ids) if not prompt_entries else firsts) + chosen
+            tops = ([None] * len(ids) if not prompt_entries else
+                    [{token(t): lp for t, lp in zip(e.token_ids, e.logprobs)} or None
+                     for e in prompt_entries]) + tops
+        offsets, at = [], self._text_offsets.get(index, 0)
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        self._text_offsets[index] = at
+        return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def role_choice(self, index: int) -> dict:
+        """A chat stream's first chunk of a choice: the role alone, as OpenAI and vLLM send it
+        (readers that skip it as the role chunk lose no text)."""
+        return {"index": index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}
+
+    def stop_reason(self, value: str) -> str | int | None:
+        """vLLM's ``stop_reason``: the stop string that ended the choice, or the stop token id
+        (an integer); None for EOS or length."""
+        stops = self.body.get("stop")
+        if not value or value in ([stops] if isinstance(stops, str) else stops or []):
+            return value or None
+        ids = self.body.get("stop_token_ids") or []
+        return int(value) if value.isdigit() and int(value) in ids else value
+
+    def choice(self, index: int, text: str, entries, finish: str | None, *,
+               chunk: bool, first: bool = False, stop_reason: str = "") -> dict:
+        calls: list = []
+        if self.tools is not None:  # the calls in the text, parsed out of it
+            if chunk:
+                stream = self._tool_streams.setdefault(index, ToolCallStream(self.tools))
+                text, calls = stream.feed(text, finished=finish is not None)
+                finish = self.tools.finish_reason(stream.calls, finish)
+            else:
+                text, calls = self.tools.parse(text)
+                finish = self.tools.finish_reason(calls, finish)
+        prompt = None
+        if self.echo and (first or not chunk):
+            text, entries, prompt = self._echoed(index, text, entries)
+        elif self.echo_only:
+            text, entries = "", []
+        body: dict = {"index": index, "logprobs": self.logprobs(entries, index, prompt),
+                      "finish_reason": finish}
+        if finish is not None or not chunk:
+            body["stop_reason"] = self.stop_reason(stop_reason)
+        if not self.chat:
+            body["text"] = text
+        elif chunk:  # the role came in its own first chunk (role_choice)
+            body["delta"] = ({"content": text} if text else {}) | (
+                {"tool_calls": [c.as_json(n) for n, c in enumerate(
+                    calls, len(self._tool_streams[index].calls) - len(calls))]}
+                if calls else {})
+        else:
+            body["message"] = {"role": "assistant", "content": text} | (
+                {"tool_calls": [c.as_json() for c in calls]} if calls else {})
+        return body
+
+
+def usage_json(usage: pb.Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def sse(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+async def _messages(call, first):
+    """``first``, then every later message of ``call``."""
+    message = first
+    while message is not grpc.aio.EOF:
+        yield message
+        message = await call.read()
+
+
+
+async def collect(req: OpenAIRequest, call, first,
+                  account: Callable[[pb.Usage], None]) -> web.Response:
+    """The whole answer of ``call`` (``first``: its first message, already read) as one JSON
+    response; ``account(usage)`` counts its tokens."""
+    choices: dict[int, Choice] = {}
+    usage = pb.Usage()
+    async for message in _messages(call, first):
+        req.saw(message)
+        for delta in message.outputs:
+            choice = choices.setdefault(delta.index, Choice())
+            choice.text.append(delta.text)
+            choice.logprobs.extend(delta.logprobs)
+            if delta.finish_reason:
+                choice.finish_reason = FINISH.get(delta.finish_reason, "stop")
+                choice.stop_reason = delta.stop_reason
+        if message.HasField("usage"):
+            usage = message.usage
+    account(usage)
+    body = req.envelope([req.choice(i, "".join(c.text), c.logprobs, c.finish_reason,
+                                    chunk=False, stop_reason=c.stop_reason)
+                         for i, c in sorted(choices.items())])
+    body["usage"] = req.usage(usage)
+    return web.json_response(body)
+
+async def stream(request: web.Request, req: OpenAIRequest, call, first,
+                 account: Callable[[pb.Usage], None]) -> web.StreamResponse:
+    """The answer of ``call`` relayed as server-sent events, ending with ``[DONE]`` (an error
+    after the headers went out is reported in-band)."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    started: set[int] = set()
+    try:
+        async for message in _messages(call, first):
+            req.saw(message)
+            choices = []  # one per chunk, as OpenAI and vLLM stream n > 1
+            for delta in message.outputs:
+                finish = FINISH.get(delta.finish_reason) if delta.finish_reason else None
+                if delta.text or finish or delta.logprobs or delta.index not in started:
+                    if req.chat and delta.index not in started:
+                        choices.append(req.role_choice(delta.index))
+                    choice = req.choice(delta.index, delta.text, delta.logprobs, finish,
+                                        chunk=True, first=delta.index not in started,
+                                        stop_reason=delta.stop_reason)
+                    started.add(delta.index)
+                    if req.tools is None or choice["delta"] or choice["finish_reason"] \
+                            or choice["logprobs"]:  # empty while a tool call is held back
+                        choices.append(choice)
+            if choices:
+                await response.write(b"".join(sse(req.envelope([choice], chunk=True))
+                                              for choice in choices))
+            if message.HasField("usage"):
+                account(message.usage)
+                if req.include_usage:
+                    chunk = req.envelope([], chunk=True) | {"usage": req.usage(message.usage)}
+                    await response.write(sse(chunk))
+    except grpc.aio.AioRpcError as e:  # headers are gone: report the error in-band
+        await response.write(sse(json.loads(error_response(e).text)))
+    except ConnectionResetError:
+        return response  # the client left; the front's finally cancels the call
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
