@@ -91,9 +91,6 @@ async def load_everywhere(pool: EnginePool, lora_name, lora_path,
     ``sources`` remembers the path once every engine has loaded it (for engines that join
     later, and restarted ones)."""
     name, path = _check_name(lora_name, "lora_name"), _check_name(lora_path, "lora_path")
-    if any(c.info is not None and c.info.model_name == name for c in pool.serving()):
-        raise FieldError("lora_name", f"{name!r} is the base model's name: an adapter needs a "
-                         "name of its own")
     clients = [c for c in pool.serving() if isinstance(c, LoRACapable)]
     if not clients:
         raise NoEndpointError("no serving engine loads LoRA adapters")

@@ -45,6 +45,9 @@ class OpenAIRequest:
         # max_tokens 0 it is the prompt alone (the one token generated is left out)
         self.echo = not chat and bool(bool_field(body, "echo"))
         self.echo_only = self.echo and body.get("max_tokens") == 0
+        prompt = body.get("prompt")  # as sent: a batch's prompts, one per k
+        self._echoed_prompts = prompt if isinstance(prompt, list) and all(
+            isinstance(p, (str, list)) for p in prompt) else [prompt]
         self.n = body.get("n") or 1
         self._prompts: dict[int, tuple[str, list[int], list]] = {}  # k -> text, ids, logprobs
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -104,14 +107,11 @@ class OpenAIRequest:
         prompt's first output). A batch's messages name their prompt's request, ``<id>-<k>``."""
         if not self.echo or not (message.prompt_token_ids or message.prompt_logprobs):
             return
-        prompt = self.body.get("prompt")
-        batch = isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt)
         k = 0
-        if batch and len(prompt) > 1 and message.request_id.startswith(f"{self.id}-"):
+        if len(self._echoed_prompts) > 1 and message.request_id.startswith(f"{self.id}-"):
             k = int(message.request_id[len(self.id) + 1:])
         if message.prompt_token_ids:
-            if batch:
-                prompt = prompt[k]  # one of a batch (or a batch of one)
+            prompt = self._echoed_prompts[k]
             ids = list(message.prompt_token_ids)
             text = prompt if isinstance(prompt, str) else self.decode(ids)
             self._prompts[k] = (text, ids, [])
