@@ -14,9 +14,8 @@ the same way (plain Python: no torch, no grammar engine).
   ``parallel_tool_calls: false``); a named function constrains it to that function's
   ``parameters`` schema (vLLM's grammars for both), so arguments always parse.
 - **Parsing.** ``"auto"`` output is read as Hermes: text before the first ``<tool_call>`` is
-  the content, each ``<tool_call>`` block whose JSON names a known function is a call. Streamed,
-  text is passed on until a ``<tool_call>`` may be starting; calls are sent whole as each ends
-  (``ToolCallStream``), one ``tool_calls`` delta per call, as the official client accumulates.
+  the content, each ``<tool_call>`` block whose JSON names a known function is a call.
+  Streamed, calls go out as they are written (``quire.tool_call_stream``).
 """
 
 from __future__ import annotations
@@ -294,65 +293,3 @@ def _with_argument_objects(message: dict) -> dict:
         "arguments": _arguments_object(c["function"]["arguments"])}}
         for c in message["tool_calls"]]
     return message | {"tool_calls": calls}
-
-
-# ---- streaming ----------------------------------------------------------------------------------
-
-class ToolCallStream:
-    """One streamed choice of a request with tools: ``feed`` returns the text that may go out
-    now and the calls completed so far (each once)."""
-
-    def __init__(self, choice: ToolChoice) -> None:
-        self.choice = choice
-        self.text = ""
-        self._sent = 0  # characters of text passed on as content
-        self._in_calls = choice.mode != "auto"  # required / named: everything is calls
-        self.calls: list[ToolCall] = []
-
-    def feed(self, delta: str, finished: bool) -> tuple[str, list[ToolCall]]:
-        self.text += delta
-        if not self._in_calls:
-            start = self.text.find(TOOL_CALL_START, self._sent)
-            if start >= 0:
-                self._in_calls = True
-                out = self.text[self._sent:start]
-                self._sent = start
-                return self._calls_so_far(out, finished)
-            if finished:
-                out, self._sent = self.text[self._sent:], len(self.text)
-                return out, []
-            # hold back what may be the start of a <tool_call> tag
-            keep = _partial_tag(self.text)
-            end = len(self.text) - keep
-            out, self._sent = self.text[self._sent:end], max(self._sent, end)
-            return out, []
-        return self._calls_so_far("", finished)
-
-    def _calls_so_far(self, out: str, finished: bool) -> tuple[str, list[ToolCall]]:
-        if self.choice.mode != "auto":
-            if not finished:
-                return out, []
-            content, calls = self.choice.parse(self.text)
-            return (content or "") + out if not calls else out, self._new(calls)
-        tail = self.text[self._sent:]
-        complete = tail if finished else tail[:tail.rfind(TOOL_CALL_END) + len(TOOL_CALL_END)] \
-            if TOOL_CALL_END in tail else ""
-        calls = [c for c in (self.choice._hermes(b) for b in _blocks(complete)) if c is not None]
-        if not self.choice.parallel:
-            calls = calls[:1]
-        if finished and not calls and not self.calls:
-            return out + tail, []  # no call after all: it was text
-        return out, self._new(calls)
-
-    def _new(self, calls: list[ToolCall]) -> list[ToolCall]:
-        fresh = calls[len(self.calls):]
-        self.calls.extend(fresh)
-        return fresh
-
-
-def _partial_tag(text: str) -> int:
-    """How many trailing characters of ``text`` may begin ``<tool_call>``."""
-    for n in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1):
-        if TOOL_CALL_START.startswith(text[-n:]):
-            return n
-    return 0

@@ -16,7 +16,8 @@ import grpc
 from aiohttp import web
 
 from quire.errors import FieldError
-from quire.tool_calls import ToolCallStream, ToolChoice, tool_choice_of
+from quire.tool_call_stream import ToolCallStream
+from quire.tool_calls import ToolChoice, tool_choice_of
 from quire.v1 import engine_pb2 as pb
 from router.openai_protocol import (FINISH, GUIDED_FIELDS, RequestError, bool_field,
                                     error_response)
@@ -210,9 +211,7 @@ class OpenAIRequest:
             body["text"] = text
         elif chunk:  # the role came in its own first chunk (role_choice)
             body["delta"] = ({"content": text} if text else {}) | (
-                {"tool_calls": [c.as_json(n) for n, c in enumerate(
-                    calls, len(self._tool_streams[index].calls) - len(calls))]}
-                if calls else {})
+                {"tool_calls": calls} if calls else {})
         else:
             body["message"] = {"role": "assistant", "content": text} | (
                 {"tool_calls": [c.as_json() for c in calls]} if calls else {})

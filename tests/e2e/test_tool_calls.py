@@ -111,14 +111,19 @@ def test_streamed_calls_equal_the_whole_answer(client, tool_choice):
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         for choice in chunk.choices:  # accumulated as the openai client documents it
             for delta in choice.delta.tool_calls or ():
-                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": "",
+                                                      "pieces": 0})
                 call["id"] += delta.id or ""
                 call["name"] += delta.function.name or ""
                 call["arguments"] += delta.function.arguments or ""
+                call["pieces"] += bool(delta.function.arguments)
             finish = choice.finish_reason or finish
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
     assert finish == whole.finish_reason
+    for call in calls.values():  # named once, its arguments streamed as they were written
+        assert call["id"].startswith("call_") and call["id"].count("call_") == 1
+        assert call["pieces"] > 3, call
 
 
 @pytest.mark.parametrize("kwargs, param, words", [

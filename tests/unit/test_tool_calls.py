@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from quire.errors import FieldError
-from quire.tool_calls import ToolCallStream, render_inputs, tool_choice_of
+from quire.tool_calls import render_inputs, tool_choice_of
 from quire.tokenizer import FastTokenizer
 
 WEATHER = {"type": "function", "function": {
@@ -84,30 +84,6 @@ def test_none_and_no_tools_use_no_tools():
     assert tool_choice_of({"tools": [WEATHER], "tool_choice": "none"}) is None
 
 
-def _stream(choice, pieces):
-    stream, text, calls = ToolCallStream(choice), "", []
-    for i, piece in enumerate(pieces):
-        out, new = stream.feed(piece, finished=i == len(pieces) - 1)
-        text += out
-        calls += new
-    return text, calls
-
-
-def test_streamed_auto_calls_come_whole_and_text_is_not_held_forever():
-    choice = _choice()
-    full = ('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
-            '</tool_call><tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
-    pieces = [full[i:i + 3] for i in range(0, len(full), 3)]
-    text, calls = _stream(choice, pieces)
-    assert text == "Sure." and [c.name for c in calls] == ["get_weather", "get_time"]
-    plain = "a < b and <tool is not a tag"
-    assert _stream(choice, [plain[i:i + 2] for i in range(0, len(plain), 2)]) == (plain, [])
-    required = _choice(tool_choice="required")
-    out = '[{"name": "get_time", "parameters": {"zone": "UTC"}}]'
-    text, calls = _stream(required, [out[:10], out[10:]])
-    assert text == "" and calls[0].name == "get_time"
-
-
 def test_rendering_without_template_support_writes_the_hermes_format(embedded_model_dir):
     tokenizer = FastTokenizer.from_dir(embedded_model_dir)
     assert "tools" not in tokenizer.chat_template  # SmolLM2's template ignores tools
@@ -142,7 +118,8 @@ def test_templates_that_read_tools_get_them():
 
 def test_a_required_choice_cut_short_returns_its_calls_so_far_never_the_grammar_text():
     """max_tokens ending a "required" array mid-call: the complete calls, then the cut one's
-    name and its arguments as far as they came (as vLLM answers), whole or streamed; cut
+    name and its arguments as far as they came (as vLLM answers; streamed in
+    test_tool_call_stream.py); cut
     before any name is complete: no call and empty content, not the raw array."""
     required = _choice(tool_choice="required")
     cut = ('[{"name": "get_weather", "parameters": {"city": "Sydney"}}, '
@@ -152,8 +129,5 @@ def test_a_required_choice_cut_short_returns_its_calls_so_far_never_the_grammar_
     assert [(c.name, c.arguments) for c in calls] == [
         ("get_weather", '{"city": "Sydney"}'), ("get_time", '{"zone": "U')]
     assert required.finish_reason(calls, "length") == "length"
-    text, streamed = _stream(required, [cut[:25], cut[25:]])
-    assert text == "" and [(c.name, c.arguments) for c in streamed] == \
-        [(c.name, c.arguments) for c in calls]
     for early in ('[{"name": "get_wea', "[", ""):
         assert required.parse(early) == ("", [])
