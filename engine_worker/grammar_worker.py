@@ -49,20 +49,36 @@ def compile_spec(compiler, kind: str, spec: str):
     field = f"structured_outputs.{kind}"
     try:
         if kind == "json":
-            return compiler.compile_json_schema(spec, any_whitespace=False)
-        if kind == "json_object":  # an object, as OpenAI's json_object promises
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if kind == "regex":
-            return compiler.compile_regex(spec)
-        if kind == "choice":
-            return compiler.compile_grammar(choice_grammar(json.loads(spec)))
-        return compiler.compile_grammar(spec)
+            compiled = compiler.compile_json_schema(spec, any_whitespace=False)
+        elif kind == "json_object":  # an object, as OpenAI's json_object promises
+            compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        elif kind == "regex":
+            compiled = compiler.compile_regex(spec)
+        elif kind == "choice":
+            compiled = compiler.compile_grammar(choice_grammar(json.loads(spec)))
+        else:
+            compiled = compiler.compile_grammar(spec)
     except (RuntimeError, ValueError, TypeError) as e:
         if "bad_alloc" in str(e):  # C++'s out-of-memory, as xgrammar passes it on
             raise MemoryError(str(e)) from None
         # xgrammar's messages start "[hh:mm:ss] /path/file.cc:123: ": not the client's concern
         reason = _LOG_PREFIX.sub("", " ".join(str(e).split()))[:500] or type(e).__name__
         raise FieldError(field, f"cannot be compiled: {reason}") from None
+    if not _can_begin(compiled):
+        raise FieldError(field, "matches no text: no token can begin it, not even the end "
+                         "(a rule that only refers to itself?)")
+    return compiled
+
+
+def _can_begin(compiled) -> bool:
+    """Whether any token (the end included) may come first: a spec that allows none (``root
+    ::= root``) would answer every request with nothing."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=0)
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return bool(bitmask.any())
 
 
 def frame(payload: object) -> bytes:

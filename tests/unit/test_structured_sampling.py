@@ -156,6 +156,31 @@ def test_vllm_engines_get_the_fields_under_vllms_names():
     assert completion_body("m", request)["max_tokens"] == 5
 
 
+@pytest.mark.parametrize("kind, spec, refused", [
+    ("grammar", "root ::= root", True),
+    ("grammar", "root ::= a\na ::= root", True),
+    ("grammar", 'root ::= root "x" | "y"', False),
+    ("grammar", 'root ::= "x"*', False),  # the end at once is text too (empty)
+    ("regex", "a|b", False),
+    ("regex", "z", True),  # no token of this vocabulary spells it
+])
+def test_a_spec_no_token_can_begin_is_refused_naming_its_field(kind, spec, refused):
+    """A spec that allows no first token, not even the end (found by a probe: ``root ::=
+    root`` answered every request with nothing), is a 400 naming its field."""
+    import xgrammar as xgr
+
+    from engine_worker.grammar_worker import compile_spec
+
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(["a", "b", "x", "y", "</s>"],
+                                                     stop_token_ids=[4]))
+    if not refused:
+        compile_spec(compiler, kind, spec)
+        return
+    with pytest.raises(FieldError) as e:
+        compile_spec(compiler, kind, spec)
+    assert e.value.field == f"structured_outputs.{kind}" and "matches no text" in str(e.value)
+
+
 @pytest.mark.slow  # the embedded model's tokenizer, and xgrammar's first import (twice)
 def test_compiled_grammars_are_cached_and_compiled_in_a_worker_process(embedded_model_dir):
     """compile_async compiles in a child process and reads the result back: the grammar
