@@ -20,6 +20,7 @@ class ErrorKind(enum.Enum):
     INVALID_ARGUMENT = (grpc.StatusCode.INVALID_ARGUMENT, 400)
     OUT_OF_RANGE = (grpc.StatusCode.OUT_OF_RANGE, 400)
     UNAUTHENTICATED = (grpc.StatusCode.UNAUTHENTICATED, 401)
+    PERMISSION_DENIED = (grpc.StatusCode.PERMISSION_DENIED, 403)
     NOT_FOUND = (grpc.StatusCode.NOT_FOUND, 404)
     RESOURCE_EXHAUSTED = (grpc.StatusCode.RESOURCE_EXHAUSTED, 429)
     UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, 503)

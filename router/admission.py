@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from quire.errors import FIELD_METADATA
 from quire.v1 import engine_pb2 as pb
 from router.flow import Admission, FlowController, FlowRefused, FlowRequest
 from router.tenants import TenantTable
@@ -48,15 +49,22 @@ class AdmissionGate:
     async def admit(self, request: pb.GenerateRequest | pb.EmbedRequest,
                     context: grpc.aio.ServicerContext, num_prompt_tokens: int,
                     span: RouterSpan | None) -> Admission | _Unmetered:
-        """The request's slot, released when the call ends; a refusal aborts the call. Its
-        ``priority`` is the effective one (the tenant's default for a request that set 0); the
-        engine still gets the request's own (vLLM refuses a priority other than 0 unless it
-        runs priority scheduling)."""
+        """The request's slot, released when the call ends; a refusal aborts the call (a
+        priority more urgent than the tenant's ``min_priority``: PERMISSION_DENIED naming
+        ``priority``, flow control on or off). Its ``priority`` is the effective one (the
+        tenant's default for a request that set 0); the engine still gets the request's own
+        (vLLM refuses a priority other than 0 unless it runs priority scheduling)."""
+        tenant = self.table.resolve(tuple(context.invocation_metadata() or ()))
+        priority = request.priority or tenant.policy.priority
+        floor = tenant.policy.min_priority
+        if floor is not None and priority < floor:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"priority: {request.priority} is more urgent than this "
+                                f"tenant may ask for (at least {floor}; lower runs first)",
+                                trailing_metadata=((FIELD_METADATA, "priority"),))
         if self.controller is None:
             return _Unmetered(request.priority)
-        tenant = self.table.resolve(tuple(context.invocation_metadata() or ()))
         remaining = context.time_remaining()
-        priority = request.priority or tenant.policy.priority
         flow = FlowRequest(tenant=tenant, priority=priority,
                            priority_label=self.table.priority_label(priority),
                            num_prompt_tokens=num_prompt_tokens,

@@ -23,7 +23,7 @@ from router.admission import RETRY_AFTER_METADATA
 
 logger = logging.getLogger(__name__)
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
                 503: "service_unavailable", 504: "timeout_error"}
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",

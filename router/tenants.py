@@ -20,17 +20,21 @@ from dataclasses import dataclass, field, replace
 
 ANONYMOUS = "anonymous"
 OTHER_LABEL = "other"
-_POLICY_KEYS = ("weight", "priority", "max_queue", "requests_per_minute", "tokens_per_minute")
+_POLICY_KEYS = ("weight", "priority", "min_priority", "max_queue", "requests_per_minute",
+                "tokens_per_minute")
 _ENTRY_KEYS = frozenset(_POLICY_KEYS) | {"api_key_sha256"}
 
 
 @dataclass(frozen=True, slots=True)
 class TenantPolicy:
     """One tenant's share and limits. ``priority`` is the default for requests that set none
-    (vLLM's 0); lower runs first. 0 for a rate means no limit."""
+    (vLLM's 0); lower runs first. ``min_priority``: the most urgent (lowest) priority its
+    requests may ask for (None: any); asking for more is refused. 0 for a rate means no
+    limit."""
 
     weight: float = 1.0
     priority: int = 0
+    min_priority: int | None = None
     max_queue: int = 256
     requests_per_minute: float = 0.0
     tokens_per_minute: float = 0.0
@@ -41,6 +45,14 @@ class TenantPolicy:
             raise ValueError(f"{where}.weight: must be a number > 0, got {self.weight!r}")
         if not (isinstance(self.priority, int) and -2 ** 31 <= self.priority < 2 ** 31):
             raise ValueError(f"{where}.priority: must be an int32, got {self.priority!r}")
+        floor = self.min_priority
+        if floor is not None:
+            if not (isinstance(floor, int) and -2 ** 31 <= floor < 2 ** 31):
+                raise ValueError(f"{where}.min_priority: must be an int32 or null, got "
+                                 f"{floor!r}")
+            if self.priority < floor:
+                raise ValueError(f"{where}.priority: {self.priority} is more urgent than its "
+                                 f"min_priority {floor} (set its own min_priority)")
         if not (isinstance(self.max_queue, int) and self.max_queue >= 0):
             raise ValueError(f"{where}.max_queue: must be an integer >= 0, got "
                              f"{self.max_queue!r}")
@@ -108,7 +120,7 @@ def parse_tenants(text: str | None, default: TenantPolicy, header: str | None,
 
         {"default": {"max_queue": 64},
          "tenants": {"gold": {"weight": 4, "priority": -1, "requests_per_minute": 600,
-                              "tokens_per_minute": 200000,
+                              "tokens_per_minute": 200000, "min_priority": -1,
                               "api_key_sha256": ["<sha256 hex of the key>"]},
                      "batch": {"weight": 1, "priority": 10}}}
 

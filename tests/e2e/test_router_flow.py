@@ -329,6 +329,40 @@ def test_http_priority_is_validated_and_forwarded(engine):
         router.close()
 
 
+@pytest.mark.parametrize("flow_control", [True, False])
+def test_a_priority_more_urgent_than_the_tenant_may_ask_is_a_403(engine, flow_control):
+    """``min_priority`` bounds what a tenant's clients may claim (the probe: any client could
+    send -2**31 and run before every other tenant): more urgent is 403 / PERMISSION_DENIED
+    naming ``priority``, with flow control on or off; the tenant's own default and anything
+    less urgent are served, and nothing is left queued or running."""
+    tenants = {"default": {"min_priority": 0},
+               "tenants": {"gold": {"priority": -1, "min_priority": -1}}}
+    router = flow_router(engine, tenants=json.dumps(tenants), flow_control=flow_control)
+    try:
+        for tenant, priority in (("anyone", -1), ("anyone", -2 ** 31), ("gold", -2)):
+            status, _, answer = http(router, {"prompt": [1, 2], "max_tokens": 2,
+                                              "priority": priority}, {TENANT: tenant})
+            assert status == 403, (tenant, priority, answer)
+            error = answer["error"]
+            assert error["param"] == "priority" and error["type"] == "permission_error"
+            assert f"at least {0 if tenant == 'anyone' else -1}" in error["message"], error
+        refused = Queued(router, "grpc", tenant="anyone", priority=-5)
+        refused.run()
+        assert refused.outcome == "PERMISSION_DENIED", refused.error
+        assert dict(refused.error.trailing_metadata())["quire-error-field"] == "priority"
+        for tenant, priority in (("anyone", 0), ("anyone", 4), ("gold", 0), ("gold", -1)):
+            status, _, answer = http(router, {"prompt": [1, 2], "max_tokens": 2,
+                                              "priority": priority}, {TENANT: tenant})
+            assert status == 200, (tenant, priority, answer)
+        embed = Queued(router, "embed", tenant="anyone", priority=-3, embed=True)
+        embed.run()
+        assert embed.outcome == "PERMISSION_DENIED"
+        if flow_control:
+            settle(router, engine)
+    finally:
+        router.close()
+
+
 @pytest.mark.parametrize("mode, shared_limit", [("auto", 1), ("off", 2)])
 def test_the_auto_gradient_limit_holds_back_only_while_two_tenants_have_demand(engine, mode,
                                                                              shared_limit):

@@ -262,7 +262,8 @@ def test_lora_adapters_from_a_volume_or_an_init_container(render):
     env = env_of(c)
     assert env["QUIRE_MAX_LORAS"] == "2" and env["QUIRE_LORA_MODULES"] == "sql=/adapters/sql"
     assert env["QUIRE_LORA_ADAPTER_DIRS"] == "/adapters"
-    assert {"name": "lora-adapters", "mountPath": "/adapters", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "lora-adapters", "mountPath": "/adapters", "readOnly": True} in \
+        c["volumeMounts"]
     volume = next(v for v in spec["volumes"] if v["name"] == "lora-adapters")
     assert volume["persistentVolumeClaim"] == {"claimName": "adapters"}
     assert "initContainers" not in spec
@@ -481,8 +482,8 @@ def test_flow_control_values_reach_the_router(render, monkeypatch):
     digest = "ab" * 32
     objects = render({"router": {
         "config": {"tenantHeader": "x-tenant-id", "queueTimeoutS": 30, "engineSlots": 0},
-        "tenants": {"default": {"maxQueue": 16, "tokensPerMinute": 100000},
-                    "tenants": {"gold": {"weight": 4, "priority": -1,
+        "tenants": {"default": {"maxQueue": 16, "tokensPerMinute": 100000, "minPriority": 0},
+                    "tenants": {"gold": {"weight": 4, "priority": -1, "minPriority": -1,
                                          "requestsPerMinute": 600, "apiKeySha256": [digest]},
                                 "batch": {"weight": 0.5, "priority": 10}}}}})
     env = env_of(pod_spec(one(objects, "Deployment", "router"))["containers"][0])
@@ -494,9 +495,10 @@ def test_flow_control_values_reach_the_router(render, monkeypatch):
         cfg = dataclass_from_namespace(FlowConfig, build_parser(["router"]).parse_args(["router"]))
     table = cfg.table()
     assert table.header == "x-tenant-id" and cfg.queue_timeout_s == 30
-    assert table.default == TenantPolicy(max_queue=16, tokens_per_minute=100000)
+    assert table.default == TenantPolicy(max_queue=16, tokens_per_minute=100000,
+                                         min_priority=0)
     assert table.tenants["gold"] == TenantPolicy(weight=4, priority=-1, max_queue=16,
-                                                 requests_per_minute=600,
+                                                 requests_per_minute=600, min_priority=-1,
                                                  tokens_per_minute=100000)
     assert table.tenants["batch"].weight == 0.5 and table.key_tenants == {digest: "gold"}
     default_env = env_of(pod_spec(one(render({}), "Deployment", "router"))["containers"][0])

@@ -311,6 +311,10 @@ def test_tenants_resolve_by_header_then_key_digest():
     ({"tenants": '{"default": {"tokens_per_minute": "x"}}'},
      "tenants: default.tokens_per_minute: must be a number"),
     ({"tenants": "@/nonexistent/tenants.yaml"}, "tenants: cannot read /nonexistent"),
+    ({"tenants": '{"default": {"min_priority": 1.5}}'},
+     "tenants: default.min_priority: must be an int32 or null"),
+    ({"tenants": '{"default": {"min_priority": 0}, "tenants": {"gold": {"priority": -1}}}'},
+     "tenants: tenants.gold.priority: -1 is more urgent than its min_priority 0"),
 ])
 def test_bad_flow_config_names_the_flag(fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
