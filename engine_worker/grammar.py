@@ -50,6 +50,9 @@ _MAX_CACHED_GRAMMARS = 256
 # milliseconds to a second or two here; nested bounded repetitions in a pattern take minutes
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 DEFAULT_COMPILE_WORKERS = 2  # compiles at once: one costly spec leaves the other free
+# A worker's start (Python, xgrammar's import, the vocabulary: 1.4 s here, 3 s on a host at a
+# third of this one's speed) is not its first compile's: it has a bound of its own.
+WORKER_START_TIMEOUT_S = 120.0
 # the address space a worker's compiles may take beyond what it maps after importing xgrammar
 # (about 0.75 GB with a CPU torch, gigabytes more with a CUDA one): ordinary schemas compile
 # within a few MB; a 1,000-property object took 3.6 GB
@@ -122,6 +125,16 @@ def grammar_bitmask(rows: list[tuple[str, RequestGrammar]]) -> GrammarBitmask | 
     return GrammarBitmask(tuple(r for r, _ in rows), bitmask.numpy())
 
 
+class WorkerDidNotStart(RuntimeError):
+    """A compile worker exited or hung before it was ready: the server's fault, not the
+    request's (UNAVAILABLE)."""
+
+    def __init__(self, status: int | None) -> None:
+        super().__init__("structured outputs are unavailable on this server now: a grammar "
+                         "compile worker did not start" + (
+                             "" if status is None else f" (exit status {status})"))
+
+
 class _CompileWorker:
     """One ``engine_worker.grammar_worker`` process and its pipes."""
 
@@ -141,10 +154,25 @@ class _CompileWorker:
         worker = cls(process)
         try:
             await worker._send(tokenizer_info_json)
-        except BaseException:  # cancelled (its requests left) while starting: no orphan
+            async with asyncio.timeout(WORKER_START_TIMEOUT_S):
+                ready = await worker._read()
+        except BaseException as e:  # cancelled (its requests left) while starting: no orphan
             worker.kill()
+            if isinstance(e, (asyncio.IncompleteReadError, BrokenPipeError,
+                              ConnectionResetError, TimeoutError)):
+                status = await process.wait()
+                logger.warning("a grammar compile worker (pid %d) did not start (exit status "
+                               "%d)", process.pid, status)
+                raise WorkerDidNotStart(status) from None
             raise
+        if ready != {"ready": True}:
+            worker.kill()
+            raise WorkerDidNotStart(None)
         return worker
+
+    async def _read(self) -> object:
+        head = await self.process.stdout.readexactly(FRAME_LENGTH.size)
+        return json.loads(await self.process.stdout.readexactly(FRAME_LENGTH.unpack(head)[0]))
 
     async def _send(self, payload: object) -> None:
         self.process.stdin.write(frame(payload))
@@ -155,8 +183,7 @@ class _CompileWorker:
         (killed for memory by the kernel, or crashed in xgrammar), logged with its status."""
         try:
             await self._send([kind, spec])
-            head = await self.process.stdout.readexactly(FRAME_LENGTH.size)
-            return json.loads(await self.process.stdout.readexactly(FRAME_LENGTH.unpack(head)[0]))
+            return await self._read()
         except (asyncio.IncompleteReadError, BrokenPipeError, ConnectionResetError):
             status = await self.process.wait()
             logger.warning("the grammar compile worker (pid %d) exited with %d while compiling "
@@ -326,9 +353,10 @@ class GrammarCompilerCache:
         self._store(key, compiled)
         return compiled
 
-    def worker_pids(self) -> list[int]:
-        """The compile workers alive now, busy or idle (for tests and diagnostics)."""
-        return [w.process.pid for w in (*self._busy, *self._idle)
+    def worker_pids(self, busy_only: bool = False) -> list[int]:
+        """The compile workers alive now, busy or idle, or only those compiling (for tests and
+        diagnostics)."""
+        return [w.process.pid for w in (*self._busy, *(() if busy_only else self._idle))
                 if w.process.returncode is None]
 
     def matcher(self, params: StructuredOutputsParams) -> RequestGrammar:

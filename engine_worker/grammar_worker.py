@@ -8,7 +8,9 @@ whose compile outlives its deadline or every request that waits for it.
 
 The protocol, on the child's stdin and stdout, is frames of an 8-byte little-endian length
 and that many bytes of UTF-8 JSON: first the tokenizer info (``TokenizerInfo.serialize_json``),
-then one ``[kind, spec]`` per compile, each answered by ``{"ok": CompiledGrammar JSON}`` or
+answered by ``{"ready": true}`` once xgrammar is imported and the compiler built (so a
+compile's deadline counts the compile alone, not the worker's start), then one ``[kind,
+spec]`` per compile, each answered by ``{"ok": CompiledGrammar JSON}`` or
 ``{"field": ..., "error": ...}`` (a spec xgrammar refuses; ``"retire": true`` as well after it
 ran out of memory: the worker is not used again). Imports only xgrammar and the shared
 error type, so a worker starts in the time xgrammar's import takes (about 2-3 s here).
@@ -131,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if memory_bytes > 0:  # what the process maps now, plus the compiles' budget
         limit = _address_space_bytes() + memory_bytes
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    write_frame(out, {"ready": True})
     while (request := read_frame(source)) is not None:
         kind, spec = request
         field = f"structured_outputs.{kind}"

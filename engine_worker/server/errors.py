@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from engine_worker.engine import EngineDeadError
+from engine_worker.grammar import WorkerDidNotStart
 from engine_worker.server.async_engine import EngineUnavailableError, QueueFullError
 from quire import errors
 from quire.errors import ErrorKind, NotFoundError
@@ -15,6 +16,7 @@ KINDS: errors.ErrorKinds = (
     (QueueFullError, ErrorKind.RESOURCE_EXHAUSTED),
     (EngineUnavailableError, ErrorKind.UNAVAILABLE),
     (EngineDeadError, ErrorKind.UNAVAILABLE),
+    (WorkerDidNotStart, ErrorKind.UNAVAILABLE),
 )
 
 

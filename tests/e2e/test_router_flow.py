@@ -233,7 +233,7 @@ def test_a_batch_of_more_prompts_than_slots_is_answered(engine):
 
 
 def test_shedding_answers_429_with_retry_after_and_leaves_nothing_running(engine):
-    router = flow_router(engine, max_queue_per_tenant=1, queue_timeout_s=2.0)
+    router = flow_router(engine, max_queue_per_tenant=1, queue_timeout_s=6.0)
     try:
         blocker = Blocker(router)
         waiting = Queued(router, "waits")

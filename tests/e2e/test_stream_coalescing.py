@@ -30,7 +30,7 @@ async def _run(engine: LLMEngine, lag: bool):
             if lag and len(messages) == 1:
                 while async_engine.num_unfinished:  # the loop thread saw the last output
                     await asyncio.sleep(0.01)
-                await asyncio.sleep(0.05)  # its hand-off, queued just after, has run
+                await asyncio.sleep(0.5)  # its hand-off, queued just after, has run
         return messages
     finally:
         await asyncio.to_thread(async_engine.stop)
@@ -74,5 +74,6 @@ def test_a_lagging_stream_gets_the_same_outputs_in_fewer_messages(tiny_model_dir
     assert lagging[-1].finished and prompt[-1].finished
     (want, want_prompt_lps), (got, got_prompt_lps) = _joined(prompt), _joined(lagging)
     assert got == want
-    assert got_prompt_lps == want_prompt_lps and len(want_prompt_lps) == len(PROMPT["prompt_token_ids"])
+    assert got_prompt_lps == want_prompt_lps
+    assert len(want_prompt_lps) == len(PROMPT["prompt_token_ids"])
     assert all(len(ids) == 16 for _, ids, _, _ in got.values())

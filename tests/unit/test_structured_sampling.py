@@ -259,7 +259,10 @@ def test_a_request_for_a_spec_whose_compile_is_being_stopped_gets_a_fresh_compil
         first.cancel()
         await asyncio.sleep(0)  # its waiter has left: the compile is being stopped
         second = asyncio.ensure_future(cache.compile_async(costly))
-        await asyncio.sleep(0.5)
+        for _ in range(1200):  # until a worker of its own runs it (a start takes seconds)
+            await asyncio.sleep(0.05)
+            if set(cache.worker_pids()) - set(killed) or second.done():
+                break
         state = (second.done(), cache.worker_pids())
         second.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -272,3 +275,46 @@ def test_a_request_for_a_spec_whose_compile_is_being_stopped_gets_a_fresh_compil
     assert killed and not second_done  # still compiling: not cancelled with the first
     assert pids_after and not set(killed) & set(pids_after)  # a worker of its own
     assert cheap is not None
+
+
+@pytest.mark.slow  # the embedded model's tokenizer, and worker processes' starts
+def test_a_workers_start_is_not_charged_to_a_compiles_deadline_nor_its_failure_to_the_client(
+        embedded_model_dir, tmp_path, monkeypatch):
+    """A compile worker's start (Python, xgrammar's import) has a bound of its own: a slow start
+    (3 s here, made so by a sitecustomize on the worker's path) does not refuse a cheap spec
+    whose compile deadline is 2 s, and a worker that cannot start at all is the server's
+    failure (WorkerDidNotStart: UNAVAILABLE), not a 400 blaming the spec."""
+    import asyncio
+
+    from engine_worker.grammar import GrammarCompilerCache, WorkerDidNotStart
+    from engine_worker.server.errors import KINDS
+    from engine_worker.tokenizer import Tokenizer
+    from quire.errors import ErrorKind
+
+    tokenizer = Tokenizer(embedded_model_dir)
+    slow, broken = tmp_path / "slow", tmp_path / "broken"
+    slow.mkdir()
+    broken.mkdir()
+    (slow / "sitecustomize.py").write_text("import time\ntime.sleep(3.0)\n")
+    (broken / "sitecustomize.py").write_text("import os\nos._exit(3)\n")
+
+    def compile_with(path) -> object:
+        monkeypatch.setenv("PYTHONPATH", str(path))
+        cache = GrammarCompilerCache(lambda: tokenizer.hf, 49152, tokenizer.eos_token_ids,
+                                     compile_timeout_s=2.0)
+
+        async def main():
+            try:
+                return await cache.compile_async(StructuredOutputsParams(choice=["a", "b"]))
+            finally:
+                await cache.aclose()
+        try:
+            return asyncio.run(main())
+        finally:
+            cache.close()
+
+    assert compile_with(slow) is not None
+    with pytest.raises(WorkerDidNotStart, match="exit status 3"):
+        compile_with(broken)
+    kind = next(k for cls, k in KINDS if issubclass(WorkerDidNotStart, cls))
+    assert kind == ErrorKind.UNAVAILABLE
