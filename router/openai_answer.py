@@ -57,12 +57,16 @@ class OpenAIRequest:
         self.stream = bool(bool_field(body, "stream"))
         options = body.get("stream_options") or {}
         # include_obfuscation (OpenAI's padding against length side channels): accepted and
-        # ignored, as vLLM does
-        if not isinstance(options, dict) or \
-                not set(options) <= {"include_usage", "include_obfuscation"}:
+        # ignored, as vLLM does; continuous_usage_stats (vLLM's): usage on every chunk
+        if not isinstance(options, dict) or not set(options) <= {
+                "include_usage", "include_obfuscation", "continuous_usage_stats"}:
             raise RequestError("stream_options: must be an object with at most "
-                               "include_usage and include_obfuscation", "stream_options")
+                               "include_usage, continuous_usage_stats and include_obfuscation",
+                               "stream_options")
         self.include_usage = bool(bool_field(options, "include_usage"))
+        # as vLLM: only with include_usage
+        self.continuous_usage = self.include_usage and bool(
+            bool_field(options, "continuous_usage_stats"))
         self.want_logprobs = bool(bool_field(body, "logprobs")) if chat else (
             body.get("logprobs") is not None)
         # fields the engine names by their wire name, named as this request sent them (the
@@ -102,15 +106,20 @@ class OpenAIRequest:
         return {"id": self.id, "object": obj, "created": self.created,
                 "model": self.model_name, "choices": choices}
 
+    def prompt_of(self, message) -> int:
+        """Which prompt of the request a response message answers: a batch's messages name
+        their prompt's request, ``<id>-<k>``."""
+        if len(self._echoed_prompts) > 1 and message.request_id.startswith(f"{self.id}-"):
+            return int(message.request_id[len(self.id) + 1:])
+        return 0
+
     def saw(self, message) -> None:
         """Keep what ``echo`` repeats from a response message: its prompt's ids (the first
         message of each prompt) and logprobs (one message per prefill chunk, all before the
-        prompt's first output). A batch's messages name their prompt's request, ``<id>-<k>``."""
+        prompt's first output)."""
         if not self.echo or not (message.prompt_token_ids or message.prompt_logprobs):
             return
-        k = 0
-        if len(self._echoed_prompts) > 1 and message.request_id.startswith(f"{self.id}-"):
-            k = int(message.request_id[len(self.id) + 1:])
+        k = self.prompt_of(message)
         if message.prompt_token_ids:
             prompt = self._echoed_prompts[k]
             ids = list(message.prompt_token_ids)
@@ -218,6 +227,29 @@ class OpenAIRequest:
         return body
 
 
+class _RunningUsage:
+    """vLLM's ``continuous_usage_stats``: each chunk's usage, of its own choice so far (its
+    prompt's tokens, the tokens it has generated)."""
+
+    def __init__(self, req: OpenAIRequest) -> None:
+        self.req = req
+        self.prompt_tokens: dict[int, int] = {}  # prompt k -> its tokens
+        self.generated: dict[int, int] = {}  # choice index -> tokens so far
+
+    def saw(self, message) -> None:
+        if message.prompt_token_ids:
+            self.prompt_tokens[self.req.prompt_of(message)] = len(message.prompt_token_ids)
+        for delta in message.outputs:
+            self.generated[delta.index] = self.generated.get(delta.index, 0) + len(
+                delta.token_ids)
+
+    def of(self, index: int) -> dict:
+        prompt = self.prompt_tokens.get(index // self.req.n, 0)
+        completion = 0 if self.req.echo_only else self.generated.get(index, 0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+
 def usage_json(usage: pb.Usage) -> dict:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.prompt_tokens + usage.completion_tokens,
@@ -269,9 +301,12 @@ async def stream(request: web.Request, req: OpenAIRequest, call, first,
                                            "Cache-Control": "no-cache"})
     await response.prepare(request)
     started: set[int] = set()
+    usage = _RunningUsage(req) if req.continuous_usage else None
     try:
         async for message in _messages(call, first):
             req.saw(message)
+            if usage is not None:
+                usage.saw(message)
             choices = []  # one per chunk, as OpenAI and vLLM stream n > 1
             for delta in message.outputs:
                 finish = FINISH.get(delta.finish_reason) if delta.finish_reason else None
@@ -286,8 +321,9 @@ async def stream(request: web.Request, req: OpenAIRequest, call, first,
                             or choice["logprobs"]:  # empty while a tool call is held back
                         choices.append(choice)
             if choices:
-                await response.write(b"".join(sse(req.envelope([choice], chunk=True))
-                                              for choice in choices))
+                await response.write(b"".join(sse(req.envelope([choice], chunk=True) | (
+                    {} if usage is None else {"usage": usage.of(choice["index"])}))
+                    for choice in choices))
             if message.HasField("usage"):
                 account(message.usage)
                 if req.include_usage:

@@ -291,3 +291,36 @@ def test_a_streamed_n_2_answer_has_one_choice_per_chunk_and_a_role_chunk_first(f
             assert chunks[0]["delta"] == {"role": "assistant", "content": ""}
             assert all("role" not in c["delta"] for c in chunks[1:])
             assert "".join(c["delta"].get("content", "") for c in chunks)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES, "n": 2}),
+    ("/v1/completions", {"prompt": [PROMPT, "Once upon a time"], "n": 2}),
+])
+def test_continuous_usage_stats_put_each_choices_usage_on_every_chunk(front, path, body):
+    """vLLM's ``stream_options.continuous_usage_stats`` (with include_usage): every chunk
+    carries its choice's usage so far (its prompt's tokens, the tokens it has generated,
+    growing chunk by chunk), and the last chunk the whole request's, as without it."""
+    events = _events(front, path, body | {
+        "max_tokens": 6, "temperature": 1.0, "seed": 3, "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    *chunks, last = events
+    assert not last["choices"] and last["usage"]["completion_tokens"] == 6 * len(
+        {c["choices"][0]["index"] for c in chunks})
+    seen: dict[int, list[dict]] = {}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        seen.setdefault(choice["index"], []).append(chunk["usage"])
+    for usages in seen.values():
+        counts = [u["completion_tokens"] for u in usages]
+        assert counts == sorted(counts) and counts[-1] == 6, counts
+        assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+                   for u in usages)
+        assert len({u["prompt_tokens"] for u in usages}) == 1 and usages[0]["prompt_tokens"]
+    # each prompt's tokens counted once per prompt in the request's own usage
+    per_prompt = {index // 2: seen[index][0]["prompt_tokens"] for index in seen}
+    assert sum(per_prompt.values()) == last["usage"]["prompt_tokens"]
+    # without include_usage it asks for nothing, as in vLLM
+    plain = _events(front, path, body | {"max_tokens": 2, "stream_options": {
+        "continuous_usage_stats": True}})
+    assert all("usage" not in e for e in plain)
