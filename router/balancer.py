@@ -111,10 +111,15 @@ class EndpointSnapshot:
     # its last step left requests waiting for batch room, not for the step's token budget
     # (LoadReport.batch_full); None: the engine does not say (vLLM engines)
     batch_full: bool | None = None
+    # routers reading its load now (LoadReport.num_load_readers; 0: it does not say), and
+    # this router's requests there now (sent, not yet ended): what the others have there is
+    # the rest of what it reports running and waiting (router.engine_slots)
+    num_load_readers: int = 0
+    router_requests: int = 0
 
     def __post_init__(self) -> None:
         for name in ("cached_blocks", "num_running", "num_waiting", "num_queued_tokens",
-                     "inflight_tokens"):
+                     "inflight_tokens", "num_load_readers", "router_requests"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.block_size < 1:

@@ -24,6 +24,15 @@ full. A report whose waiting requests wait for
 a LoRA step slot (``adapter_bound``: the running adapters fill ``max_loras``) changes
 nothing: they wait for an adapter to leave, not for room in the batch, and taking them as a
 full batch would hold back the requests that could join a running adapter.
+
+With several routers in front of one engine (the chart's router replicas), each would admit up
+to all of its slots, so the engine got up to that many times what it batches, and the excess
+waited in its first-come-first-served queue, past every router's priorities and tenant
+shares. An engine that says how many routers read its load (``num_load_readers``, R) is
+shared instead: this router may use its slots less what the others have there (what it
+reports running and waiting beyond this router's own requests), and never less than its
+share, slots / R (rounded up), so a router whose peers keep the engine full is not starved
+but converges to its share while they all have demand.
 """
 
 from __future__ import annotations
@@ -64,11 +73,11 @@ class EngineSlots:
                          for s in healthy}
         if not healthy:
             return None
-        if self.fixed:
-            return self.fixed * len(healthy)
-        for snapshot in healthy:
-            self._update(self._learned[snapshot.engine_id], snapshot)
-        return sum(learned.slots for learned in self._learned.values())
+        if not self.fixed:
+            for snapshot in healthy:
+                self._update(self._learned[snapshot.engine_id], snapshot)
+        slots = self.slots()
+        return sum(shared(slots[s.engine_id], s) for s in healthy)
 
     def _update(self, learned: _Learned, snapshot: EndpointSnapshot) -> None:
         if snapshot.adapter_bound:
@@ -95,3 +104,13 @@ class EngineSlots:
         if self.fixed:
             return {engine_id: self.fixed for engine_id in self._learned}
         return {engine_id: learned.slots for engine_id, learned in self._learned.items()}
+
+
+def shared(slots: int, snapshot: EndpointSnapshot) -> int:
+    """The slots of an engine this router may use now: all of them unless other routers read
+    its load too; then what the others leave, and at least this router's share."""
+    readers = snapshot.num_load_readers
+    if readers <= 1:
+        return slots
+    others = max(0, snapshot.num_running + snapshot.num_waiting - snapshot.router_requests)
+    return max(slots - others, -(-slots // readers))

@@ -68,6 +68,7 @@ class _Member:
     # reports none, so every re-admission after a lost connection counts as a restart).
     incarnation_id: str | None = None
     adapters: EngineAdapters = field(default_factory=EngineAdapters)  # its LoRA adapters
+    requests: int = 0  # this router's requests there now (Generate and Embed, sent, not ended)
 
 
 class EnginePool:
@@ -379,7 +380,8 @@ class EnginePool:
             decode_step_s=member.rates.decode_step_s, adapter=self._adapter(member, lora_name),
             adapter_bound=member.adapters.bound(
                 member.load, client.info.max_loras if client.info is not None else 0),
-            batch_full=load.batch_full if load.HasField("batch_full") else None)
+            batch_full=load.batch_full if load.HasField("batch_full") else None,
+            num_load_readers=load.num_load_readers, router_requests=member.requests)
 
     # ------------------------------------------------------------------- placement
     def record(self, engine_id: str, block_hashes: Sequence[int]) -> None:
@@ -411,6 +413,7 @@ class EnginePool:
         first_at = last_at = None
         num_later_tokens = 0
         stream = member.client.generate(request, timeout_s=timeout_s, metadata=metadata)
+        member.requests += 1
         try:
             async for message in stream:
                 if first_at is None:
@@ -426,6 +429,7 @@ class EnginePool:
                                             default=0)  # per stream: n > 1 runs side by side
                 yield message
         finally:
+            member.requests -= 1
             if first_at is None:
                 member.rates.dropped(time.monotonic(), num_uncached_tokens)
             member.adapters.ended(lora_name, started=first_at is not None)
@@ -447,12 +451,14 @@ class EnginePool:
                     if isinstance(block_hashes, PromptHashes) else block_hashes)
         member.rates.sent(time.monotonic(), num_uncached_tokens)
         answered = False
+        member.requests += 1
         try:
             response = await member.client.embed(request, timeout_s=timeout_s,
                                                  metadata=metadata)
             answered = True
             return response
         finally:
+            member.requests -= 1
             if answered:  # a prompt-only forward: its answer is its prefill's end
                 member.rates.first_token(time.monotonic(), num_uncached_tokens)
             else:

@@ -56,6 +56,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         # Drawn once per engine process: a router seeing another id at this address knows the
         # engine restarted and that the blocks it indexed here are gone.
         self.incarnation_id = uuid.uuid4().hex
+        self._load_readers = 0  # StreamLoad calls open now
 
     @traced_generate
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
@@ -187,14 +188,19 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         return pb.TokenizerFiles(files=files, digest=self.info.tokenizer_digest)
 
     async def StreamLoad(self, request: pb.StreamLoadRequest, context):
-        async for report in load_reports(request, self._load_report):
-            yield report
+        self._load_readers += 1  # each router reading this engine's load (num_load_readers)
+        try:
+            async for report in load_reports(request, self._load_report):
+                yield report
+        finally:
+            self._load_readers -= 1
 
     def _load_report(self) -> pb.LoadReport:
         load = self.engine.load
         report = pb.LoadReport(num_running=load.num_running, num_waiting=load.num_waiting,
                                num_queued_tokens=load.num_queued_tokens,
-                               kv_cache_usage=load.kv_cache_usage, batch_full=load.batch_full)
+                               kv_cache_usage=load.kv_cache_usage, batch_full=load.batch_full,
+                               num_load_readers=self._load_readers)
         lora = load.lora
         if lora is not None:  # what a router places adapters by
             report.running_lora_adapters[:] = lora.running_adapters

@@ -321,13 +321,14 @@ class StreamLoadRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_queued_tokens", "kv_cache_usage", "timestamp_s", "batch_full", "running_lora_adapters", "waiting_lora_adapters", "loaded_lora_adapters", "max_loras", "num_lora_adapter_loads", "lora_adapter_load_s")
+    __slots__ = ("num_running", "num_waiting", "num_queued_tokens", "kv_cache_usage", "timestamp_s", "batch_full", "num_load_readers", "running_lora_adapters", "waiting_lora_adapters", "loaded_lora_adapters", "max_loras", "num_lora_adapter_loads", "lora_adapter_load_s")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_S_FIELD_NUMBER: _ClassVar[int]
     BATCH_FULL_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOAD_READERS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     WAITING_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     LOADED_LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
@@ -340,13 +341,14 @@ class LoadReport(_message.Message):
     kv_cache_usage: float
     timestamp_s: float
     batch_full: bool
+    num_load_readers: int
     running_lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     waiting_lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     loaded_lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     max_loras: int
     num_lora_adapter_loads: int
     lora_adapter_load_s: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., timestamp_s: _Optional[float] = ..., batch_full: _Optional[bool] = ..., running_lora_adapters: _Optional[_Iterable[str]] = ..., waiting_lora_adapters: _Optional[_Iterable[str]] = ..., loaded_lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., num_lora_adapter_loads: _Optional[int] = ..., lora_adapter_load_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., timestamp_s: _Optional[float] = ..., batch_full: _Optional[bool] = ..., num_load_readers: _Optional[int] = ..., running_lora_adapters: _Optional[_Iterable[str]] = ..., waiting_lora_adapters: _Optional[_Iterable[str]] = ..., loaded_lora_adapters: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., num_lora_adapter_loads: _Optional[int] = ..., lora_adapter_load_s: _Optional[float] = ...) -> None: ...
 
 class StreamKVEventsRequest(_message.Message):
     __slots__ = ()

@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from quire.v1 import engine_pb2 as pb
+from router.pool import PromptHashes
 from router.flow import FlowRequest
 from router.tenants import Tenant, TenantPolicy
 from tests.e2e.router_harness import (TIMEOUT_S, RunningRouter, address, collect, request,
@@ -327,6 +328,70 @@ def test_http_priority_is_validated_and_forwarded(engine):
         assert (first.num_prompt_tokens, second.num_prompt_tokens) == (3, 2)
     finally:
         router.close()
+
+
+@pytest.fixture(scope="module")
+def long_engine(tmp_path_factory, embedded_model_dir):
+    """A tiny model with room for 32k tokens: a request generating to its end holds its slot
+    until it is cancelled, on any host."""
+    from tests.conftest import build_tiny_model
+
+    model = build_tiny_model(tmp_path_factory.mktemp("long-tiny"), embedded_model_dir,
+                             max_position_embeddings=32768)
+    running = start_engine(model, max_num_seqs=2, max_model_len=32768, max_tokens_limit=16000)
+    yield running
+    running.close()
+
+
+def test_two_routers_share_an_engines_slots_instead_of_each_filling_them(long_engine):
+    """Two routers in front of one engine (router replicas): the engine says two read its
+    load, so a router whose peer holds every slot admits only its share (one of two) and
+    queues the rest where its flow control orders it; when the peer's requests end, the
+    queued one runs. Before, each admitted up to all the slots, and the excess waited in the
+    engine's first-come-first-served queue."""
+    first, second = (RunningRouter([address(long_engine)], http_port=0,
+                                   max_tokens_limit=16000, flow={
+                                       "engine_slots": 2, "tenant_header": TENANT})
+                     for _ in range(2))
+    try:
+        def seen(router):
+            (snap,) = router.read(lambda: router.server.pool.candidates(PromptHashes({})))
+            return snap
+        assert wait_for(lambda: seen(first).num_load_readers == 2 and
+                        seen(second).num_load_readers == 2, TIMEOUT_S)
+        holds = []
+        for i in range(2):  # the first router's two requests run until cancelled
+            req = request([1, 2, 3, 4], max_tokens=10000)  # two fit the KV cache
+            req.request_id = f"hold-{i}"
+            call = first.stub.Generate(req, timeout=TIMEOUT_S, metadata=((TENANT, "a"),))
+            holds.append(call)
+            threading.Thread(target=_drain, args=(call,), daemon=True).start()
+        # the second router's flow control has read that report (it refreshes at the
+        # reports' period): its share is one slot
+        assert wait_for(lambda: seen(second).num_running == 2 and second.read(
+            lambda: second.server.flow.capacity) == 1, TIMEOUT_S)
+        queued = [Queued(second, f"b{i}", tenant="b") for i in range(2)]
+        for q in queued:
+            q.start()
+        assert wait_for(lambda: depth(second) == 1 and inflight(second) == 1, TIMEOUT_S), \
+            (depth(second), inflight(second), [(q.outcome, q.error) for q in queued])
+        for call in holds:
+            call.cancel()
+        for q in queued:
+            q.join(TIMEOUT_S)
+        assert [q.outcome for q in queued] == ["OK", "OK"], [q.error for q in queued]
+        settle(second, long_engine)
+    finally:
+        first.close()
+        second.close()
+
+
+def _drain(call) -> None:
+    try:
+        for _ in call:
+            pass
+    except grpc.RpcError:
+        pass  # cancelled
 
 
 @pytest.mark.parametrize("flow_control", [True, False])

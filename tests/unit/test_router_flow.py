@@ -207,9 +207,10 @@ def test_token_bucket_lets_a_request_larger_than_a_minute_through_a_full_bucket(
     assert bucket.wait_s(1, 0.0) == pytest.approx(941.0)
 
 
-def snapshot(engine_id, running, waiting, healthy=True, batch_full=None):
+def snapshot(engine_id, running, waiting, healthy=True, batch_full=None, **more):
     return EndpointSnapshot(engine_id=engine_id, healthy=healthy, cached_blocks=0, block_size=16,
-                            num_running=running, num_waiting=waiting, batch_full=batch_full)
+                            num_running=running, num_waiting=waiting, batch_full=batch_full,
+                            **more)
 
 
 def test_engine_slots_learn_what_an_engine_batches():
@@ -229,6 +230,26 @@ def test_engine_slots_learn_what_an_engine_batches():
     reports[:] = []
     assert slots.observe() is None
     assert EngineSlots(lambda: [snapshot("e", 1, 5)] * 2, fixed=3).observe() == 6
+
+
+def test_routers_share_an_engines_slots_and_none_is_starved():
+    """Routers in front of one engine (it says how many read its load): each may use the
+    slots the others leave, counted from what the engine runs and queues beyond this router's
+    own requests, and never less than its share (slots / readers, rounded up)."""
+    def seen(running, waiting, readers, mine, **kw):
+        return snapshot("e", running, waiting, num_load_readers=readers, router_requests=mine,
+                        **kw)
+    assert EngineSlots(lambda: [seen(6, 0, 1, 0)], fixed=8).observe() == 8  # alone: all
+    assert EngineSlots(lambda: [seen(6, 0, 0, 0)], fixed=8).observe() == 8  # not said: all
+    assert EngineSlots(lambda: [seen(0, 0, 2, 0)], fixed=8).observe() == 8  # the other idle
+    assert EngineSlots(lambda: [seen(5, 0, 2, 2)], fixed=8).observe() == 5  # it has 3 there
+    assert EngineSlots(lambda: [seen(8, 6, 2, 0)], fixed=8).observe() == 4  # full: the share
+    assert EngineSlots(lambda: [seen(8, 6, 3, 1)], fixed=8).observe() == 3  # ceil(8 / 3)
+    # fewer there than this router counts (the report lags its sends): the others have none
+    assert EngineSlots(lambda: [seen(1, 0, 2, 4)], fixed=8).observe() == 8
+    # several engines: each shared on its own
+    both = [seen(8, 0, 2, 0), snapshot("f", 2, 0, num_load_readers=2, router_requests=2)]
+    assert EngineSlots(lambda: both, fixed=8).observe() == 4 + 8
 
 
 def test_engine_slots_take_an_engines_own_word_on_a_full_batch():
