@@ -66,20 +66,28 @@ def compile_spec(compiler, kind: str, spec: str):
         # xgrammar's messages start "[hh:mm:ss] /path/file.cc:123: ": not the client's concern
         reason = _LOG_PREFIX.sub("", " ".join(str(e).split()))[:500] or type(e).__name__
         raise FieldError(field, f"cannot be compiled: {reason}") from None
-    if not _can_begin(compiled):
-        raise FieldError(field, "matches no text: no token can begin it, not even the end "
-                         "(a rule that only refers to itself?)")
+    # JSON is never empty: a schema whose only first token is the end ({"anyOf": []}) allows
+    # no value at all
+    json_kind = kind in ("json", "json_object")
+    if not _can_begin(compiled, text_first=json_kind):
+        raise FieldError(field, "allows no JSON value" if json_kind else
+                         "matches no text: no token can begin it, not even the end (a rule "
+                         "that only refers to itself?)")
     return compiled
 
 
-def _can_begin(compiled) -> bool:
-    """Whether any token (the end included) may come first: a spec that allows none (``root
-    ::= root``) would answer every request with nothing."""
+def _can_begin(compiled, text_first: bool) -> bool:
+    """Whether any token may come first (the end counts unless ``text_first``): a spec that
+    allows none (``root ::= root``) would answer every request with nothing."""
     import xgrammar as xgr
 
     matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=0)
-    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    info = compiled.tokenizer_info
+    bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
     matcher.fill_next_token_bitmask(bitmask, 0)
+    if text_first:
+        for token_id in info.stop_token_ids:  # the end's bits cleared
+            bitmask[0, token_id // 32] &= ~(1 << (token_id % 32))
     return bool(bitmask.any())
 
 

@@ -16,7 +16,10 @@ where its arguments' value starts and ends in the text:
 
 Arguments are passed on as the model wrote them (their concatenation parses to what the
 non-streamed answer holds, which re-serializes them); a choice cut short by ``max_tokens``
-leaves its last call's arguments unfinished, as vLLM streams them.
+leaves its last call's arguments unfinished, as vLLM streams them. The whole answer is what
+the stream would have sent (``parse_whole``): a call counts once its name is a tool's and its
+arguments have begun, whatever follows them, and a key is read as written (the first
+``arguments`` of an object, ``"name"`` spelled without escapes).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from quire.tool_calls import TOOL_CALL_START, ToolChoice
+from quire.tool_calls import TOOL_CALL_START, ToolCall, ToolChoice, _compact
 
 _KEY, _COLON, _VALUE, _STRING, _NESTED, _SCALAR, _AFTER = range(7)
 
@@ -164,6 +167,7 @@ class ToolCallStream:
         self.choice = choice
         self.text = ""
         self.calls: list[_Call] = []  # announced, in index order
+        self._settled = 0  # the reader's calls before this one need nothing more
         self._sent = 0  # characters of content passed on
         self._calls_at = -1 if choice.mode == "auto" else 0  # where the calls' text starts
         self._reader = None if choice.mode == "named" else _CallReader(
@@ -203,7 +207,8 @@ class ToolCallStream:
 
     def _deltas(self) -> list[dict]:
         text, deltas = self._reader.text, []
-        for call in self._reader.calls:
+        calls = self._reader.calls
+        for call in calls[self._settled:]:
             if call.index < 0:
                 if not self._ready(call) or (not self.choice.parallel and self.calls):
                     continue
@@ -216,7 +221,19 @@ class ToolCallStream:
                 if new:
                     call.sent += len(new)
                     deltas.append({"index": call.index, "function": {"arguments": new}})
+        while self._settled < len(calls) and self._done_with(calls[self._settled]):
+            self._settled += 1  # so a long output of many calls costs linear time
         return deltas
+
+    @staticmethod
+    def _done_with(call: _Call) -> bool:
+        """Nothing more can come of a call: its object has closed, and it went out whole (or
+        never will: not a call, or one past the first without parallel calls)."""
+        if not call.closed:
+            return False
+        if call.index < 0 or call.args_at < 0 or call.args_kind not in "{[":
+            return True
+        return call.args_end >= 0 and call.sent == call.args_end - call.args_at
 
     def _ready(self, call: _Call) -> bool:
         """A call goes out once its name is a tool's and its arguments have begun (a string's
@@ -246,6 +263,23 @@ class ToolCallStream:
     def _announce(call: _Call, arguments: str) -> dict:
         return {"index": call.index, "id": call.id, "type": "function",
                 "function": {"name": call.name, "arguments": arguments}}
+
+
+def parse_whole(choice: ToolChoice, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a finished output, as its stream would have sent them: the content
+    before the first call stripped (None when empty), each call's arguments re-serialized where
+    they parse; with no call, auto's text whole as content (required: "", never the grammar's
+    array)."""
+    stream = ToolCallStream(choice)
+    content, deltas = stream.feed(text, finished=True)
+    arguments: dict[int, list[str]] = {}
+    for delta in deltas:
+        arguments.setdefault(delta["index"], []).append(delta["function"]["arguments"])
+    calls = [ToolCall(call.name, _compact("".join(arguments.get(call.index, ()))), id=call.id)
+             for call in stream.calls]
+    if not calls:
+        return content, []
+    return (content.strip() or None) if choice.mode == "auto" else None, calls
 
 
 def _partial_tag(text: str) -> int:

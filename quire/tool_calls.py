@@ -14,8 +14,8 @@ the same way (plain Python: no torch, no grammar engine).
   ``parallel_tool_calls: false``); a named function constrains it to that function's
   ``parameters`` schema (vLLM's grammars for both), so arguments always parse.
 - **Parsing.** ``"auto"`` output is read as Hermes: text before the first ``<tool_call>`` is
-  the content, each ``<tool_call>`` block whose JSON names a known function is a call.
-  Streamed, calls go out as they are written (``quire.tool_call_stream``).
+  the content, each ``<tool_call>`` block whose JSON names a known function is a call. Whole
+  or streamed, one reader does it (``quire.tool_call_stream``).
 """
 
 from __future__ import annotations
@@ -82,38 +82,12 @@ class ToolChoice:
             {} if self.parallel else {"maxItems": 1})
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a finished output."""
-        if self.mode == "named":
-            return None, [ToolCall(self.name, _compact(text))]
-        if self.mode == "required":
-            try:
-                calls = [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                         for c in json.loads(text)]
-            except (ValueError, TypeError, KeyError, RecursionError):
-                # cut short (max_tokens): the calls as far as they came, as vLLM answers; the
-                # grammar's array of {name, parameters} is never shown as content
-                return ("" if not (calls := _partial_calls(text)) else None), calls
-            return None, calls
-        start = text.find(TOOL_CALL_START)
-        if start < 0:
-            return text, []
-        calls = [c for c in (self._hermes(b) for b in _blocks(text[start:])) if c is not None]
-        if not calls:
-            return text, []
-        content = text[:start].strip() or None
-        return content, calls if self.parallel else calls[:1]
+        """(content, calls) of a finished output: what its stream would have sent, read by
+        the same reader (``quire.tool_call_stream``), so a whole answer and a streamed one
+        never disagree."""
+        from quire.tool_call_stream import parse_whole
 
-    def _hermes(self, block: str) -> ToolCall | None:
-        try:
-            call = json.loads(block)
-        except (ValueError, RecursionError):
-            return None
-        if not isinstance(call, dict) or call.get("name") not in self.names:
-            return None
-        arguments = call.get("arguments", call.get("parameters", {}))
-        if isinstance(arguments, str):
-            return ToolCall(call["name"], arguments)
-        return ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
+        return parse_whole(self, text)
 
     def finish_reason(self, calls: list[ToolCall], finish: str | None) -> str | None:
         """OpenAI's: tool_calls when the model chose to call; stop for a named function."""
@@ -122,48 +96,11 @@ class ToolChoice:
         return finish
 
 
-# The start of one element of the "required" array, up to its parameters' first character.
-_PARTIAL_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*')
-
-
-def _partial_calls(text: str) -> list[ToolCall]:
-    """The calls of a "required" array cut short: each complete element, then the last one's
-    name with its arguments as far as they came (not valid JSON), if its name is complete."""
-    decoder = json.JSONDecoder()
-    at = text.find("[") + 1
-    calls: list[ToolCall] = []
-    while 0 < at < len(text):
-        while at < len(text) and text[at] in " \t\r\n,":
-            at += 1
-        if at >= len(text) or text[at] == "]":
-            break
-        try:
-            element, at = decoder.raw_decode(text, at)
-        except (ValueError, RecursionError):
-            match = _PARTIAL_CALL.match(text, at)
-            if match is not None:
-                calls.append(ToolCall(json.loads(match.group(1)), text[match.end():]))
-            break
-        if not isinstance(element, dict) or not isinstance(element.get("name"), str):
-            break
-        calls.append(ToolCall(element["name"], json.dumps(element.get("parameters", {}),
-                                                          ensure_ascii=False)))
-    return calls
-
-
 def _compact(text: str) -> str:
     try:
         return json.dumps(json.loads(text), ensure_ascii=False)
     except (ValueError, RecursionError):
         return text
-
-
-def _blocks(text: str) -> list[str]:
-    """The bodies of ``<tool_call>...</tool_call>`` blocks; the last may lack its end tag."""
-    out = []
-    for part in text.split(TOOL_CALL_START)[1:]:
-        out.append(part.split(TOOL_CALL_END)[0].strip())
-    return out
 
 
 def _parameters(tool: dict) -> dict:

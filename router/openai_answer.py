@@ -63,10 +63,11 @@ class OpenAIRequest:
             raise RequestError("stream_options: must be an object with at most "
                                "include_usage, continuous_usage_stats and include_obfuscation",
                                "stream_options")
-        self.include_usage = bool(bool_field(options, "include_usage"))
+        flags = {name: bool(bool_field(options, name, where="stream_options."))
+                 for name in ("include_usage", "continuous_usage_stats", "include_obfuscation")}
+        self.include_usage = flags["include_usage"]
         # as vLLM: only with include_usage
-        self.continuous_usage = self.include_usage and bool(
-            bool_field(options, "continuous_usage_stats"))
+        self.continuous_usage = self.include_usage and flags["continuous_usage_stats"]
         self.want_logprobs = bool(bool_field(body, "logprobs")) if chat else (
             body.get("logprobs") is not None)
         # fields the engine names by their wire name, named as this request sent them (the

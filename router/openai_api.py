@@ -340,7 +340,8 @@ class OpenAIFront:
                     item = await loop.run_in_executor(self._render_pool, self._render_chat,
                                                       item.messages, (), req.chat)
                 message = pb.EmbedRequest(**({"text": item} if isinstance(item, str) else
-                                             {"token_ids": pb.TokenIds(ids=item)}))
+                                             {"token_ids": pb.TokenIds(ids=item)}),
+                                          priority=req.priority)
                 if req.normalize is not None:
                     message.normalize = req.normalize
                 if req.truncate_prompt_tokens is not None:

@@ -204,10 +204,13 @@ def _number(body: dict, name: str, *, rule: str | None = None, hi: int | None = 
         raise RequestError(str(e), e.field) from None
 
 
-def bool_field(body: dict, name: str) -> bool | None:
+def bool_field(body: dict, name: str, where: str = "") -> bool | None:
+    """``body[name]``, a boolean or absent; ``where``: the path of ``body`` in the request
+    (``stream_options.``), for the error's field."""
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
-        raise RequestError(f"{name}: must be a boolean, got {shown(value)}", name)
+        raise RequestError(f"{where}{name}: must be a boolean, got {shown(value)}",
+                           where + name)
     return value
 
 

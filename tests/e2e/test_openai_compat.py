@@ -324,3 +324,7 @@ def test_continuous_usage_stats_put_each_choices_usage_on_every_chunk(front, pat
     plain = _events(front, path, body | {"max_tokens": 2, "stream_options": {
         "continuous_usage_stats": True}})
     assert all("usage" not in e for e in plain)
+    status, answer = _post(front, path, body | {"stream": True, "stream_options": {
+        "continuous_usage_stats": "yes"}})
+    assert status == 400 and answer["error"]["param"] == \
+        "stream_options.continuous_usage_stats", answer

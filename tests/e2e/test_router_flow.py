@@ -422,6 +422,12 @@ def test_a_priority_more_urgent_than_the_tenant_may_ask_is_a_403(engine, flow_co
         embed = Queued(router, "embed", tenant="anyone", priority=-3, embed=True)
         embed.run()
         assert embed.outcome == "PERMISSION_DENIED"
+        # /v1/embeddings takes vLLM's priority too (each input waits its turn at it)
+        for priority, want in ((-1, 403), (3, 200), ("soon", 400)):
+            status, _, answer = http(router, {"input": ["a b", "c"], "priority": priority},
+                                     {TENANT: "anyone"}, path="/v1/embeddings")
+            assert status == want, (priority, answer)
+            assert want == 200 or answer["error"]["param"] == "priority"
         if flow_control:
             settle(router, engine)
     finally:
