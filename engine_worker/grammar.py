@@ -153,8 +153,8 @@ class _CompileWorker:
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         worker = cls(process)
         try:
-            await worker._send(tokenizer_info_json)
             async with asyncio.timeout(WORKER_START_TIMEOUT_S):
+                await worker._send(tokenizer_info_json)  # (megabytes: it reads as it starts)
                 ready = await worker._read()
         except BaseException as e:  # cancelled (its requests left) while starting: no orphan
             worker.kill()

@@ -9,7 +9,11 @@ where its arguments' value starts and ends in the text:
 
 - ``"auto"``: Hermes blocks, ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``; the
   text before the first block is content, held back only while it may be a tag's start.
-  A block whose name is no tool of the request is not a call. Arguments written as a JSON
+  A block whose name is no tool of the request is not a call. ``</tool_call>`` ends a block
+  wherever it comes, inside a JSON string too (as vLLM's Hermes parser splits on the tags): a
+  block broken by the model (an unterminated string, a brace missing) then ends at its tag,
+  and the calls after it are read. Arguments are held back while they may end in the tag's
+  start. Arguments written as a JSON
   string (``"arguments": "{\\"city\\": ...}"``) go out decoded, once the string closes.
 - ``"required"``: the grammar's array of ``{"name": ..., "parameters": ...}`` objects.
 - a named function: every character is its arguments.
@@ -28,7 +32,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from quire.tool_calls import TOOL_CALL_START, ToolCall, ToolChoice, _compact
+from quire.tool_calls import TOOL_CALL_END, TOOL_CALL_START, ToolCall, ToolChoice, _compact
 
 _KEY, _COLON, _VALUE, _STRING, _NESTED, _SCALAR, _AFTER = range(7)
 
@@ -42,6 +46,7 @@ class _Call:
     args_end: int = -1  # where it ends (-1 while open)
     args_kind: str = ""  # the value's first character: { [ " or a scalar's
     closed: bool = False  # the object has ended
+    broken: bool = False  # it ended at </tool_call> before its closing brace
     index: int = -1  # its tool_calls index once announced
     sent: int = 0  # characters of its arguments sent
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
@@ -55,6 +60,7 @@ class _CallReader:
     def __init__(self, array: bool, arguments: tuple[str, ...]) -> None:
         self.array, self.arguments = array, arguments
         self.text = ""  # all read so far: offsets are into it
+        self.hermes = not array
         self.calls: list[_Call] = []
         self.done = False  # the array closed, or text no call can follow
         self._outside = ""  # Hermes: text since the last object, searched for the next tag
@@ -65,14 +71,28 @@ class _CallReader:
 
     def feed(self, text: str) -> None:
         at = len(self.text)
-        self.text += text
+        whole, self.text = self.text, ""
+        whole += text  # in place: the one reference (a long output stays linear to read)
+        self.text = whole
         for i, ch in enumerate(text, at):
             if self.done:
                 return
             if self._depth == 0:
                 self._between(ch, i)
+            elif ch == ">" and self.hermes and self.text.endswith(TOOL_CALL_END, 0, i + 1):
+                self._tag_ended(i + 1 - len(TOOL_CALL_END))
             else:
                 self._inside(ch, i)
+
+    def _tag_ended(self, tag_at: int) -> None:
+        """``</tool_call>`` inside a block's object (in a string or not): the block ends
+        there; an open arguments value ends where the tag begins."""
+        call = self.calls[-1]
+        if call.args_at >= 0 and call.args_end < 0 and call.args_kind in "{[":
+            call.args_end = tag_at  # (an open string or scalar is no arguments)
+        call.closed = call.broken = True
+        self._depth, self._string, self._escaped = 0, False, False
+        self._outside = ""
 
     def _between(self, ch: str, i: int) -> None:
         if self.array:
@@ -165,48 +185,46 @@ class ToolCallStream:
 
     def __init__(self, choice: ToolChoice) -> None:
         self.choice = choice
-        self.text = ""
         self.calls: list[_Call] = []  # announced, in index order
         self._settled = 0  # the reader's calls before this one need nothing more
-        self._sent = 0  # characters of content passed on
-        self._calls_at = -1 if choice.mode == "auto" else 0  # where the calls' text starts
+        self._held = ""  # auto, before any call: text that may begin a <tool_call> tag
+        self._in_calls = choice.mode != "auto"  # the text is the calls' from here on
         self._reader = None if choice.mode == "named" else _CallReader(
             array=choice.mode == "required",
             arguments=("parameters",) if choice.mode == "required" else ("arguments",
                                                                          "parameters"))
 
     def feed(self, delta: str, finished: bool) -> tuple[str, list[dict]]:
-        at = len(self.text)
-        self.text += delta
         out = ""
-        if self._calls_at < 0:  # auto, no call begun yet: the text is content so far
-            start = self.text.find(TOOL_CALL_START, self._sent)
+        if not self._in_calls:  # auto, no call begun yet: the text is content so far
+            text = self._held + delta
+            start = text.find(TOOL_CALL_START)
             if start < 0:
-                end = len(self.text) if finished else len(self.text) - _partial_tag(self.text)
-                out, self._sent = self.text[self._sent:end], max(self._sent, end)
+                end = len(text) if finished else len(text) - _partial_tag(text)
+                out, self._held = text[:end], text[end:]
                 return out, []
-            out, self._sent, self._calls_at, at = self.text[self._sent:start], start, start, start
+            out, delta, self._held, self._in_calls = text[:start], text[start:], "", True
         if self._reader is None:
-            return out, self._named(finished)
-        self._reader.feed(self.text[at:])
-        deltas = self._deltas()
+            return out, self._named(delta, finished)
+        self._reader.feed(delta)
+        deltas = self._deltas(finished)
         if finished and not self.calls:
             # no call after all: auto's text was content; required never shows its grammar
-            out += self.text[self._calls_at:] if self.choice.mode == "auto" else ""
+            out += self._reader.text if self.choice.mode == "auto" else ""
         return out, deltas
 
-    def _named(self, finished: bool) -> list[dict]:
+    def _named(self, delta: str, finished: bool) -> list[dict]:
         if not self.calls:
-            if not self.text and not finished:
+            if not delta and not finished:
                 return []
-            self.calls.append(_Call(name=self.choice.name, index=0, sent=len(self.text)))
-            return [self._announce(self.calls[0], self.text)]
-        call = self.calls[0]
-        new, call.sent = self.text[call.sent:], len(self.text)
-        return [{"index": 0, "function": {"arguments": new}}] if new else []
+            self.calls.append(_Call(name=self.choice.name, index=0))
+            return [self._announce(self.calls[0], delta)]
+        return [{"index": 0, "function": {"arguments": delta}}] if delta else []
 
-    def _deltas(self) -> list[dict]:
+    def _deltas(self, finished: bool) -> list[dict]:
         text, deltas = self._reader.text, []
+        # an open value's last characters may begin </tool_call> (Hermes): not sent yet
+        hold = _partial_end(text) if self._reader.hermes and not finished else 0
         calls = self._reader.calls
         for call in calls[self._settled:]:
             if call.index < 0:
@@ -214,9 +232,9 @@ class ToolCallStream:
                     continue
                 call.index = len(self.calls)
                 self.calls.append(call)
-                deltas.append(self._announce(call, self._arguments(call)))
+                deltas.append(self._announce(call, self._arguments(call, hold)))
             elif call.args_kind in "{[" and call.args_at >= 0:
-                end = call.args_end if call.args_end >= 0 else len(text)
+                end = call.args_end if call.args_end >= 0 else len(text) - hold
                 new = text[call.args_at + call.sent:end]
                 if new:
                     call.sent += len(new)
@@ -242,15 +260,15 @@ class ToolCallStream:
         if call.name is None or call.name not in self.choice.names:
             return False
         if call.args_at < 0:
-            return call.closed
+            return call.closed and not call.broken
         return call.args_kind in "{[" or call.args_end >= 0
 
-    def _arguments(self, call: _Call) -> str:
+    def _arguments(self, call: _Call, hold: int) -> str:
         """What has come of a call's arguments, as it is announced (the rest follows)."""
         if call.args_at < 0:
             return "{}"
         text = self._reader.text
-        raw = text[call.args_at:call.args_end if call.args_end >= 0 else len(text)]
+        raw = text[call.args_at:call.args_end if call.args_end >= 0 else len(text) - hold]
         call.sent = len(raw)
         if call.args_kind == '"':
             try:
@@ -282,9 +300,13 @@ def parse_whole(choice: ToolChoice, text: str) -> tuple[str | None, list[ToolCal
     return (content.strip() or None) if choice.mode == "auto" else None, calls
 
 
-def _partial_tag(text: str) -> int:
-    """How many trailing characters of ``text`` may begin ``<tool_call>``."""
-    for n in range(min(len(TOOL_CALL_START) - 1, len(text)), 0, -1):
-        if TOOL_CALL_START.startswith(text[-n:]):
+def _partial_tag(text: str, tag: str = TOOL_CALL_START) -> int:
+    """How many trailing characters of ``text`` may begin ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+def _partial_end(text: str) -> int:
+    return _partial_tag(text, TOOL_CALL_END)

@@ -250,5 +250,6 @@ class EngineClient:
             return True
 
         await self._follow(lambda: self.stub.StreamLoad(
-            pb.StreamLoadRequest(interval_ms=self.options.load_interval_ms)),
+            pb.StreamLoadRequest(interval_ms=self.options.load_interval_ms,
+                                 admits_requests=True)),
             on_message, lambda: self.reports.load_report(self, None), "load feed", logging.DEBUG)

@@ -244,9 +244,11 @@ class _RunningUsage:
             self.generated[delta.index] = self.generated.get(delta.index, 0) + len(
                 delta.token_ids)
 
-    def of(self, index: int) -> dict:
+    def of(self, index: int, role_only: bool = False) -> dict:
+        """The usage a chunk of choice ``index`` carries (a chat choice's role-only first
+        chunk: nothing generated yet, as vLLM counts it)."""
         prompt = self.prompt_tokens.get(index // self.req.n, 0)
-        completion = 0 if self.req.echo_only else self.generated.get(index, 0)
+        completion = 0 if self.req.echo_only or role_only else self.generated.get(index, 0)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
@@ -323,7 +325,8 @@ async def stream(request: web.Request, req: OpenAIRequest, call, first,
                         choices.append(choice)
             if choices:
                 await response.write(b"".join(sse(req.envelope([choice], chunk=True) | (
-                    {} if usage is None else {"usage": usage.of(choice["index"])}))
+                    {} if usage is None else {"usage": usage.of(
+                        choice["index"], role_only="role" in choice.get("delta", ()))}))
                     for choice in choices))
             if message.HasField("usage"):
                 account(message.usage)

@@ -68,7 +68,8 @@ class _Member:
     # reports none, so every re-admission after a lost connection counts as a restart).
     incarnation_id: str | None = None
     adapters: EngineAdapters = field(default_factory=EngineAdapters)  # its LoRA adapters
-    requests: int = 0  # this router's requests there now (Generate and Embed, sent, not ended)
+    # this router's sequences there now (Generate's n each, Embed's one; sent, not ended)
+    requests: int = 0
 
 
 class EnginePool:
@@ -413,7 +414,8 @@ class EnginePool:
         first_at = last_at = None
         num_later_tokens = 0
         stream = member.client.generate(request, timeout_s=timeout_s, metadata=metadata)
-        member.requests += 1
+        sequences = max(request.sampling.n, 1)  # as the engine counts them: n > 1 runs n
+        member.requests += sequences
         try:
             async for message in stream:
                 if first_at is None:
@@ -429,7 +431,7 @@ class EnginePool:
                                             default=0)  # per stream: n > 1 runs side by side
                 yield message
         finally:
-            member.requests -= 1
+            member.requests -= sequences
             if first_at is None:
                 member.rates.dropped(time.monotonic(), num_uncached_tokens)
             member.adapters.ended(lora_name, started=first_at is not None)

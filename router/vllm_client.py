@@ -251,6 +251,8 @@ class VllmEngineClient:
             body["use_activation"] = request.normalize
         if request.HasField("truncate_prompt_tokens"):
             body["truncate_prompt_tokens"] = request.truncate_prompt_tokens
+        if request.priority:  # as a generation's (vLLM refuses it unless it schedules by it)
+            body["priority"] = request.priority
         headers = {k: v for k, v in metadata if k in ("traceparent", "tracestate")}
         answer = json.loads(await self._post_text(
             "/v1/embeddings", body, timeout_s, headers=headers, field="prompt",

@@ -188,12 +188,14 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         return pb.TokenizerFiles(files=files, digest=self.info.tokenizer_digest)
 
     async def StreamLoad(self, request: pb.StreamLoadRequest, context):
-        self._load_readers += 1  # each router reading this engine's load (num_load_readers)
+        # each router reading this engine's load (num_load_readers); a monitor is not one
+        counted = int(request.admits_requests)
+        self._load_readers += counted
         try:
             async for report in load_reports(request, self._load_report):
                 yield report
         finally:
-            self._load_readers -= 1
+            self._load_readers -= counted
 
     def _load_report(self) -> pb.LoadReport:
         load = self.engine.load

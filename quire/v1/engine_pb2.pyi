@@ -315,10 +315,12 @@ class TokenizerFiles(_message.Message):
     def __init__(self, files: _Optional[_Mapping[str, bytes]] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class StreamLoadRequest(_message.Message):
-    __slots__ = ("interval_ms",)
+    __slots__ = ("interval_ms", "admits_requests")
     INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    ADMITS_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     interval_ms: int
-    def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
+    admits_requests: bool
+    def __init__(self, interval_ms: _Optional[int] = ..., admits_requests: _Optional[bool] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("num_running", "num_waiting", "num_queued_tokens", "kv_cache_usage", "timestamp_s", "batch_full", "num_load_readers", "running_lora_adapters", "waiting_lora_adapters", "loaded_lora_adapters", "max_loras", "num_lora_adapter_loads", "lora_adapter_load_s")

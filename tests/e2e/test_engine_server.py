@@ -216,6 +216,16 @@ def test_load_reports_and_kv_event_feed(server):
     assert 0.0 <= load.kv_cache_usage <= 1.0
     # a Quire engine always says whether its batch is full (a vLLM engine leaves it unset)
     assert load.HasField("batch_full") and not load.batch_full
+    # readers that admit requests (routers) are counted while their call is open; a
+    # monitor's (this one's) is not
+    assert load.num_load_readers == 0
+    router_feed = server.stub.StreamLoad(pb.StreamLoadRequest(interval_ms=10,
+                                                              admits_requests=True))
+    assert next(router_feed).num_load_readers == 1
+    router_feed.cancel()
+    later = server.stub.StreamLoad(pb.StreamLoadRequest(interval_ms=10))
+    assert _eventually(lambda: next(later).num_load_readers == 0)
+    later.cancel()
     feed = server.stub.StreamKVEvents(pb.StreamKVEventsRequest())
     mirror = KVCacheMirror.from_snapshot(snapshot_from_proto(next(feed).snapshot))
     _collect(server.stub.Generate(_request(list(range(5000, 5050)), max_tokens=4)))
@@ -225,3 +235,11 @@ def test_load_reports_and_kv_event_feed(server):
         assert mirror.apply(batch_from_proto(next(feed).batch))
     feed.cancel()
     assert mirror.block_hashes == truth
+
+
+def _eventually(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+    return False

@@ -311,6 +311,9 @@ def test_continuous_usage_stats_put_each_choices_usage_on_every_chunk(front, pat
     for chunk in chunks:
         (choice,) = chunk["choices"]
         seen.setdefault(choice["index"], []).append(chunk["usage"])
+    if path == "/v1/chat/completions":  # each choice's role-only chunk: nothing yet
+        roles = [c for c in chunks if c["choices"][0]["delta"].get("role")]
+        assert len(roles) == 2 and all(c["usage"]["completion_tokens"] == 0 for c in roles)
     for usages in seen.values():
         counts = [u["completion_tokens"] for u in usages]
         assert counts == sorted(counts) and counts[-1] == 6, counts

@@ -30,7 +30,9 @@ async def _run(engine: LLMEngine, lag: bool):
             if lag and len(messages) == 1:
                 while async_engine.num_unfinished:  # the loop thread saw the last output
                     await asyncio.sleep(0.01)
-                await asyncio.sleep(0.5)  # its hand-off, queued just after, has run
+                # a round trip through the loop thread: the hand-off of the last output,
+                # queued to this event loop before the reply, has run when the reply comes
+                await async_engine.call(lambda engine: None)
         return messages
     finally:
         await asyncio.to_thread(async_engine.stop)

@@ -90,6 +90,15 @@ HERMES = [
     '<tool_call>{"name": "get_time", "arguments": {}}}}</tool_call> and more',
     '<tool_call>{"name": "get_weather", "arguments": {"city": "Os',  # ended by a stop
     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_w',
+    # broken blocks end at their tag, and the calls after them are read (the review)
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo}}</tool_call>\n'
+    '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}</tool_call>'
+    '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>',
+    '<tool_call>{"name": "get_time", "argu</tool_call><tool_call>{"name": "get_weather"}'
+    '</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": "{\\"city'
+    '</tool_call><tool_call>{"name": "get_time"}</tool_call>',
 ]
 
 
@@ -184,3 +193,23 @@ def test_many_calls_cost_linear_time():
         stream.feed(piece, finished=False)
         looked.append(len(stream._reader.calls) - stream._settled)
     assert len(stream.calls) == 400 and max(looked) <= 2
+
+
+@pytest.mark.parametrize("text, names", [
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo}}</tool_call>\n'
+     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', ["get_weather", "get_time"]),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}</tool_call>'
+     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', ["get_weather", "get_time"]),
+    ('<tool_call>{"name": "get_time", "argu</tool_call>'
+     '<tool_call>{"name": "get_weather"}</tool_call>', ["get_weather"]),
+])
+def test_a_broken_block_ends_at_its_tag_and_later_calls_are_read(text, names):
+    """A block the model broke (an unterminated string, a missing brace) ends at its
+    ``</tool_call>``, as vLLM's Hermes parser splits on the tags; it used to swallow every
+    call after it. Its arguments stop where the tag begins, and none of the tag is sent."""
+    content, calls = _choice().parse(text)
+    assert [c.name for c in calls] == names, calls
+    assert all("</tool" not in c.arguments and "<tool_call>" not in c.arguments for c in calls)
+    _, streamed, deltas = _stream(_choice(), list(text))
+    assert [n for n, _ in streamed] == names
+    assert not any("<" in d["function"]["arguments"] for ds in deltas for d in ds)
