@@ -285,7 +285,8 @@ class ToolCallStream:
 
 def parse_whole(choice: ToolChoice, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a finished output, as its stream would have sent them: the content
-    before the first call stripped (None when empty), each call's arguments re-serialized where
+    before the first call as it came (None when empty; as vLLM's Hermes parser leaves it, and
+    as the stream sent it), each call's arguments re-serialized where
     they parse; with no call, auto's text whole as content (required: "", never the grammar's
     array)."""
     stream = ToolCallStream(choice)
@@ -297,7 +298,7 @@ def parse_whole(choice: ToolChoice, text: str) -> tuple[str | None, list[ToolCal
              for call in stream.calls]
     if not calls:
         return content, []
-    return (content.strip() or None) if choice.mode == "auto" else None, calls
+    return (content or None) if choice.mode == "auto" else None, calls
 
 
 def _partial_tag(text: str, tag: str = TOOL_CALL_START) -> int:
