@@ -185,6 +185,7 @@ class ToolCallStream:
 
     def __init__(self, choice: ToolChoice) -> None:
         self.choice = choice
+        self._names = choice.names  # (a set built once, not per call looked at)
         self.calls: list[_Call] = []  # announced, in index order
         self._settled = 0  # the reader's calls before this one need nothing more
         self._held = ""  # auto, before any call: text that may begin a <tool_call> tag
@@ -257,7 +258,7 @@ class ToolCallStream:
         """A call goes out once its name is a tool's and its arguments have begun (a string's
         or a scalar's once whole, being sent decoded / whole), or its object closed without
         any (as ``{}``)."""
-        if call.name is None or call.name not in self.choice.names:
+        if call.name is None or call.name not in self._names:
             return False
         if call.args_at < 0:
             return call.closed and not call.broken

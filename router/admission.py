@@ -45,6 +45,10 @@ class AdmissionGate:
         """``controller`` None: flow control is off; every request passes at once."""
         self.controller = controller
         self.table = table
+        # whether any tenant's priority is bounded: else, with flow control off, a request
+        # passes without its tenant being looked up (an API key's digest on every request)
+        self._floors = table.default.min_priority is not None or any(
+            p.min_priority is not None for p in table.tenants.values())
 
     async def admit(self, request: pb.GenerateRequest | pb.EmbedRequest,
                     context: grpc.aio.ServicerContext, num_prompt_tokens: int,
@@ -54,6 +58,8 @@ class AdmissionGate:
         ``priority``, flow control on or off). Its ``priority`` is the effective one (the
         tenant's default for a request that set 0); the engine still gets the request's own
         (vLLM refuses a priority other than 0 unless it runs priority scheduling)."""
+        if self.controller is None and not self._floors:
+            return _Unmetered(request.priority)
         tenant = self.table.resolve(tuple(context.invocation_metadata() or ()))
         priority = request.priority or tenant.policy.priority
         floor = tenant.policy.min_priority
