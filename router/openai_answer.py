@@ -46,6 +46,8 @@ class OpenAIRequest:
         # max_tokens 0 it is the prompt alone (the one token generated is left out)
         self.echo = not chat and bool(bool_field(body, "echo"))
         self.echo_only = self.echo and body.get("max_tokens") == 0
+        # chat's (vLLM's): the answer's role, and the text each choice starts with
+        self.role, self.chat_echo = chat_role_and_echo(body) if chat else ("assistant", "")
         prompt = body.get("prompt")  # as sent: a batch's prompts, one per k
         self._echoed_prompts = prompt if isinstance(prompt, list) and all(
             isinstance(p, (str, list)) for p in prompt) else [prompt]
@@ -185,8 +187,16 @@ class OpenAIRequest:
     def role_choice(self, index: int) -> dict:
         """A chat stream's first chunk of a choice: the role alone, as OpenAI and vLLM send it
         (readers that skip it as the role chunk lose no text)."""
-        return {"index": index, "delta": {"role": "assistant", "content": ""},
+        return {"index": index, "delta": {"role": self.role, "content": ""},
                 "logprobs": None, "finish_reason": None}
+
+    def echo_choice(self, index: int) -> dict | None:
+        """A chat stream's second chunk of a choice with ``echo``: the echoed message's text
+        (None: nothing to echo), as vLLM sends it before any output."""
+        if not self.chat_echo:
+            return None
+        return {"index": index, "delta": {"content": self.chat_echo}, "logprobs": None,
+                "finish_reason": None}
 
     def stop_reason(self, value: str) -> str | int | None:
         """vLLM's ``stop_reason``: the stop string that ended the choice, or the stop token id
@@ -223,9 +233,31 @@ class OpenAIRequest:
             body["delta"] = ({"content": text} if text else {}) | (
                 {"tool_calls": calls} if calls else {})
         else:
-            body["message"] = {"role": "assistant", "content": text} | (
+            body["message"] = {"role": self.role, "content": self.chat_echo + text} | (
                 {"tool_calls": [c.as_json() for c in calls]} if calls else {})
         return body
+
+
+def chat_role_and_echo(body: dict) -> tuple[str, str]:
+    """A chat answer's role (vLLM's: the assistant's, or with ``add_generation_prompt`` false
+    the last message's) and, with ``echo``, the text each choice starts with: the last
+    message's content where its role is the answer's (text parts joined by newlines, as vLLM
+    joins them), else nothing. The messages are checked later; a malformed one echoes
+    nothing here."""
+    echo = bool(bool_field(body, "echo"))
+    messages = body.get("messages")
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    last = last if isinstance(last, dict) else {}
+    role = "assistant"
+    if body.get("add_generation_prompt") is False and isinstance(last.get("role"), str):
+        role = last["role"]
+    if not echo or last.get("role") != role:
+        return role, ""
+    content = last.get("content")
+    if isinstance(content, list):
+        content = "\n".join(part["text"] for part in content
+                            if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return role, content if isinstance(content, str) else ""
 
 
 class _RunningUsage:
@@ -244,11 +276,11 @@ class _RunningUsage:
             self.generated[delta.index] = self.generated.get(delta.index, 0) + len(
                 delta.token_ids)
 
-    def of(self, index: int, role_only: bool = False) -> dict:
+    def of(self, index: int, before_output: bool = False) -> dict:
         """The usage a chunk of choice ``index`` carries (a chat choice's role-only first
-        chunk: nothing generated yet, as vLLM counts it)."""
+        chunk and its echo: nothing generated yet, as vLLM counts them)."""
         prompt = self.prompt_tokens.get(index // self.req.n, 0)
-        completion = 0 if self.req.echo_only or role_only else self.generated.get(index, 0)
+        completion = 0 if self.req.echo_only or before_output else self.generated.get(index, 0)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
@@ -311,11 +343,15 @@ async def stream(request: web.Request, req: OpenAIRequest, call, first,
             if usage is not None:
                 usage.saw(message)
             choices = []  # one per chunk, as OpenAI and vLLM stream n > 1
+            before_output: set[int] = set()  # the role and echo chunks among them (ids)
             for delta in message.outputs:
                 finish = FINISH.get(delta.finish_reason) if delta.finish_reason else None
                 if delta.text or finish or delta.logprobs or delta.index not in started:
                     if req.chat and delta.index not in started:
-                        choices.append(req.role_choice(delta.index))
+                        opening = [req.role_choice(delta.index), req.echo_choice(delta.index)]
+                        opening = [c for c in opening if c is not None]
+                        before_output.update(map(id, opening))
+                        choices.extend(opening)
                     choice = req.choice(delta.index, delta.text, delta.logprobs, finish,
                                         chunk=True, first=delta.index not in started,
                                         stop_reason=delta.stop_reason)
@@ -326,7 +362,7 @@ async def stream(request: web.Request, req: OpenAIRequest, call, first,
             if choices:
                 await response.write(b"".join(sse(req.envelope([choice], chunk=True) | (
                     {} if usage is None else {"usage": usage.of(
-                        choice["index"], role_only="role" in choice.get("delta", ()))}))
+                        choice["index"], before_output=id(choice) in before_output)}))
                     for choice in choices))
             if message.HasField("usage"):
                 account(message.usage)

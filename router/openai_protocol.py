@@ -136,7 +136,7 @@ CHAT_FIELDS = _SAMPLING_FIELDS | _OFF_EVERYWHERE | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
     "functions", "function_call", "add_generation_prompt", "continue_final_message",
     "chat_template_kwargs", "add_special_tokens", "chat_template", "reasoning_effort",
-    "modalities", "audio", "web_search_options"}
+    "modalities", "audio", "web_search_options", "echo"}
 # OpenAI's legacy completions default (vLLM's too): a request that does not send max_tokens
 # gets 16 tokens; one that sends null gets what the server allows.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16

@@ -369,7 +369,7 @@ def test_garbage_protobuf_is_invalid_argument_in_one_log_line(router, engine, ca
 
 @pytest.mark.parametrize("path,field,value", [
     ("/v1/completions", "best_of", 3), ("/v1/completions", "suffix", "tail"),
-    ("/v1/completions", "echo", "yes"), ("/v1/chat/completions", "echo", True),
+    ("/v1/completions", "echo", "yes"), ("/v1/chat/completions", "echo", [True]),
     ("/v1/completions", "logit_bias", {"1": 500}),
     ("/v1/completions", "frobnicate", 1),
     ("/v1/chat/completions", "tools", [{"type": "retrieval"}]),

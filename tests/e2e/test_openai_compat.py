@@ -238,8 +238,6 @@ def test_echo_scores_a_prompt_as_evaluation_harnesses_ask(client, front, router)
     batch = client.completions.create(model=MODEL, prompt=["One two", [504, 3575, 282]],
                                       max_tokens=0, echo=True)
     assert batch.choices[0].text == "One two" and batch.choices[1].text
-    status, body = _post(front, "/v1/chat/completions", {"messages": MESSAGES, "echo": True})
-    assert status == 400 and body["error"]["param"] == "echo"
     status, body = _post(front, "/v1/completions", {"prompt": text, "max_tokens": 0})
     assert status == 400 and body["error"]["param"] == "max_tokens"  # 0 only with echo
 
@@ -331,3 +329,47 @@ def test_continuous_usage_stats_put_each_choices_usage_on_every_chunk(front, pat
         "continuous_usage_stats": "yes"}})
     assert status == 400 and answer["error"]["param"] == \
         "stream_options.continuous_usage_stats", answer
+
+
+def test_chat_echo_starts_each_choice_with_the_last_message_as_vllm(front):
+    """vLLM's chat ``echo``: where the last message's role is the answer's (the assistant's;
+    with ``add_generation_prompt`` false, the last message's own), each choice's content
+    starts with that message's text; streamed, it comes in a chunk of its own after the role
+    chunk, counted as nothing generated. Elsewhere it echoes nothing."""
+    partial = [{"role": "user", "content": "Name a colour."},
+               {"role": "assistant", "content": "My favourite colour is"}]
+    body = {"messages": partial, "continue_final_message": True, "max_tokens": 5,
+            "temperature": 0, "n": 2}
+    _, plain = _post(front, "/v1/chat/completions", body)
+    status, echoed = _post(front, "/v1/chat/completions", body | {"echo": True})
+    assert status == 200, echoed
+    for before, after in zip(plain["choices"], echoed["choices"], strict=True):
+        assert after["message"] == {"role": "assistant",
+                                    "content": "My favourite colour is" +
+                                    before["message"]["content"]}
+    assert [echoed["usage"][k] for k in ("prompt_tokens", "completion_tokens")] == \
+        [plain["usage"][k] for k in ("prompt_tokens", "completion_tokens")]
+    events = _events(front, "/v1/chat/completions", body | {"echo": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    for index in (0, 1):
+        chunks = [e for e in events if e["choices"] and e["choices"][0]["index"] == index]
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert chunks[1]["choices"][0]["delta"] == {"content": "My favourite colour is"}
+        assert chunks[1]["usage"]["completion_tokens"] == 0
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert text == echoed["choices"][index]["message"]["content"]
+    # the last message is the user's: the answer's role is the assistant's, nothing echoed
+    question = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    _, alone = _post(front, "/v1/chat/completions", question)
+    _, same = _post(front, "/v1/chat/completions", question | {"echo": True})
+    assert same["choices"][0]["message"] == alone["choices"][0]["message"]
+    # no generation prompt: the answer continues the user's turn, echoing its text parts
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say"},
+                                          {"type": "text", "text": "hello."}]}]
+    _, turn = _post(front, "/v1/chat/completions", {
+        "messages": parts, "add_generation_prompt": False, "echo": True, "max_tokens": 3,
+        "temperature": 0})
+    message = turn["choices"][0]["message"]
+    assert message["role"] == "user" and message["content"].startswith("Say\nhello."), turn
+    status, answer = _post(front, "/v1/chat/completions", question | {"echo": "yes"})
+    assert status == 400 and answer["error"]["param"] == "echo", answer
