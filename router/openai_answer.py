@@ -29,6 +29,7 @@ class Choice:
     logprobs: list[pb.PositionLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str = ""  # the engine's: the stop string or stop token id that ended it
+    token_ids: list[int] = field(default_factory=list)
 
 
 class OpenAIRequest:
@@ -53,6 +54,10 @@ class OpenAIRequest:
             isinstance(p, (str, list)) for p in prompt) else [prompt]
         self.n = body.get("n") or 1
         self._prompts: dict[int, tuple[str, list[int], list]] = {}  # k -> text, ids, logprobs
+        # vLLM's return_token_ids: the prompt's ids and each choice's generated ids beside the
+        # text (in a stream: the prompt's in each choice's first chunk, each chunk's own ids)
+        self.return_token_ids = bool(bool_field(body, "return_token_ids"))
+        self.prompt_ids: dict[int, list[int]] = {}  # k -> its prompt's ids (return_token_ids)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -119,7 +124,9 @@ class OpenAIRequest:
     def saw(self, message) -> None:
         """Keep what ``echo`` repeats from a response message: its prompt's ids (the first
         message of each prompt) and logprobs (one message per prefill chunk, all before the
-        prompt's first output)."""
+        prompt's first output); with ``return_token_ids``, its prompt's ids."""
+        if self.return_token_ids and message.prompt_token_ids:
+            self.prompt_ids[self.prompt_of(message)] = list(message.prompt_token_ids)
         if not self.echo or not (message.prompt_token_ids or message.prompt_logprobs):
             return
         k = self.prompt_of(message)
@@ -208,7 +215,8 @@ class OpenAIRequest:
         return int(value) if value.isdigit() and int(value) in ids else value
 
     def choice(self, index: int, text: str, entries, finish: str | None, *,
-               chunk: bool, first: bool = False, stop_reason: str = "") -> dict:
+               chunk: bool, first: bool = False, stop_reason: str = "",
+               token_ids=()) -> dict:
         calls: list = []
         if self.tools is not None:  # the calls in the text, parsed out of it
             if chunk:
@@ -227,6 +235,10 @@ class OpenAIRequest:
                       "finish_reason": finish}
         if finish is not None or not chunk:
             body["stop_reason"] = self.stop_reason(stop_reason)
+        if self.return_token_ids:
+            body["token_ids"] = list(token_ids)
+            if not self.chat and (first or not chunk):  # completions: on the choice
+                body["prompt_token_ids"] = self.prompt_ids.get(index // self.n)
         if not self.chat:
             body["text"] = text
         elif chunk:  # the role came in its own first chunk (role_choice)
@@ -315,6 +327,7 @@ async def collect(req: OpenAIRequest, call, first,
         for delta in message.outputs:
             choice = choices.setdefault(delta.index, Choice())
             choice.text.append(delta.text)
+            choice.token_ids.extend(delta.token_ids)
             choice.logprobs.extend(delta.logprobs)
             if delta.finish_reason:
                 choice.finish_reason = FINISH.get(delta.finish_reason, "stop")
@@ -323,8 +336,11 @@ async def collect(req: OpenAIRequest, call, first,
             usage = message.usage
     account(usage)
     body = req.envelope([req.choice(i, "".join(c.text), c.logprobs, c.finish_reason,
-                                    chunk=False, stop_reason=c.stop_reason)
+                                    chunk=False, stop_reason=c.stop_reason,
+                                    token_ids=c.token_ids)
                          for i, c in sorted(choices.items())])
+    if req.chat and req.return_token_ids:  # chat: the prompt's ids on the answer
+        body["prompt_token_ids"] = req.prompt_ids.get(0)
     body["usage"] = req.usage(usage)
     return web.json_response(body)
 
@@ -344,24 +360,30 @@ async def stream(request: web.Request, req: OpenAIRequest, call, first,
                 usage.saw(message)
             choices = []  # one per chunk, as OpenAI and vLLM stream n > 1
             before_output: set[int] = set()  # the role and echo chunks among them (ids)
+            extra: dict[int, dict] = {}  # fields beside the choices of some chunks (by id)
             for delta in message.outputs:
                 finish = FINISH.get(delta.finish_reason) if delta.finish_reason else None
-                if delta.text or finish or delta.logprobs or delta.index not in started:
+                ids = req.return_token_ids and delta.token_ids  # (text may lag its tokens)
+                if delta.text or finish or delta.logprobs or ids or delta.index not in started:
                     if req.chat and delta.index not in started:
-                        opening = [req.role_choice(delta.index), req.echo_choice(delta.index)]
+                        role = req.role_choice(delta.index)
+                        opening = [role, req.echo_choice(delta.index)]
                         opening = [c for c in opening if c is not None]
                         before_output.update(map(id, opening))
                         choices.extend(opening)
+                        if req.return_token_ids:  # vLLM's: on each choice's role chunk
+                            extra[id(role)] = {"prompt_token_ids": req.prompt_ids.get(0)}
                     choice = req.choice(delta.index, delta.text, delta.logprobs, finish,
                                         chunk=True, first=delta.index not in started,
-                                        stop_reason=delta.stop_reason)
+                                        stop_reason=delta.stop_reason,
+                                        token_ids=delta.token_ids)
                     started.add(delta.index)
                     if req.tools is None or choice["delta"] or choice["finish_reason"] \
-                            or choice["logprobs"]:  # empty while a tool call is held back
+                            or choice["logprobs"] or ids:  # empty while a call is held back
                         choices.append(choice)
             if choices:
                 await response.write(b"".join(sse(req.envelope([choice], chunk=True) | (
-                    {} if usage is None else {"usage": usage.of(
+                    extra.get(id(choice), {})) | ({} if usage is None else {"usage": usage.of(
                         choice["index"], before_output=id(choice) in before_output)}))
                     for choice in choices))
             if message.HasField("usage"):

@@ -38,9 +38,9 @@ from router.http_guard import GuardedAppRunner, RateLimitedLog, deadline_of
 from router.local_call import BatchCall, LocalCall, local_unary
 from router.metrics import RouterMetrics
 from router.openai_answer import OpenAIRequest, collect, stream
-from router.openai_protocol import (RequestError, chat_messages, check_batch, check_body,
-                                    error_response, request_priority, sampling_options, shown,
-                                    token_list)
+from router.openai_protocol import (RequestError, cache_salt, chat_messages, check_batch,
+                                    check_body, error_response, request_priority,
+                                    sampling_options, shown, token_list)
 from router.openai_embeddings import (EMBEDDING_FIELDS, EMBEDDING_INPUTS_IN_FLIGHT,
                                       Conversation, EmbeddingsRequest, embeddings_response)
 from router.openai_tokenize import (DETOKENIZE_FIELDS, TOKENIZE_FIELDS, TokenizeRequest,
@@ -341,7 +341,7 @@ class OpenAIFront:
                                                       item.messages, (), req.chat)
                 message = pb.EmbedRequest(**({"text": item} if isinstance(item, str) else
                                              {"token_ids": pb.TokenIds(ids=item)}),
-                                          priority=req.priority)
+                                          priority=req.priority, cache_salt=req.cache_salt)
                 if req.normalize is not None:
                     message.normalize = req.normalize
                 if req.truncate_prompt_tokens is not None:
@@ -501,7 +501,7 @@ class OpenAIFront:
         out = pb.GenerateRequest(request_id=req.id, sampling=sampling_options(
             body, chat=req.chat, max_n=cfg.max_n, max_tokens_limit=cfg.max_tokens_limit,
             max_stop_strings=cfg.max_stop_strings, max_stop_string_len=cfg.max_stop_string_len),
-            priority=request_priority(body), lora_name=lora_name)
+            priority=request_priority(body), lora_name=lora_name, cache_salt=cache_salt(body))
         if req.chat:
             messages = chat_messages(body, cfg.max_prompt_chars)
             options = ChatTemplateOptions.from_body(body, messages)

@@ -24,12 +24,12 @@ import struct
 from dataclasses import dataclass
 
 from router.chat_template import CHAT_TEMPLATE_FIELDS, ChatTemplateOptions
-from router.openai_protocol import (RequestError, chat_messages, request_priority, shown,
-                                    token_list)
+from router.openai_protocol import (RequestError, cache_salt, chat_messages,
+                                    request_priority, shown, token_list)
 
 EMBEDDING_FIELDS = frozenset({"model", "input", "messages", "encoding_format", "dimensions",
                               "normalize", "truncate_prompt_tokens", "add_special_tokens",
-                              "priority", *CHAT_TEMPLATE_FIELDS})
+                              "priority", "cache_salt", *CHAT_TEMPLATE_FIELDS})
 MAX_EMBEDDING_INPUTS = 2048  # inputs of one request (OpenAI's limit)
 # Inputs of one request sent at once; the next goes as one finishes. A quarter of a tenant's
 # default router queue (256), so one large request never fills it, and more than a pooling
@@ -58,6 +58,7 @@ class EmbeddingsRequest:
     truncate_prompt_tokens: int | None
     chat: ChatTemplateOptions | None = None
     priority: int = 0  # vLLM's: each input waits its turn at it (0: the tenant's default)
+    cache_salt: str = ""  # vLLM's: inputs share cached prefixes only with an equal salt
 
     @classmethod
     def from_body(cls, body: dict, max_chars: int) -> EmbeddingsRequest:
@@ -89,7 +90,7 @@ class EmbeddingsRequest:
             inputs, batched = _inputs(body.get("input"), max_chars)
         return cls(inputs=inputs, batched=batched, encoding_format=encoding,
                    normalize=normalize, truncate_prompt_tokens=keep, chat=chat,
-                   priority=request_priority(body))
+                   priority=request_priority(body), cache_salt=cache_salt(body))
 
     @property
     def field(self) -> str:

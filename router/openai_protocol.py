@@ -88,6 +88,26 @@ def request_priority(body: dict) -> int:
     return value
 
 
+# vLLM's bounds on a cache salt (it reaches cache keys and paths downstream)
+MAX_CACHE_SALT_CHARS = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def cache_salt(body: dict) -> str:
+    """vLLM's ``cache_salt``: requests share cached prefixes only with an equal salt ("":
+    none sent). A non-empty string of at most 128 characters without @, /, \\ or NUL."""
+    value = body.get("cache_salt")
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"cache_salt: must be a non-empty string, got {shown(value)}",
+                           "cache_salt")
+    if len(value) > MAX_CACHE_SALT_CHARS or _CACHE_SALT_FORBIDDEN & set(value):
+        raise RequestError(f"cache_salt: must be at most {MAX_CACHE_SALT_CHARS} characters "
+                           "and must not contain '@', '/', '\\' or NUL", "cache_salt")
+    return value
+
+
 # ---- validation -------------------------------------------------------------------------------
 
 # Fields every generation request may carry (each validated below).
@@ -96,8 +116,8 @@ _SAMPLING_FIELDS = frozenset({
     "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p", "repetition_penalty",
     "min_tokens", "stop_token_ids", "ignore_eos", "logit_bias", "response_format",
     "structured_outputs", "priority", "include_stop_str_in_output", "skip_special_tokens",
-    "spaces_between_special_tokens"}) | frozenset({"guided_json", "guided_regex",
-                                                   "guided_choice", "guided_grammar"})
+    "spaces_between_special_tokens", "cache_salt", "return_token_ids"}) | frozenset({
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar"})
 # vLLM's older extra-body names of structured outputs (still read by vLLM, deprecated there):
 # each is one structured_outputs kind, refused under its own name
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",

@@ -373,3 +373,74 @@ def test_chat_echo_starts_each_choice_with_the_last_message_as_vllm(front):
     assert message["role"] == "user" and message["content"].startswith("Say\nhello."), turn
     status, answer = _post(front, "/v1/chat/completions", question | {"echo": "yes"})
     assert status == 400 and answer["error"]["param"] == "echo", answer
+
+
+def test_return_token_ids_puts_the_ids_beside_the_text_as_vllm(front):
+    """vLLM's ``return_token_ids``: each choice's generated ids, and the prompt's ids
+    (completions: on each choice; chat: on the answer), streamed or not; streamed, each chunk
+    carries its own ids and the prompt's come in each choice's first chunk (chat: its role
+    chunk). The ids are the ones the text was made of."""
+    prompts = ["The sky is", "Water is"]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 5, "temperature": 0,
+            "return_token_ids": True}
+    _, whole = _post(front, "/v1/completions", body)
+    for choice in whole["choices"]:
+        _, tokenized = _post(front, "/tokenize", {"prompt": prompts[choice["index"] // 2]})
+        assert choice["prompt_token_ids"] == tokenized["tokens"]
+        assert len(choice["token_ids"]) == 5
+        _, text = _post(front, "/detokenize", {"tokens": choice["token_ids"]})
+        assert text["prompt"] == choice["text"]
+    events = _events(front, "/v1/completions", body)
+    for index in range(4):
+        chunks = [e["choices"][0] for e in events if e["choices"][0]["index"] == index]
+        assert chunks[0]["prompt_token_ids"] == whole["choices"][index]["prompt_token_ids"]
+        assert all("prompt_token_ids" not in c for c in chunks[1:])
+        assert sum((c["token_ids"] for c in chunks), []) == whole["choices"][index]["token_ids"]
+    messages = {"messages": MESSAGES, "max_tokens": 5, "temperature": 0, "n": 2,
+                "return_token_ids": True}
+    _, chat = _post(front, "/v1/chat/completions", messages)
+    _, tokenized = _post(front, "/tokenize", {"messages": MESSAGES})
+    assert chat["prompt_token_ids"] == tokenized["tokens"]
+    assert all(len(c["token_ids"]) == chat["usage"]["completion_tokens"] // 2
+               for c in chat["choices"])
+    events = _events(front, "/v1/chat/completions", messages)
+    roles = [e for e in events if e["choices"][0]["delta"].get("role")]
+    assert len(roles) == 2 and all(e["prompt_token_ids"] == tokenized["tokens"] for e in roles)
+    for index in (0, 1):
+        chunks = [e["choices"][0] for e in events
+                  if e["choices"][0]["index"] == index and "token_ids" in e["choices"][0]]
+        assert sum((c["token_ids"] for c in chunks), []) == chat["choices"][index]["token_ids"]
+    _, plain = _post(front, "/v1/chat/completions", messages | {"return_token_ids": False})
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+def test_cache_salt_isolates_cached_prefixes_as_vllm(front):
+    """vLLM's ``cache_salt``: a prompt finds the blocks an earlier request cached only under
+    an equal salt, on both routes and for embeddings; a bad salt is a 400 naming it."""
+    prompt = "Salted prompt: " + " ".join(f"w{i}" for i in range(60))
+
+    def cached(salt=None, path="/v1/completions"):
+        body = {"max_tokens": 1, "temperature": 0} | (
+            {"prompt": prompt} if "chat" not in path else
+            {"messages": [{"role": "user", "content": prompt}]}) | (
+            {} if salt is None else {"cache_salt": salt})
+        status, answer = _post(front, path, body)
+        assert status == 200, answer
+        return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        # a salt changes every block's hash: not even chat's template preamble, which the
+        # unsalted requests before have cached, is shared
+        assert cached("tenant-a", path) == 0
+        hit = cached("tenant-a", path)
+        assert hit >= 64
+        assert cached("tenant-b", path) == 0
+        assert cached(None, path) < hit  # unsalted: at most what unsalted requests cached
+    status, answer = _post(front, "/v1/embeddings", {"input": prompt, "cache_salt": "t"})
+    assert status == 200 and answer["data"][0]["embedding"], answer
+    for bad in ("", 5, "x" * 129, "a/b", "a@b", "a\\b", "a\x00b"):
+        for path, body in (("/v1/completions", {"prompt": "hi"}),
+                           ("/v1/chat/completions", {"messages": MESSAGES}),
+                           ("/v1/embeddings", {"input": "hi"})):
+            status, answer = _post(front, path, body | {"cache_salt": bad})
+            assert status == 400 and answer["error"]["param"] == "cache_salt", (bad, answer)
