@@ -58,6 +58,13 @@ class OpenAIRequest:
         # text (in a stream: the prompt's in each choice's first chunk, each chunk's own ids)
         self.return_token_ids = bool(bool_field(body, "return_token_ids"))
         self.prompt_ids: dict[int, list[int]] = {}  # k -> its prompt's ids (return_token_ids)
+        # vLLM's prompt_logprobs beside a whole answer (asked for, or implied by echo: chat's
+        # always, completions' with logprobs)
+        self.want_prompt_logprobs = not bool_field(body, "stream") and (
+            body.get("prompt_logprobs") is not None or (
+                bool(bool_field(body, "echo")) if chat else
+                self.echo and body.get("logprobs") is not None))
+        self._prompt_logprobs: dict[int, list] = {}  # k -> its prompt's entries
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -127,6 +134,9 @@ class OpenAIRequest:
         prompt's first output); with ``return_token_ids``, its prompt's ids."""
         if self.return_token_ids and message.prompt_token_ids:
             self.prompt_ids[self.prompt_of(message)] = list(message.prompt_token_ids)
+        if self.want_prompt_logprobs and message.prompt_logprobs:
+            self._prompt_logprobs.setdefault(self.prompt_of(message), []).extend(
+                message.prompt_logprobs)
         if not self.echo or not (message.prompt_token_ids or message.prompt_logprobs):
             return
         k = self.prompt_of(message)
@@ -155,6 +165,27 @@ class OpenAIRequest:
         if prompt is None:
             return text, list(entries), None
         return prompt[0] + text, list(entries), (prompt[1], prompt[2])
+
+    def prompt_logprobs(self, k: int) -> list | None:
+        """vLLM's ``prompt_logprobs`` of prompt ``k``: per position (the first has none) the
+        prompt's token and the top k by token id, each ``{logprob, rank, decoded_token}``
+        (-inf written as -9999.0, as vLLM clamps it; rank null where the engine did not say:
+        a vLLM server's token beyond the top k)."""
+        entries = self._prompt_logprobs.get(k)
+        if entries is None:
+            return None
+        out: list = []
+        for e in entries:
+            if not e.token_ids:
+                out.append(None)
+                continue
+            ranks = [e.chosen_rank] + list(range(1, len(e.token_ids)))
+            position: dict[str, dict] = {}
+            for tid, lp, rank in zip(e.token_ids, e.logprobs, ranks):
+                position.setdefault(str(tid), {"logprob": max(lp, -9999.0), "rank": rank or None,
+                                               "decoded_token": self.token_text(tid)})
+            out.append(position)
+        return out
 
     def logprobs(self, entries, index: int = 0, prompt: tuple | None = None) -> dict | None:
         """OpenAI's logprobs object for ``entries`` of choice ``index`` (chat: ``content``;
@@ -239,6 +270,8 @@ class OpenAIRequest:
             body["token_ids"] = list(token_ids)
             if not self.chat and (first or not chunk):  # completions: on the choice
                 body["prompt_token_ids"] = self.prompt_ids.get(index // self.n)
+        if self.want_prompt_logprobs and not self.chat:
+            body["prompt_logprobs"] = self.prompt_logprobs(index // self.n)
         if not self.chat:
             body["text"] = text
         elif chunk:  # the role came in its own first chunk (role_choice)
@@ -341,6 +374,8 @@ async def collect(req: OpenAIRequest, call, first,
                          for i, c in sorted(choices.items())])
     if req.chat and req.return_token_ids:  # chat: the prompt's ids on the answer
         body["prompt_token_ids"] = req.prompt_ids.get(0)
+    if req.chat and req.want_prompt_logprobs:
+        body["prompt_logprobs"] = req.prompt_logprobs(0)
     body["usage"] = req.usage(usage)
     return web.json_response(body)
 

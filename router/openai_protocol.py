@@ -116,7 +116,8 @@ _SAMPLING_FIELDS = frozenset({
     "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p", "repetition_penalty",
     "min_tokens", "stop_token_ids", "ignore_eos", "logit_bias", "response_format",
     "structured_outputs", "priority", "include_stop_str_in_output", "skip_special_tokens",
-    "spaces_between_special_tokens", "cache_salt", "return_token_ids"}) | frozenset({
+    "spaces_between_special_tokens", "cache_salt", "return_token_ids",
+    "prompt_logprobs"}) | frozenset({
         "guided_json", "guided_regex", "guided_choice", "guided_grammar"})
 # vLLM's older extra-body names of structured outputs (still read by vLLM, deprecated there):
 # each is one structured_outputs kind, refused under its own name
@@ -342,12 +343,20 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
             s.logprobs = top or 0
         elif top:  # 0 with logprobs off asks for nothing (generic clients send both defaults)
             raise RequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
+        if bool_field(body, "echo") and not bool_field(body, "stream"):
+            s.prompt_logprobs = top or 0  # vLLM's: chat's echo returns the prompt's logprobs
     else:
         logprobs = _number(body, "logprobs")
         if logprobs is not None:
             s.logprobs = logprobs
             if echo:  # the echoed prompt's logprobs too
                 s.prompt_logprobs = logprobs
+    prompt_logprobs = _number(body, "prompt_logprobs", rule="logprobs")
+    if prompt_logprobs is not None:  # vLLM's: the prompt's, beside the answer
+        if prompt_logprobs and bool_field(body, "stream"):
+            raise RequestError("prompt_logprobs: not available when stream is true (as vLLM)",
+                               "prompt_logprobs")
+        s.prompt_logprobs = prompt_logprobs
     return s
 
 

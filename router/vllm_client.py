@@ -46,6 +46,7 @@ from router.connection import (ClientOptions, EngineMismatchError, EngineReports
                                ModelIdentity, change_state, refuse)
 from router.endpoint import Endpoint
 from router.vllm_events import VllmKVEventFeed
+from router.vllm_logprobs import LogprobsReader, logprobs_fields
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +124,10 @@ def completion_body(model: str, request: pb.GenerateRequest) -> dict:
                   "include_stop_str_in_output": s.include_stop_str_in_output}
     for name in ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                  "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens",
-                 "logprobs", "prompt_logprobs", "skip_special_tokens"):
+                 "skip_special_tokens"):
         if s.HasField(name):
             body[name] = getattr(s, name)
+    body.update(logprobs_fields(s))
     if not s.HasField("max_tokens"):  # vLLM's completions default (16) is not the router's
         body["max_tokens"] = None
     if s.stop:
@@ -148,13 +150,17 @@ def completion_body(model: str, request: pb.GenerateRequest) -> dict:
     return body
 
 
-def response_from_chunk(request_id: str, chunk: dict, first: bool) -> pb.GenerateResponse:
-    """One streamed vLLM chunk as a ``GenerateResponse``."""
+def response_from_chunk(request_id: str, chunk: dict, first: bool,
+                        logprobs: LogprobsReader | None = None) -> pb.GenerateResponse:
+    """One streamed vLLM chunk as a ``GenerateResponse`` (``logprobs``: the stream's reader of
+    them, where the request asked for any)."""
     message = pb.GenerateResponse(request_id=request_id)
     for choice in chunk.get("choices") or ():
         delta = message.outputs.add(index=choice.get("index", 0),
                                     token_ids=choice.get("token_ids") or (),
                                     text=choice.get("text") or "")
+        if logprobs is not None:
+            logprobs.read(choice, delta, message)
         if first and choice.get("prompt_token_ids"):
             message.prompt_token_ids[:] = choice["prompt_token_ids"]
         reason = choice.get("finish_reason")
@@ -442,6 +448,7 @@ class VllmEngineClient:
                 code = _HTTP_CODES.get(resp.status, grpc.StatusCode.INTERNAL)
                 raise rpc_error(code, f"vLLM answered {resp.status}: {text}")
             first = True
+            logprobs = LogprobsReader(request.sampling, len(request.token_ids.ids))
             async for raw in resp.content:
                 line = raw.decode("utf-8", "replace").strip()
                 if not line.startswith("data:"):
@@ -452,7 +459,7 @@ class VllmEngineClient:
                 chunk = json.loads(data)
                 if "error" in chunk:
                     raise rpc_error(grpc.StatusCode.INTERNAL, str(chunk["error"])[:500])
-                yield response_from_chunk(request.request_id, chunk, first)
+                yield response_from_chunk(request.request_id, chunk, first, logprobs)
                 first = False
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, OSError) as e:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE,

@@ -444,3 +444,44 @@ def test_cache_salt_isolates_cached_prefixes_as_vllm(front):
                            ("/v1/embeddings", {"input": "hi"})):
             status, answer = _post(front, path, body | {"cache_salt": bad})
             assert status == 400 and answer["error"]["param"] == "cache_salt", (bad, answer)
+
+
+def test_prompt_logprobs_are_the_engines_own_as_vllm_shapes_them(front, router):
+    """vLLM's ``prompt_logprobs`` (not streamed): per prompt position (the first has none) the
+    prompt's token and the top k by token id, each with its logprob, rank and text, equal to
+    the engine's own prompt logprobs; on each completions choice of its prompt, on the chat
+    answer, and implied by chat's ``echo`` (top 0: the prompt's tokens alone)."""
+    text = "The capital of France is Paris"
+    request = pb.GenerateRequest(text=text, sampling=pb.SamplingOptions(
+        max_tokens=1, temperature=0, prompt_logprobs=2))
+    engine = list(router.stub.Generate(request, timeout=TIMEOUT_S))[0].prompt_logprobs
+    _, answer = _post(front, "/v1/completions", {"prompt": text, "max_tokens": 2, "n": 2,
+                                                 "temperature": 0, "prompt_logprobs": 2})
+    for choice in answer["choices"]:
+        positions = choice["prompt_logprobs"]
+        assert positions[0] is None and len(positions) == answer["usage"]["prompt_tokens"]
+        for position, entry in zip(positions[1:], engine[1:], strict=True):
+            chosen = str(entry.token_ids[0])
+            assert position[chosen]["rank"] == entry.chosen_rank >= 1
+            assert position[chosen]["logprob"] == pytest.approx(entry.logprobs[0], abs=1e-5)
+            tops = [position[str(t)] for t in entry.token_ids[1:]]
+            assert [t["rank"] for t in tops] == [1, 2]
+            assert [t["logprob"] for t in tops] == pytest.approx(entry.logprobs[1:], abs=1e-5)
+            assert all(isinstance(t["decoded_token"], str) for t in position.values())
+    assert "prompt_logprobs" not in _post(front, "/v1/completions", {
+        "prompt": text, "max_tokens": 1})[1]["choices"][0]
+    messages = [{"role": "user", "content": text}]
+    _, chat = _post(front, "/v1/chat/completions", {"messages": messages, "max_tokens": 1,
+                                                    "prompt_logprobs": 1})
+    _, tokenized = _post(front, "/tokenize", {"messages": messages})
+    assert len(chat["prompt_logprobs"]) == len(tokenized["tokens"])
+    assert all(str(t) in p for t, p in zip(tokenized["tokens"][1:], chat["prompt_logprobs"][1:]))
+    _, echoed = _post(front, "/v1/chat/completions", {"messages": messages, "max_tokens": 1,
+                                                      "echo": True})
+    assert [list(p) for p in echoed["prompt_logprobs"][1:]] == \
+        [[str(t)] for t in tokenized["tokens"][1:]]
+    for body, param in (({"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+                        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+                        ({"prompt_logprobs": -1}, "prompt_logprobs")):
+        status, error = _post(front, "/v1/completions", {"prompt": text} | body)
+        assert status == 400 and error["error"]["param"] == param, (body, error)

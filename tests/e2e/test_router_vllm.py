@@ -109,6 +109,67 @@ def test_answers_equal_vllms_own(router, vllm_servers):
     assert text.choices[0].text == direct["choices"][0]["text"]
 
 
+def _post(address: str, path: str, body: dict) -> dict:
+    conn = http.client.HTTPConnection(*address.rsplit(":", 1), timeout=120)
+    conn.request("POST", path, json.dumps({"model": MODEL_NAME, **body}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    answer = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 200, answer
+    return answer
+
+
+def test_logprobs_from_vllm_engines_equal_vllms_own(router, vllm_servers):
+    """Logprobs a vLLM server computes reach the router's clients: the generated tokens'
+    (completions' top k, chat's top_logprobs), the prompt's through ``echo`` and vLLM's
+    ``prompt_logprobs``, equal to what the server answers itself for the same request."""
+    tokenizer = router.read(lambda: router.server.pool.identity.tokenizer)
+    ids = tokenizer.encode("The capital of France is")
+    front = f"127.0.0.1:{router.server.http_port}"
+    direct = _post(vllm_servers[0].address, "/v1/completions", {
+        "prompt": ids, "max_tokens": 4, "temperature": 0, "logprobs": 3,
+        "prompt_logprobs": 2, "return_tokens_as_token_ids": True,
+        "return_token_ids": True})["choices"][0]
+    routed = _post(front, "/v1/completions", {
+        "prompt": ids, "max_tokens": 4, "temperature": 0, "logprobs": 3,
+        "prompt_logprobs": 2, "return_token_ids": True})["choices"][0]
+    assert routed["token_ids"] == direct["token_ids"]
+    assert routed["logprobs"]["token_logprobs"] == pytest.approx(
+        direct["logprobs"]["token_logprobs"], abs=1e-3)
+    for mine, theirs in zip(routed["logprobs"]["top_logprobs"],
+                            direct["logprobs"]["top_logprobs"], strict=True):
+        assert sorted(mine.values()) == pytest.approx(sorted(theirs.values()), abs=1e-3)
+    assert routed["prompt_logprobs"][0] is None and direct["prompt_logprobs"][0] is None
+    for mine, theirs in zip(routed["prompt_logprobs"][1:], direct["prompt_logprobs"][1:],
+                            strict=True):
+        assert set(mine) == set(theirs)
+        for token_id, entry in mine.items():
+            assert entry["logprob"] == pytest.approx(theirs[token_id]["logprob"], abs=1e-3)
+            assert entry["rank"] in (theirs[token_id]["rank"], None)  # beyond top k: unknown
+    # echo scoring, as evaluation harnesses ask it: the prompt's logprobs, none generated
+    echoed = _post(front, "/v1/completions", {"prompt": ids, "max_tokens": 0, "echo": True,
+                                              "logprobs": 1})["choices"][0]
+    expected = [None] + [p[str(t)]["logprob"] for p, t in zip(direct["prompt_logprobs"][1:],
+                                                                ids[1:])]
+    assert echoed["logprobs"]["token_logprobs"][0] is None
+    assert echoed["logprobs"]["token_logprobs"][1:] == pytest.approx(expected[1:], abs=1e-3)
+    # chat: each generated token's logprob and top 2
+    messages = [{"role": "user", "content": "Name a colour."}]
+    prompt = _post(front, "/tokenize", {"messages": messages})["tokens"]
+    direct = _post(vllm_servers[1].address, "/v1/completions", {
+        "prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 2,
+        "return_tokens_as_token_ids": True})["choices"][0]["logprobs"]
+    chat = _post(front, "/v1/chat/completions", {
+        "messages": messages, "max_tokens": 3, "temperature": 0, "logprobs": True,
+        "top_logprobs": 2})["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in chat] == pytest.approx(direct["token_logprobs"], abs=1e-3)
+    for mine, theirs in zip(chat, direct["top_logprobs"], strict=True):
+        assert len(mine["top_logprobs"]) == 2
+        assert sorted(t["logprob"] for t in mine["top_logprobs"]) == pytest.approx(
+            sorted(theirs.values())[-2:], abs=1e-3)
+
+
 def test_a_shared_prefix_follows_its_engine_and_the_index_is_vllms(router, vllm_servers):
     prefix = list(range(1000, 1000 + 3 * BLOCK_SIZE))  # three full vLLM blocks
     _, first = collect(router.stub.Generate(request(prefix + [7, 8]), timeout=120))
