@@ -57,6 +57,9 @@ class OpenAIRequest:
         # vLLM's return_token_ids: the prompt's ids and each choice's generated ids beside the
         # text (in a stream: the prompt's in each choice's first chunk, each chunk's own ids)
         self.return_token_ids = bool(bool_field(body, "return_token_ids"))
+        # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>" (for tokens
+        # whose text is not valid UTF-8 on its own)
+        self.tokens_as_ids = bool(bool_field(body, "return_tokens_as_token_ids"))
         self.prompt_ids: dict[int, list[int]] = {}  # k -> its prompt's ids (return_token_ids)
         # vLLM's prompt_logprobs beside a whole answer (asked for, or implied by echo: chat's
         # always, completions' with logprobs)
@@ -194,7 +197,7 @@ class OpenAIRequest:
         choice's text, counted on across a stream's chunks)."""
         if not self.want_logprobs:
             return None
-        token = self.token_text
+        token = (lambda tid: f"token_id:{tid}") if self.tokens_as_ids else self.token_text
         if self.chat:
             def item(tid, lp):
                 text = token(tid)

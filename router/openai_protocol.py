@@ -117,7 +117,7 @@ _SAMPLING_FIELDS = frozenset({
     "min_tokens", "stop_token_ids", "ignore_eos", "logit_bias", "response_format",
     "structured_outputs", "priority", "include_stop_str_in_output", "skip_special_tokens",
     "spaces_between_special_tokens", "cache_salt", "return_token_ids",
-    "prompt_logprobs"}) | frozenset({
+    "prompt_logprobs", "return_tokens_as_token_ids"}) | frozenset({
         "guided_json", "guided_regex", "guided_choice", "guided_grammar"})
 # vLLM's older extra-body names of structured outputs (still read by vLLM, deprecated there):
 # each is one structured_outputs kind, refused under its own name

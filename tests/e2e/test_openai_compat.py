@@ -485,3 +485,32 @@ def test_prompt_logprobs_are_the_engines_own_as_vllm_shapes_them(front, router):
                         ({"prompt_logprobs": -1}, "prompt_logprobs")):
         status, error = _post(front, "/v1/completions", {"prompt": text} | body)
         assert status == 400 and error["error"]["param"] == param, (body, error)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(front, path):
+    """vLLM's ``return_tokens_as_token_ids``: logprobs name each token ``token_id:<id>``, the
+    ids the answer was made of (``return_token_ids``), streamed or not."""
+    chat = "chat" in path
+    body = {"max_tokens": 4, "temperature": 0, "return_token_ids": True,
+            "return_tokens_as_token_ids": True} | (
+        {"messages": MESSAGES, "logprobs": True, "top_logprobs": 2} if chat else
+        {"prompt": PROMPT, "logprobs": 2})
+    _, answer = _post(front, path, body)
+    choice = answer["choices"][0]
+    named = [f"token_id:{t}" for t in choice["token_ids"]]
+    if chat:
+        content = choice["logprobs"]["content"]
+        assert [c["token"] for c in content] == named
+        assert all(t["token"].startswith("token_id:") for c in content
+                   for t in c["top_logprobs"])
+    else:
+        assert choice["logprobs"]["tokens"] == named
+        assert all(k.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"]
+                   for k in top)
+    events = _events(front, path, body)
+    streamed = [c["token"] for e in events for c in (e["choices"][0]["logprobs"] or {}).get(
+        "content", ())] if chat else [t for e in events
+                                      for t in (e["choices"][0]["logprobs"] or {}).get(
+                                          "tokens", ())]
+    assert streamed == named
