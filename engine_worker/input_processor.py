@@ -6,15 +6,17 @@ request never occupies the queue.
 
 from __future__ import annotations
 
-from quire.errors import FieldError
 from dataclasses import dataclass
+from functools import partial
 from typing import Union
+
+from quire.errors import FieldError
 
 from engine_worker.pooler import POOLING_METHODS
 from engine_worker.pooler_config import PoolerConfig
 from engine_worker.pooling_params import PoolingParams
 from engine_worker.request import Request
-from engine_worker.sampling_params import SamplingParams
+from engine_worker.sampling_params import SamplingParams, bad_words_token_ids
 from engine_worker.tokenizer import Tokenizer
 from quire.limits import check_n
 from quire.structured_outputs import check_logit_bias
@@ -81,6 +83,13 @@ class InputProcessor:
         check_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
         if params.logit_bias:
             check_logit_bias(params.logit_bias, self.vocab_size)
+        if params.allowed_token_ids is not None:
+            check_token_ids(params.allowed_token_ids, self.vocab_size, "allowed_token_ids")
+        if params.bad_words:
+            banned = bad_words_token_ids(params.bad_words, partial(
+                self.tokenizer.encode, add_special_tokens=False))
+            check_token_ids([t for word in banned for t in word], self.vocab_size, "bad_words")
+            params = params.clone(bad_words_token_ids=banned)
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
         # n > 1 is one request until its prompt is computed; then it forks into the samples,

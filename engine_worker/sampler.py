@@ -1,10 +1,11 @@
 """Batched sampling: one set of tensor ops for every row, no Python loop over the vocabulary.
 
 Order (as vLLM and Hugging Face apply them): a structured output's grammar masks the logits
-(tokens it does not allow get -inf), then logprobs of that distribution are taken; then
-min_tokens masking, logit_bias, repetition / presence / frequency penalties, then greedy rows take the
-argmax and random rows go through temperature, then top-k, top-p and min-p with an exact draw
-of a few uniforms per row (``sampling_draw``). Seeded rows draw their uniforms from their own
+(tokens it does not allow get -inf), then logprobs of that distribution are taken (so they are
+those before everything after, as vLLM's default ``raw_logprobs``); then min_tokens and
+bad_words masking, allowed_token_ids, logit_bias, repetition / presence / frequency
+penalties, then greedy rows take the argmax and random rows go through temperature, then
+top-k, top-p and min-p with an exact draw of a few uniforms per row (``sampling_draw``). Seeded rows draw their uniforms from their own
 generator, the same number every step, so their tokens do not depend on the batch. A backend
 may bring its own argmax and untruncated draw (``Backend.sampling``: the CPU kernels scan a
 row in two vector passes), the same functions of the logits and uniforms.
@@ -59,6 +60,8 @@ class SamplingMetadata:
     # 32 w + b (-1: every token); None when no row has a grammar
     token_bitmask: torch.Tensor | None = None
     logit_bias: tuple[tuple[int, int, float], ...] = ()  # (row, token id, bias)
+    # (row, token ids): the only tokens that row may take (vLLM's allowed_token_ids)
+    allowed: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 class LogprobTensors(NamedTuple):
@@ -104,6 +107,8 @@ def sample_tokens(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.
     if meta.max_num_logprobs is not None:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     logits = _apply_bans(logits, meta.banned)
+    if meta.allowed:
+        logits = _apply_allowed(logits, meta.allowed)
     if meta.logit_bias:
         logits = _apply_logit_bias(logits, meta.logit_bias)
     if meta.penalties is not None:
@@ -128,6 +133,15 @@ def _apply_bans(logits: torch.Tensor, banned) -> torch.Tensor:
                          dtype=torch.int64)
     index = to_device(pairs.T.contiguous(), logits.device)  # [2, num_pairs]: rows, tokens
     return logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))
+
+
+def _apply_allowed(logits: torch.Tensor, allowed) -> torch.Tensor:
+    """-inf outside each listed row's allowed tokens (other rows unchanged)."""
+    keep = torch.ones(logits.shape, dtype=torch.bool)
+    for row, token_ids in allowed:
+        keep[row] = False
+        keep[row, list(token_ids)] = True
+    return logits.masked_fill(~to_device(keep, logits.device), float("-inf"))
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

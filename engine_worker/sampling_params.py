@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from quire.errors import FieldError
 from quire.limits import SAMPLING_RANGES, check_min_tokens, check_n, check_sampling
+from quire.list_limits import check_allowed_token_ids, check_bad_words
 from quire.structured_outputs import check_logit_bias, structured_outputs_kind
 
 _GREEDY_EPS = 1e-5
@@ -24,6 +25,24 @@ class RequestOutputKind(enum.Enum):
 
 def _fail(name: str, message: str) -> None:
     raise FieldError(name, f"{message}")
+
+
+def bad_words_token_ids(words, encode) -> tuple[tuple[int, ...], ...]:
+    """The token sequences ``words`` ban, as vLLM derives them
+    (``SamplingParams.update_from_tokenizer``): each word with leading spaces stripped, and
+    the same after one space, kept where that gives a different first token and as many
+    tokens (so a word is banned at the start of the text and inside it). ``encode(text)``:
+    token ids without special tokens."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(encode(word.lstrip()))
+        if not bare:  # nothing the model could generate
+            continue
+        out.append(bare)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +103,13 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    # vLLM's: only these token ids may be sampled (a non-empty list; None: any)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words never generated. The engine tokenizes each as vLLM does (as given and
+    # after a space) into ``bad_words_token_ids``; a word's last token is banned wherever the
+    # tokens generated just before it are the word's other tokens.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -111,6 +137,10 @@ class SamplingParams:
             self.logit_bias = check_logit_bias(self.logit_bias)
         else:
             self.logit_bias = None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = check_allowed_token_ids(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = check_bad_words(self.bad_words) or None
         if self.structured_outputs is not None and \
                 not isinstance(self.structured_outputs, StructuredOutputsParams):
             if not isinstance(self.structured_outputs, dict):
@@ -130,4 +160,7 @@ class SamplingParams:
     def clone(self, **changes) -> SamplingParams:
         return replace(self, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
                        logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+                       allowed_token_ids=None if self.allowed_token_ids is None
+                       else list(self.allowed_token_ids),
+                       bad_words=None if self.bad_words is None else list(self.bad_words),
                        **changes)

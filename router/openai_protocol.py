@@ -16,7 +16,8 @@ from aiohttp import web
 from quire.errors import FieldError, NotFoundError, field_of, http_status
 from quire.limits import (DEFAULT_MAX_N, UINT32_MAX, check_min_tokens, check_n,
                           check_sampling, shown)
-from quire.list_limits import MAX_CHAT_MESSAGES, MAX_CONTENT_PARTS, MAX_STOP_TOKEN_IDS
+from quire.list_limits import (MAX_CHAT_MESSAGES, MAX_CONTENT_PARTS, MAX_STOP_TOKEN_IDS,
+                               check_allowed_token_ids, check_bad_words)
 from quire.structured_outputs import check_logit_bias, structured_outputs_kind
 from quire.v1 import engine_pb2 as pb
 from router.admission import RETRY_AFTER_METADATA
@@ -117,7 +118,8 @@ _SAMPLING_FIELDS = frozenset({
     "min_tokens", "stop_token_ids", "ignore_eos", "logit_bias", "response_format",
     "structured_outputs", "priority", "include_stop_str_in_output", "skip_special_tokens",
     "spaces_between_special_tokens", "cache_salt", "return_token_ids",
-    "prompt_logprobs", "return_tokens_as_token_ids"}) | frozenset({
+    "prompt_logprobs", "return_tokens_as_token_ids", "allowed_token_ids",
+    "bad_words"}) | frozenset({
         "guided_json", "guided_regex", "guided_choice", "guided_grammar"})
 # vLLM's older extra-body names of structured outputs (still read by vLLM, deprecated there):
 # each is one structured_outputs kind, refused under its own name
@@ -334,6 +336,16 @@ def sampling_options(body: dict, *, chat: bool, max_n: int = DEFAULT_MAX_N,
             s.logit_bias.update(check_logit_bias(body["logit_bias"]))
         except FieldError as e:
             raise RequestError(str(e), e.field) from None
+    try:  # vLLM's; the engine checks the ids against its vocabulary and tokenizes the words
+        if body.get("allowed_token_ids") is not None:
+            ids = check_allowed_token_ids(body["allowed_token_ids"])
+            if max(ids) > UINT32_MAX:
+                raise FieldError("allowed_token_ids", f"{max(ids)} is not a token id")
+            s.allowed_token_ids[:] = ids
+        if body.get("bad_words") is not None:
+            s.bad_words[:] = check_bad_words(body["bad_words"])
+    except FieldError as e:
+        raise RequestError(str(e), e.field) from None
     structured = structured_outputs_of(body)
     if structured is not None:
         s.structured_outputs.CopyFrom(structured)

@@ -134,6 +134,10 @@ def completion_body(model: str, request: pb.GenerateRequest) -> dict:
         body["stop"] = list(s.stop)
     if s.stop_token_ids:
         body["stop_token_ids"] = list(s.stop_token_ids)
+    if s.allowed_token_ids:
+        body["allowed_token_ids"] = list(s.allowed_token_ids)
+    if s.bad_words:
+        body["bad_words"] = list(s.bad_words)
     if s.logit_bias:
         body["logit_bias"] = {str(token_id): bias for token_id, bias in s.logit_bias.items()}
     if s.HasField("structured_outputs"):  # vLLM's extra-body field of the same shape

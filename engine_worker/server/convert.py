@@ -62,6 +62,8 @@ def request_from_proto(message: pb.GenerateRequest, limits: RequestLimits):
     params = SamplingParams(stop=list(sampling.stop),
                             structured_outputs=structured,
                             logit_bias=dict(sampling.logit_bias) or None,
+                            allowed_token_ids=list(sampling.allowed_token_ids) or None,
+                            bad_words=list(sampling.bad_words) or None,
                             stop_token_ids=list(sampling.stop_token_ids),
                             ignore_eos=sampling.ignore_eos,
                             include_stop_str_in_output=sampling.include_stop_str_in_output,

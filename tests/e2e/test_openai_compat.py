@@ -514,3 +514,32 @@ def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(front, path):
                                       for t in (e["choices"][0]["logprobs"] or {}).get(
                                           "tokens", ())]
     assert streamed == named
+
+
+def test_allowed_token_ids_and_bad_words_reach_the_engine(front):
+    """vLLM's ``allowed_token_ids`` and ``bad_words`` on the OpenAI front (their semantics
+    against transformers: test_allowed_and_bad_words.py); bad lists are 400s naming them."""
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    _, free = _post(front, "/v1/completions", body)
+    tokens = free["choices"][0]["token_ids"]
+    _, sampled = _post(front, "/v1/chat/completions", {
+        "messages": MESSAGES, "max_tokens": 12, "temperature": 1.5, "seed": 1,
+        "ignore_eos": True, "return_token_ids": True, "allowed_token_ids": tokens[:3]})
+    assert set(sampled["choices"][0]["token_ids"]) <= set(tokens[:3])
+    for token in tokens:
+        _, text = _post(front, "/detokenize", {"tokens": [token]})
+        word = text["prompt"]
+        _, again = _post(front, "/tokenize", {"prompt": word.lstrip(),
+                                              "add_special_tokens": False})
+        if word.strip() and again["tokens"] == [token]:
+            break
+    else:
+        pytest.fail("no generated token is a word of its own")
+    _, banned = _post(front, "/v1/completions", body | {"bad_words": [word]})
+    assert token not in banned["choices"][0]["token_ids"]
+    for field, value in (("allowed_token_ids", []), ("allowed_token_ids", [10 ** 7]),
+                         ("allowed_token_ids", ["1"]), ("bad_words", ["  "]),
+                         ("bad_words", "word")):
+        status, error = _post(front, "/v1/completions", {"prompt": "hi", field: value})
+        assert status == 400 and error["error"]["param"] == field, (field, value, error)

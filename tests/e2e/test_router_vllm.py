@@ -170,6 +170,20 @@ def test_logprobs_from_vllm_engines_equal_vllms_own(router, vllm_servers):
             sorted(theirs.values())[-2:], abs=1e-3)
 
 
+def test_allowed_token_ids_and_bad_words_reach_vllm(router, vllm_servers):
+    """The router passes vLLM's own ``allowed_token_ids`` and ``bad_words`` on: its answer
+    equals the server's for the same request."""
+    tokenizer = router.read(lambda: router.server.pool.identity.tokenizer)
+    ids = tokenizer.encode("The capital of France is")
+    front = f"127.0.0.1:{router.server.http_port}"
+    for extra in ({"allowed_token_ids": [11, 12, 13, 14]}, {"bad_words": ["Paris", "the"]}):
+        body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "return_token_ids": True,
+                **extra}
+        direct = _post(vllm_servers[0].address, "/v1/completions", body)["choices"][0]
+        routed = _post(front, "/v1/completions", body)["choices"][0]
+        assert routed["token_ids"] == direct["token_ids"], extra
+
+
 def test_a_shared_prefix_follows_its_engine_and_the_index_is_vllms(router, vllm_servers):
     prefix = list(range(1000, 1000 + 3 * BLOCK_SIZE))  # three full vLLM blocks
     _, first = collect(router.stub.Generate(request(prefix + [7, 8]), timeout=120))
