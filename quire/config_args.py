@@ -57,11 +57,16 @@ def _base_type(annotation) -> type:
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str,
-                       helps: dict[str, str] | None = None) -> None:
-    """One ``--flag`` (and ``QUIRE_FLAG`` variable) per field of the dataclass ``cls``."""
+                       helps: dict[str, str] | None = None,
+                       only: tuple[str, ...] | None = None) -> None:
+    """One ``--flag`` (and ``QUIRE_FLAG`` variable) per field of the dataclass ``cls`` (of the
+    fields named in ``only``, where given); its help ends with the default in force (the
+    variable's value where it is set), unless it already says its default in words."""
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
+        if only is not None and field.name not in only:
+            continue
         kind = _base_type(hints[field.name])
         flag = "--" + field.name.replace("_", "-")
         env = os.environ.get(env_name(field.name))
@@ -70,12 +75,19 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, title: str,
         # a boolean flag alone means true (``--enforce-eager``), or takes a value
         # (``--enable-prefix-caching false``); see explicit_bool_values
         extra = {"nargs": "?", "const": True} if kind is bool else {}
+        text = (helps or {}).get(field.name, "").replace("%", "%%")
+        # a help that says its default in words keeps it; a secret's value is never shown
+        if "default" not in text.lower() and "api_key" not in field.name:
+            text += " (default: %(default)s)"
         group.add_argument(flag, dest=field.name, type=parse, default=default, **extra,
-                           help=f"{(helps or {}).get(field.name, '')} [env {env_name(field.name)}]")
+                           help=f"{text} [env {env_name(field.name)}]".lstrip())
 
 
-def dataclass_from_namespace(cls, ns: argparse.Namespace):
-    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+def dataclass_from_namespace(cls, ns: argparse.Namespace, only: tuple[str, ...] | None = None):
+    """``cls`` from the flags ``add_dataclass_args`` added (``only``: those fields; the others
+    keep their defaults)."""
+    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)
+                  if only is None or f.name in only})
 
 
 def require_at_least(cfg, names: tuple[str, ...], minimum: int = 1) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,6 +88,10 @@ COMMANDS = Group("Quire: a prefix-aware router in front of paged-attention LLM e
 })
 
 
+LOG_LEVEL_HELP = ("INFO (default) shows start-up progress and the choices made; WARNING for "
+                  "quiet [env QUIRE_LOG_LEVEL]")
+
+
 def _load(path: str):
     module, name = path.split(":")
     return getattr(importlib.import_module(module), name)
@@ -106,15 +111,16 @@ def _add_commands(parser: argparse.ArgumentParser, group: Group, argv: Sequence[
             _add_commands(child, entry, argv[chosen + 1:], f"{name}_command")
         else:
             _load(entry.add_arguments)(child)
+            # also after the command (quire up --log-level WARNING); unset, the one before it
+            child.add_argument("--log-level", default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)
             child.set_defaults(_run=entry.run)
 
 
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The parser for ``argv``: every command listed, the chosen one with all its flags."""
     parser = argparse.ArgumentParser(prog="quire", description=COMMANDS.help)
-    parser.add_argument("--log-level", default="INFO",
-                        help="INFO (default) shows start-up progress and the choices made; "
-                             "WARNING for quiet")
+    parser.add_argument("--log-level", default=os.environ.get("QUIRE_LOG_LEVEL", "INFO"),
+                        help=LOG_LEVEL_HELP)
     _add_commands(parser, COMMANDS, list(argv), "command")
     return parser
 

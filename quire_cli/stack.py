@@ -46,6 +46,18 @@ class StackConfig:
             raise ValueError(f"num_engines: must be in [1, 16], got {self.num_engines}")
 
 
+# The router's own server options that ``quire up`` takes (and their QUIRE_* variables): its
+# keys and limits. Not its address (the stack's --router-host / --router-port / --http-port)
+# nor its tokenizer (the engines'). Before, ``quire up`` built its router from defaults, so
+# QUIRE_API_KEYS left a local stack open without a word.
+ROUTER_OPTIONS = ("model_name", "api_keys", "api_key_file", "max_body_bytes",
+                  "max_message_bytes", "max_n", "max_tokens_limit", "max_prompt_chars",
+                  "max_stop_strings", "max_stop_string_len", "tokenizer_threads",
+                  "http_header_timeout_s", "http_body_timeout_s", "request_timeout_s")
+# the limits both check: the engines get the router's values, so the two never disagree
+SHARED_LIMITS = ("max_message_bytes", "max_n", "max_tokens_limit", "max_prompt_chars",
+                 "max_stop_strings", "max_stop_string_len")
+
 # an engine's first line: its gRPC port and metrics URL
 LISTENING = re.compile(r"listening on \S+:(\d+).*metrics on (\S+)")
 
@@ -185,7 +197,11 @@ def stop_engines(engines: list[EngineProcess]) -> None:
             engine.proc.kill()
 
 
-async def _example(port: int, tokenizer) -> str:
+def _key_metadata(key: str | None) -> tuple:
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+async def _example(port: int, tokenizer, key: str | None = None, max_tokens: int = 64) -> str:
     import grpc
 
     from quire.v1 import engine_pb2 as pb
@@ -198,13 +214,14 @@ async def _example(port: int, tokenizer) -> str:
         text = []
         call = stub.Generate(pb.GenerateRequest(
             token_ids=pb.TokenIds(ids=ids),
-            sampling=pb.SamplingOptions(temperature=0, max_tokens=64)), timeout=300)
+            sampling=pb.SamplingOptions(temperature=0, max_tokens=max_tokens)), timeout=300,
+            metadata=_key_metadata(key))
         async for message in call:
             text += [d.text for d in message.outputs]
     return "".join(text)
 
 
-async def _example_embedding(port: int) -> str:
+async def _example_embedding(port: int, key: str | None = None) -> str:
     """The example for embedding-only engines (--runner pooling): the question's vector."""
     import grpc
 
@@ -213,14 +230,17 @@ async def _example_embedding(port: int) -> str:
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = engine_pb2_grpc.EngineServiceStub(channel)
-        answer = await stub.Embed(pb.EmbedRequest(text=EXAMPLE_QUESTION), timeout=300)
+        answer = await stub.Embed(pb.EmbedRequest(text=EXAMPLE_QUESTION), timeout=300,
+                                  metadata=_key_metadata(key))
     head = ", ".join(f"{x:.4f}" for x in answer.embedding[:3])
     return f"embedding [{head}, ...] ({len(answer.embedding)} floats)"
 
 
-async def run_stack(cfg: StackConfig, engines, flow=None) -> int:
+async def run_stack(cfg: StackConfig, engines, flow=None, server=None) -> int:
     """The router (tokenizer fetched from the engines) in this process, until Ctrl-C.
-    ``flow``: its flow control (a ``router.flow_config.FlowConfig``; None: the defaults)."""
+    ``flow``: its flow control (a ``router.flow_config.FlowConfig``; None: the defaults);
+    ``server``: its ``ROUTER_OPTIONS`` (a dict; None: the defaults). With API keys, the
+    example request carries the first."""
     import dataclasses
 
     from quire.signals import shutdown_event
@@ -233,8 +253,10 @@ async def run_stack(cfg: StackConfig, engines, flow=None) -> int:
                                  host=cfg.router_host, port=cfg.router_port,
                                  http_port=cfg.http_port, tracing=tracing,
                                  flow=dataclasses.asdict(flow) if flow is not None else None,
-                                 placement={"lora_resolver_dir": cfg.lora_resolver_dir or ""})
+                                 placement={"lora_resolver_dir": cfg.lora_resolver_dir or ""},
+                                 **(server or {}))
     port = await router.start()
+    key = next(iter(router.cfg.keys()), None)
     try:
         if not await router.wait_ready(len(engines), timeout_s=cfg.startup_timeout_s):
             raise RuntimeError(f"engines not serving: {router.engine_states()}")
@@ -245,9 +267,11 @@ async def run_stack(cfg: StackConfig, engines, flow=None) -> int:
         print(f"quire up: engine metrics on {', '.join(e.metrics_url for e in engines)}",
               flush=True)
         if all(c.info.runner == "pooling" for c in router.pool.serving()):
-            answer = await _example_embedding(port)  # engines that only embed
+            answer = await _example_embedding(port, key)  # engines that only embed
         else:
-            answer = await _example(port, router.pool.identity.tokenizer)
+            limit = router.cfg.max_tokens_limit  # (0: none) the example keeps within it
+            answer = await _example(port, router.pool.identity.tokenizer, key,
+                                    min(64, limit) if limit > 0 else 64)
         print(f"example: {EXAMPLE_QUESTION!r} -> {answer!r}", flush=True)
         if not cfg.once:
             stop = shutdown_event()
@@ -264,9 +288,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from engine_worker.arg_utils import add_server_engine_args
     from quire.config_args import add_dataclass_args
 
+    from router.config import HELP, RouterServerConfig
     from router.flow_config import FLOW_HELP, FlowConfig
 
     add_dataclass_args(parser, StackConfig, "stack")
+    add_dataclass_args(parser, RouterServerConfig, "router (its limits also go to the engines: "
+                       + ", ".join(SHARED_LIMITS) + ")", HELP, only=ROUTER_OPTIONS)
     add_dataclass_args(parser, FlowConfig, "router flow control", FLOW_HELP)
     add_server_engine_args(parser)
 
@@ -278,20 +305,25 @@ def main(ns: argparse.Namespace) -> int:
 
     from quire.ports import check_ports_free
 
+    from router.config import RouterServerConfig
     from router.flow_config import FlowConfig
 
     cfg = dataclass_from_namespace(StackConfig, ns)
     flow = dataclass_from_namespace(FlowConfig, ns)  # bad values fail before engines start
+    dataclass_from_namespace(RouterServerConfig, ns, only=ROUTER_OPTIONS)  # (the same)
+    server = {name: getattr(ns, name) for name in ROUTER_OPTIONS}
     check_ports_free([(cfg.router_host, cfg.router_port, "router_port"),
                       (cfg.router_host, cfg.http_port, "http_port")])
     resolve_model_once(ns.model)
-    engine_flags = changed_engine_flags(ns)
+    engine_flags = changed_engine_flags(ns) + [
+        arg for name in SHARED_LIMITS
+        for arg in (f"--{name.replace('_', '-')}", str(getattr(ns, name)))]
     if cfg.once and ns.kv_cache_prefault:
         engine_flags += ["--kv-cache-prefault", "False"]
     engines = start_engines(cfg, engine_flags,
                             ranks_per_engine=ns.tensor_parallel_size
                             * ns.pipeline_parallel_size)
     try:
-        return asyncio.run(run_stack(cfg, engines, flow))
+        return asyncio.run(run_stack(cfg, engines, flow, server))
     finally:
         stop_engines(engines)

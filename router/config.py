@@ -256,7 +256,7 @@ HELP = {
     "k8s_service": "kubernetes discovery: watch this Service's EndpointSlices",
     "k8s_label_selector": "kubernetes discovery: or EndpointSlices with this label selector",
     "k8s_port_name": "kubernetes discovery: EndpointSlice port name of the engines' gRPC port",
-    "policy": "prefix_aware, least_loaded, round_robin or session_affinity",
+    "policy": "prefix_aware, least_loaded, round_robin, session_affinity or prefix_affinity",
     "session_header": "session_affinity: HTTP header / gRPC metadata key of the session",
     "max_attempts": "engines tried before the first token (1: no retry)",
     "approx_index_blocks": "per engine, blocks remembered for engines whose KV feed is down",

@@ -281,7 +281,8 @@ class OpenAIRequest:
             body["delta"] = ({"content": text} if text else {}) | (
                 {"tool_calls": calls} if calls else {})
         else:
-            body["message"] = {"role": self.role, "content": self.chat_echo + text} | (
+            content = self.chat_echo + (text or "") if self.chat_echo else text
+            body["message"] = {"role": self.role, "content": content} | (
                 {"tool_calls": [c.as_json() for c in calls]} if calls else {})
         return body
 

@@ -49,6 +49,16 @@ logger = logging.getLogger(__name__)
 ENGINE_ID_METADATA = "quire-engine-id"
 _LONG_TEXT_CHARS = 512  # shorter prompts tokenize faster than a thread hop costs
 _LONG_PROMPT_TOKENS = 4096  # and shorter token-id prompts hash faster
+# GetModelInfo: what each engine says of how it runs, reported where every serving engine
+# says the same (else left unset: the pool is mixed; ask an engine), and the speculative
+# decoding counters, summed. An engine's incarnation id is its own: never the router's.
+_SHARED_DESCRIPTION = (
+    "backend", "backend_reason", "backend_fallback", "cuda_graphs", "quantization",
+    "speculative_config", "runner", "pooling_type", "pooling_normalize", "hidden_size",
+    "tensor_parallel_size", "pipeline_parallel_size", "all_reduce_backend",
+    "distributed_executor_backend", "layer_execution")
+_SUMMED_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                    "spec_decode_num_accepted_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,7 +427,11 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
             max_loras=max(i.max_loras for i in infos),
             max_lora_rank=max(i.max_lora_rank for i in infos),
             max_cpu_loras=max(i.max_cpu_loras for i in infos),
-            lora_adapters=list(adapters), lora_adapter_paths=list(adapters.values()))
+            lora_adapters=list(adapters), lora_adapter_paths=list(adapters.values()),
+            **{name: getattr(first, name) for name in _SHARED_DESCRIPTION
+               if all(getattr(i, name) == getattr(first, name) for i in infos)},
+            **{name: sum(getattr(i, name) for i in infos) for name in _SUMMED_COUNTERS},
+            spec_decode_num_accepted_tokens_per_pos=_summed_per_pos(infos))
 
     async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:
         """The first serving engine's tokenizer files (engines of a kind that serves none, such
@@ -453,6 +467,17 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
                             "a router has no KV cache of its own: subscribe to each engine's "
                             "StreamKVEvents")
         yield  # pragma: no cover - makes this an async generator
+
+
+def _summed_per_pos(infos) -> list[int]:
+    """The engines' accepted draft tokens at each draft position, added up."""
+    out: list[int] = []
+    for info in infos:
+        for k, count in enumerate(info.spec_decode_num_accepted_tokens_per_pos):
+            if k == len(out):
+                out.append(0)
+            out[k] += count
+    return out
 
 
 def _adapter_load_error(lora_name: str, error: grpc.aio.AioRpcError) -> BaseException:

@@ -390,7 +390,7 @@ def _resolve(name: str, description: str, variant: CpuVariant,
         return Unavailable(reason)
     # the first start compiles csrc/cpu into the cache; later ones load that build in ms
     with progress(logger, f"Loading the {variant.name} CPU kernels",
-                  expect="compiled on first start only, one to two minutes"):
+                  expect="compiled on first start only: 20 s to a few minutes"):
         kernels = load(variant)
     if isinstance(kernels, Unavailable):
         return kernels

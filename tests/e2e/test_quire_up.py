@@ -98,3 +98,49 @@ def test_up_with_pooling_engines_serves_embeddings_to_the_openai_client(tiny_mod
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0
+
+
+def test_up_takes_the_routers_keys_and_limits(tiny_model_dir, monkeypatch):
+    """The router's own options on ``quire up`` (flags and QUIRE_* variables): an API key
+    set in the environment guards the stack (before, quire up built its router from defaults
+    and served everyone), and a limit reaches the engines too, so both refuse alike."""
+    import json
+    import urllib.error
+
+    import grpc
+
+    from quire.v1 import engine_pb2 as pb
+    from quire.v1 import engine_pb2_grpc
+
+    monkeypatch.setenv("QUIRE_API_KEYS", "k1,k2")
+    proc, text = start_up(tiny_model_dir, "--num-engines", "1", "--max-tokens-limit", "20")
+    try:
+        assert "example:" in text, text  # the example itself carried a key
+        url = re.search(r"(http://127\.0\.0\.1:\d+/v1)", text).group(1)
+
+        def post(body, key=None):
+            request = urllib.request.Request(
+                f"{url}/completions", json.dumps({"prompt": "hi", **body}).encode(),
+                {"Content-Type": "application/json"} | (
+                    {"Authorization": f"Bearer {key}"} if key else {}))
+            try:
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    return response.status, json.loads(response.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        assert post({"max_tokens": 2})[0] == 401
+        assert post({"max_tokens": 2}, "k2")[0] == 200
+        status, answer = post({"max_tokens": 21}, "k1")
+        assert status == 400 and answer["error"]["param"] == "max_tokens", answer
+        engine = re.search(r"engines on (\S+)", text).group(1)
+        with grpc.insecure_channel(engine) as channel:  # the engine's own limit is the same
+            stub = engine_pb2_grpc.EngineServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as error:
+                list(stub.Generate(pb.GenerateRequest(text="hi", sampling=pb.SamplingOptions(
+                    max_tokens=21)), timeout=60))
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "max_tokens" in error.value.details()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0

@@ -44,6 +44,12 @@ def test_router_returns_the_same_tokens_as_an_engine(router, engines):
     assert routed == direct and last.usage.prompt_tokens > 0  # the router tokenized it
     info = router.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=TIMEOUT_S)
     assert info.block_size == 16 and info.block_hash_algorithm == BLOCK_HASH_ALGORITHM
+    # what the engines say alike of how they run, the router says too; not an incarnation
+    engine = engines[0].stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=TIMEOUT_S)
+    for name in ("backend", "backend_reason", "quantization", "runner", "hidden_size",
+                 "tensor_parallel_size", "layer_execution"):
+        assert getattr(info, name) == getattr(engine, name) != type(getattr(engine, name))()
+    assert engine.incarnation_id and not info.incarnation_id
 
 
 def test_placement_follows_the_prefix(router, engines):
