@@ -72,14 +72,25 @@ class ToolChoice:
             return _parameters(next(t for t in self.tools if t["function"]["name"] == self.name))
         if self.mode == "auto":
             return None
-        items = {"anyOf": [{"type": "object", "additionalProperties": False,
-                            "required": ["name", "parameters"],
-                            "properties": {"name": {"type": "string",
-                                                    "enum": [t["function"]["name"]]},
-                                           "parameters": _parameters(t)}}
-                           for t in self.tools]}
-        return {"type": "array", "minItems": 1, "items": items} | (
-            {} if self.parallel else {"maxItems": 1})
+        # each function's parameters sit under the array's items, so its local definitions
+        # ($defs / definitions, which its "#/$defs/..." refs name from its root) move to the
+        # array's root, as vLLM moves them; two functions may not define one name apart
+        defs: dict[str, dict] = {}
+        branches = []
+        for t in self.tools:
+            params = dict(_parameters(t))
+            for key in ("$defs", "definitions"):
+                for name, schema in (params.pop(key, None) or {}).items():
+                    if defs.setdefault(key, {}).setdefault(name, schema) != schema:
+                        raise FieldError("tools", f"two functions define {key}/{name} "
+                                         "differently; give them distinct names")
+            branches.append({"type": "object", "additionalProperties": False,
+                             "required": ["name", "parameters"],
+                             "properties": {"name": {"type": "string",
+                                                     "enum": [t["function"]["name"]]},
+                                            "parameters": params}})
+        return {"type": "array", "minItems": 1, "items": {"anyOf": branches}} | (
+            {} if self.parallel else {"maxItems": 1}) | defs
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a finished output: what its stream would have sent, read by
@@ -147,7 +158,9 @@ def tool_choice_of(body: dict) -> ToolChoice | None:
         return None
     if not tools:
         raise FieldError("tool_choice", f"{mode!r} needs at least one tool in tools")
-    return ToolChoice(tuple(tools), mode, name, parallel is not False)
+    out = ToolChoice(tuple(tools), mode, name, parallel is not False)
+    out.schema()  # its definitions must merge (a FieldError naming tools otherwise)
+    return out
 
 
 def _check_tool(tool, i: int, seen: set[str]) -> None:
@@ -217,8 +230,11 @@ def render_inputs(messages: list[dict], tools: Sequence[dict] | None, template: 
 def _arguments_object(arguments):
     if isinstance(arguments, str):
         try:
-            return json.loads(arguments)
-        except (ValueError, RecursionError):  # not JSON (or nested past the parser): as sent
+            value = json.loads(arguments)
+            # an escaped lone surrogate ("\ud800") decodes to text no tokenizer takes
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+            return value
+        except (ValueError, RecursionError):  # not JSON, too deep, or such text: as sent
             return arguments
     return arguments
 

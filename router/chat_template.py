@@ -30,7 +30,10 @@ CHAT_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message",
 # OpenAI's reasoning_effort values, as vLLM 0.32 takes them
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # Template variables a request may not set: the router sets them itself.
-_RESERVED_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
+# (with the renderer's own parameters, which a template variable of the same name would clash
+# with: "got multiple values for keyword argument")
+_RESERVED_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "documents",
+                              "continue_final_message", "self"})
 
 
 def flag(body: dict, name: str, default: bool) -> bool:
@@ -107,5 +110,11 @@ class ChatTemplateOptions:
 
     def token_ids(self, tokenizer: FastTokenizer, messages: list[dict],
                   tools: list[dict] | None = None) -> list[int]:
-        return tokenizer.encode(self.render(tokenizer, messages, tools),
-                                add_special_tokens=self.add_special_tokens)
+        text = self.render(tokenizer, messages, tools)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate came out of some decoded JSON
+            raise RequestError("messages: the conversation holds a lone surrogate (an "
+                               "unpaired \\ud800-\\udfff escape), which is not text",
+                               "messages") from None
+        return tokenizer.encode(text, add_special_tokens=self.add_special_tokens)

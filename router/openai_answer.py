@@ -53,6 +53,7 @@ class OpenAIRequest:
         self._echoed_prompts = prompt if isinstance(prompt, list) and all(
             isinstance(p, (str, list)) for p in prompt) else [prompt]
         self.n = body.get("n") or 1
+        self.prompt_truncated = False  # truncate_prompt_tokens cut a prompt of the request
         self._prompts: dict[int, tuple[str, list[int], list]] = {}  # k -> text, ids, logprobs
         # vLLM's return_token_ids: the prompt's ids and each choice's generated ids beside the
         # text (in a stream: the prompt's in each choice's first chunk, each chunk's own ids)
@@ -146,7 +147,8 @@ class OpenAIRequest:
         if message.prompt_token_ids:
             prompt = self._echoed_prompts[k]
             ids = list(message.prompt_token_ids)
-            text = prompt if isinstance(prompt, str) else self.decode(ids)
+            text = prompt if isinstance(prompt, str) and not self.prompt_truncated \
+                else self.decode(ids)
             self._prompts[k] = (text, ids, [])
         if message.prompt_logprobs and k in self._prompts:
             self._prompts[k][2].extend(message.prompt_logprobs)

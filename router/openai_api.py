@@ -40,7 +40,7 @@ from router.metrics import RouterMetrics
 from router.openai_answer import OpenAIRequest, collect, stream
 from router.openai_protocol import (RequestError, cache_salt, chat_messages, check_batch,
                                     check_body, error_response, request_priority,
-                                    sampling_options, shown, token_list)
+                                    sampling_options, shown, token_list, truncation)
 from router.openai_embeddings import (EMBEDDING_FIELDS, EMBEDDING_INPUTS_IN_FLIGHT,
                                       Conversation, EmbeddingsRequest, embeddings_response)
 from router.openai_tokenize import (DETOKENIZE_FIELDS, TOKENIZE_FIELDS, TokenizeRequest,
@@ -502,6 +502,7 @@ class OpenAIFront:
             body, chat=req.chat, max_n=cfg.max_n, max_tokens_limit=cfg.max_tokens_limit,
             max_stop_strings=cfg.max_stop_strings, max_stop_string_len=cfg.max_stop_string_len),
             priority=request_priority(body), lora_name=lora_name, cache_salt=cache_salt(body))
+        truncate = truncation(body)
         if req.chat:
             messages = chat_messages(body, cfg.max_prompt_chars)
             options = ChatTemplateOptions.from_body(body, messages)
@@ -510,7 +511,7 @@ class OpenAIFront:
                 out.sampling.structured_outputs.json = json.dumps(schema)
             ids = await asyncio.get_running_loop().run_in_executor(
                 self._render_pool, self._render_chat, messages, req.prompt_tools, options)
-            out.token_ids.ids[:] = ids
+            out.token_ids.ids[:] = self._truncated(ids, truncate, req)
             return out
         if prompt is None:
             prompt = body.get("prompt")
@@ -520,18 +521,37 @@ class OpenAIFront:
             if len(prompt) > cfg.max_prompt_chars:  # before any copy or tokenizing
                 raise RequestError(f"prompt: at most {cfg.max_prompt_chars} characters, got "
                                    f"{len(prompt)}", "prompt")
-            if flag(body, "add_special_tokens", True):
+            special = flag(body, "add_special_tokens", True)
+            if special and truncate is None:
                 out.text = prompt  # the engine tokenizes it, as vLLM's default does
             else:
-                out.token_ids.ids[:] = await asyncio.get_running_loop().run_in_executor(
+                ids = await asyncio.get_running_loop().run_in_executor(
                     self._render_pool, partial(self.tokenizer.encode, prompt,
-                                               add_special_tokens=False))
+                                               add_special_tokens=special))
+                out.token_ids.ids[:] = self._truncated(ids, truncate, req)
         elif (ids := token_list(prompt)) is not None:
-            out.token_ids.ids[:] = ids
+            out.token_ids.ids[:] = self._truncated(ids, truncate, req)
         else:
             raise RequestError("prompt: must be a non-empty string, a list of token ids, or a "
                                "list of those (a batch)", "prompt")
         return out
+
+    def _truncated(self, ids: list[int], truncate: tuple[int, str] | None,
+                   req: OpenAIRequest) -> list[int]:
+        """The prompt's ids cut to vLLM's ``truncate_prompt_tokens`` (the router tokenized
+        it, so placement hashes what the engine runs)."""
+        if truncate is None:
+            return ids
+        keep, side = truncate
+        limit = self._max_model_len()
+        if keep > limit:  # as vLLM refuses it
+            raise RequestError(f"truncate_prompt_tokens: must be at most max_model_len "
+                               f"({limit}), got {keep}", "truncate_prompt_tokens")
+        keep = limit if keep == -1 else keep
+        if len(ids) <= keep:
+            return ids
+        req.prompt_truncated = True  # echo repeats what ran, not what was sent
+        return ids[-keep:] if side == "left" else ids[:keep]
 
     def _render_chat(self, messages: list[dict], tools: tuple[dict, ...],
                      options: ChatTemplateOptions) -> list[int]:

@@ -66,7 +66,8 @@ class EmbeddingsRequest:
             raise RequestError(f"dimensions: is not supported by this model (no matryoshka "
                                f"representation), got {shown(body['dimensions'])}",
                                "dimensions")
-        encoding = body.get("encoding_format") or "float"
+        encoding = body.get("encoding_format")
+        encoding = "float" if encoding is None else encoding
         if encoding not in _FORMATS:
             raise RequestError(f"encoding_format: must be one of {list(_FORMATS)}, got "
                                f"{shown(encoding)}", "encoding_format")
@@ -155,14 +156,14 @@ def _inputs(value, max_chars: int) -> tuple[tuple[str | list[int], ...], bool]:
         return (value,), False
     if not isinstance(value, list) or not value:
         raise RequestError(f"input: must be {_INPUT_FORMS}", "input")
-    if len(value) > MAX_EMBEDDING_INPUTS:
-        raise RequestError(f"input: at most {MAX_EMBEDDING_INPUTS} inputs, got {len(value)}",
-                           "input")
     if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        ids = token_list(value)
+        ids = token_list(value)  # one input of token ids: its length is the engine's to bound
         if ids is None:
             raise RequestError("input: token ids must be non-negative integers", "input")
         return (ids,), False
+    if len(value) > MAX_EMBEDDING_INPUTS:
+        raise RequestError(f"input: at most {MAX_EMBEDDING_INPUTS} inputs, got {len(value)}",
+                           "input")
     inputs: list[str | list[int]] = []
     num_chars = 0
     for i, item in enumerate(value):

@@ -109,6 +109,23 @@ def cache_salt(body: dict) -> str:
     return value
 
 
+def truncation(body: dict) -> tuple[int, str] | None:
+    """vLLM's ``truncate_prompt_tokens`` (k: keep k of the prompt's tokens; -1:
+    ``max_model_len``) and ``truncation_side`` ("left", the default, keeps the last k; "right"
+    the first k); None when not asked."""
+    keep, side = body.get("truncate_prompt_tokens"), body.get("truncation_side")
+    if side is not None and side not in ("left", "right"):
+        raise RequestError(f"truncation_side: must be left or right, got {shown(side)}",
+                           "truncation_side")
+    if keep is None:
+        return None
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or \
+            not -1 <= keep < 2 ** 31:
+        raise RequestError(f"truncate_prompt_tokens: must be -1 (max_model_len) or a positive "
+                           f"integer, got {shown(keep)}", "truncate_prompt_tokens")
+    return keep, side or "left"
+
+
 # ---- validation -------------------------------------------------------------------------------
 
 # Fields every generation request may carry (each validated below).
@@ -119,7 +136,7 @@ _SAMPLING_FIELDS = frozenset({
     "structured_outputs", "priority", "include_stop_str_in_output", "skip_special_tokens",
     "spaces_between_special_tokens", "cache_salt", "return_token_ids",
     "prompt_logprobs", "return_tokens_as_token_ids", "allowed_token_ids",
-    "bad_words"}) | frozenset({
+    "bad_words", "truncate_prompt_tokens", "truncation_side"}) | frozenset({
         "guided_json", "guided_regex", "guided_choice", "guided_grammar"})
 # vLLM's older extra-body names of structured outputs (still read by vLLM, deprecated there):
 # each is one structured_outputs kind, refused under its own name
@@ -421,6 +438,9 @@ def _response_format_spec(fmt) -> dict | None:
     if not isinstance(schema, dict) or not isinstance(schema.get("schema"), (dict, bool)):
         raise RequestError("response_format.json_schema.schema: a JSON schema (an object) is "
                            "required", "response_format")
+    if schema.get("strict") is not None and not isinstance(schema["strict"], bool):
+        raise RequestError(f"response_format.json_schema.strict: must be a boolean, got "
+                           f"{shown(schema['strict'])}", "response_format")
     return {"json": schema["schema"]}
 
 
@@ -442,9 +462,13 @@ def chat_messages(body: dict, max_chars: int = 1 << 20) -> list[dict]:
         raise RequestError("messages: a non-empty list of messages is required", "messages")
     _check_length(messages, MAX_CHAT_MESSAGES, "messages", "messages")
     out = []
-    num_chars = 0
+    # the tools the prompt shows count too (their JSON, as the template writes them)
+    num_chars = _json_chars(body.get("tools")) if isinstance(body.get("tools"), list) else 0
+    if num_chars > max_chars:
+        raise RequestError(f"tools: at most {max_chars} characters, got {num_chars}", "tools")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or \
+                message["role"] not in _ROLES:
             raise RequestError(f"messages[{i}].role: must be one of {sorted(_ROLES)}", "messages")
         texts = {}
         for key, value in message.items():
@@ -483,12 +507,27 @@ def chat_messages(body: dict, max_chars: int = 1 << 20) -> list[dict]:
                 raise RequestError(f"messages[{i}].tool_calls: only assistant messages carry "
                                    "tool calls", "messages")
             entry["tool_calls"] = _tool_calls(message["tool_calls"], i)
+            num_chars += sum(len(c["function"]["name"]) + _json_chars(
+                c["function"]["arguments"]) for c in entry["tool_calls"])
+            if num_chars > max_chars:
+                raise RequestError(f"messages: at most {max_chars} characters of content in "
+                                   "all (tool calls' arguments included)", "messages")
         if message.get("tool_call_id") is not None:
             if not isinstance(message["tool_call_id"], str):
                 raise RequestError(f"messages[{i}].tool_call_id: must be a string", "messages")
             entry["tool_call_id"] = message["tool_call_id"]
         out.append(entry)
     return out
+
+
+def _json_chars(value) -> int:
+    """The characters ``value`` takes as JSON text (a string: its own length)."""
+    if isinstance(value, str):
+        return len(value)
+    try:
+        return len(json.dumps(value, ensure_ascii=False))
+    except (TypeError, ValueError, RecursionError):
+        return 0  # not JSON: refused where it is checked
 
 
 def _tool_calls(calls, i: int) -> list[dict]:

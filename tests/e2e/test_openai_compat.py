@@ -543,3 +543,39 @@ def test_allowed_token_ids_and_bad_words_reach_the_engine(front):
                          ("bad_words", "word")):
         status, error = _post(front, "/v1/completions", {"prompt": "hi", field: value})
         assert status == 400 and error["error"]["param"] == field, (field, value, error)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end_as_vllm(front):
+    """vLLM's ``truncate_prompt_tokens`` (with ``truncation_side``): the prompt cut to its last
+    (or first) k tokens before it runs, so the answer is the one to the cut prompt; text,
+    token-id and chat prompts alike; -1 is max_model_len."""
+    _, tokenized = _post(front, "/tokenize", {"prompt": PROMPT})
+    ids = tokenized["tokens"]
+    body = {"max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    _, tail = _post(front, "/v1/completions", body | {"prompt": ids[-3:]})
+    _, head = _post(front, "/v1/completions", body | {"prompt": ids[:3]})
+    for prompt in (PROMPT, ids):
+        _, cut = _post(front, "/v1/completions", body | {"prompt": prompt,
+                                                         "truncate_prompt_tokens": 3})
+        assert cut["choices"][0]["prompt_token_ids"] == ids[-3:]
+        assert cut["choices"][0]["token_ids"] == tail["choices"][0]["token_ids"]
+        assert cut["usage"]["prompt_tokens"] == 3
+        _, right = _post(front, "/v1/completions", body | {
+            "prompt": prompt, "truncate_prompt_tokens": 3, "truncation_side": "right"})
+        assert right["choices"][0]["token_ids"] == head["choices"][0]["token_ids"]
+    _, whole = _post(front, "/v1/completions", body | {"prompt": PROMPT,
+                                                       "truncate_prompt_tokens": -1})
+    assert whole["choices"][0]["prompt_token_ids"] == ids
+    _, echoed = _post(front, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "echo": True,
+                                                 "truncate_prompt_tokens": 2})
+    _, text = _post(front, "/detokenize", {"tokens": ids[-2:]})
+    assert echoed["choices"][0]["text"].startswith(text["prompt"])
+    _, chat = _post(front, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1,
+                                                    "truncate_prompt_tokens": 5})
+    assert chat["usage"]["prompt_tokens"] == 5
+    for value in (0, -2, "3", 10 ** 9):
+        status, error = _post(front, "/v1/completions", {"prompt": PROMPT,
+                                                         "truncate_prompt_tokens": value})
+        assert status == 400 and error["error"]["param"] == "truncate_prompt_tokens", error
+    status, error = _post(front, "/v1/completions", {"prompt": PROMPT, "truncation_side": "up"})
+    assert status == 400 and error["error"]["param"] == "truncation_side", error
