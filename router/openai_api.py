@@ -43,6 +43,8 @@ from router.openai_protocol import (RequestError, cache_salt, chat_messages, che
                                     sampling_options, shown, token_list, truncation)
 from router.openai_embeddings import (EMBEDDING_FIELDS, EMBEDDING_INPUTS_IN_FLIGHT,
                                       Conversation, EmbeddingsRequest, embeddings_response)
+from router.openai_responses import (ALIASES, RESPONSES_FIELDS, ResponsesAnswer, chat_body,
+                                     renamed)
 from router.openai_tokenize import (DETOKENIZE_FIELDS, TOKENIZE_FIELDS, TokenizeRequest,
                                     detokenize_ids, tokenize_response)
 
@@ -141,6 +143,7 @@ class OpenAIFront:
         app.add_routes([web.post("/v1/completions", self._completions),
                         web.post("/v1/chat/completions", self._chat),
                         web.post("/v1/embeddings", self._embeddings),
+                        web.post("/v1/responses", self._responses),
                         web.post("/tokenize", self._tokenize),
                         web.post("/detokenize", self._detokenize),
                         web.post("/v1/load_lora_adapter", self._load_lora),
@@ -301,6 +304,29 @@ class OpenAIFront:
         finally:
             if call is not None:
                 await call.aclose()  # no-op once finished; aborts the engine request otherwise
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API, served as the chat completion it means
+        (``router.openai_responses``)."""
+        call = None
+        try:
+            body = await self._body(request, known=RESPONSES_FIELDS)
+            chat = chat_body(body)
+            req = OpenAIRequest(chat, chat=True, model_name=self._check_model(chat) or
+                                self.model_name, token_text=self.token_text)
+            (message,) = await self._generate_requests(req)
+            call = LocalCall(self.seam.generate, message, timeout_s=self.cfg.request_timeout_s,
+                             metadata=self._forwarded_metadata(request))
+            first = await call.read()  # errors before any output keep their HTTP status
+            answer = ResponsesAnswer(body, req, req.model_name)
+            if body.get("stream"):
+                return await answer.stream(request, call, first, self._account)
+            return await answer.collect(call, first, self._account)
+        except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
+            return self._error(request, renamed(e), ALIASES)
+        finally:
+            if call is not None:
+                await call.aclose()
 
     def _error(self, request: web.Request, error: Exception,
                aliases: dict[str, str] | None = None) -> web.Response:
