@@ -126,8 +126,9 @@ class InputProcessor:
         keep = params.truncate_prompt_tokens
         if keep is not None:
             keep = self.max_model_len if keep == -1 else keep
-            if len(token_ids) > keep:  # left truncation, as vLLM: the text no longer matches
-                text, token_ids = None, list(token_ids[-keep:])
+            if len(token_ids) > keep:  # the text no longer matches
+                text, token_ids = None, list(token_ids[-keep:] if params.truncation_side ==
+                                             "left" else token_ids[:keep])
         num_tokens = len(token_ids)
         if num_tokens > self.max_model_len:
             raise FieldError("prompt", f"{num_tokens} tokens, more than this model's "

@@ -201,9 +201,9 @@ class OpenAIRequest:
             return None
         token = (lambda tid: f"token_id:{tid}") if self.tokens_as_ids else self.token_text
         if self.chat:
-            def item(tid, lp):
-                text = token(tid)
-                return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            def item(tid, lp):  # (bytes: the token's own, whatever names it)
+                return {"token": token(tid), "logprob": lp,
+                        "bytes": list(self.token_text(tid).encode())}
             return {"content": [
                 {**item(e.token_ids[0], e.logprobs[0]),
                  "top_logprobs": [item(t, lp) for t, lp in zip(e.token_ids[1:], e.logprobs[1:])]}
@@ -271,8 +271,8 @@ class OpenAIRequest:
                       "finish_reason": finish}
         if finish is not None or not chunk:
             body["stop_reason"] = self.stop_reason(stop_reason)
-        if self.return_token_ids:
-            body["token_ids"] = list(token_ids)
+        if self.return_token_ids:  # (with echo alone, the one token generated is left out)
+            body["token_ids"] = [] if self.echo_only else list(token_ids)
             if not self.chat and (first or not chunk):  # completions: on the choice
                 body["prompt_token_ids"] = self.prompt_ids.get(index // self.n)
         if self.want_prompt_logprobs and not self.chat:

@@ -372,6 +372,7 @@ class OpenAIFront:
                     message.normalize = req.normalize
                 if req.truncate_prompt_tokens is not None:
                     message.truncate_prompt_tokens = req.truncate_prompt_tokens
+                    message.truncation_side = req.truncation_side
                 calls.append(asyncio.ensure_future(embed(message, metadata)))
             responses = await asyncio.gather(*(self._embedded(req, i, call)
                                                for i, call in enumerate(calls)))
@@ -398,6 +399,8 @@ class OpenAIFront:
                 raise
             detail = e.details() or ""
             field = field_of(e)
+            if field in ("truncate_prompt_tokens", "truncation_side"):
+                raise  # the request's field, not the input's
             if field and detail.startswith(f"{field}: "):
                 detail = detail[len(field) + 2:]
             raise RequestError(f"{req.name(index)}: {detail}", req.field) from None
@@ -573,7 +576,7 @@ class OpenAIFront:
         if keep > limit:  # as vLLM refuses it
             raise RequestError(f"truncate_prompt_tokens: must be at most max_model_len "
                                f"({limit}), got {keep}", "truncate_prompt_tokens")
-        keep = limit if keep == -1 else keep
+        keep = limit - 1 if keep == -1 else keep  # -1: as vLLM, one token left to generate
         if len(ids) <= keep:
             return ids
         req.prompt_truncated = True  # echo repeats what ran, not what was sent

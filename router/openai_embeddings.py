@@ -29,7 +29,8 @@ from router.openai_protocol import (RequestError, cache_salt, chat_messages,
 
 EMBEDDING_FIELDS = frozenset({"model", "input", "messages", "encoding_format", "dimensions",
                               "normalize", "truncate_prompt_tokens", "add_special_tokens",
-                              "priority", "cache_salt", *CHAT_TEMPLATE_FIELDS})
+                              "priority", "cache_salt", "truncation_side",
+                              *CHAT_TEMPLATE_FIELDS})
 MAX_EMBEDDING_INPUTS = 2048  # inputs of one request (OpenAI's limit)
 # Inputs of one request sent at once; the next goes as one finishes. A quarter of a tenant's
 # default router queue (256), so one large request never fills it, and more than a pooling
@@ -59,6 +60,7 @@ class EmbeddingsRequest:
     chat: ChatTemplateOptions | None = None
     priority: int = 0  # vLLM's: each input waits its turn at it (0: the tenant's default)
     cache_salt: str = ""  # vLLM's: inputs share cached prefixes only with an equal salt
+    truncation_side: str = ""  # "right" (the default: keep the first k) or "left"
 
     @classmethod
     def from_body(cls, body: dict, max_chars: int) -> EmbeddingsRequest:
@@ -75,6 +77,10 @@ class EmbeddingsRequest:
         if normalize is not None and not isinstance(normalize, bool):
             raise RequestError(f"normalize: must be a boolean, got {shown(normalize)}",
                                "normalize")
+        side = body.get("truncation_side")
+        if side is not None and side not in ("left", "right"):
+            raise RequestError(f"truncation_side: must be left or right, got {shown(side)}",
+                               "truncation_side")
         keep = body.get("truncate_prompt_tokens")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
                                  or keep == 0 or not -1 <= keep < 2 ** 31):
@@ -91,7 +97,8 @@ class EmbeddingsRequest:
             inputs, batched = _inputs(body.get("input"), max_chars)
         return cls(inputs=inputs, batched=batched, encoding_format=encoding,
                    normalize=normalize, truncate_prompt_tokens=keep, chat=chat,
-                   priority=request_priority(body), cache_salt=cache_salt(body))
+                   priority=request_priority(body), cache_salt=cache_salt(body),
+                   truncation_side=side or "")
 
     @property
     def field(self) -> str:

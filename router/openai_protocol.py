@@ -490,7 +490,7 @@ def chat_messages(body: dict, max_chars: int = 1 << 20) -> list[dict]:
                        isinstance(p.get("text"), str) for p in content):
                 raise RequestError(f"messages[{i}].content: only text parts are supported",
                                    "messages")
-            content = "".join(p["text"] for p in content)
+            content = "\n".join(p["text"] for p in content)  # as vLLM joins them
         if content is not None and not isinstance(content, str):
             raise RequestError(f"messages[{i}].content: must be a string", "messages")
         num_chars += len(content or "")

@@ -106,7 +106,7 @@ def _text(content, where: str) -> str:
             raise RequestError(f"{where}[{j}]: only text parts (input_text, output_text) are "
                                "supported", "input")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)  # as chat's parts (and vLLM's)
 
 
 def _messages(items, instructions) -> list[dict]:

@@ -378,16 +378,23 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         prompt = await self.prepare(request)
         if not request.HasField("truncate_prompt_tokens"):
             return prompt
-        keep = request.truncate_prompt_tokens
+        keep, side = request.truncate_prompt_tokens, request.truncation_side or "right"
         if keep == 0 or keep < -1:
             raise FieldError("truncate_prompt_tokens", f"must be -1 (max_model_len) or a "
                              f"positive integer, got {keep}")
+        if side not in ("left", "right"):
+            raise FieldError("truncation_side", f"must be left or right, got {side!r}")
+        lengths = [c.info.max_model_len for c in self.pool.serving() if c.info is not None]
+        limit = min(lengths) if lengths else None
+        if limit is not None and keep > limit:  # as vLLM refuses it
+            raise FieldError("truncate_prompt_tokens", f"must be at most max_model_len "
+                             f"({limit}), got {keep}")
         if keep == -1:
-            lengths = [c.info.max_model_len for c in self.pool.serving() if c.info is not None]
-            keep = min(lengths) if lengths else len(prompt.token_ids)
+            keep = limit if limit is not None else len(prompt.token_ids)
         if len(prompt.token_ids) <= keep:
             return prompt
-        truncated = pb.EmbedRequest(token_ids=pb.TokenIds(ids=prompt.token_ids[-keep:]),
+        ids = prompt.token_ids[-keep:] if side == "left" else prompt.token_ids[:keep]
+        truncated = pb.EmbedRequest(token_ids=pb.TokenIds(ids=ids),
                                     cache_salt=request.cache_salt)
         return await self.prepare(truncated)
 

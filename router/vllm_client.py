@@ -261,6 +261,7 @@ class VllmEngineClient:
             body["use_activation"] = request.normalize
         if request.HasField("truncate_prompt_tokens"):
             body["truncate_prompt_tokens"] = request.truncate_prompt_tokens
+            body["truncation_side"] = request.truncation_side or "right"
         if request.priority:  # as a generation's (vLLM refuses it unless it schedules by it)
             body["priority"] = request.priority
         headers = {k: v for k, v in metadata if k in ("traceparent", "tracestate")}

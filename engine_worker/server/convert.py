@@ -84,7 +84,8 @@ def embed_request_from_proto(message: pb.EmbedRequest, limits: RequestLimits):
     params = PoolingParams(
         normalize=message.normalize if message.HasField("normalize") else None,
         truncate_prompt_tokens=message.truncate_prompt_tokens
-        if message.HasField("truncate_prompt_tokens") else None)
+        if message.HasField("truncate_prompt_tokens") else None,
+        truncation_side=message.truncation_side or None)
     return prompt, params, message.priority, message.cache_salt or None
 
 

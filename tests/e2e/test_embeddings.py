@@ -121,8 +121,11 @@ def test_pooling_runner_refuses_generation_and_bad_params(tiny_model_dir):
         llm.embed([[]], use_tqdm=False)
     assert len(llm.embed(["still served"], use_tqdm=False)[0].outputs.embedding) == 64
     long = list(range(200, 400))
-    for keep, kept in ((50, long[-50:]), (-1, long[-128:])):
-        out = llm.embed([long], PoolingParams(truncate_prompt_tokens=keep), use_tqdm=False)[0]
+    # vLLM 0.32's sides for pooling: the first k by default, the last k with "left"
+    for keep, side, kept in ((50, None, long[:50]), (50, "left", long[-50:]),
+                             (-1, "right", long[:128])):
+        out = llm.embed([long], PoolingParams(truncate_prompt_tokens=keep,
+                                              truncation_side=side), use_tqdm=False)[0]
         assert out.prompt_token_ids == kept
         assert_close([out.outputs.embedding], hf_embeddings(tiny_model_dir, [kept], "LAST"))
     for bad in (0, -2, 1.5):

@@ -566,6 +566,12 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end_as_vllm(front):
     _, whole = _post(front, "/v1/completions", body | {"prompt": PROMPT,
                                                        "truncate_prompt_tokens": -1})
     assert whole["choices"][0]["prompt_token_ids"] == ids
+    # -1 on a prompt past the context: cut to leave one token to generate, as vLLM cuts it
+    room = tokenized["max_model_len"]
+    status, full = _post(front, "/v1/completions", body | {
+        "prompt": [5] * (room + 10), "truncate_prompt_tokens": -1})
+    assert status == 200 and full["usage"]["prompt_tokens"] == room - 1, full
+    assert full["usage"]["completion_tokens"] == 1
     _, echoed = _post(front, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "echo": True,
                                                  "truncate_prompt_tokens": 2})
     _, text = _post(front, "/detokenize", {"tokens": ids[-2:]})

@@ -96,11 +96,15 @@ def test_base64_is_little_endian_float32(router, client):
     assert torch.tensor(raw_vec).norm().item() != pytest.approx(1.0, abs=1e-3)
 
 
-def test_truncate_prompt_tokens_keeps_the_last_tokens(client, tiny_model_dir):
+def test_truncate_prompt_tokens_keeps_the_first_tokens_as_vllm_032(client, tiny_model_dir):
+    """vLLM 0.32 cuts a pooling model's prompt at its end (truncation_side "right", its
+    default there): the first k tokens; "left" keeps the last k. Above max_model_len: 400."""
     ids = list(range(2000, 2300))  # longer than max_model_len (256)
-    for keep, kept in ((100, ids[-100:]), (-1, ids[-256:])):
+    for keep, side, kept in ((100, None, ids[:100]), (100, "left", ids[-100:]),
+                             (-1, None, ids[:256])):
         result = client.embeddings.create(model=MODEL, input=ids, encoding_format="float",
-                                          extra_body={"truncate_prompt_tokens": keep})
+                                          extra_body={"truncate_prompt_tokens": keep} | (
+                                              {"truncation_side": side} if side else {}))
         assert result.usage.prompt_tokens == len(kept)
         _assert_close([result.data[0].embedding], hf_embeddings(tiny_model_dir, [kept], "LAST"))
 
@@ -135,6 +139,8 @@ def test_embed_is_placed_prefix_aware_and_fills_the_cache(router, client):
     ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"input": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"input": "x", "truncate_prompt_tokens": "5"}, "truncate_prompt_tokens"),
+    ({"input": "x", "truncate_prompt_tokens": 257}, "truncate_prompt_tokens"),
+    ({"input": "x", "truncate_prompt_tokens": 5, "truncation_side": "up"}, "truncation_side"),
     # chat form
     ({"input": "x", "messages": [{"role": "user", "content": "x"}]}, "input"),
     ({"messages": []}, "messages"),
