@@ -5,8 +5,9 @@ Order (as vLLM and Hugging Face apply them): a structured output's grammar masks
 those before everything after, as vLLM's default ``raw_logprobs``); then min_tokens and
 bad_words masking, allowed_token_ids, logit_bias, repetition / presence / frequency
 penalties, then greedy rows take the argmax and random rows go through temperature, then
-top-k, top-p and min-p with an exact draw of a few uniforms per row (``sampling_draw``). Seeded rows draw their uniforms from their own
-generator, the same number every step, so their tokens do not depend on the batch. A backend
+top-k, top-p and min-p with an exact draw of a few uniforms per row (``sampling_draw``).
+Seeded rows draw their uniforms from their own generator, the same number every step, so
+their tokens do not depend on the batch. A backend
 may bring its own argmax and untruncated draw (``Backend.sampling``: the CPU kernels scan a
 row in two vector passes), the same functions of the logits and uniforms.
 
@@ -106,9 +107,10 @@ def sample_tokens(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.
     raw_logprobs = None
     if meta.max_num_logprobs is not None:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
+    unbanned = logits
     logits = _apply_bans(logits, meta.banned)
     if meta.allowed:
-        logits = _apply_allowed(logits, meta.allowed)
+        logits = _apply_allowed(logits, meta.allowed, unbanned)
     if meta.logit_bias:
         logits = _apply_logit_bias(logits, meta.logit_bias)
     if meta.penalties is not None:
@@ -135,13 +137,19 @@ def _apply_bans(logits: torch.Tensor, banned) -> torch.Tensor:
     return logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))
 
 
-def _apply_allowed(logits: torch.Tensor, allowed) -> torch.Tensor:
-    """-inf outside each listed row's allowed tokens (other rows unchanged)."""
+def _apply_allowed(logits: torch.Tensor, allowed, unbanned: torch.Tensor) -> torch.Tensor:
+    """-inf outside each listed row's allowed tokens (other rows unchanged). A row whose
+    allowed tokens the bans took every one of (``allowed_token_ids=[eos]`` under
+    ``min_tokens``) keeps them unbanned: the request's own list wins over min_tokens rather
+    than a token outside it being drawn. No host sync: a select on the device."""
     keep = torch.ones(logits.shape, dtype=torch.bool)
     for row, token_ids in allowed:
         keep[row] = False
         keep[row, list(token_ids)] = True
-    return logits.masked_fill(~to_device(keep, logits.device), float("-inf"))
+    keep = to_device(keep, logits.device)
+    out = logits.masked_fill(~keep, float("-inf"))
+    dead = torch.isneginf(out).all(dim=-1, keepdim=True)
+    return torch.where(dead, unbanned.masked_fill(~keep, float("-inf")), out)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,11 @@ class ToolChoice:
         for t in self.tools:
             params = dict(_parameters(t))
             for key in ("$defs", "definitions"):
-                for name, schema in (params.pop(key, None) or {}).items():
+                found = params.pop(key, None)
+                if found is not None and not isinstance(found, dict):
+                    raise FieldError("tools", f"function {t['function']['name']!r}: "
+                                     f"parameters.{key} must be an object")
+                for name, schema in (found or {}).items():
                     if defs.setdefault(key, {}).setdefault(name, schema) != schema:
                         raise FieldError("tools", f"two functions define {key}/{name} "
                                          "differently; give them distinct names")

@@ -53,7 +53,8 @@ class OpenAIRequest:
         self._echoed_prompts = prompt if isinstance(prompt, list) and all(
             isinstance(p, (str, list)) for p in prompt) else [prompt]
         self.n = body.get("n") or 1
-        self.prompt_truncated = False  # truncate_prompt_tokens cut a prompt of the request
+        self.truncated: set[int] = set()  # the prompts (k) truncate_prompt_tokens cut
+        self.cut_now = False  # the prompt being built was cut (``note_truncation`` reads it)
         self._prompts: dict[int, tuple[str, list[int], list]] = {}  # k -> text, ids, logprobs
         # vLLM's return_token_ids: the prompt's ids and each choice's generated ids beside the
         # text (in a stream: the prompt's in each choice's first chunk, each chunk's own ids)
@@ -69,6 +70,7 @@ class OpenAIRequest:
                 bool(bool_field(body, "echo")) if chat else
                 self.echo and body.get("logprobs") is not None))
         self._prompt_logprobs: dict[int, list] = {}  # k -> its prompt's entries
+        self._prompt_logprobs_json: dict[int, list] = {}  # k -> them rendered, once
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -120,6 +122,12 @@ class OpenAIRequest:
         self._tool_streams: dict[int, ToolCallStream] = {}
         self._text_offsets: dict[int, int] = {}  # per choice: characters of its tokens so far
 
+    def note_truncation(self, k: int) -> None:
+        """Record whether prompt ``k``, just built, was cut."""
+        if self.cut_now:
+            self.truncated.add(k)
+        self.cut_now = False
+
     def envelope(self, choices: list[dict], *, chunk: bool = False) -> dict:
         obj = self.object + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": obj, "created": self.created,
@@ -147,7 +155,7 @@ class OpenAIRequest:
         if message.prompt_token_ids:
             prompt = self._echoed_prompts[k]
             ids = list(message.prompt_token_ids)
-            text = prompt if isinstance(prompt, str) and not self.prompt_truncated \
+            text = prompt if isinstance(prompt, str) and k not in self.truncated \
                 else self.decode(ids)
             self._prompts[k] = (text, ids, [])
         if message.prompt_logprobs and k in self._prompts:
@@ -179,6 +187,8 @@ class OpenAIRequest:
         entries = self._prompt_logprobs.get(k)
         if entries is None:
             return None
+        if k in self._prompt_logprobs_json:  # (the same for each of prompt k's n choices)
+            return self._prompt_logprobs_json[k]
         out: list = []
         for e in entries:
             if not e.token_ids:
@@ -190,6 +200,7 @@ class OpenAIRequest:
                 position.setdefault(str(tid), {"logprob": max(lp, -9999.0), "rank": rank or None,
                                                "decoded_token": self.token_text(tid)})
             out.append(position)
+        self._prompt_logprobs_json[k] = out
         return out
 
     def logprobs(self, entries, index: int = 0, prompt: tuple | None = None) -> dict | None:

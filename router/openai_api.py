@@ -40,7 +40,8 @@ from router.metrics import RouterMetrics
 from router.openai_answer import OpenAIRequest, collect, stream
 from router.openai_protocol import (RequestError, cache_salt, chat_messages, check_batch,
                                     check_body, error_response, request_priority,
-                                    sampling_options, shown, token_list, truncation)
+                                    sampling_options, shown, token_list, truncate_ids,
+                                    truncation)
 from router.openai_embeddings import (EMBEDDING_FIELDS, EMBEDDING_INPUTS_IN_FLIGHT,
                                       Conversation, EmbeddingsRequest, embeddings_response)
 from router.openai_responses import (ALIASES, RESPONSES_FIELDS, ResponsesAnswer, chat_body,
@@ -308,7 +309,7 @@ class OpenAIFront:
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's Responses API, served as the chat completion it means
         (``router.openai_responses``)."""
-        call = None
+        call = req = None
         try:
             body = await self._body(request, known=RESPONSES_FIELDS)
             chat = chat_body(body)
@@ -323,7 +324,9 @@ class OpenAIFront:
                 return await answer.stream(request, call, first, self._account)
             return await answer.collect(call, first, self._account)
         except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
-            return self._error(request, renamed(e), ALIASES)
+            aliases = ALIASES | ({} if req is None else {  # (the chat request's own first)
+                k: ALIASES.get(v, v) for k, v in req.field_aliases.items()})
+            return self._error(request, renamed(e), aliases)
         finally:
             if call is not None:
                 await call.aclose()
@@ -507,12 +510,15 @@ class OpenAIFront:
         batch = prompt if not req.chat and isinstance(prompt, list) and len(prompt) > 1 and \
             all(isinstance(p, (str, list)) for p in prompt) else None
         if batch is None:
-            return [await self._generate_request(req)]
+            message = await self._generate_request(req)
+            req.note_truncation(0)
+            return [message]
         check_batch(batch)
         requests = []
         for k, item in enumerate(batch):
             try:
                 message = await self._generate_request(req, item)
+                req.note_truncation(k)
             except RequestError as e:
                 if e.param != "prompt":
                     raise  # a field of the whole request
@@ -554,10 +560,17 @@ class OpenAIFront:
             if special and truncate is None:
                 out.text = prompt  # the engine tokenizes it, as vLLM's default does
             else:
+                # a tokenizer's one leading token (BOS) stays, as transformers' truncation
+                # keeps it: only the text's tokens are cut
+                head = self.tokenizer.encode("", add_special_tokens=True) if special else []
+                head = head if len(head) == 1 else []
                 ids = await asyncio.get_running_loop().run_in_executor(
                     self._render_pool, partial(self.tokenizer.encode, prompt,
-                                               add_special_tokens=special))
-                out.token_ids.ids[:] = self._truncated(ids, truncate, req)
+                                               add_special_tokens=special and not head))
+                keep = truncate if truncate is None or truncate[0] == -1 or not head else (
+                    max(1, truncate[0] - len(head)), truncate[1])
+                out.token_ids.ids[:] = head + self._truncated(ids, keep, req,
+                                                              reserve=len(head))
         elif (ids := token_list(prompt)) is not None:
             out.token_ids.ids[:] = self._truncated(ids, truncate, req)
         else:
@@ -566,21 +579,14 @@ class OpenAIFront:
         return out
 
     def _truncated(self, ids: list[int], truncate: tuple[int, str] | None,
-                   req: OpenAIRequest) -> list[int]:
-        """The prompt's ids cut to vLLM's ``truncate_prompt_tokens`` (the router tokenized
-        it, so placement hashes what the engine runs)."""
+                   req: OpenAIRequest, reserve: int = 0) -> list[int]:
+        """``truncate_ids`` on the pool's length limit (the router tokenized the prompt, so
+        placement hashes what the engine runs); echo then repeats what ran."""
         if truncate is None:
             return ids
-        keep, side = truncate
-        limit = self._max_model_len()
-        if keep > limit:  # as vLLM refuses it
-            raise RequestError(f"truncate_prompt_tokens: must be at most max_model_len "
-                               f"({limit}), got {keep}", "truncate_prompt_tokens")
-        keep = limit - 1 if keep == -1 else keep  # -1: as vLLM, one token left to generate
-        if len(ids) <= keep:
-            return ids
-        req.prompt_truncated = True  # echo repeats what ran, not what was sent
-        return ids[-keep:] if side == "left" else ids[:keep]
+        ids, cut = truncate_ids(ids, truncate, self._max_model_len(), reserve)
+        req.cut_now = req.cut_now or cut
+        return ids
 
     def _render_chat(self, messages: list[dict], tools: tuple[dict, ...],
                      options: ChatTemplateOptions) -> list[int]:

@@ -126,6 +126,20 @@ def truncation(body: dict) -> tuple[int, str] | None:
     return keep, side or "left"
 
 
+def truncate_ids(ids: list[int], truncate: tuple[int, str], max_model_len: int,
+                 reserve: int = 0) -> tuple[list[int], bool]:
+    """(ids cut to ``truncation``'s k, whether they were cut); ``reserve``: tokens the caller
+    puts before them (a BOS). -1 leaves one token of the context to generate, as vLLM."""
+    keep, side = truncate
+    if keep > max_model_len:  # as vLLM refuses it
+        raise RequestError(f"truncate_prompt_tokens: must be at most max_model_len "
+                           f"({max_model_len}), got {keep}", "truncate_prompt_tokens")
+    keep = max_model_len - 1 - reserve if keep == -1 else keep
+    if len(ids) <= keep:
+        return ids, False
+    return (ids[-keep:] if side == "left" else ids[:keep]), True
+
+
 # ---- validation -------------------------------------------------------------------------------
 
 # Fields every generation request may carry (each validated below).

@@ -88,8 +88,9 @@ def chat_body(body: dict) -> dict:
                                 not set(options) <= {"include_obfuscation"}):
         raise RequestError("stream_options: must be an object with at most "
                            "include_obfuscation", "stream_options")
-    if body.get("store") not in (None, True, False):
-        raise RequestError(f"store: must be a boolean, got {shown(body['store'])}", "store")
+    for name in ("store", "stream"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise RequestError(f"{name}: must be a boolean, got {shown(body[name])}", name)
     return out
 
 
@@ -133,8 +134,11 @@ def _messages(items, instructions) -> list[dict]:
                 raise RequestError(f"{where}: a function_call has string call_id, name and "
                                    "arguments", "input")
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)  # the calls of one turn, together
+            if last is not None and last["role"] == "assistant" and i > 0 and \
+                    (isinstance(items[i - 1], dict) and items[i - 1].get("role") ==
+                     "assistant" or "tool_calls" in last):
+                # the calls of one turn, with its text: one assistant message
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -203,7 +207,10 @@ def renamed(error: Exception) -> Exception:
 
 def _usage(usage: pb.Usage) -> dict:
     return {"input_tokens": usage.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            # what the prefix cache held, and what this prompt added to it
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens,
+                                     "cache_write_tokens": usage.prompt_tokens -
+                                     usage.cached_tokens},
             "output_tokens": usage.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
@@ -233,7 +240,7 @@ class ResponsesAnswer:
             "previous_response_id": None, "reasoning": body.get("reasoning"), "store": False,
             "temperature": body.get("temperature", 1.0),
             "text": body.get("text") or {"format": {"type": "text"}},
-            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+            "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
             "top_p": body.get("top_p", 1.0), "truncation": body.get("truncation") or "disabled",
             "usage": usage, "user": body.get("user"), "metadata": body.get("metadata") or {}}
 

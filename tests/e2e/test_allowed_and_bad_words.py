@@ -108,3 +108,16 @@ def test_bad_lists_name_their_field(models, params, field):
         llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(**params), use_tqdm=False)
     assert e.value.field == field
 
+
+
+def test_allowed_tokens_win_over_min_tokens_bans(models):
+    """Only the end token allowed, under min_tokens: every token drawn is still an allowed
+    one (the bans would have left nothing, and token 0, outside the list, was drawn)."""
+    llm, _ = models
+    eos = min(llm.engine.tokenizer.eos_token_ids)
+    for temperature in (0, 1.0):
+        (out,) = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(
+            temperature=temperature, max_tokens=5, min_tokens=3, allowed_token_ids=[eos],
+            seed=1), use_tqdm=False)
+        # (before min_tokens, the end token does not end the completion)
+        assert list(out.outputs[0].token_ids) == [eos] * 3

@@ -74,6 +74,17 @@ def test_required_tools_with_definitions_are_enforced_not_refused(router):
     assert_400(status, answer, "tools", "$defs/Loc")
 
 
+@pytest.mark.parametrize("defs", ["x", [1], 5])
+def test_required_tools_with_malformed_definitions_are_a_400(router, caplog, defs):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "$defs": defs}}}]
+    status, answer = post(router, "/v1/chat/completions", {
+        "model": MODEL, "messages": USER, "max_tokens": 4, "tools": tools,
+        "tool_choice": "required"})
+    assert_400(status, answer, "tools", "$defs must be an object")
+    assert no_tracebacks(caplog)
+
+
 def test_one_token_id_input_longer_than_the_input_cap_is_one_input(router):
     """A flat list of ids is one input, bounded by the model's length, not by the 2,048-input
     cap of a list of inputs."""

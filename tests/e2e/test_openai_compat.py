@@ -576,6 +576,11 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end_as_vllm(front):
                                                  "truncate_prompt_tokens": 2})
     _, text = _post(front, "/detokenize", {"tokens": ids[-2:]})
     assert echoed["choices"][0]["text"].startswith(text["prompt"])
+    # in a batch, each prompt echoes what ran: the short one as sent, the cut one cut
+    _, batch = _post(front, "/v1/completions", {"prompt": ["Hi", PROMPT], "max_tokens": 1,
+                                                "echo": True, "truncate_prompt_tokens": 2})
+    assert batch["choices"][0]["text"].startswith("Hi")
+    assert batch["choices"][1]["text"].startswith(text["prompt"])
     _, chat = _post(front, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1,
                                                     "truncate_prompt_tokens": 5})
     assert chat["usage"]["prompt_tokens"] == 5

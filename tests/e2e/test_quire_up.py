@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -25,8 +26,9 @@ def _up(model_dir, *extra):
 def start_up(model_dir, *extra) -> tuple[subprocess.Popen, str]:
     """``quire up`` started, and its output up to the line that says the stack is ready (or up
     to its end, should it exit first; 300 s at most)."""
+    # its log to a file nobody must drain: a pipe left unread would block the stack once full
     proc = subprocess.Popen(_up(model_dir, *extra), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=tempfile.TemporaryFile(), text=True)
     deadline, lines = time.monotonic() + 300, []
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
