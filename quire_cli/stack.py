@@ -310,8 +310,8 @@ def main(ns: argparse.Namespace) -> int:
 
     cfg = dataclass_from_namespace(StackConfig, ns)
     flow = dataclass_from_namespace(FlowConfig, ns)  # bad values fail before engines start
-    dataclass_from_namespace(RouterServerConfig, ns, only=ROUTER_OPTIONS)  # (the same)
-    server = {name: getattr(ns, name) for name in ROUTER_OPTIONS}
+    checked = dataclass_from_namespace(RouterServerConfig, ns, only=ROUTER_OPTIONS)
+    server = {name: getattr(checked, name) for name in ROUTER_OPTIONS}
     check_ports_free([(cfg.router_host, cfg.router_port, "router_port"),
                       (cfg.router_host, cfg.http_port, "http_port")])
     resolve_model_once(ns.model)

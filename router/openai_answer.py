@@ -357,7 +357,7 @@ def sse(payload: dict) -> bytes:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
-async def _messages(call, first):
+async def messages_of(call, first):
     """``first``, then every later message of ``call``."""
     message = first
     while message is not grpc.aio.EOF:
@@ -372,7 +372,7 @@ async def collect(req: OpenAIRequest, call, first,
     response; ``account(usage)`` counts its tokens."""
     choices: dict[int, Choice] = {}
     usage = pb.Usage()
-    async for message in _messages(call, first):
+    async for message in messages_of(call, first):
         req.saw(message)
         for delta in message.outputs:
             choice = choices.setdefault(delta.index, Choice())
@@ -406,7 +406,7 @@ async def stream(request: web.Request, req: OpenAIRequest, call, first,
     started: set[int] = set()
     usage = _RunningUsage(req) if req.continuous_usage else None
     try:
-        async for message in _messages(call, first):
+        async for message in messages_of(call, first):
             req.saw(message)
             if usage is not None:
                 usage.saw(message)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from router.chat_template import CHAT_TEMPLATE_FIELDS, ChatTemplateOptions
 from router.openai_protocol import (RequestError, cache_salt, chat_messages,
-                                    request_priority, shown, token_list)
+                                    request_priority, shown, token_list, truncation)
 
 EMBEDDING_FIELDS = frozenset({"model", "input", "messages", "encoding_format", "dimensions",
                               "normalize", "truncate_prompt_tokens", "add_special_tokens",
@@ -77,15 +77,7 @@ class EmbeddingsRequest:
         if normalize is not None and not isinstance(normalize, bool):
             raise RequestError(f"normalize: must be a boolean, got {shown(normalize)}",
                                "normalize")
-        side = body.get("truncation_side")
-        if side is not None and side not in ("left", "right"):
-            raise RequestError(f"truncation_side: must be left or right, got {shown(side)}",
-                               "truncation_side")
-        keep = body.get("truncate_prompt_tokens")
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
-                                 or keep == 0 or not -1 <= keep < 2 ** 31):
-            raise RequestError(f"truncate_prompt_tokens: must be -1 (max_model_len) or a "
-                               f"positive integer, got {shown(keep)}", "truncate_prompt_tokens")
+        keep, side = truncation(body, default_side="right") or (None, "")
         chat = None
         if _is_chat_form(body):
             conversations, batched, chat = _conversations(body, max_chars)
@@ -98,7 +90,7 @@ class EmbeddingsRequest:
         return cls(inputs=inputs, batched=batched, encoding_format=encoding,
                    normalize=normalize, truncate_prompt_tokens=keep, chat=chat,
                    priority=request_priority(body), cache_salt=cache_salt(body),
-                   truncation_side=side or "")
+                   truncation_side=side)
 
     @property
     def field(self) -> str:

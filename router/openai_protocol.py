@@ -109,10 +109,11 @@ def cache_salt(body: dict) -> str:
     return value
 
 
-def truncation(body: dict) -> tuple[int, str] | None:
+def truncation(body: dict, default_side: str = "left") -> tuple[int, str] | None:
     """vLLM's ``truncate_prompt_tokens`` (k: keep k of the prompt's tokens; -1:
-    ``max_model_len``) and ``truncation_side`` ("left", the default, keeps the last k; "right"
-    the first k); None when not asked."""
+    ``max_model_len``) and ``truncation_side`` ("left" keeps the last k, "right" the first k;
+    unset: ``default_side``, vLLM's for generation; its pooling models cut on the right);
+    None when not asked."""
     keep, side = body.get("truncate_prompt_tokens"), body.get("truncation_side")
     if side is not None and side not in ("left", "right"):
         raise RequestError(f"truncation_side: must be left or right, got {shown(side)}",
@@ -123,7 +124,7 @@ def truncation(body: dict) -> tuple[int, str] | None:
             not -1 <= keep < 2 ** 31:
         raise RequestError(f"truncate_prompt_tokens: must be -1 (max_model_len) or a positive "
                            f"integer, got {shown(keep)}", "truncate_prompt_tokens")
-    return keep, side or "left"
+    return keep, side or default_side
 
 
 def truncate_ids(ids: list[int], truncate: tuple[int, str], max_model_len: int,

@@ -28,6 +28,7 @@ from aiohttp import web
 
 from quire.tool_call_stream import ToolCallStream
 from quire.v1 import engine_pb2 as pb
+from router.openai_answer import messages_of
 from router.openai_protocol import RequestError, shown
 
 _PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -257,14 +258,12 @@ class ResponsesAnswer:
 
     async def collect(self, call, first, account: Callable[[pb.Usage], None]) -> web.Response:
         texts, finish, usage = [], 0, pb.Usage()
-        message = first
-        while message is not grpc.aio.EOF:
+        async for message in messages_of(call, first):
             for delta in message.outputs:
                 texts.append(delta.text)
                 finish = delta.finish_reason or finish
             if message.HasField("usage"):
                 usage = message.usage
-            message = await call.read()
         account(usage)
         text = "".join(texts)
         content, calls = self.req.tools.parse(text) if self.req.tools else (text, [])
@@ -290,9 +289,8 @@ class ResponsesAnswer:
         out = _StreamedOutput(self)
         tools = ToolCallStream(self.req.tools) if self.req.tools else None
         finish, usage = 0, pb.Usage()
-        message = first
         try:
-            while message is not grpc.aio.EOF:
+            async for message in messages_of(call, first):
                 chunks = []
                 for delta in message.outputs:
                     finish = delta.finish_reason or finish
@@ -303,7 +301,6 @@ class ResponsesAnswer:
                     usage = message.usage
                 if chunks:
                     await response.write(b"".join(chunks))
-                message = await call.read()
         except grpc.aio.AioRpcError as e:  # headers are gone: the error is an event
             await response.write(self._event("error", code=e.code().name,
                                              message=e.details() or "", param=None))

@@ -28,15 +28,15 @@ def _column(values: list, device: torch.device, dtype: torch.dtype | None = None
     return to_device(torch.tensor(values, dtype=dtype), device)
 
 
-def _bad_word_bans(words, token_ids, num_prompt_tokens: int, vocab_size: int
-                   ) -> tuple[int, ...]:
+def _bad_word_bans(words, token_ids, num_prompt_tokens: int) -> tuple[int, ...]:
     """The last tokens of the bad words whose other tokens are the latest generated ones (the
-    prompt's never count, as vLLM's ``apply_bad_words`` reads only the output)."""
+    prompt's never count, as vLLM's ``apply_bad_words`` reads only the output; the words'
+    ids were checked against the vocabulary on arrival)."""
     num_generated = len(token_ids) - num_prompt_tokens
     out = set()
     for word in words:
         head = len(word) - 1
-        if head > num_generated or word[-1] >= vocab_size:
+        if head > num_generated:
             continue
         if head == 0 or tuple(token_ids[len(token_ids) - head:]) == word[:-1]:
             out.add(word[-1])
@@ -84,11 +84,12 @@ def build_sampling_metadata(states, vocab_size: int, eos_token_ids: frozenset[in
                 banned.append((row, stop_ids))
         if p.bad_words_token_ids:
             words = _bad_word_bans(p.bad_words_token_ids, state.token_ids,
-                                   state.num_prompt_tokens, vocab_size)
+                                   state.num_prompt_tokens)
             if words:
                 banned.append((row, words))
-    allowed = tuple((row, tuple(t for t in p.allowed_token_ids if t < vocab_size))
-                    for row, p in enumerate(params) if p.allowed_token_ids is not None)
+    # (their ids were checked against the vocabulary on arrival: no filtering each step)
+    allowed = tuple((row, p.allowed_token_ids) for row, p in enumerate(params)
+                    if p.allowed_token_ids is not None)
     biases = tuple((row, token_id, bias) for row, p in enumerate(params) if p.logit_bias
                    for token_id, bias in p.logit_bias.items() if token_id < vocab_size)
     logprob_ks = [p.logprobs for p in params if p.logprobs is not None]
