@@ -132,6 +132,7 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._ids = itertools.count()
         self.dead_reason: str | None = None
+        self._joined = False  # requests were added since the last load report
         self.load = LoadSnapshot(0, 0, 0, 0.0, time.time(), lora=engine.stats().lora)
 
     # ------------------------------------------------------------------ lifecycle
@@ -244,6 +245,12 @@ class AsyncEngine:
                 return
             idle = not engine.has_unfinished_requests()
             self._drain_commands(block=idle)
+            if self._joined:
+                # requests joined since the last report: say so before the step, which may
+                # take seconds (a pooling request admitted and finished within one step was
+                # never seen in the load reports or the gauges)
+                self._joined = False
+                self._after_admission(engine.stats())
             if not engine.has_unfinished_requests():
                 continue
             try:
@@ -315,6 +322,7 @@ class AsyncEngine:
             added.set_exception(e)
             return
         self._streams[command.request_id] = command.stream
+        self._joined = True
         added.set_result(None)
 
     def _deliver(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
@@ -353,6 +361,13 @@ class AsyncEngine:
         for batch in batches:
             for sink in self._subscribers:
                 self._loop.call_soon_threadsafe(sink.put_nowait, batch)
+        if self._on_step is not None:
+            self._on_step(stats)
+
+    def _after_admission(self, stats: EngineStats) -> None:
+        """The load report and the step gauges as of requests joining, between steps
+        (``on_step`` takes running totals, so a second report counts nothing twice)."""
+        self._publish_load(stats)
         if self._on_step is not None:
             self._on_step(stats)
 
