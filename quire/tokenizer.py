@@ -11,6 +11,7 @@ in ``GetModelInfo.tokenizer_digest``; a router compares the two before trusting 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -21,6 +22,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, processors
 
+from quire.token_pieces import TokenPieces
 from quire.tokenizer_digest import TOKENIZER_FILES, tokenizer_digest
 from quire.block_hash import hash_block_tokens
 
@@ -80,6 +82,11 @@ class FastTokenizer:
             if isinstance(listed, list) else {}
         return cls(backend, digest=tokenizer_digest(raw), special_tokens=special,
                    chat_template=template, config=config, named_templates=named)
+
+    @functools.cached_property
+    def pieces(self) -> TokenPieces:
+        """Token bytes and per-sequence token texts (for logprobs)."""
+        return TokenPieces(self.backend)
 
     @property
     def bos_token(self) -> str | None:

@@ -16,6 +16,7 @@ import grpc
 from aiohttp import web
 
 from quire.errors import FieldError
+from quire.token_pieces import TokenPieces
 from quire.tool_call_stream import ToolCallStream
 from quire.tool_calls import ToolChoice, tool_choice_of
 from quire.v1 import engine_pb2 as pb
@@ -37,11 +38,16 @@ class OpenAIRequest:
 
     def __init__(self, body: dict, *, chat: bool, model_name: str,
                  token_text: Callable[[int], str],
-                 decode: Callable[[list[int]], str] | None = None) -> None:
+                 decode: Callable[[list[int]], str] | None = None,
+                 pieces: TokenPieces | None = None) -> None:
         """``token_text``: one token's text; ``decode``: a prompt's text from its ids (for
-        ``echo``; default: its tokens' texts joined)."""
+        ``echo``; default: its tokens' texts joined); ``pieces``: the tokenizer's token bytes
+        and text steps, so that logprobs name a sequence's tokens by the text each adds
+        (None: each by ``token_text``, its bytes that text's)."""
         self.body, self.chat = body, chat
         self.model_name, self.token_text = model_name, token_text
+        self.pieces = pieces
+        self._text_steps: dict[int, Callable[[int], str]] = {}  # per choice: its tokens' texts
         self.decode = decode or (lambda ids: "".join(map(token_text, ids)))
         # completions' echo: each answer starts with its prompt (and its logprobs); with
         # max_tokens 0 it is the prompt alone (the one token generated is left out)
@@ -211,20 +217,26 @@ class OpenAIRequest:
         if not self.want_logprobs:
             return None
         token = (lambda tid: f"token_id:{tid}") if self.tokens_as_ids else self.token_text
+        # the choice's own tokens: the text each adds to it (module quire.token_pieces)
+        steps = self._text_steps.get(index)
+        if steps is None:
+            steps = self._text_steps[index] = self._steps()
+        chosen_token = token if self.tokens_as_ids else steps
         if self.chat:
-            def item(tid, lp):  # (bytes: the token's own, whatever names it)
-                return {"token": token(tid), "logprob": lp,
-                        "bytes": list(self.token_text(tid).encode())}
+            def item(tid, lp, name):  # (bytes: the token's own, whatever names it)
+                return {"token": name, "logprob": lp, "bytes": list(self._bytes_of(tid))}
             return {"content": [
-                {**item(e.token_ids[0], e.logprobs[0]),
-                 "top_logprobs": [item(t, lp) for t, lp in zip(e.token_ids[1:], e.logprobs[1:])]}
+                {**item(e.token_ids[0], e.logprobs[0], chosen_token(e.token_ids[0])),
+                 "top_logprobs": [item(t, lp, token(t))
+                                  for t, lp in zip(e.token_ids[1:], e.logprobs[1:])]}
                 for e in entries]}
-        tokens = [token(e.token_ids[0]) for e in entries]
+        tokens = [chosen_token(e.token_ids[0]) for e in entries]
         chosen = [e.logprobs[0] for e in entries]
         tops = [{token(t): lp for t, lp in zip(e.token_ids, e.logprobs)} for e in entries]
         if prompt is not None:  # echo: the prompt's positions first; the first has none
             ids, prompt_entries = prompt
-            tokens = [token(t) for t in ids] + tokens
+            prompt_token = token if self.tokens_as_ids else self._steps()
+            tokens = [prompt_token(t) for t in ids] + tokens
             firsts = [e.logprobs[0] if e.token_ids else None for e in prompt_entries]
             chosen = ([None] * len(ids) if not prompt_entries else firsts) + chosen
             tops = ([None] * len(ids) if not prompt_entries else
@@ -237,6 +249,13 @@ class OpenAIRequest:
         self._text_offsets[index] = at
         return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops,
                 "text_offset": offsets}
+
+    def _steps(self) -> Callable[[int], str]:
+        return self.token_text if self.pieces is None else self.pieces.text_steps()
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        return self.token_text(token_id).encode() if self.pieces is None else \
+            self.pieces.bytes_of(token_id)
 
     def role_choice(self, index: int) -> dict:
         """A chat stream's first chunk of a choice: the role alone, as OpenAI and vLLM send it

@@ -130,11 +130,11 @@ class OpenAIFront:
             raise RequestError("no engine is available yet", None, 503)
         return tokenizer
 
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.backend.decode([token_id], skip_special_tokens=False)
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.backend.decode(token_ids, skip_special_tokens=False)
+    def _texts(self) -> dict:
+        backend = self.tokenizer.backend  # how an answer names tokens (OpenAIRequest)
+        return {"token_text": lambda i: backend.decode([i], skip_special_tokens=False),
+                "decode": lambda ids: backend.decode(ids, skip_special_tokens=False),
+                "pieces": self.tokenizer.pieces}
 
     async def start(self) -> int:
         self._render_pool = ThreadPoolExecutor(self.cfg.tokenizer_threads,
@@ -289,7 +289,7 @@ class OpenAIFront:
             # the name answers carry: the adapter asked for, else the base model
             req = OpenAIRequest(body, chat=chat,
                                 model_name=self._check_model(body) or self.model_name,
-                                token_text=self.token_text, decode=self._decode)
+                                **self._texts())
             metadata = self._forwarded_metadata(request)
             calls = [LocalCall(self.seam.generate, message, timeout_s=self.cfg.request_timeout_s,
                                metadata=metadata)
@@ -314,7 +314,7 @@ class OpenAIFront:
             body = await self._body(request, known=RESPONSES_FIELDS)
             chat = chat_body(body)
             req = OpenAIRequest(chat, chat=True, model_name=self._check_model(chat) or
-                                self.model_name, token_text=self.token_text)
+                                self.model_name, **self._texts())
             (message,) = await self._generate_requests(req)
             call = LocalCall(self.seam.generate, message, timeout_s=self.cfg.request_timeout_s,
                              metadata=self._forwarded_metadata(request))

@@ -114,6 +114,41 @@ def test_chat_completions(client):
     assert sorted(c.index for c in two.choices) == [0, 1]
 
 
+def test_logprobs_name_each_token_by_the_text_it_adds(client):
+    """A character of several UTF-8 bytes comes in tokens that are no text alone (this
+    tokenizer has no token holding all of "日"). In logprobs each of the sequence's tokens
+    reads as the text it adds ("" until the character is whole, as vLLM's), so the tokens
+    join into the text and text_offset indexes into it; chat's bytes are each token's own,
+    joining into the content's UTF-8 (OpenAI's)."""
+    text = "日本 🙂 héllo"
+    for stream in (False, True):
+        result = client.completions.create(model=MODEL, prompt=text, max_tokens=3,
+                                           temperature=0, echo=True, logprobs=1, stream=stream)
+        choices = list(result) if stream else [result]
+        got = "".join(c.choices[0].text for c in choices)
+        tokens = [t for c in choices for t in c.choices[0].logprobs.tokens]
+        offsets = [o for c in choices for o in c.choices[0].logprobs.text_offset]
+        assert got.startswith(text) and "".join(tokens) == got
+        assert tokens[:2] == ["", "日"]  # 日's bytes: the first piece adds nothing
+        assert all(got[at:at + len(t)] == t for at, t in zip(offsets, tokens))
+        assert offsets == sorted(offsets) and offsets[-1] <= len(got)
+    for stream in (False, True):
+        result = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say it."}], temperature=0,
+            logprobs=True, top_logprobs=1, stream=stream,
+            extra_body={"structured_outputs": {"choice": ["日"]}})
+        chunks = list(result) if stream else [result]
+        content = "".join((c.choices[0].delta.content if stream else c.choices[0].message.content)
+                          or "" for c in chunks if c.choices)
+        items = [i for c in chunks if c.choices and c.choices[0].logprobs
+                 for i in c.choices[0].logprobs.content]
+        if items and items[-1].token == "<|im_end|>":  # the stop token, named as itself
+            items.pop()
+        assert content == "日" and len(items) >= 2
+        assert "".join(i.token for i in items) == content and items[0].token == ""
+        assert b"".join(bytes(i.bytes) for i in items) == content.encode()
+
+
 def test_models_health_metrics(client, front):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert _http(front, "GET", "/health")[0] == 200
