@@ -76,6 +76,7 @@ class OpenAIRequest:
                 bool(bool_field(body, "echo")) if chat else
                 self.echo and body.get("logprobs") is not None))
         self._prompt_logprobs: dict[int, list] = {}  # k -> its prompt's entries
+        self._prompt_first: dict[int, int] = {}  # k -> its prompt's first token id
         self._prompt_logprobs_json: dict[int, list] = {}  # k -> them rendered, once
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -152,6 +153,8 @@ class OpenAIRequest:
         prompt's first output); with ``return_token_ids``, its prompt's ids."""
         if self.return_token_ids and message.prompt_token_ids:
             self.prompt_ids[self.prompt_of(message)] = list(message.prompt_token_ids)
+        if self.want_prompt_logprobs and message.prompt_token_ids:  # (position 0 has none)
+            self._prompt_first[self.prompt_of(message)] = message.prompt_token_ids[0]
         if self.want_prompt_logprobs and message.prompt_logprobs:
             self._prompt_logprobs.setdefault(self.prompt_of(message), []).extend(
                 message.prompt_logprobs)
@@ -196,15 +199,19 @@ class OpenAIRequest:
         if k in self._prompt_logprobs_json:  # (the same for each of prompt k's n choices)
             return self._prompt_logprobs_json[k]
         out: list = []
+        steps = self._steps()  # the prompt's own tokens: the text each adds (as vLLM's)
+        if k in self._prompt_first:
+            steps(self._prompt_first[k])
         for e in entries:
             if not e.token_ids:
                 out.append(None)
                 continue
             ranks = [e.chosen_rank] + list(range(1, len(e.token_ids)))
+            names = [steps(e.token_ids[0])] + [self.token_text(t) for t in e.token_ids[1:]]
             position: dict[str, dict] = {}
-            for tid, lp, rank in zip(e.token_ids, e.logprobs, ranks):
+            for tid, lp, rank, name in zip(e.token_ids, e.logprobs, ranks, names):
                 position.setdefault(str(tid), {"logprob": max(lp, -9999.0), "rank": rank or None,
-                                               "decoded_token": self.token_text(tid)})
+                                               "decoded_token": name})
             out.append(position)
         self._prompt_logprobs_json[k] = out
         return out

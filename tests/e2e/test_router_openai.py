@@ -114,7 +114,7 @@ def test_chat_completions(client):
     assert sorted(c.index for c in two.choices) == [0, 1]
 
 
-def test_logprobs_name_each_token_by_the_text_it_adds(client):
+def test_logprobs_name_each_token_by_the_text_it_adds(client, front):
     """A character of several UTF-8 bytes comes in tokens that are no text alone (this
     tokenizer has no token holding all of "日"). In logprobs each of the sequence's tokens
     reads as the text it adds ("" until the character is whole, as vLLM's), so the tokens
@@ -132,6 +132,15 @@ def test_logprobs_name_each_token_by_the_text_it_adds(client):
         assert tokens[:2] == ["", "日"]  # 日's bytes: the first piece adds nothing
         assert all(got[at:at + len(t)] == t for at, t in zip(offsets, tokens))
         assert offsets == sorted(offsets) and offsets[-1] <= len(got)
+    # vLLM's prompt_logprobs: each prompt token's decoded_token is the text it adds too
+    positions = client.completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0,
+                                          extra_body={"prompt_logprobs": 1}).choices[0]
+    ids = json.loads(_http(front, "POST", "/tokenize", {"model": MODEL, "prompt": text})[1])[
+        "tokens"]
+    named = [p[str(t)]["decoded_token"] for p, t in zip(positions.prompt_logprobs[1:], ids[1:],
+                                                          strict=True)]
+    # position 0 has none; its token is the first piece of 日, which the next one completes
+    assert "".join(named) == text and named[0] == "日"
     for stream in (False, True):
         result = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Say it."}], temperature=0,
