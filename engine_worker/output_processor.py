@@ -16,6 +16,7 @@ from engine_worker.request import RequestStatus
 from engine_worker.sampling_params import RequestOutputKind, SamplingParams
 from engine_worker.step_types import EngineCoreOutput, SampledLogprobs
 from engine_worker.tokenizer import IncrementalDetokenizer, Tokenizer
+from quire.errors import FieldError
 
 
 @dataclass(slots=True)
@@ -42,6 +43,7 @@ class _RequestState:
     prompt_logprobs: list[LogprobsDict | None] | None = None
     num_cached_tokens: int = 0
     num_sent_prompt_logprobs: int = 0  # DELTA: entries already handed out
+    error: FieldError | None = None  # a sample ended for its own input (RequestOutput.error)
 
     @property
     def finished(self) -> bool:
@@ -134,6 +136,8 @@ class OutputProcessor:
             if out.finish_status is not None and seq.finish_reason is None:
                 seq.finish_reason = out.finish_status.finish_reason
                 seq.stop_reason = out.stop_reason
+            if out.error is not None and state.error is None:
+                state.error = out.error
             touched[state.request_id] = state
             changed.add(out.req_id)
         return pooled + self._emit(touched.values(), now, changed), stopped_by_string
@@ -220,7 +224,7 @@ class OutputProcessor:
                 request_id=state.request_id, prompt=state.prompt,
                 prompt_token_ids=state.prompt_token_ids, outputs=completions, finished=finished,
                 prompt_logprobs=prompt_logprobs, num_cached_tokens=state.num_cached_tokens,
-                metrics=dataclasses.replace(state.metrics)))
+                metrics=dataclasses.replace(state.metrics), error=state.error))
         return outputs
 
     @staticmethod

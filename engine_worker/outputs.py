@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quire.errors import FieldError
+
 
 @dataclass(frozen=True, slots=True)
 class Logprob:
@@ -71,6 +73,9 @@ class RequestOutput:
     prompt_logprobs: list[LogprobsDict | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # set when it ended aborted because of its own input (its constraints allowed no token):
+    # the offending field and why; a server answers it as the client's error
+    error: FieldError | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ import torch
 from engine_worker.backends.base import SamplingKernels
 from engine_worker.platform import to_device
 from engine_worker.sampling_draw import PivotRounds, draw_tokens
-from engine_worker.step_types import SampledLogprobs
+from engine_worker.step_types import NO_TOKEN, SampledLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +111,13 @@ def sample_tokens(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.
     logits = _apply_bans(logits, meta.banned)
     if meta.allowed:
         logits = _apply_allowed(logits, meta.allowed, unbanned)
+    dead = None
+    if meta.token_bitmask is not None and (meta.banned or meta.allowed):
+        # a grammar and the request's bans or allowed list can leave a row no token at all
+        # (every one -inf: no distribution to draw from). Such a row draws from anything and
+        # is answered NO_TOKEN: its request ends with an error (Scheduler._append_sampled).
+        dead = torch.isneginf(logits).all(dim=-1)
+        logits = logits.masked_fill(dead[:, None], 0.0)
     if meta.logit_bias:
         logits = _apply_logit_bias(logits, meta.logit_bias)
     if meta.penalties is not None:
@@ -124,6 +131,8 @@ def sample_tokens(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.
     logprobs = None
     if raw_logprobs is not None:
         logprobs = logprob_tensors(raw_logprobs, tokens, meta.max_num_logprobs)
+    if dead is not None:
+        tokens = tokens.masked_fill(dead, NO_TOKEN)
     return tokens, logprobs
 
 
@@ -143,12 +152,14 @@ def _apply_allowed(logits: torch.Tensor, allowed, unbanned: torch.Tensor) -> tor
     ``min_tokens``) keeps them unbanned: the request's own list wins over min_tokens rather
     than a token outside it being drawn. No host sync: a select on the device."""
     keep = torch.ones(logits.shape, dtype=torch.bool)
+    listed = torch.zeros(logits.shape[0], 1, dtype=torch.bool)
     for row, token_ids in allowed:
         keep[row] = False
         keep[row, list(token_ids)] = True
-    keep = to_device(keep, logits.device)
+        listed[row] = True
+    keep, listed = to_device(keep, logits.device), to_device(listed, logits.device)
     out = logits.masked_fill(~keep, float("-inf"))
-    dead = torch.isneginf(out).all(dim=-1, keepdim=True)
+    dead = torch.isneginf(out).all(dim=-1, keepdim=True) & listed
     return torch.where(dead, unbanned.masked_fill(~keep, float("-inf")), out)
 
 

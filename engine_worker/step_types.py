@@ -20,9 +20,15 @@ from engine_worker.pooling_params import PoolingParams
 from engine_worker.request import RequestStatus
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.spec_decode.stats import SpecDecodingStats
+from quire.errors import FieldError
 
 if TYPE_CHECKING:
     from engine_worker.grammar import GrammarBitmask
+
+# a sampled id meaning "no token may come next": the request's constraints together allowed
+# none (a grammar and its bad_words or allowed_token_ids); the scheduler ends the request
+# with an error naming them
+NO_TOKEN = -1
 
 
 # ------------------------------------------------------------------ scheduler -> runner
@@ -135,6 +141,7 @@ class EngineCoreOutput:
     new_prompt_logprobs: SampledLogprobs | None = None
     num_cached_tokens: int = 0
     pooled: tuple[float, ...] | None = None  # a pooling request's vector, on its last output
+    error: FieldError | None = None  # why it ended aborted, when its own input was the cause
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,10 +31,11 @@ from engine_worker.kv_cache.manager import NO_PREFIX, Allocation, KVCacheManager
 from engine_worker.request import Request, RequestStatus
 from engine_worker.scheduler.queue import QUEUE_POLICIES
 from engine_worker.spec_decode.speculator import Speculator
-from engine_worker.step_types import (CachedRequestData, EngineCoreOutput, ForkedRequestData,
-                                      ModelRunnerOutput, NewRequestData, SampledLogprobs,
-                                      SchedulerOutput, SchedulerStats)
+from engine_worker.step_types import (NO_TOKEN, CachedRequestData, EngineCoreOutput,
+                                      ForkedRequestData, ModelRunnerOutput, NewRequestData,
+                                      SampledLogprobs, SchedulerOutput, SchedulerStats)
 from quire.block_hash import ROOT_HASH, hash_block_tokens
+from quire.errors import FieldError
 
 logger = logging.getLogger(__name__)
 
@@ -489,15 +490,19 @@ class Scheduler:
     def _append_sampled(self, request: Request, sampled, logprobs,
                         prompt_logprobs) -> EngineCoreOutput | None:
         new_tokens: list[int] = []
-        status = None
+        status = error = None
         for token_id in sampled:
+            if token_id == NO_TOKEN:  # its constraints together allowed no token
+                status, error = RequestStatus.FINISHED_ABORTED, no_token_error(request)
+                logger.warning("request %s ends: %s", request.req_id, error)
+                break
             request.output_token_ids.append(token_id)
             new_tokens.append(token_id)
             status = request.check_stop(self.max_model_len)
             if status is not None:
                 break
         self._extend_block_hashes(request)
-        if not new_tokens and prompt_logprobs is None:
+        if not new_tokens and prompt_logprobs is None and error is None:
             return None
         if logprobs is not None and len(logprobs.ranks) > len(new_tokens):  # stopped early
             logprobs = SampledLogprobs(token_ids=logprobs.token_ids[:len(new_tokens)],
@@ -507,7 +512,8 @@ class Scheduler:
             req_id=request.req_id, new_token_ids=tuple(new_tokens), finish_status=status,
             stop_reason=request.stop_reason,
             new_logprobs=(logprobs,) if logprobs is not None and new_tokens else (),
-            new_prompt_logprobs=prompt_logprobs, num_cached_tokens=request.num_cached_tokens)
+            new_prompt_logprobs=prompt_logprobs, num_cached_tokens=request.num_cached_tokens,
+            error=error)
         if status is not None:
             self.running.remove(request)
             self._free(request, status)
@@ -527,3 +533,18 @@ class Scheduler:
             self._finished_req_ids.add(request.req_id)
             # ended mid-step: the runner forked the samples this step sent it
             self._finished_req_ids.update(self._in_flight_forks.pop(request.req_id, ()))
+
+
+def no_token_error(request: Request) -> FieldError:
+    """Why a request under a grammar got no token: the constraints it sent together allow
+    none after its output so far. Named by the first of them that it set beside the grammar
+    (vLLM's fields)."""
+    params = request.sampling_params
+    fields = [name for name, on in (("bad_words", bool(params.bad_words_token_ids
+                                                       or params.bad_words)),
+                                    ("allowed_token_ids", params.allowed_token_ids is not None),
+                                    ("min_tokens", params.min_tokens > 0)) if on]
+    return FieldError(fields[0] if fields else "structured_outputs",
+                      f"together with structured_outputs, {' and '.join(fields) or 'it'} "
+                      f"left no token that may come after {request.num_output_tokens} "
+                      "generated tokens")

@@ -336,6 +336,12 @@ class AsyncEngine:
                 del self._streams[output.request_id]
                 batch.append((stream, output))
                 continue
+            if output.error is not None:  # its own input ended it: the client's error
+                del self._streams[output.request_id]
+                self._num_generated.pop(output.request_id, None)
+                self.engine.abort_request(output.request_id)  # (its other samples too)
+                self._loop.call_soon_threadsafe(stream.fail, output.error)
+                continue
             generated = self._num_generated.get(output.request_id, 0) + \
                 sum(len(c.token_ids) for c in output.outputs)
             self._num_generated[output.request_id] = generated

@@ -1,0 +1,102 @@
+"""Hostile input, seventh round: what a probe of a running stack found (thirty-second
+session), against a real router over two real tiny-model engines on loopback (two, because
+the router retries a request on another engine when the first fails before any output)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import grpc
+import pytest
+
+from quire.errors import FIELD_METADATA
+from quire.v1 import engine_pb2 as pb
+from tests.e2e import test_hostile_input_3 as hostile_3
+from tests.e2e.router_harness import TIMEOUT_S, RunningRouter, address, engine_fleet
+
+MODEL, KEY = hostile_3.MODEL, hostile_3.KEY
+assert_400, no_tracebacks = hostile_3.assert_400, hostile_3.no_tracebacks
+
+
+def exchange(router, method: str, path: str, body=None) -> tuple[int, str]:
+    """(status, body text) of one request with the API key, a stream read to its end."""
+    conn = http.client.HTTPConnection("127.0.0.1", router.server.http_port, timeout=TIMEOUT_S)
+    try:
+        conn.request(method, path, body=None if body is None else json.dumps(body),
+                     headers={"Content-Type": "application/json",
+                              "Authorization": f"Bearer {KEY}"})
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    yield from engine_fleet(tiny_model_dir, count=2, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def router(engines):
+    running = RunningRouter([address(e) for e in engines], http_port=0, model_name=MODEL,
+                            api_keys=KEY)
+    yield running
+    running.close()
+
+
+def _serving(router) -> int:
+    status, body = exchange(router, "GET", "/health")
+    return json.loads(body)["serving_engines"] if status == 200 else -1
+
+
+NO_TOKEN_BODIES = [
+    # the probe's: the grammar allows only ",", bad_words bans it; top-p drew index -1 and
+    # failed the step, the engine stopped serving, and the router's retry took the other too
+    ("bad_words", {"prompt": "x", "structured_outputs": {"regex": ","}, "bad_words": [","],
+                   "top_p": 0.9}),
+    ("bad_words", {"prompt": "x", "structured_outputs": {"regex": ","}, "bad_words": [","],
+                   "temperature": 0}),  # greedy: a 200 whose token broke both
+    ("allowed_token_ids", {"prompt": "Answer:", "allowed_token_ids": [28], "top_p": 0.5,
+                           "structured_outputs": {"choice": ["yes", "no"]}}),
+    # the conflict after a first token the grammar and the ban both allow
+    ("bad_words", {"prompt": "x", "structured_outputs": {"regex": "a,"}, "bad_words": [","]}),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("field,body", NO_TOKEN_BODIES)
+def test_constraints_that_leave_no_token_are_the_clients_error(router, caplog, path, stream,
+                                                                field, body):
+    if "chat" in path:
+        body = {k: v for k, v in body.items() if k != "prompt"} | {
+            "messages": [{"role": "user", "content": body["prompt"]}]}
+    body = body | {"model": MODEL, "max_tokens": 4, "stream": stream}
+    status, answer = exchange(router, "POST", path, body)
+    if status == 200:  # a stream that began before the conflict: it ends with the error
+        assert stream and "a," in json.dumps(body)
+        errors = [json.loads(line[6:]) for line in answer.splitlines()
+                  if line.startswith("data: {") and '"error"' in line]
+        assert errors and errors[-1]["error"]["param"] == field, answer
+        assert errors[-1]["error"]["code"] == 400
+    else:
+        assert_400(status, json.loads(answer), field, "structured_outputs", "left no token")
+    # nothing else was lost: both engines serve, and a plain request is answered
+    assert _serving(router) == 2
+    assert exchange(router, "POST", path, {k: v for k, v in body.items()
+                                           if k in ("model", "messages", "prompt")} | {
+        "max_tokens": 2})[0] == 200
+    assert no_tracebacks(caplog)
+
+
+def test_grpc_gets_invalid_argument_naming_the_field(router):
+    request = pb.GenerateRequest(text="x", sampling=pb.SamplingOptions(
+        max_tokens=4, top_p=0.9, bad_words=[","],
+        structured_outputs=pb.StructuredOutputs(regex=",")))
+    with pytest.raises(grpc.RpcError) as err:
+        list(router.stub.Generate(request, timeout=TIMEOUT_S,
+                                  metadata=(("authorization", f"Bearer {KEY}"),)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(err.value.trailing_metadata())[FIELD_METADATA] == "sampling.bad_words"
+    assert _serving(router) == 2
