@@ -148,7 +148,9 @@ def _draw_above_sorted_floor(probs, floor, budget, u):
     # the number of tokens top-p keeps, less the ties of the last one that sort after it
     before = torch.cat([torch.zeros_like(running[:, :1]), running[:, :-1]], dim=1)
     num_kept = (before < budget[:, None]).sum(dim=-1)  # >= 1: before[0] = 0 < budget
-    top_p_floor = ordered.gather(1, (num_kept - 1)[:, None])[:, 0]
+    # (0 only for a row of no finite logit, whose budget is NaN: never an index of -1, which
+    # would fail the whole step; such a row is answered NO_TOKEN by the sampler)
+    top_p_floor = ordered.gather(1, (num_kept - 1).clamp(min=0)[:, None])[:, 0]
     weights = _at_least(probs, torch.maximum(floor, top_p_floor))
     return _inverse_cdf(weights, _block_sums(weights), u)
 
