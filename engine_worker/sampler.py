@@ -63,6 +63,9 @@ class SamplingMetadata:
     logit_bias: tuple[tuple[int, int, float], ...] = ()  # (row, token id, bias)
     # (row, token ids): the only tokens that row may take (vLLM's allowed_token_ids)
     allowed: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # (row, token ids) bad_words bans now (unlike min_tokens' bans, an allowed list never
+    # lifts them)
+    bad_words: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 class LogprobTensors(NamedTuple):
@@ -107,13 +110,14 @@ def sample_tokens(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.
     raw_logprobs = None
     if meta.max_num_logprobs is not None:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
+    logits = _apply_bans(logits, meta.bad_words)
     unbanned = logits
     logits = _apply_bans(logits, meta.banned)
     if meta.allowed:
         logits = _apply_allowed(logits, meta.allowed, unbanned)
     dead = None
-    if meta.token_bitmask is not None and (meta.banned or meta.allowed):
-        # a grammar and the request's bans or allowed list can leave a row no token at all
+    if meta.bad_words or meta.allowed or (meta.token_bitmask is not None and meta.banned):
+        # a grammar, bad_words and an allowed list can together leave a row no token at all
         # (every one -inf: no distribution to draw from). Such a row draws from anything and
         # is answered NO_TOKEN: its request ends with an error (Scheduler._append_sampled).
         dead = torch.isneginf(logits).all(dim=-1)
@@ -148,9 +152,10 @@ def _apply_bans(logits: torch.Tensor, banned) -> torch.Tensor:
 
 def _apply_allowed(logits: torch.Tensor, allowed, unbanned: torch.Tensor) -> torch.Tensor:
     """-inf outside each listed row's allowed tokens (other rows unchanged). A row whose
-    allowed tokens the bans took every one of (``allowed_token_ids=[eos]`` under
-    ``min_tokens``) keeps them unbanned: the request's own list wins over min_tokens rather
-    than a token outside it being drawn. No host sync: a select on the device."""
+    allowed tokens min_tokens' bans took every one of (``allowed_token_ids=[eos]`` under
+    ``min_tokens``) keeps them (``unbanned``: before those bans): the request's own list wins
+    over min_tokens rather than a token outside it being drawn. No host sync: a select on
+    the device."""
     keep = torch.ones(logits.shape, dtype=torch.bool)
     listed = torch.zeros(logits.shape[0], 1, dtype=torch.bool)
     for row, token_ids in allowed:

@@ -72,7 +72,7 @@ def build_sampling_metadata(states, vocab_size: int, eos_token_ids: frozenset[in
             repetition=_column([p.repetition_penalty for p in params], device),
             presence=_column([p.presence_penalty for p in params], device),
             frequency=_column([p.frequency_penalty for p in params], device))
-    banned = []
+    banned, bad_words = [], []
     for row, state in enumerate(states):
         p = state.params
         # a grammar decides when its output may end: min_tokens does not ban its stop tokens
@@ -86,7 +86,7 @@ def build_sampling_metadata(states, vocab_size: int, eos_token_ids: frozenset[in
             words = _bad_word_bans(p.bad_words_token_ids, state.token_ids,
                                    state.num_prompt_tokens)
             if words:
-                banned.append((row, words))
+                bad_words.append((row, words))
     # (their ids were checked against the vocabulary on arrival: no filtering each step)
     allowed = tuple((row, p.allowed_token_ids) for row, p in enumerate(params)
                     if p.allowed_token_ids is not None)
@@ -102,6 +102,6 @@ def build_sampling_metadata(states, vocab_size: int, eos_token_ids: frozenset[in
         penalties=penalties, banned=tuple(banned),
         token_bitmask=None if token_bitmask is None else to_device(
             torch.from_numpy(token_bitmask), device),
-        logit_bias=biases, allowed=allowed,
+        logit_bias=biases, allowed=allowed, bad_words=tuple(bad_words),
         max_num_logprobs=max(logprob_ks) if logprob_ks else None,
         rounds=pivot_rounds_for(device))

@@ -536,15 +536,14 @@ class Scheduler:
 
 
 def no_token_error(request: Request) -> FieldError:
-    """Why a request under a grammar got no token: the constraints it sent together allow
-    none after its output so far. Named by the first of them that it set beside the grammar
-    (vLLM's fields)."""
+    """Why a request got no token: the constraints it sent together allow none after its
+    output so far. Named by the first of them that it set (vLLM's fields), the grammar last."""
     params = request.sampling_params
-    fields = [name for name, on in (("bad_words", bool(params.bad_words_token_ids
-                                                       or params.bad_words)),
-                                    ("allowed_token_ids", params.allowed_token_ids is not None),
-                                    ("min_tokens", params.min_tokens > 0)) if on]
-    return FieldError(fields[0] if fields else "structured_outputs",
-                      f"together with structured_outputs, {' and '.join(fields) or 'it'} "
-                      f"left no token that may come after {request.num_output_tokens} "
-                      "generated tokens")
+    fields = [name for name, on in (
+        ("bad_words", bool(params.bad_words_token_ids or params.bad_words)),
+        ("allowed_token_ids", params.allowed_token_ids is not None),
+        ("min_tokens", params.min_tokens > request.num_output_tokens),
+        ("structured_outputs", request.grammar is not None)) if on]
+    return FieldError(fields[0] if fields else "allowed_token_ids",
+                      f"{' and '.join(fields)} together left no token that may come after "
+                      f"{request.num_output_tokens} generated tokens")

@@ -333,12 +333,12 @@ def test_stopping_early_changes_no_token():
 @pytest.mark.parametrize("mode", ["greedy", "random", "top_p"])
 def test_a_row_its_grammar_and_bans_leave_no_token_samples_no_token(mode):
     """A grammar that allows only token 5 and a ban on token 5 (bad_words), or an allowed
-    list outside the grammar: the row has no token to take. It samples NO_TOKEN (its request
+    list that bad_words ban whole: the row has no token to take. It samples NO_TOKEN (its request
     ends with an error naming the fields), and the other rows sample as usual; with top-p the
     draw used to index -1 and fail the whole step."""
     from engine_worker.step_types import NO_TOKEN
 
-    vocab, rows = 64, 3
+    vocab, rows = 64, 4
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3))
     bitmask = torch.full((rows, 2), -1, dtype=torch.int32)
     bitmask[0] = 0
@@ -349,11 +349,12 @@ def test_a_row_its_grammar_and_bans_leave_no_token_samples_no_token(mode):
     meta = _meta(rows, temperature=torch.zeros(rows) if greedy else torch.ones(rows),
                  all_greedy=greedy, token_bitmask=bitmask,
                  top_p=torch.full((rows,), 0.9) if mode == "top_p" else None,
-                 banned=((0, (5,)), (1, (5,))), max_num_logprobs=1,
-                 allowed=((2, (7, 8)),))
+                 bad_words=((0, (5,)), (1, (5,)), (3, (7,))), max_num_logprobs=1,
+                 allowed=((2, (7, 8)), (3, (7,))))
     tokens, logprobs = sample(logits, meta, torch.Generator().manual_seed(0))
     tokens = to_host([tokens])[0].tolist()
     assert tokens[0] == NO_TOKEN
     assert tokens[1] == 9  # the one token its grammar and bans leave
     assert tokens[2] in (7, 8)  # no grammar: its allowed list as before
+    assert tokens[3] == NO_TOKEN  # bad_words ban all it allows (min_tokens' bans would not)
     assert len(logprobs.ranks) == rows  # logprobs were still taken for every row
