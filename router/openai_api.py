@@ -307,9 +307,8 @@ class OpenAIFront:
                 await call.aclose()  # no-op once finished; aborts the engine request otherwise
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
-        """OpenAI's Responses API, served as the chat completion it means
-        (``router.openai_responses``)."""
-        call = req = None
+        """OpenAI's Responses API, as the chat completion it means (router.openai_responses)."""
+        call = req = chat = None
         try:
             body = await self._body(request, known=RESPONSES_FIELDS)
             chat = chat_body(body)
@@ -324,9 +323,10 @@ class OpenAIFront:
                 return await answer.stream(request, call, first, self._account)
             return await answer.collect(call, first, self._account)
         except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
-            aliases = ALIASES | ({} if req is None else {  # (the chat request's own first)
-                k: ALIASES.get(v, v) for k, v in req.field_aliases.items()})
-            return self._error(request, renamed(e), aliases)
+            if chat is None:  # the Responses body's own checks: named as it names them
+                return self._error(request, e)
+            return self._error(request, renamed(e), ALIASES | ({} if req is None else {
+                k: ALIASES.get(v, v) for k, v in req.field_aliases.items()}))
         finally:
             if call is not None:
                 await call.aclose()

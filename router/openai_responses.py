@@ -19,6 +19,7 @@ unless off, and ``store`` is accepted but stores nothing. Errors name the Respon
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -61,13 +62,17 @@ def chat_body(body: dict) -> dict:
         if name in body and not off(body[name]):
             raise RequestError(f"{name}: is not supported by this server (no state is kept "
                                f"between requests), got {shown(body[name])}", name)
+    _check_echoed(body)
     out = {name: body[name] for name in _PASSED if name in body}
     out["messages"] = _messages(body.get("input"), body.get("instructions"))
     if body.get("max_output_tokens") is not None:
         out["max_tokens"] = body["max_output_tokens"]
     if body.get("tools") is not None:
         out["tools"] = _tools(body["tools"])
-    if body.get("tool_choice") is not None:
+    # "auto" is the Responses default, which clients send with no tools too (as OpenAI's and
+    # vLLM's take it); chat's check wants a tool for it
+    if body.get("tool_choice") is not None and (body.get("tools") or
+                                                body["tool_choice"] != "auto"):
         out["tool_choice"] = _tool_choice(body["tool_choice"])
     fmt = _format(body.get("text"))
     if fmt is not None:
@@ -154,6 +159,32 @@ def _messages(items, instructions) -> list[dict]:
                                "assistant), a function_call or a function_call_output",
                                "input")
     return messages
+
+
+def _check_echoed(body: dict) -> None:
+    """What the answer echoes as sent must be JSON that strict parsers read: no NaN or
+    Infinity anywhere (Python's parser takes them; JSON has none, so openai-node or Go would
+    fail on the answer), ``user`` a string and ``metadata`` an object of strings (OpenAI's:
+    at most 16, keys of 64 characters, values of 512)."""
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise RequestError(f"user: must be a string, got {shown(body['user'])}", "user")
+    metadata = body.get("metadata")
+    if metadata is not None and not (
+            isinstance(metadata, dict) and len(metadata) <= 16 and all(
+                len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                for k, v in metadata.items())):
+        raise RequestError("metadata: must be an object of at most 16 strings (keys of at "
+                           "most 64 characters, values of at most 512)", "metadata")
+    stack: list[tuple[str, object]] = [(k, v) for k, v in body.items()]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise RequestError(f"{where}: must be a finite number, got {shown(value)}",
+                               where.split(".")[0].split("[")[0])
+        if isinstance(value, dict):
+            stack.extend((f"{where}.{k}", v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
 
 
 def _tools(tools) -> list[dict]:

@@ -36,7 +36,7 @@ from quire.v1 import engine_pb2_grpc
 from router.admission import AdmissionGate
 from router.balancer import Decision, NoEndpointError, Policy, RoutingRequest, choose
 from router.errors import RETRYABLE_CODES, abort_with
-from router.lora_adapters import AdapterSources
+from router.lora_adapters import AdapterSources, load_everywhere, unload_everywhere
 from router.metrics import DecisionRecord, RouterMetrics
 from router.pool import EnginePool, ModelIdentity, PromptHashes
 from router.tenants import TenantTable
@@ -439,6 +439,24 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
                if all(getattr(i, name) == getattr(first, name) for i in infos)},
             **{name: sum(getattr(i, name) for i in infos) for name in _SUMMED_COUNTERS},
             spec_decode_num_accepted_tokens_per_pos=_summed_per_pos(infos))
+
+    async def LoadLoRAAdapter(self, request, context) -> pb.LoadLoRAAdapterResponse:
+        """Load on every serving engine, as the HTTP front's /v1/load_lora_adapter does."""
+        try:
+            loaded = await load_everywhere(self.pool, request.lora_name, request.lora_path,
+                                           context.time_remaining(), self.adapter_sources)
+        except Exception as e:  # noqa: BLE001 - mapped to a status, named where known
+            await abort_with(context, e)
+        return pb.LoadLoRAAdapterResponse(loaded=loaded > 0)
+
+    async def UnloadLoRAAdapter(self, request, context) -> pb.UnloadLoRAAdapterResponse:
+        """Unload from every serving engine holding it (NOT_FOUND when none does)."""
+        try:
+            await unload_everywhere(self.pool, request.lora_name, context.time_remaining(),
+                                    self.adapter_sources)
+        except Exception as e:  # noqa: BLE001 - mapped to a status, named where known
+            await abort_with(context, e)
+        return pb.UnloadLoRAAdapterResponse()
 
     async def GetTokenizer(self, request, context) -> pb.TokenizerFiles:
         """The first serving engine's tokenizer files (engines of a kind that serves none, such

@@ -103,3 +103,50 @@ def test_grpc_gets_invalid_argument_naming_the_field(router):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert dict(err.value.trailing_metadata())[FIELD_METADATA] == "sampling.bad_words"
     assert _serving(router) == 2
+
+
+def _strict(constant: str):
+    raise AssertionError(f"{constant} in an answer: not JSON")
+
+
+@pytest.mark.parametrize("field,extra", [
+    ("user", {"user": float("nan")}),
+    ("user", {"user": 5}),
+    ("metadata", {"metadata": {"a": float("inf")}}),
+    ("metadata", {"metadata": {"a": 1}}),
+    ("reasoning", {"reasoning": {"effort": "low", "summary": float("nan")}}),
+    ("text", {"text": {"format": {"type": "text"}, "verbosity": float("-inf")}}),
+    ("tools", {"tools": [{"type": "function", "name": "f", "strict": float("nan")}]}),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_never_echo_what_json_cannot_hold(router, caplog, field, extra, stream):
+    """The Responses answer echoes user, metadata, reasoning, text and tools as sent; NaN and
+    Infinity (which Python's parser takes) came back bare in a 200, which strict parsers
+    (openai-node, Go) fail on. Now a 400 naming the field; a string user, string metadata."""
+    status, answer = exchange(router, "POST", "/v1/responses", {
+        "model": MODEL, "input": "hi", "max_output_tokens": 2, "stream": stream} | extra)
+    assert_400(status, json.loads(answer, parse_constant=_strict), field, field)
+    assert no_tracebacks(caplog)
+
+
+@pytest.mark.parametrize("sent,param", [
+    ({"max_tokens": 5}, "max_tokens"), ({"messages": []}, "messages"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"), ({"prompt": {"id": "p"}}, "prompt"),
+])
+def test_responses_errors_name_the_field_sent(router, sent, param):
+    """A chat field sent to /v1/responses was reported as its Responses name (the one the
+    request had right): "max_output_tokens: unknown field" for max_tokens."""
+    status, answer = exchange(router, "POST", "/v1/responses",
+                              {"model": MODEL, "input": "hi"} | sent)
+    assert_400(status, json.loads(answer), param, param)
+
+
+def test_responses_take_tool_choice_auto_without_tools(router):
+    """"auto" is the Responses default, sent by clients whatever their tools (OpenAI and vLLM
+    take it without any); chat's rule, a tool for "auto", does not apply."""
+    for tools in ({}, {"tools": []}):
+        status, answer = exchange(router, "POST", "/v1/responses", {
+            "model": MODEL, "input": "hi", "max_output_tokens": 2, "tool_choice": "auto"} | tools)
+        assert status == 200, answer
+        assert json.loads(answer)["tool_choice"] == "auto"

@@ -10,6 +10,7 @@ import json
 import urllib.error
 import urllib.request
 
+import grpc
 import pytest
 
 from engine_worker.server.config import ServerConfig
@@ -150,3 +151,28 @@ def test_load_and_unload_on_the_pool(router, adapter_root, tmp_path):
     assert status == 404 and "'b'" in text
     assert _complete(router, "b")[0] == 404
     assert _complete(router, MODEL)[0] == 200  # still serving
+
+
+def test_load_and_unload_over_the_routers_grpc(router, adapter_root):
+    """The router serves the engine's EngineService, LoRA calls included (they were the
+    generated stubs' UNIMPLEMENTED, each with a traceback in the router's log)."""
+    auth = (("authorization", f"Bearer {KEY}"),)
+    with pytest.raises(grpc.RpcError) as err:
+        router.stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(
+            lora_name="g", lora_path=str(adapter_root / "b")), timeout=TIMEOUT_S)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    answer = router.stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(
+        lora_name="g", lora_path=str(adapter_root / "b")), metadata=auth, timeout=TIMEOUT_S)
+    assert answer.loaded and "g" in _models(router)
+    assert _complete(router, "g")[0] == 200
+    router.stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="g"), metadata=auth,
+                                  timeout=TIMEOUT_S)
+    assert "g" not in _models(router)
+    with pytest.raises(grpc.RpcError) as err:
+        router.stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="g"),
+                                      metadata=auth, timeout=TIMEOUT_S)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "'g'" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        router.stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="h"), metadata=auth,
+                                    timeout=TIMEOUT_S)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
