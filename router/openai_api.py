@@ -15,7 +15,6 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -48,6 +47,7 @@ from router.openai_responses import (ALIASES, RESPONSES_FIELDS, ResponsesAnswer,
                                      renamed)
 from router.openai_tokenize import (DETOKENIZE_FIELDS, TOKENIZE_FIELDS, TokenizeRequest,
                                     detokenize_ids, tokenize_response)
+from router.render_pool import Renderer, approx_chars
 
 if TYPE_CHECKING:
     from quire.tokenizer import FastTokenizer
@@ -110,7 +110,7 @@ class OpenAIFront:
         self.host, self.port = host, port
         self.metrics = metrics
         self._runner: web.AppRunner | None = None
-        self._render_pool: ThreadPoolExecutor | None = None
+        self._render: Renderer | None = None  # template and tokenizer work
         self.client_errors = RateLimitedLog(logger)  # one line per client mistake, bounded
 
     @property
@@ -137,8 +137,7 @@ class OpenAIFront:
                 "pieces": self.tokenizer.pieces}
 
     async def start(self) -> int:
-        self._render_pool = ThreadPoolExecutor(self.cfg.tokenizer_threads,
-                                               thread_name_prefix="openai-render")
+        self._render = Renderer(self.cfg.tokenizer_threads)
         app = web.Application(middlewares=[self._guard],
                               client_max_size=self.cfg.max_body_bytes)
         app.add_routes([web.post("/v1/completions", self._completions),
@@ -177,8 +176,8 @@ class OpenAIFront:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._render_pool is not None:
-            self._render_pool.shutdown(wait=False, cancel_futures=True)
+        if self._render is not None:
+            self._render.shutdown()
 
     @web.middleware
     async def _guard(self, request: web.Request, handler):
@@ -363,11 +362,10 @@ class OpenAIFront:
             self._check_model(body, adapters=False)
             req = EmbeddingsRequest.from_body(body, self.cfg.max_prompt_chars)
             metadata = self._forwarded_metadata(request)
-            loop = asyncio.get_running_loop()
             for item in req.inputs:
                 if isinstance(item, Conversation):  # rendered here, sent as token ids
-                    item = await loop.run_in_executor(self._render_pool, self._render_chat,
-                                                      item.messages, (), req.chat)
+                    item = await self._render.run(approx_chars(item.messages),
+                                                  self._render_chat, item.messages, (), req.chat)
                 message = pb.EmbedRequest(**({"text": item} if isinstance(item, str) else
                                              {"token_ids": pb.TokenIds(ids=item)}),
                                           priority=req.priority, cache_salt=req.cache_salt)
@@ -416,8 +414,7 @@ class OpenAIFront:
             self._check_model(body)
             req = TokenizeRequest.from_body(body, self.cfg.max_prompt_chars)
             tokenizer = self.tokenizer
-            ids = await asyncio.get_running_loop().run_in_executor(
-                self._render_pool, req.token_ids, tokenizer)
+            ids = await self._render.run(approx_chars(body), req.token_ids, tokenizer)
             return web.json_response(tokenize_response(req, ids, self._max_model_len(),
                                                        tokenizer))
         except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
@@ -431,8 +428,8 @@ class OpenAIFront:
             backend = self.tokenizer.backend
             ids = detokenize_ids(body, backend.get_vocab_size(with_added_tokens=True),
                                  self.cfg.max_prompt_chars)
-            text = await asyncio.get_running_loop().run_in_executor(
-                self._render_pool, lambda: backend.decode(ids, skip_special_tokens=False))
+            text = await self._render.run(len(ids), lambda: backend.decode(
+                ids, skip_special_tokens=False))
             return web.json_response({"prompt": text})
         except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
             return self._error(request, e)
@@ -544,8 +541,8 @@ class OpenAIFront:
             schema = req.tools.schema() if req.tools is not None else None
             if schema is not None:  # required / named: arguments that always parse
                 out.sampling.structured_outputs.json = json.dumps(schema)
-            ids = await asyncio.get_running_loop().run_in_executor(
-                self._render_pool, self._render_chat, messages, req.prompt_tools, options)
+            ids = await self._render.run(approx_chars(messages, req.prompt_tools),
+                                         self._render_chat, messages, req.prompt_tools, options)
             out.token_ids.ids[:] = self._truncated(ids, truncate, req)
             return out
         if prompt is None:
@@ -564,9 +561,8 @@ class OpenAIFront:
                 # keeps it: only the text's tokens are cut
                 head = self.tokenizer.encode("", add_special_tokens=True) if special else []
                 head = head if len(head) == 1 else []
-                ids = await asyncio.get_running_loop().run_in_executor(
-                    self._render_pool, partial(self.tokenizer.encode, prompt,
-                                               add_special_tokens=special and not head))
+                ids = await self._render.run(len(prompt), partial(
+                    self.tokenizer.encode, prompt, add_special_tokens=special and not head))
                 keep = truncate if truncate is None or truncate[0] == -1 or not head else (
                     max(1, truncate[0] - len(head)), truncate[1])
                 out.token_ids.ids[:] = head + self._truncated(ids, keep, req,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 
 import grpc
 import pytest
@@ -150,3 +151,38 @@ def test_responses_take_tool_choice_auto_without_tools(router):
             "model": MODEL, "input": "hi", "max_output_tokens": 2, "tool_choice": "auto"} | tools)
         assert status == 200, answer
         assert json.loads(answer)["tool_choice"] == "auto"
+
+
+def test_a_small_chat_does_not_wait_behind_large_renders(router):
+    """Every render and tokenization shared one FIFO pool, so a 2-token chat waited behind
+    big /tokenize calls (up to 5 s behind two dozen 1 MB ones). Small jobs now run inline:
+    with every pool thread held, a small chat, /tokenize and /detokenize are answered, and
+    a large /tokenize waits for the pool (it is not run on the loop)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    renderer = router.server.front._render
+    release = threading.Event()
+    held = [renderer.pool.submit(release.wait) for _ in range(renderer.pool._max_workers)]
+    try:
+        status, answer = exchange(router, "POST", "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert status == 200, answer
+        assert exchange(router, "POST", "/tokenize", {"model": MODEL, "prompt": "hi"})[0] == 200
+        assert exchange(router, "POST", "/detokenize", {"model": MODEL, "tokens": [28]})[0] \
+            == 200
+        with ThreadPoolExecutor(1) as client:
+            large = client.submit(exchange, router, "POST", "/tokenize",
+                                  {"model": MODEL, "prompt": "ab " * 2000})
+            # it waits in the pool's queue behind the held threads, not on the loop
+            deadline = time.monotonic() + TIMEOUT_S
+            while renderer.pool._work_queue.qsize() < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert renderer.pool._work_queue.qsize() == 1 and not large.done()
+            release.set()
+            status, answer = large.result(timeout=TIMEOUT_S)
+        assert status == 200 and json.loads(answer)["count"] > 2000
+    finally:
+        release.set()
+        for future in held:
+            future.result(timeout=TIMEOUT_S)
