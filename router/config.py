@@ -34,7 +34,7 @@ class RouterServerConfig:
     max_body_bytes: int = 8 << 20  # HTTP request body limit (413 above it)
     max_message_bytes: int = 16 << 20  # gRPC message limit
     max_n: int = DEFAULT_MAX_N
-    max_tokens_limit: int = 4096  # larger max_tokens: 400; unset: this (0: no router cap)
+    max_tokens_limit: int = 0  # larger max_tokens: 400; unset: this (0: no cap, as vLLM)
     max_prompt_chars: int = 1 << 20  # text prompts and chat messages, checked before tokenizing
     max_stop_strings: int = 16
     max_stop_string_len: int = 256

@@ -24,7 +24,7 @@ class ServerConfig:
     max_prompt_chars: int = 1 << 20
     # max_tokens above this is refused (INVALID_ARGUMENT naming max_tokens); a request that sets
     # none gets this many at most (and never more than the model's length allows). 0: no cap.
-    max_tokens_limit: int = 4096
+    max_tokens_limit: int = 0  # 0: none (the model's length bounds it, as vLLM)
     http_timeout_s: float = 10.0  # the metrics server drops a connection not done within this
     max_message_bytes: int = 16 << 20
     # a structured-output grammar still compiling after this many seconds is stopped (its

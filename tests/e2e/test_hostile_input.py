@@ -30,7 +30,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    running = start_engine(tiny_model_dir, metrics_port=0, http_timeout_s=1.0)
+    running = start_engine(tiny_model_dir, metrics_port=0, http_timeout_s=1.0,
+                           max_tokens_limit=4096)  # an operator's cap (the default is none)
     yield running
     running.close()
 
@@ -38,7 +39,8 @@ def engine(tiny_model_dir):
 @pytest.fixture(scope="module")
 def router(engine):
     running = RunningRouter([address(engine)], http_port=0, model_name=MODEL,
-                            http_header_timeout_s=1.0, http_body_timeout_s=1.0)
+                            http_header_timeout_s=1.0, http_body_timeout_s=1.0,
+                            max_tokens_limit=4096)
     yield running
     running.close()
 
@@ -96,7 +98,7 @@ def test_1_huge_max_tokens_is_a_400_naming_the_field(router, path, field, value)
     assert_400(status, body, field, value)
 
 
-def test_1_max_tokens_above_the_default_cap_is_refused_on_every_front(router, engine):
+def test_1_max_tokens_above_the_operators_cap_is_refused_on_every_front(router, engine):
     status, body = post(router, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4097})
     assert_400(status, body, "max_tokens", 4097)
     assert "4096" in body["error"]["message"]

@@ -186,3 +186,4 @@ def test_a_small_chat_does_not_wait_behind_large_renders(router):
         release.set()
         for future in held:
             future.result(timeout=TIMEOUT_S)
+

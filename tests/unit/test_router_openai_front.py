@@ -152,3 +152,28 @@ def test_reasoning_effort_reaches_the_template_as_vllm_passes_it():
     with pytest.raises(RequestError) as err:
         ChatTemplateOptions.from_body({"reasoning_effort": "extreme"}, messages)
     assert err.value.param == "reasoning_effort"
+
+
+def test_no_output_cap_by_default_as_vllm():
+    """vLLM's example asks for 5,000 tokens, which vLLM serves (cut to the room its prompt
+    leaves); the old default cap of 4,096 refused it on both fronts. By default there is no
+    cap now: only an operator's --max-tokens-limit, and the model's length, bound it."""
+    from engine_worker.server.config import ServerConfig
+    from engine_worker.server.convert import RequestLimits, request_from_proto
+    from quire.v1 import engine_pb2 as pb
+    from router.config import RouterServerConfig
+    from router.openai_protocol import sampling_options
+
+    cap = RouterServerConfig().max_tokens_limit
+    body = {"messages": [], "max_completion_tokens": 5000}
+    assert sampling_options(body, chat=True, max_tokens_limit=cap).max_tokens == 5000
+    with pytest.raises(RequestError, match="--max-tokens-limit"):
+        sampling_options(body, chat=True, max_tokens_limit=4096)
+    server = ServerConfig()
+    limits = RequestLimits(max_n=server.max_n, max_stop_strings=server.max_stop_strings,
+                           max_stop_string_len=server.max_stop_string_len,
+                           max_prompt_chars=server.max_prompt_chars,
+                           max_tokens=server.max_tokens_limit)
+    _, params, _, _ = request_from_proto(pb.GenerateRequest(
+        text="x", sampling=pb.SamplingOptions(max_tokens=5000)), limits)
+    assert params.max_tokens == 5000
