@@ -321,7 +321,9 @@ class OpenAIRequest:
                 {"tool_calls": calls} if calls else {})
         else:
             content = self.chat_echo + (text or "") if self.chat_echo else text
-            body["message"] = {"role": self.role, "content": content} | (
+            # reasoning: vLLM's field, always there (null: no reasoning parser), which code
+            # written against vLLM reads as message.reasoning
+            body["message"] = {"role": self.role, "content": content, "reasoning": None} | (
                 {"tool_calls": [c.as_json() for c in calls]} if calls else {})
         return body
 

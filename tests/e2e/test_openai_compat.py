@@ -344,7 +344,7 @@ def test_chat_echo_starts_each_choice_with_the_last_message_as_vllm(front):
     status, echoed = _post(front, "/v1/chat/completions", body | {"echo": True})
     assert status == 200, echoed
     for before, after in zip(plain["choices"], echoed["choices"], strict=True):
-        assert after["message"] == {"role": "assistant",
+        assert after["message"] == {"role": "assistant", "reasoning": None,
                                     "content": "My favourite colour is" +
                                     before["message"]["content"]}
     assert [echoed["usage"][k] for k in ("prompt_tokens", "completion_tokens")] == \

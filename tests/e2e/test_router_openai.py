@@ -103,6 +103,8 @@ def test_chat_completions(client):
                                             temperature=0, logprobs=True, top_logprobs=2)
     message = result.choices[0].message
     assert message.role == "assistant" and message.content
+    # vLLM's field, null without a reasoning parser: vLLM's examples read message.reasoning
+    assert message.reasoning is None
     assert len(result.choices[0].logprobs.content) == result.usage.completion_tokens
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
                                                  temperature=0, stream=True))
