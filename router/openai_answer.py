@@ -398,6 +398,12 @@ async def collect(req: OpenAIRequest, call, first,
                   account: Callable[[pb.Usage], None]) -> web.Response:
     """The whole answer of ``call`` (``first``: its first message, already read) as one JSON
     response; ``account(usage)`` counts its tokens."""
+    return web.json_response(await collect_body(req, call, first, account))
+
+
+async def collect_body(req: OpenAIRequest, call, first,
+                       account: Callable[[pb.Usage], None]) -> dict:
+    """``collect``'s answer, as the JSON object."""
     choices: dict[int, Choice] = {}
     usage = pb.Usage()
     async for message in messages_of(call, first):
@@ -422,7 +428,7 @@ async def collect(req: OpenAIRequest, call, first,
     if req.chat and req.want_prompt_logprobs:
         body["prompt_logprobs"] = req.prompt_logprobs(0)
     body["usage"] = req.usage(usage)
-    return web.json_response(body)
+    return body
 
 async def stream(request: web.Request, req: OpenAIRequest, call, first,
                  account: Callable[[pb.Usage], None]) -> web.StreamResponse:

@@ -37,6 +37,7 @@ from router.http_guard import GuardedAppRunner, RateLimitedLog, deadline_of
 from router.local_call import BatchCall, LocalCall, local_unary
 from router.metrics import RouterMetrics
 from router.openai_answer import OpenAIRequest, collect, stream
+from router.openai_chat_batch import serve_chat_batch
 from router.openai_protocol import (RequestError, cache_salt, chat_messages, check_batch,
                                     check_body, error_response, request_priority,
                                     sampling_options, shown, token_list, truncate_ids,
@@ -142,6 +143,7 @@ class OpenAIFront:
                               client_max_size=self.cfg.max_body_bytes)
         app.add_routes([web.post("/v1/completions", self._completions),
                         web.post("/v1/chat/completions", self._chat),
+                        web.post("/v1/chat/completions/batch", partial(serve_chat_batch, self)),
                         web.post("/v1/embeddings", self._embeddings),
                         web.post("/v1/responses", self._responses),
                         web.post("/tokenize", self._tokenize),

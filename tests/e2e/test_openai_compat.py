@@ -590,3 +590,55 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end_as_vllm(front):
         assert status == 400 and error["error"]["param"] == "truncate_prompt_tokens", error
     status, error = _post(front, "/v1/completions", {"prompt": PROMPT, "truncation_side": "up"})
     assert status == 400 and error["error"]["param"] == "truncation_side", error
+
+
+def _ok(front, path, body) -> dict:
+    status, answer = _post(front, path, body)
+    assert status == 200, answer
+    return answer
+
+
+def test_chat_batch_answers_each_conversation_as_its_own_chat(front):
+    """vLLM's /v1/chat/completions/batch (its batched_chat_completions.py example): one choice
+    per conversation, index k for conversation k, each what chat answers for it alone, the
+    usage summed; a structured output applies to each."""
+    conversations = [[{"role": "user", "content": "What is the capital of France?"}],
+                     [{"role": "system", "content": "Be terse."},
+                      {"role": "user", "content": "Name a colour."}],
+                     [{"role": "user", "content": "Count to three."}]]
+    batch = _ok(front, "/v1/chat/completions/batch", {
+        "messages": conversations, "max_tokens": 6, "temperature": 0})
+    assert batch["object"] == "chat.completion" and batch["id"].startswith("chatcmpl-")
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2]
+    alone = [_ok(front, "/v1/chat/completions", {"messages": c, "max_tokens": 6,
+                                                  "temperature": 0}) for c in conversations]
+    for choice, single in zip(batch["choices"], alone, strict=True):
+        assert choice["message"] == single["choices"][0]["message"]
+        assert choice["finish_reason"] == single["choices"][0]["finish_reason"]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert batch["usage"][key] == sum(s["usage"][key] for s in alone)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    shaped = _ok(front, "/v1/chat/completions/batch", {
+        "messages": conversations[:2], "max_tokens": 20, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n",
+                                                                   "schema": schema}}})
+    for choice in shaped["choices"]:
+        if choice["finish_reason"] == "stop":
+            assert isinstance(json.loads(choice["message"]["content"])["n"], int)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"stream": True}, "stream"), ({"n": 2}, "n"), ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+    ({"messages": [[]]}, "messages"), ({"messages": [[{"role": "user", "content": 5}]]},
+                                       "messages"),
+    ({"temperature": -1}, "temperature"), ({"frob": 1}, "frob"),
+])
+def test_chat_batch_refuses_what_vllms_refuses_naming_the_field(front, extra, param):
+    body = {"model": MODEL, "messages": [[{"role": "user", "content": "hi"}]],
+            "max_tokens": 2} | extra
+    status, text = _http(front, "POST", "/v1/chat/completions/batch", body)
+    assert status == 400, text
+    assert json.loads(text)["error"]["param"] == param
