@@ -58,6 +58,8 @@ def compile_spec(compiler, kind: str, spec: str):
             compiled = compiler.compile_regex(spec)
         elif kind == "choice":
             compiled = compiler.compile_grammar(choice_grammar(json.loads(spec)))
+        elif kind == "structural_tag":
+            compiled = _compile_structural_tag(compiler, spec)
         else:
             compiled = compiler.compile_grammar(spec)
     except (RuntimeError, ValueError, TypeError) as e:
@@ -74,6 +76,23 @@ def compile_spec(compiler, kind: str, spec: str):
                          "matches no text: no token can begin it, not even the end (a rule "
                          "that only refers to itself?)")
     return compiled
+
+
+def _compile_structural_tag(compiler, spec: str):
+    """As vLLM's xgrammar backend: the older form through xgrammar's (deprecated) tags and
+    triggers, the newer one as the JSON it is."""
+    tag = json.loads(spec)
+    if "structures" not in tag:
+        return compiler.compile_structural_tag(spec)
+    import warnings
+
+    import xgrammar as xgr
+
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]),
+                                   end=s["end"]) for s in tag["structures"]]
+    with warnings.catch_warnings():  # (xgrammar's deprecation of the form vLLM still takes)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return compiler.compile_structural_tag(items, tag["triggers"])
 
 
 def _can_begin(compiled, text_first: bool) -> bool:

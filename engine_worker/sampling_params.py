@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, replace
 from quire.errors import FieldError
 from quire.limits import SAMPLING_RANGES, check_min_tokens, check_n, check_sampling
 from quire.list_limits import check_allowed_token_ids, check_bad_words
-from quire.structured_outputs import check_logit_bias, structured_outputs_kind
+from quire.structured_outputs import (STRUCTURED_OUTPUT_KINDS, check_logit_bias,
+                                      structured_outputs_kind)
 
 _GREEDY_EPS = 1e-5
 _OPTIONAL = frozenset({"max_tokens", "seed", "logprobs", "prompt_logprobs"})  # None: not set
@@ -49,14 +50,18 @@ def bad_words_token_ids(words, encode) -> tuple[tuple[int, ...], ...]:
 class StructuredOutputsParams:
     """Constrain a completion to a grammar, as vLLM's ``StructuredOutputsParams``: exactly one
     of ``json`` (a JSON schema, as a dict or its JSON text), ``regex``, ``choice`` (the output
-    is one of these strings), ``grammar`` (EBNF, xgrammar's dialect of GBNF) or
-    ``json_object=True`` (any JSON object). The completion ends when the grammar does."""
+    is one of these strings), ``grammar`` (EBNF, xgrammar's dialect of GBNF),
+    ``json_object=True`` (any JSON object) or ``structural_tag``. The completion ends when the
+    grammar does."""
 
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # vLLM's structural tag: JSON text (or its object) of {"type": "structural_tag",
+    # "format": ...} or {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
+    structural_tag: str | dict | None = None
 
     def __post_init__(self) -> None:
         self.spec()  # FieldError naming structured_outputs.<kind> if malformed
@@ -64,9 +69,8 @@ class StructuredOutputsParams:
     def spec(self) -> tuple[str, str]:
         """(kind, canonical text): the key compiled grammars are cached under."""
         kind, value = structured_outputs_kind(
-            {k: getattr(self, k) for k in ("json", "regex", "choice", "grammar",
-                                           "json_object")})
-        if kind == "json":
+            {k: getattr(self, k) for k in STRUCTURED_OUTPUT_KINDS})
+        if kind in ("json", "structural_tag"):
             return kind, json_module.dumps(value, separators=(",", ":"))  # order matters
         if kind == "choice":
             return kind, json_module.dumps(list(value))

@@ -14,7 +14,8 @@ from quire.errors import FieldError
 from quire.limits import UINT32_MAX, load_json, shown
 
 # vLLM's StructuredOutputsParams fields, in the order a spec is described.
-STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object",
+                           "structural_tag")
 LOGIT_BIAS_MAX = 100.0  # OpenAI's bound, either sign
 MAX_LOGIT_BIAS_ENTRIES = 1024  # tokens one request may bias
 MAX_CHOICES = 1024
@@ -31,7 +32,7 @@ def structured_outputs_kind(spec: Mapping[str, object], field: str = "structured
         raise FieldError(f"{field}.{unknown[0]}", "unknown structured output kind (one of "
                          f"{', '.join(STRUCTURED_OUTPUT_KINDS)})")
     if len(set_kinds) != 1:
-        raise FieldError(field, "exactly one of json, regex, choice, grammar, json_object must "
+        raise FieldError(field, f"exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} must "
                          f"be set, got {len(set_kinds)}" +
                          (f" ({', '.join(set_kinds)})" if set_kinds else ""))
     kind = set_kinds[0]
@@ -54,9 +55,38 @@ def structured_outputs_kind(spec: Mapping[str, object], field: str = "structured
         if len(value) > MAX_CHOICES:
             raise FieldError(name, f"at most {MAX_CHOICES} choices, got {len(value)}")
         _check_size("".join(value), name)
+    elif kind == "structural_tag":
+        value = _structural_tag(value, name)
     elif value is not True:  # json_object
         raise FieldError(name, "must be true when set")
     return kind, value
+
+
+def _structural_tag(value, name: str) -> dict:
+    """vLLM's structural tag (JSON text, or its object): xgrammar's {"type":
+    "structural_tag", "format": {...}}, or the older {"structures": [{"begin", "schema",
+    "end"}], "triggers": [...]}. Its shape is checked here; the engine's xgrammar checks the
+    rest when it compiles it."""
+    if isinstance(value, str):
+        _check_size(value, name)
+        value = load_json(value, name)
+    if not isinstance(value, dict):
+        raise FieldError(name, "must be a structural tag (a JSON object)")
+    if "structures" in value:
+        structures, triggers = value.get("structures"), value.get("triggers")
+        if not isinstance(structures, list) or not structures or not all(
+                isinstance(t, dict) and isinstance(t.get("begin"), str) and
+                isinstance(t.get("end"), str) and isinstance(t.get("schema"), (dict, bool))
+                for t in structures):
+            raise FieldError(name, "structures: must be a non-empty list of {begin, schema, "
+                             "end} (strings and a JSON schema)")
+        if not isinstance(triggers, list) or not triggers or not all(
+                isinstance(t, str) and t for t in triggers):
+            raise FieldError(name, "triggers: must be a non-empty list of non-empty strings")
+    elif value.get("type") != "structural_tag" or not isinstance(value.get("format"), dict):
+        raise FieldError(name, 'must be {"type": "structural_tag", "format": {...}} or '
+                         '{"structures": [...], "triggers": [...]}')
+    return value
 
 
 def spec_from_proto(message) -> dict | None:

@@ -107,6 +107,7 @@ class OpenAIRequest:
             else "prompt"}
         if body.get("response_format") is not None:
             self.field_aliases["structured_outputs.json"] = "response_format"
+            self.field_aliases["structured_outputs.structural_tag"] = "response_format"
         for name, kind in GUIDED_FIELDS.items():
             if body.get(name) is not None:
                 self.field_aliases[f"structured_outputs.{kind}"] = name

@@ -428,12 +428,13 @@ def structured_outputs_of(body: dict) -> pb.StructuredOutputs | None:
     try:
         kind, value = structured_outputs_kind(spec, field)
     except FieldError as e:
-        name = field if field in GUIDED_FIELDS else e.field  # guided_json, not guided_json.json
+        # guided_json, not guided_json.json; response_format, not response_format.structural_tag
+        name = field if field in GUIDED_FIELDS or field == "response_format" else e.field
         raise RequestError(name + str(e).removeprefix(e.field), name) from None
     out = pb.StructuredOutputs()
     if kind == "choice":
         out.choice.choices[:] = value
-    elif kind == "json":
+    elif kind in ("json", "structural_tag"):
         setattr(out, kind, json.dumps(value))
     else:
         setattr(out, kind, value)
@@ -442,13 +443,15 @@ def structured_outputs_of(body: dict) -> pb.StructuredOutputs | None:
 
 def _response_format_spec(fmt) -> dict | None:
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object",
-                                                            "json_schema"):
-        raise RequestError("response_format: must be an object whose type is text, json_object "
-                           f"or json_schema, got {shown(fmt)}", "response_format")
+                                                            "json_schema", "structural_tag"):
+        raise RequestError("response_format: must be an object whose type is text, json_object, "
+                           f"json_schema or structural_tag, got {shown(fmt)}", "response_format")
     if fmt["type"] == "text":
         return None
     if fmt["type"] == "json_object":
         return {"json_object": True}
+    if fmt["type"] == "structural_tag":  # vLLM's: the whole object is the tag
+        return {"structural_tag": fmt}
     schema = fmt.get("json_schema")
     if not isinstance(schema, dict) or not isinstance(schema.get("schema"), (dict, bool)):
         raise RequestError("response_format.json_schema.schema: a JSON schema (an object) is "

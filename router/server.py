@@ -104,7 +104,7 @@ class RequestLimits:
             spec = spec_from_proto(sampling.structured_outputs)
             if spec is None:
                 raise FieldError("sampling.structured_outputs", "set one kind (json, regex, "
-                                 "choice, grammar or json_object)")
+                                 "choice, grammar, json_object or structural_tag)")
             structured_outputs_kind(spec, field="sampling.structured_outputs")
         if sampling.logit_bias:
             check_logit_bias(sampling.logit_bias, field="sampling.logit_bias")

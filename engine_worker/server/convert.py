@@ -55,8 +55,8 @@ def request_from_proto(message: pb.GenerateRequest, limits: RequestLimits):
     if sampling.HasField("structured_outputs"):
         spec = spec_from_proto(sampling.structured_outputs)
         if spec is None:
-            raise FieldError("structured_outputs", "set one kind (json, regex, choice, grammar "
-                             "or json_object)")
+            raise FieldError("structured_outputs", "set one kind (json, regex, choice, grammar, "
+                             "json_object or structural_tag)")
         structured_outputs_kind(spec)  # names the field before the dataclass sees it
         structured = StructuredOutputsParams(**spec)
     params = SamplingParams(stop=list(sampling.stop),

@@ -252,6 +252,12 @@ def _error(client, **kwargs):
     ({"extra_body": {"guided_regex": "(unclosed"}}, "guided_regex", "cannot be compiled"),
     ({"extra_body": {"guided_json": {"type": "frobnicate"}}}, "guided_json",
      "cannot be compiled"),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<f>"}],
+                          "triggers": ["<f"]}}, "response_format", "structures"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "frob"}}},
+     "response_format", "cannot be compiled"),
+    ({"extra_body": {"structured_outputs": {"structural_tag": "{not json"}}},
+     "structured_outputs.structural_tag", "not valid JSON"),
     ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
     ({"logit_bias": {"abc": 1}}, "logit_bias", "token id"),
     ({"logit_bias": {"49152": 1}}, "logit_bias", "token id"),
@@ -264,6 +270,40 @@ def test_bad_input_is_a_400_naming_the_field(client, kwargs, param, words):
     ok = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
                                         temperature=0)
     assert ok.choices[0].finish_reason == "length"
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+           "required": ["city"], "additionalProperties": False}
+
+
+def test_structural_tags_as_vllm_takes_them(client):
+    """vLLM's structural tags (its structural_tag examples): the newer xgrammar form, here a
+    tag the output must be, so its body always follows the schema; and the older one,
+    {"structures", "triggers"}, where text is free until a trigger (this model writes none).
+    Through response_format and structured_outputs, streamed and not."""
+    tag = {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<function=get_weather>",
+        "content": {"type": "json_schema", "json_schema": WEATHER}, "end": "</function>"}}
+    for kwargs in ({"response_format": tag},
+                   {"extra_body": {"structured_outputs": {"structural_tag": json.dumps(tag)}}}):
+        for choice in _sampled(client.chat.completions.create, seed=11, model=MODEL,
+                               messages=MESSAGES, max_tokens=40, temperature=1.0, **kwargs):
+            if choice.finish_reason != "stop":
+                continue  # cut by max_tokens: only a prefix
+            text = choice.message.content
+            assert text.startswith("<function=get_weather>") and \
+                text.endswith("</function>"), text
+            body = json.loads(text[len("<function=get_weather>"):-len("</function>")])
+            jsonschema.validate(body, WEATHER)
+    streamed = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40,
+                                              temperature=0, response_format=tag, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text.startswith("<function=get_weather>")
+    legacy = {"type": "structural_tag", "triggers": ["<function="], "structures": [
+        {"begin": "<function=get_weather>", "schema": WEATHER, "end": "</function>"}]}
+    answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20,
+                                            temperature=0, response_format=legacy)
+    assert answer.choices[0].message.content is not None
 
 
 def test_grpc_bad_schema_is_invalid_argument(engines, router):
@@ -304,3 +344,18 @@ def test_beam_search_refuses_structured_outputs(llm):
         llm.beam_search(["x"], BeamSearchParams(beam_width=2, max_tokens=4,
                                                 structured_outputs=StructuredOutputsParams(
                                                     choice=["a"])))
+
+
+def test_offline_structural_tag(llm):
+    """SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag=...)), as
+    vLLM's offline API takes it: random weights, and the tag alone makes the output fit."""
+    tag = {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<a>", "end": "</a>",
+        "content": {"type": "regex", "pattern": "[0-9]{1,3}"}}}
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(structural_tag=tag))
+    (out,) = llm.generate(["one"], params, use_tqdm=False)
+    stopped = [c.text for c in out.outputs if c.finish_reason == "stop"]
+    assert stopped, [c.text for c in out.outputs]
+    for text in stopped:
+        assert re.fullmatch(r"<a>[0-9]{1,3}</a>", text), text
