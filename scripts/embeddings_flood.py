@@ -9,6 +9,9 @@ own status and seconds.
 
     python scripts/embeddings_flood.py on  --port 8400 --out flood-on.json
     python scripts/embeddings_flood.py off --port 8400 --out flood-off.json
+    python scripts/embeddings_flood.py on --up-arg=--long-prefill-token-threshold=256 ...
+
+``--up-arg`` (repeatable) passes a flag to `quire up` (an engine flag under test).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def main() -> None:
     parser.add_argument("--inputs", type=int, default=128)
     parser.add_argument("--input-tokens", type=int, default=2000)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--up-arg", action="append", default=[],
+                        help="a flag for quire up (--up-arg=--long-prefill-token-threshold=256)")
     args = parser.parse_args()
     base = f"http://127.0.0.1:{args.port}"
     log = open(f"embeddings-flood-{args.flow_control}.log", "w")
@@ -43,7 +48,7 @@ def main() -> None:
     proc = subprocess.Popen(
         [str(quire), "up", "--num-engines", "1", "--router-port", str(args.port + 1),
          "--http-port", str(args.port), "--tenant-header", "x-tenant-id",
-         "--flow-control", "true" if args.flow_control == "on" else "false"],
+         "--flow-control", "true" if args.flow_control == "on" else "false", *args.up_arg],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
 
     def post(path: str, body: dict, tenant: str) -> tuple[int, float]:
@@ -84,7 +89,7 @@ def main() -> None:
             time.sleep(3.0)
         thread.join()
         seconds = sorted(s for _, s in during)
-        result = {"flow_control": args.flow_control, "idle_s": idle,
+        result = {"flow_control": args.flow_control, "up_args": args.up_arg, "idle_s": idle,
                   "flood": {"status": flood["result"][0], "seconds": flood["result"][1]},
                   "light_during": during,
                   "light_p50_s": seconds[len(seconds) // 2],
