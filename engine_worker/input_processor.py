@@ -182,6 +182,11 @@ class InputProcessor:
         # what the prompt leaves, as vLLM 0.32's server cuts it (get_max_tokens): the
         # completion then ends with finish_reason "length"
         max_tokens = room if requested is None else min(requested, room)
+        if requested is None or isinstance(requested, DefaultMaxTokens):
+            # the server chose it (no cap: the model's length): cut to what the whole KV
+            # cache holds too, where that is less, rather than refuse what the client never
+            # asked for (the last sampled token is never cached, hence the + 1)
+            max_tokens = min(max_tokens, max(1, self.kv_capacity_tokens - num_prompt_tokens + 1))
         # The cache never holds the last sampled token, hence the - 1.
         peak = num_prompt_tokens + max_tokens - 1
         if peak > self.kv_capacity_tokens:

@@ -63,3 +63,18 @@ def test_stop_token_ids_at_the_limit_pass(processor):
     ids = list(range(49152 - MAX_STOP_TOKEN_IDS, 49152))
     processed = processor.process("r", [5], SamplingParams(stop_token_ids=ids), 0.0, 0)
     assert processed.request.sampling_params.stop_token_ids == ids
+
+
+def test_a_server_chosen_max_tokens_is_cut_to_what_the_cache_holds(embedded_model_dir):
+    """With no output cap by default, a request that sets no max_tokens asks for the model's
+    length; where the KV cache holds less than that (an engine started with a small cache,
+    which only warns), it is cut to what the cache holds, not refused. A client's own
+    max_tokens that cannot fit is still a 400 naming it."""
+    small = InputProcessor(Tokenizer(embedded_model_dir), max_model_len=4096,
+                           kv_capacity_tokens=1024, vocab_size=49152, max_num_seqs=4)
+    assert _max_tokens(small, 24, None) == 1001  # 24 + 1001 - 1 = 1024 cached at the peak
+    assert _max_tokens(small, 24, DefaultMaxTokens(4096)) == 1001
+    with pytest.raises(ValueError, match=r"^max_tokens: the request needs up to 2023 tokens"):
+        _max_tokens(small, 24, 2000)
+    with pytest.raises(ValueError, match=r"^prompt: the request needs"):
+        _max_tokens(small, 1100, None)  # the prompt alone is more than the cache
