@@ -2,10 +2,11 @@
 list of conversations, answered as one chat completion with one choice per conversation
 (``index`` k for conversation k) and their usage summed.
 
-As vLLM 0.32 serves it: every other field applies to each conversation; no ``stream``, no
-``tools``, ``n`` 1. Each conversation is served by the chat path as its own request (template,
-grammar, flow control, placement: conversations of one batch may run on different engines),
-all at once; a bad conversation fails the whole batch with the error its own request gets.
+As vLLM 0.32 serves it, every other field applies to each conversation and ``n`` is 1; a
+``stream`` or ``tools`` (which vLLM ignores there) is refused, not answered otherwise. Each
+conversation is served by the chat path as its own request (template, grammar, flow control,
+placement: conversations of one batch may run on different engines), all at once; a bad
+conversation fails the whole batch with the error its own request gets.
 """
 
 from __future__ import annotations
@@ -42,8 +43,14 @@ def conversations_of(body: dict) -> list[list]:
 
 
 async def serve_chat_batch(front, request: web.Request) -> web.Response:
-    """``front``: the router's ``OpenAIFront``, whose chat path serves each conversation."""
+    """``front``: the router's ``OpenAIFront``, whose chat path serves each conversation.
+
+    Each conversation's call is read to its end by a task of its own, all at once: one still
+    waiting for a flow-control slot gets it as the others finish (a batch that read every
+    first message before any stream on held its own slots unread and waited for itself). One
+    that fails cancels the others' tasks, and closing the calls aborts their engine requests."""
     calls: list[LocalCall] = []
+    tasks: list[asyncio.Task] = []
     req = None
     try:
         body = await front._body(request, chat=True)
@@ -58,14 +65,14 @@ async def serve_chat_batch(front, request: web.Request) -> web.Response:
             calls.append(LocalCall(front.seam.generate, message,
                                    timeout_s=front.cfg.request_timeout_s,
                                    metadata=front._forwarded_metadata(request)))
-        firsts = await asyncio.gather(*(call.read() for call in calls))
-        answers = await asyncio.gather(*(
-            collect_body(r, call, first, front._account)
-            for r, call, first in zip(reqs, calls, firsts)))
-        choices = []
-        for k, answer in enumerate(answers):
-            for choice in answer["choices"]:
-                choices.append(choice | {"index": k})
+
+        async def answer(r: OpenAIRequest, call: LocalCall) -> dict:
+            return await collect_body(r, call, await call.read(), front._account)
+
+        tasks = [asyncio.ensure_future(answer(r, call)) for r, call in zip(reqs, calls)]
+        answers = await asyncio.gather(*tasks)
+        choices = [choice | {"index": k}
+                   for k, one in enumerate(answers) for choice in one["choices"]]
         usage = {key: sum(a["usage"][key] for a in answers)
                  for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
         cached = sum((a["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
@@ -75,5 +82,8 @@ async def serve_chat_batch(front, request: web.Request) -> web.Response:
     except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
         return front._error(request, e, None if req is None else req.field_aliases)
     finally:
+        for task in tasks:  # (a failed or cancelled batch: the others stop reading first)
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for call in calls:
             await call.aclose()  # no-op once finished; aborts the engine request otherwise
