@@ -24,6 +24,9 @@ from router.openai_protocol import (FINISH, GUIDED_FIELDS, RequestError, bool_fi
                                     error_response)
 
 
+_PRIME_TOKENS = 4  # prompt tokens a choice's token texts follow (the engine's detokenizer's)
+
+
 @dataclass
 class Choice:
     text: list[str] = field(default_factory=list)
@@ -77,6 +80,7 @@ class OpenAIRequest:
                 self.echo and body.get("logprobs") is not None))
         self._prompt_logprobs: dict[int, list] = {}  # k -> its prompt's entries
         self._prompt_first: dict[int, int] = {}  # k -> its prompt's first token id
+        self._prompt_tail: dict[int, list[int]] = {}  # k -> its prompt's last token ids
         self._prompt_logprobs_json: dict[int, list] = {}  # k -> them rendered, once
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -154,8 +158,12 @@ class OpenAIRequest:
         prompt's first output); with ``return_token_ids``, its prompt's ids."""
         if self.return_token_ids and message.prompt_token_ids:
             self.prompt_ids[self.prompt_of(message)] = list(message.prompt_token_ids)
-        if self.want_prompt_logprobs and message.prompt_token_ids:  # (position 0 has none)
-            self._prompt_first[self.prompt_of(message)] = message.prompt_token_ids[0]
+        if message.prompt_token_ids:  # (prompt_logprobs' position 0 has none)
+            k = self.prompt_of(message)
+            self._prompt_first[k] = message.prompt_token_ids[0]
+            # what the output's first token follows, as the engine primes its detokenizer
+            # (a SentencePiece token's leading space shows only after other text)
+            self._prompt_tail[k] = list(message.prompt_token_ids[-_PRIME_TOKENS:])
         if self.want_prompt_logprobs and message.prompt_logprobs:
             self._prompt_logprobs.setdefault(self.prompt_of(message), []).extend(
                 message.prompt_logprobs)
@@ -229,6 +237,8 @@ class OpenAIRequest:
         steps = self._text_steps.get(index)
         if steps is None:
             steps = self._text_steps[index] = self._steps()
+            for token_id in self._prompt_tail.get(index // self.n, ()):
+                steps(token_id)  # (their text is the prompt's, not the choice's)
         chosen_token = token if self.tokens_as_ids else steps
         if self.chat:
             def item(tid, lp, name):  # (bytes: the token's own, whatever names it)

@@ -69,3 +69,32 @@ def test_sentencepiece_byte_fallback():
     texts = [steps(i) for i in ids]
     assert "".join(texts) == backend.decode(ids) == "hi 日 héllo"
     assert texts.count("") == 2  # 日's first two bytes
+
+
+def test_a_choices_first_token_keeps_its_space_after_the_prompt():
+    """The router names a choice's tokens by the text each adds after the prompt, as the
+    engine's detokenizer writes the text (primed with the prompt's last tokens): a
+    SentencePiece token's leading space shows only after other text, so a choice decoded from
+    nothing lost it, and its tokens no longer joined into the text."""
+    from tokenizers.decoders import DecodeStream
+
+    from quire.v1 import engine_pb2 as pb
+    from router.openai_answer import OpenAIRequest
+
+    backend = _sentencepiece_with_byte_fallback()
+    ids = backend.encode("hi hello 日", add_special_tokens=False).ids
+    prompt, output = ids[:1], ids[1:]
+    engine = DecodeStream(skip_special_tokens=False)  # as the engine writes the text
+    for token_id in prompt:
+        engine.step(backend, token_id)
+    text = "".join(engine.step(backend, t) or "" for t in output)
+    assert text.startswith(" h")
+    req = OpenAIRequest({"prompt": "hi", "logprobs": 0, "max_tokens": 9}, chat=False,
+                        model_name="m", token_text=lambda t: backend.decode([t]),
+                        pieces=TokenPieces(backend))
+    req.saw(pb.GenerateResponse(request_id=req.id, prompt_token_ids=prompt))
+    entries = [pb.PositionLogprobs(token_ids=[t], logprobs=[-1.0]) for t in output]
+    logprobs = req.choice(0, text, entries, "length", chunk=False)["logprobs"]
+    assert "".join(logprobs["tokens"]) == text
+    assert all(text[at:at + len(t)] == t
+               for at, t in zip(logprobs["text_offset"], logprobs["tokens"]))
