@@ -543,8 +543,9 @@ class OpenAIFront:
             schema = req.tools.schema() if req.tools is not None else None
             if schema is not None:  # required / named: arguments that always parse
                 out.sampling.structured_outputs.json = json.dumps(schema)
-            ids = await self._render.run(approx_chars(messages, req.prompt_tools),
-                                         self._render_chat, messages, req.prompt_tools, options)
+            size = approx_chars(messages, req.prompt_tools, body.get("chat_template_kwargs"))
+            ids = await self._render.run(size, self._render_chat, messages, req.prompt_tools,
+                                         options)
             out.token_ids.ids[:] = self._truncated(ids, truncate, req)
             return out
         if prompt is None:

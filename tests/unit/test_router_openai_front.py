@@ -177,3 +177,32 @@ def test_no_output_cap_by_default_as_vllm():
     _, params, _, _ = request_from_proto(pb.GenerateRequest(
         text="x", sampling=pb.SamplingOptions(max_tokens=5000)), limits)
     assert params.max_tokens == 5000
+
+
+def test_the_loop_renders_only_a_few_small_jobs_a_window():
+    """Small renders run inline, but a burst of them (a batch of 256 small prompts) is not
+    all run on the event loop: past the window's characters, the rest go to the pool."""
+    import asyncio
+    import threading
+
+    from router.render_pool import INLINE_CHARS_PER_WINDOW, WINDOW_S, Renderer, approx_chars
+
+    assert approx_chars({"a": ["xy", {"b": "z" * 10}]}, (1, "q")) == 1 + 2 + 1 + 10 + 1 + 1
+    assert approx_chars("x" * 10_000) == 10_000  # (it stops walking past the limit)
+
+    async def threads() -> list[bool]:
+        now = [0.0]
+        renderer = Renderer(1, clock=lambda: now[0])  # a burst within one window
+        try:
+            loop_thread = threading.get_ident()
+            burst = [await renderer.run(1000, lambda: threading.get_ident() == loop_thread)
+                     for _ in range(2 * INLINE_CHARS_PER_WINDOW // 1000)]
+            now[0] += WINDOW_S  # the next window: inline again
+            return burst + [await renderer.run(
+                1000, lambda: threading.get_ident() == loop_thread)]
+        finally:
+            renderer.shutdown()
+
+    inline = asyncio.run(threads())
+    per_window = INLINE_CHARS_PER_WINDOW // 1000
+    assert inline == [True] * per_window + [False] * per_window + [True]
