@@ -88,8 +88,10 @@ def _compile_structural_tag(compiler, spec: str):
 
     import xgrammar as xgr
 
-    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]),
-                                   end=s["end"]) for s in tag["structures"]]
+    # (a structure without a schema takes any JSON, as vLLM's optional schema)
+    items = [xgr.StructuralTagItem(
+        begin=s["begin"], schema=json.dumps({} if s.get("schema") is None else s["schema"]),
+        end=s["end"]) for s in tag["structures"]]
     with warnings.catch_warnings():  # (xgrammar's deprecation of the form vLLM still takes)
         warnings.simplefilter("ignore", DeprecationWarning)
         return compiler.compile_structural_tag(items, tag["triggers"])

@@ -116,7 +116,7 @@ def sample_tokens(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.
     if meta.allowed:
         logits = _apply_allowed(logits, meta.allowed, unbanned)
     dead = None
-    if meta.bad_words or meta.allowed or (meta.token_bitmask is not None and meta.banned):
+    if meta.bad_words or meta.allowed:  # (min_tokens' bans alone never leave a row none)
         # a grammar, bad_words and an allowed list can together leave a row no token at all
         # (every one -inf: no distribution to draw from). Such a row draws from anything and
         # is answered NO_TOKEN: its request ends with an error (Scheduler._append_sampled).

@@ -76,10 +76,11 @@ def _structural_tag(value, name: str) -> dict:
         structures, triggers = value.get("structures"), value.get("triggers")
         if not isinstance(structures, list) or not structures or not all(
                 isinstance(t, dict) and isinstance(t.get("begin"), str) and
-                isinstance(t.get("end"), str) and isinstance(t.get("schema"), (dict, bool))
+                isinstance(t.get("end"), str) and
+                isinstance(t.get("schema", {}), (dict, bool, type(None)))
                 for t in structures):
             raise FieldError(name, "structures: must be a non-empty list of {begin, schema, "
-                             "end} (strings and a JSON schema)")
+                             "end} (strings and a JSON schema, which may be left out)")
         if not isinstance(triggers, list) or not triggers or not all(
                 isinstance(t, str) and t for t in triggers):
             raise FieldError(name, "triggers: must be a non-empty list of non-empty strings")

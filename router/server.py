@@ -443,6 +443,9 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
     async def LoadLoRAAdapter(self, request, context) -> pb.LoadLoRAAdapterResponse:
         """Load on every serving engine, as the HTTP front's /v1/load_lora_adapter does."""
         try:
+            if request.lora_name in {c.info.model_name for c in self.pool.serving() if c.info}:
+                raise FieldError("lora_name", f"{request.lora_name!r} is the base model's "
+                                 "name: an adapter needs a name of its own")
             loaded = await load_everywhere(self.pool, request.lora_name, request.lora_path,
                                            context.time_remaining(), self.adapter_sources)
         except Exception as e:  # noqa: BLE001 - mapped to a status, named where known

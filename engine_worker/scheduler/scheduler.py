@@ -494,7 +494,7 @@ class Scheduler:
         for token_id in sampled:
             if token_id == NO_TOKEN:  # its constraints together allowed no token
                 status, error = RequestStatus.FINISHED_ABORTED, no_token_error(request)
-                logger.warning("request %s ends: %s", request.req_id, error)
+                logger.debug("request %s ends: %s", request.req_id, error)  # (the client's)
                 break
             request.output_token_ids.append(token_id)
             new_tokens.append(token_id)
@@ -537,12 +537,12 @@ class Scheduler:
 
 def no_token_error(request: Request) -> FieldError:
     """Why a request got no token: the constraints it sent together allow none after its
-    output so far. Named by the first of them that it set (vLLM's fields), the grammar last."""
+    output so far (min_tokens' bans never do: an allowed list lifts them, and a grammar
+    turns them off). Named by the first it set (vLLM's fields), the grammar last."""
     params = request.sampling_params
     fields = [name for name, on in (
         ("bad_words", bool(params.bad_words_token_ids or params.bad_words)),
         ("allowed_token_ids", params.allowed_token_ids is not None),
-        ("min_tokens", params.min_tokens > request.num_output_tokens),
         ("structured_outputs", request.grammar is not None)) if on]
     return FieldError(fields[0] if fields else "allowed_token_ids",
                       f"{' and '.join(fields)} together left no token that may come after "

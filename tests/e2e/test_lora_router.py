@@ -176,3 +176,10 @@ def test_load_and_unload_over_the_routers_grpc(router, adapter_root):
         router.stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="h"), metadata=auth,
                                     timeout=TIMEOUT_S)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    base = router.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=auth,
+                                    timeout=TIMEOUT_S).model_name
+    with pytest.raises(grpc.RpcError) as err:  # the base model's own name, as over HTTP
+        router.stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(
+            lora_name=base, lora_path=str(adapter_root / "b")), metadata=auth, timeout=TIMEOUT_S)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "base model" in \
+        err.value.details()
