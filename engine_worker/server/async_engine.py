@@ -132,7 +132,8 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._ids = itertools.count()
         self.dead_reason: str | None = None
-        self._joined = False  # requests were added since the last load report
+        self._joined = False  # requests were added since the last step
+        self._joined_pooling = False  # ... pooling ones among them
         self.load = LoadSnapshot(0, 0, 0, 0.0, time.time(), lora=engine.stats().lora)
 
     # ------------------------------------------------------------------ lifecycle
@@ -246,11 +247,11 @@ class AsyncEngine:
             idle = not engine.has_unfinished_requests()
             self._drain_commands(block=idle)
             if self._joined:
-                # requests joined since the last report: say so before the step, which may
-                # take seconds (a pooling request admitted and finished within one step was
-                # never seen in the load reports or the gauges)
-                self._joined = False
-                self._after_admission(engine.stats())
+                # requests joined since the last step: the gauges say so before the step,
+                # which may take seconds (a pooling request admitted and finished within one
+                # step was never seen in them); see _after_admission for the load report
+                self._after_admission(engine.stats(), publish=self._joined_pooling)
+                self._joined = self._joined_pooling = False
             if not engine.has_unfinished_requests():
                 continue
             try:
@@ -323,6 +324,7 @@ class AsyncEngine:
             return
         self._streams[command.request_id] = command.stream
         self._joined = True
+        self._joined_pooling |= isinstance(command.params, PoolingParams)
         added.set_result(None)
 
     def _deliver(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
@@ -370,10 +372,17 @@ class AsyncEngine:
         if self._on_step is not None:
             self._on_step(stats)
 
-    def _after_admission(self, stats: EngineStats) -> None:
-        """The load report and the step gauges as of requests joining, between steps
-        (``on_step`` takes running totals, so a second report counts nothing twice)."""
-        self._publish_load(stats)
+    def _after_admission(self, stats: EngineStats, *, publish: bool) -> None:
+        """The step gauges as of requests joining, between steps (``on_step`` takes running
+        totals, so a second report counts nothing twice), and with ``publish`` the load report
+        routers read. Only pooling requests are published so: they can be admitted and
+        finished within the step, unseen otherwise; a generation request shows in the report
+        after its first step, and a report of it waiting, published as it joined, outlives the
+        step by up to a router's read interval (100 ms), during which other routers took the
+        engine that had just taken it as loaded and placed the next request of a warm prefix
+        on a cold engine (CI caught it with three router replicas)."""
+        if publish:
+            self._publish_load(stats)
         if self._on_step is not None:
             self._on_step(stats)
 
