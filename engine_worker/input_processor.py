@@ -18,7 +18,7 @@ from engine_worker.pooling_params import PoolingParams
 from engine_worker.request import Request
 from engine_worker.sampling_params import SamplingParams, bad_words_token_ids
 from engine_worker.tokenizer import Tokenizer
-from quire.limits import check_n
+from quire.limits import check_cache_salt, check_n
 from quire.structured_outputs import check_logit_bias
 from quire.list_limits import MAX_STOP_TOKEN_IDS, check_length, check_token_ids
 
@@ -112,8 +112,8 @@ class InputProcessor:
             raise FieldError("priority", f"must be an integer, got {priority!r}")
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             cache_salt = prompt["cache_salt"]
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise FieldError("cache_salt", "must be a non-empty string")
+        if cache_salt is not None:
+            check_cache_salt(cache_salt)
         return cache_salt
 
     def _process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams,

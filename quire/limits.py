@@ -129,6 +129,22 @@ def check_request_id(request_id: str) -> None:
                          f"{len(request_id)}")
 
 
+# vLLM's bounds on a cache salt (it reaches cache keys, KV event wires and paths downstream)
+MAX_CACHE_SALT_CHARS = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def check_cache_salt(value: object, field: str = "cache_salt") -> str:
+    """vLLM's ``cache_salt`` check, the same on every front: a non-empty string of at most
+    128 characters without @, /, \\ or NUL (gRPC took any string, 4 MB and NUL included)."""
+    if not isinstance(value, str) or not value:
+        raise FieldError(field, f"must be a non-empty string, got {shown(value)}")
+    if len(value) > MAX_CACHE_SALT_CHARS or _CACHE_SALT_FORBIDDEN & set(value):
+        raise FieldError(field, f"must be at most {MAX_CACHE_SALT_CHARS} characters and must "
+                         "not contain '@', '/', '\\' or NUL")
+    return value
+
+
 def check_lora_name(name: str, field: str = "lora_name") -> None:
     """A LoRA adapter's name ("" : the base model) of at most ``MAX_LORA_NAME_CHARS``."""
     if len(name) > MAX_LORA_NAME_CHARS:

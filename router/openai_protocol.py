@@ -14,8 +14,8 @@ import grpc
 from aiohttp import web
 
 from quire.errors import FieldError, NotFoundError, field_of, http_status
-from quire.limits import (DEFAULT_MAX_N, UINT32_MAX, check_min_tokens, check_n,
-                          check_sampling, shown)
+from quire.limits import (DEFAULT_MAX_N, UINT32_MAX, check_cache_salt, check_min_tokens,
+                          check_n, check_sampling, shown)
 from quire.list_limits import (MAX_CHAT_MESSAGES, MAX_CONTENT_PARTS, MAX_STOP_TOKEN_IDS,
                                check_allowed_token_ids, check_bad_words)
 from quire.structured_outputs import check_logit_bias, structured_outputs_kind
@@ -89,24 +89,16 @@ def request_priority(body: dict) -> int:
     return value
 
 
-# vLLM's bounds on a cache salt (it reaches cache keys and paths downstream)
-MAX_CACHE_SALT_CHARS = 128
-_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
-
-
 def cache_salt(body: dict) -> str:
     """vLLM's ``cache_salt``: requests share cached prefixes only with an equal salt ("":
-    none sent). A non-empty string of at most 128 characters without @, /, \\ or NUL."""
+    none sent); ``check_cache_salt``'s bounds."""
     value = body.get("cache_salt")
     if value is None:
         return ""
-    if not isinstance(value, str) or not value:
-        raise RequestError(f"cache_salt: must be a non-empty string, got {shown(value)}",
-                           "cache_salt")
-    if len(value) > MAX_CACHE_SALT_CHARS or _CACHE_SALT_FORBIDDEN & set(value):
-        raise RequestError(f"cache_salt: must be at most {MAX_CACHE_SALT_CHARS} characters "
-                           "and must not contain '@', '/', '\\' or NUL", "cache_salt")
-    return value
+    try:
+        return check_cache_salt(value)
+    except FieldError as e:
+        raise RequestError(str(e), e.field) from None
 
 
 def truncation(body: dict, default_side: str = "left") -> tuple[int, str] | None:

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from quire.load_stream import load_reports
-from quire.limits import (DEFAULT_MAX_N, check_lora_name, check_n, check_request_id,
-                          request_prompt)
+from quire.limits import (DEFAULT_MAX_N, check_cache_salt, check_lora_name, check_n,
+                          check_request_id, request_prompt)
 from quire.list_limits import MAX_STOP_TOKEN_IDS, check_length
 from quire.structured_outputs import check_logit_bias, spec_from_proto, structured_outputs_kind
 from quire.tracing import traced_generate
@@ -85,6 +85,8 @@ class RequestLimits:
         """Raise ValueError naming the field when the request exceeds a limit."""
         check_request_id(request.request_id)
         check_lora_name(request.lora_name)
+        if request.cache_salt:
+            check_cache_salt(request.cache_salt)
         sampling = request.sampling
         if sampling.HasField("n"):
             check_n(sampling.n, self.max_n, field="sampling.n")
@@ -324,6 +326,8 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
         try:
             check_request_id(request.request_id)
+            if request.cache_salt:
+                check_cache_salt(request.cache_salt)
             if request.WhichOneof("prompt") == "text" and \
                     len(request.text) > self.limits.max_prompt_chars:
                 raise FieldError("text", f"at most {self.limits.max_prompt_chars} characters, "

@@ -187,3 +187,24 @@ def test_a_small_chat_does_not_wait_behind_large_renders(router):
         for future in held:
             future.result(timeout=TIMEOUT_S)
 
+
+
+@pytest.mark.parametrize("salt", ["a/b", "@", "a\x00b", "x" * 129, "s" * (4 << 20)])
+def test_grpc_checks_cache_salt_as_http_does(router, engines, salt):
+    """gRPC took any cache salt (NUL, '/', 4 MB), which reaches block hashes and KV event
+    wires; HTTP refused these as vLLM does. Both fronts, the router's and an engine's own, now
+    share one check."""
+    auth = (("authorization", f"Bearer {KEY}"),)
+    generate = pb.GenerateRequest(text="x", cache_salt=salt,
+                                  sampling=pb.SamplingOptions(max_tokens=2))
+    embed = pb.EmbedRequest(text="x", cache_salt=salt)
+    for call, message, metadata in ((router.stub.Generate, generate, auth),
+                                    (engines[0].stub.Generate, generate, ()),
+                                    (router.stub.Embed, embed, auth),
+                                    (engines[0].stub.Embed, embed, ())):
+        with pytest.raises(grpc.RpcError) as err:
+            answer = call(message, timeout=TIMEOUT_S, metadata=metadata)
+            if message is generate:  # a stream: its error comes as it is read
+                list(answer)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert dict(err.value.trailing_metadata())[FIELD_METADATA] == "cache_salt"
