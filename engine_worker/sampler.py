@@ -116,10 +116,11 @@ def sample_tokens(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.
     if meta.allowed:
         logits = _apply_allowed(logits, meta.allowed, unbanned)
     dead = None
-    if meta.bad_words or meta.allowed:  # (min_tokens' bans alone never leave a row none)
-        # a grammar, bad_words and an allowed list can together leave a row no token at all
-        # (every one -inf: no distribution to draw from). Such a row draws from anything and
-        # is answered NO_TOKEN: its request ends with an error (Scheduler._append_sampled).
+    if sum((meta.token_bitmask is not None, bool(meta.bad_words), bool(meta.allowed))) > 1:
+        # two of a grammar, bad_words and an allowed list can together leave a row no token
+        # (every one -inf: no distribution to draw from; one alone, or with min_tokens' bans,
+        # never does). Such a row draws from anything and is answered NO_TOKEN: its request
+        # ends with an error (Scheduler._append_sampled). Steps without two pay nothing.
         dead = torch.isneginf(logits).all(dim=-1)
         logits = logits.masked_fill(dead[:, None], 0.0)
     if meta.logit_bias:

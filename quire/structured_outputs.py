@@ -90,6 +90,11 @@ def _structural_tag(value, name: str) -> dict:
     return value
 
 
+def no_kind_error(field: str) -> FieldError:
+    """A ``quire.v1.StructuredOutputs`` that sets no kind."""
+    return FieldError(field, f"set one kind ({', '.join(STRUCTURED_OUTPUT_KINDS)})")
+
+
 def spec_from_proto(message) -> dict | None:
     """A ``quire.v1.StructuredOutputs`` as ``{kind: value}`` (None when no kind is set); the
     JSON schema stays text (``structured_outputs_kind`` parses it)."""

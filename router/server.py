@@ -29,7 +29,8 @@ from quire.load_stream import load_reports
 from quire.limits import (DEFAULT_MAX_N, check_cache_salt, check_lora_name, check_n,
                           check_request_id, request_prompt)
 from quire.list_limits import MAX_STOP_TOKEN_IDS, check_length
-from quire.structured_outputs import check_logit_bias, spec_from_proto, structured_outputs_kind
+from quire.structured_outputs import (check_logit_bias, no_kind_error, spec_from_proto,
+                                      structured_outputs_kind)
 from quire.tracing import traced_generate
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
@@ -105,8 +106,7 @@ class RequestLimits:
         if sampling.HasField("structured_outputs"):  # its shape; the engine compiles it
             spec = spec_from_proto(sampling.structured_outputs)
             if spec is None:
-                raise FieldError("sampling.structured_outputs", "set one kind (json, regex, "
-                                 "choice, grammar, json_object or structural_tag)")
+                raise no_kind_error("sampling.structured_outputs")
             structured_outputs_kind(spec, field="sampling.structured_outputs")
         if sampling.logit_bias:
             check_logit_bias(sampling.logit_bias, field="sampling.logit_bias")

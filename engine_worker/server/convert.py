@@ -8,7 +8,7 @@ from engine_worker.outputs import PoolingRequestOutput, RequestOutput
 from engine_worker.pooling_params import PoolingParams
 from engine_worker.sampling_params import SamplingParams, StructuredOutputsParams
 from quire.limits import check_lora_name, check_n, check_request_id, request_prompt
-from quire.structured_outputs import spec_from_proto, structured_outputs_kind
+from quire.structured_outputs import no_kind_error, spec_from_proto, structured_outputs_kind
 from quire.v1 import engine_pb2 as pb
 
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
@@ -55,8 +55,7 @@ def request_from_proto(message: pb.GenerateRequest, limits: RequestLimits):
     if sampling.HasField("structured_outputs"):
         spec = spec_from_proto(sampling.structured_outputs)
         if spec is None:
-            raise FieldError("structured_outputs", "set one kind (json, regex, choice, grammar, "
-                             "json_object or structural_tag)")
+            raise no_kind_error("structured_outputs")
         structured_outputs_kind(spec)  # names the field before the dataclass sees it
         structured = StructuredOutputsParams(**spec)
     params = SamplingParams(stop=list(sampling.stop),

@@ -14,9 +14,10 @@ import pytest
 from quire.errors import FIELD_METADATA
 from quire.v1 import engine_pb2 as pb
 from tests.e2e import test_hostile_input_3 as hostile_3
-from tests.e2e.router_harness import TIMEOUT_S, RunningRouter, address, engine_fleet
+from tests.e2e.router_harness import TIMEOUT_S, engine_fleet
 
 MODEL, KEY = hostile_3.MODEL, hostile_3.KEY
+router = hostile_3.router  # (its router, over this module's two engines)
 assert_400, no_tracebacks = hostile_3.assert_400, hostile_3.no_tracebacks
 
 
@@ -36,14 +37,6 @@ def exchange(router, method: str, path: str, body=None) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
     yield from engine_fleet(tiny_model_dir, count=2, max_model_len=512)
-
-
-@pytest.fixture(scope="module")
-def router(engines):
-    running = RunningRouter([address(e) for e in engines], http_port=0, model_name=MODEL,
-                            api_keys=KEY)
-    yield running
-    running.close()
 
 
 def _serving(router) -> int:
