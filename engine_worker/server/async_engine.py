@@ -159,6 +159,14 @@ class AsyncEngine:
         return len(self._streams)
 
     # ------------------------------------------------------------- asyncio side
+    def _internal_id(self, request_id: str) -> str:
+        """The engine's own id of a request: the caller's with a suffix no other live request
+        has, as vLLM adds one (its PR 27987), so that two clients that happen to pick one id
+        (through one router, or a retried request whose first try is still being aborted)
+        never collide; outputs carry the caller's id back."""
+        n = next(self._ids)
+        return f"{request_id}-{n}" if request_id else f"req-{n}"
+
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                        priority: int = 0, cache_salt: str | None = None,
                        lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -166,7 +174,7 @@ class AsyncEngine:
         deadline, closed stream) aborts the request in the engine."""
         if not self.alive:
             raise EngineUnavailableError(self.dead_reason or "the engine is shutting down")
-        request_id = request_id or f"req-{next(self._ids)}"
+        client_id, request_id = request_id, self._internal_id(request_id)
         params = params.clone(output_kind=RequestOutputKind.DELTA)
         if params.structured_outputs is not None:
             # compiled on the grammar cache's thread, never the loop's: only this request waits
@@ -191,6 +199,7 @@ class AsyncEngine:
                 except BaseException:
                     finished = True  # the engine ended the stream: nothing left to abort
                     raise
+                output.request_id = client_id or request_id
                 yield output
                 if output.finished:
                     finished = True
@@ -206,14 +215,16 @@ class AsyncEngine:
         work). Cancelling the caller aborts the request in the engine."""
         if not self.alive:
             raise EngineUnavailableError(self.dead_reason or "the engine is shutting down")
-        request_id = request_id or f"req-{next(self._ids)}"
+        client_id, request_id = request_id, self._internal_id(request_id)
         stream = OutputCollector()
         added: Future = Future()
         self._commands.put(AddRequest(request_id, prompt, params, priority, cache_salt, stream,
                                       added, lora_name))
         try:
             await asyncio.wrap_future(added)  # raises ValueError / QueueFullError from the loop
-            return await stream.get()  # its one output; the engine's failure raises here
+            output = await stream.get()  # its one output; the engine's failure raises here
+            output.request_id = client_id or request_id
+            return output
         except asyncio.CancelledError:
             self._commands.put(AbortRequest(request_id))
             raise

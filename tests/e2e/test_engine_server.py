@@ -123,6 +123,31 @@ def test_cancelling_a_stream_aborts_and_frees_blocks(server):
     assert server.load.num_running == 0 and server.holds_no_request()
 
 
+def test_two_clients_may_send_one_request_id_at_once(server):
+    """The engine keys its requests by the caller's id with a suffix of its own (as vLLM's
+    PR 27987): two live requests of one id, as two clients behind a router may send, both
+    run to the end with that id on every message (before, the second was a 400), and
+    cancelling one leaves the other running."""
+    first = server.stub.Generate(pb.GenerateRequest(request_id="same", token_ids=pb.TokenIds(
+        ids=PROMPT), sampling=pb.SamplingOptions(temperature=0, max_tokens=300,
+                                                 ignore_eos=True)))
+    assert next(first).request_id == "same"
+    second = list(server.stub.Generate(pb.GenerateRequest(
+        request_id="same", token_ids=pb.TokenIds(ids=PROMPT[:20]),
+        sampling=pb.SamplingOptions(temperature=0, max_tokens=4, ignore_eos=True))))
+    assert {m.request_id for m in second} == {"same"} and second[-1].finished
+    assert sum(len(d.token_ids) for m in second for d in m.outputs) == 4
+    assert server.load.num_running == 1  # the first still decodes
+    first.cancel()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not server.holds_no_request():
+        time.sleep(0.05)
+    assert server.holds_no_request()
+    embedded = server.stub.Embed(pb.EmbedRequest(request_id="same",
+                                                 token_ids=pb.TokenIds(ids=PROMPT[:8])))
+    assert embedded.request_id == "same"
+
+
 def test_deadline_is_honoured_and_work_stops(server):
     with pytest.raises(grpc.RpcError) as err:
         _collect(server.stub.Generate(_request(PROMPT, max_tokens=900), timeout=0.5))
