@@ -53,7 +53,8 @@ class StackConfig:
 ROUTER_OPTIONS = ("model_name", "api_keys", "api_key_file", "max_body_bytes",
                   "max_message_bytes", "max_n", "max_tokens_limit", "max_prompt_chars",
                   "max_stop_strings", "max_stop_string_len", "tokenizer_threads",
-                  "http_header_timeout_s", "http_body_timeout_s", "request_timeout_s")
+                  "http_header_timeout_s", "http_body_timeout_s", "request_timeout_s",
+                  "responses_store_bytes")
 # the limits both check: the engines get the router's values, so the two never disagree
 SHARED_LIMITS = ("max_message_bytes", "max_n", "max_tokens_limit", "max_prompt_chars",
                  "max_stop_strings", "max_stop_string_len")

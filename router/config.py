@@ -42,6 +42,9 @@ class RouterServerConfig:
     http_header_timeout_s: float = 10.0  # a request's headers must arrive within this
     http_body_timeout_s: float = 60.0  # and its body within this
     request_timeout_s: float = 600.0  # deadline of HTTP requests (gRPC clients set their own)
+    # the Responses API's stored responses (previous_response_id, GET, background), in bytes
+    # (0: store nothing, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE)
+    responses_store_bytes: int = 64 << 20
     drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -55,6 +58,8 @@ class RouterServerConfig:
                f"must be in [0, 2**32), got {self.max_tokens_limit}")
         for name in ("request_timeout_s", "http_header_timeout_s", "http_body_timeout_s"):
             _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        _check(self.responses_store_bytes >= 0, "responses_store_bytes",
+               f"must be >= 0 (0: off), got {self.responses_store_bytes}")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s",
                f"must be >= 0, got {self.drain_timeout_s}")
 

@@ -44,11 +44,11 @@ from router.openai_protocol import (RequestError, cache_salt, chat_messages, che
                                     truncation)
 from router.openai_embeddings import (EMBEDDING_FIELDS, EMBEDDING_INPUTS_IN_FLIGHT,
                                       Conversation, EmbeddingsRequest, embeddings_response)
-from router.openai_responses import (ALIASES, RESPONSES_FIELDS, ResponsesAnswer, chat_body,
-                                     renamed)
+from router import openai_responses_serve as responses
 from router.openai_tokenize import (DETOKENIZE_FIELDS, TOKENIZE_FIELDS, TokenizeRequest,
                                     detokenize_ids, tokenize_response)
 from router.render_pool import Renderer, approx_chars
+from router.responses_store import ResponsesStore
 
 if TYPE_CHECKING:
     from quire.tokenizer import FastTokenizer
@@ -113,6 +113,7 @@ class OpenAIFront:
         self._runner: web.AppRunner | None = None
         self._render: Renderer | None = None  # template and tokenizer work
         self.client_errors = RateLimitedLog(logger)  # one line per client mistake, bounded
+        self.responses = ResponsesStore(cfg.responses_store_bytes)  # Responses API's store
 
     @property
     def model_name(self) -> str:
@@ -145,7 +146,15 @@ class OpenAIFront:
                         web.post("/v1/chat/completions", self._chat),
                         web.post("/v1/chat/completions/batch", partial(serve_chat_batch, self)),
                         web.post("/v1/embeddings", self._embeddings),
-                        web.post("/v1/responses", self._responses),
+                        web.post("/v1/responses", partial(responses.create, self)),
+                        web.get("/v1/responses/{response_id}",
+                                partial(responses.retrieve, self)),
+                        web.delete("/v1/responses/{response_id}",
+                                   partial(responses.delete, self)),
+                        web.post("/v1/responses/{response_id}/cancel",
+                                 partial(responses.cancel, self)),
+                        web.get("/v1/responses/{response_id}/input_items",
+                                partial(responses.list_input_items, self)),
                         web.post("/tokenize", self._tokenize),
                         web.post("/detokenize", self._detokenize),
                         web.post("/v1/load_lora_adapter", self._load_lora),
@@ -176,6 +185,7 @@ class OpenAIFront:
         return self.port
 
     async def stop(self) -> None:
+        await asyncio.gather(*self.responses.cancel_all(), return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
         if self._render is not None:
@@ -306,31 +316,6 @@ class OpenAIFront:
         finally:
             if call is not None:
                 await call.aclose()  # no-op once finished; aborts the engine request otherwise
-
-    async def _responses(self, request: web.Request) -> web.StreamResponse:
-        """OpenAI's Responses API, as the chat completion it means (router.openai_responses)."""
-        call = req = chat = None
-        try:
-            body = await self._body(request, known=RESPONSES_FIELDS)
-            chat = chat_body(body)
-            req = OpenAIRequest(chat, chat=True, model_name=self._check_model(chat) or
-                                self.model_name, **self._texts())
-            (message,) = await self._generate_requests(req)
-            call = LocalCall(self.seam.generate, message, timeout_s=self.cfg.request_timeout_s,
-                             metadata=self._forwarded_metadata(request))
-            first = await call.read()  # errors before any output keep their HTTP status
-            answer = ResponsesAnswer(body, req, req.model_name)
-            if body.get("stream"):
-                return await answer.stream(request, call, first, self._account)
-            return await answer.collect(call, first, self._account)
-        except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
-            if chat is None:  # the Responses body's own checks: named as it names them
-                return self._error(request, e)
-            return self._error(request, renamed(e), ALIASES | ({} if req is None else {
-                k: ALIASES.get(v, v) for k, v in req.field_aliases.items()}))
-        finally:
-            if call is not None:
-                await call.aclose()
 
     def _error(self, request: web.Request, error: Exception,
                aliases: dict[str, str] | None = None) -> web.Response:

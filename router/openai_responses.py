@@ -11,9 +11,11 @@ front. A request is translated into the chat completion it means and served by t
 
 The answer is a Response object (``output``: a message with its ``output_text``, then one
 ``function_call`` item per call), or streamed as the Responses events the official client reads
-(``response.created`` ... ``response.output_text.delta`` ... ``response.completed``). Nothing
-is kept between requests: ``previous_response_id``, ``background`` and ``include`` are refused
-unless off, and ``store`` is accepted but stores nothing. Errors name the Responses field.
+(``response.created`` ... ``response.output_text.delta`` ... ``response.completed``).
+``store`` (default true, as OpenAI's) keeps the answer in the router's store
+(``router.responses_store``) for ``previous_response_id``, ``GET`` / ``DELETE`` and
+``background`` responses (``router.openai_responses_serve``); ``include`` and the hosted
+features are refused unless off. Errors name the Responses field.
 """
 
 from __future__ import annotations
@@ -37,34 +39,39 @@ _PASSED = ("model", "temperature", "top_p", "top_k", "min_p", "presence_penalty"
            "cache_salt", "parallel_tool_calls", "user", "metadata", "service_tier",
            "prompt_cache_key", "safety_identifier")
 # Accepted only where they ask for nothing this server would have to keep or run.
-_OFF = {"previous_response_id": lambda v: v is None,
-        "background": lambda v: v in (None, False),
-        "include": lambda v: v in (None, []),
+_OFF = {"include": lambda v: v in (None, []),
         "conversation": lambda v: v is None,
         "prompt": lambda v: v is None,
         "max_tool_calls": lambda v: v is None,
         "top_logprobs": lambda v: v in (None, 0)}
 RESPONSES_FIELDS = frozenset(_PASSED) | frozenset(_OFF) | {
     "input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning",
-    "stream", "stream_options", "store", "truncation"}
+    "stream", "stream_options", "store", "truncation", "previous_response_id", "background"}
 # chat's name of a field -> the Responses request's
 ALIASES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text",
            "structured_outputs.json": "text", "reasoning_effort": "reasoning",
            "truncate_prompt_tokens": "truncation", "prompt": "input", "token_ids": "input"}
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                "reasoning": "rs"}
 
 
-def chat_body(body: dict) -> dict:
-    """The chat completion ``body`` (a Responses request) means; RequestError naming the
+def chat_body(body: dict, history: list[dict] | None = None) -> dict:
+    """The chat completion ``body`` (a Responses request) means, after the conversation
+    ``history`` (a stored response's, for ``previous_response_id``); RequestError naming the
     Responses field."""
     for name, off in _OFF.items():
         if name in body and not off(body[name]):
-            raise RequestError(f"{name}: is not supported by this server (no state is kept "
-                               f"between requests), got {shown(body[name])}", name)
+            raise RequestError(f"{name}: is not supported by this server, got "
+                               f"{shown(body[name])}", name)
     _check_echoed(body)
     out = {name: body[name] for name in _PASSED if name in body}
-    out["messages"] = _messages(body.get("input"), body.get("instructions"))
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise RequestError("instructions: must be a string", "instructions")
+    system = [] if instructions is None else [{"role": "system", "content": instructions}]
+    out["messages"] = system + list(history or ()) + input_messages(body)
     if body.get("max_output_tokens") is not None:
         out["max_tokens"] = body["max_output_tokens"]
     if body.get("tools") is not None:
@@ -94,7 +101,7 @@ def chat_body(body: dict) -> dict:
                                 not set(options) <= {"include_obfuscation"}):
         raise RequestError("stream_options: must be an object with at most "
                            "include_obfuscation", "stream_options")
-    for name in ("store", "stream"):
+    for name in ("store", "stream", "background"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise RequestError(f"{name}: must be a boolean, got {shown(body[name])}", name)
     return out
@@ -116,12 +123,10 @@ def _text(content, where: str) -> str:
     return "\n".join(texts)  # as chat's parts (and vLLM's)
 
 
-def _messages(items, instructions) -> list[dict]:
+def input_messages(body: dict) -> list[dict]:
+    """The chat messages of the request's ``input`` (without its ``instructions``)."""
+    items = body.get("input")
     messages: list[dict] = []
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise RequestError("instructions: must be a string", "instructions")
-        messages.append({"role": "system", "content": instructions})
     if isinstance(items, str):
         return messages + [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
@@ -159,6 +164,42 @@ def _messages(items, instructions) -> list[dict]:
                                "assistant), a function_call or a function_call_output",
                                "input")
     return messages
+
+
+def input_items(body: dict) -> list[dict]:
+    """The request's ``input`` as ``/input_items`` lists it: items with their type and an id,
+    message content as parts (the request was checked by ``input_messages``)."""
+    items = body["input"]
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    out = []
+    for item in items:
+        item = dict(item)
+        kind = item.setdefault("type", "message")
+        if kind == "message":
+            if isinstance(item.get("content"), str):
+                item["content"] = [{"type": "output_text", "text": item["content"],
+                                    "annotations": []} if item.get("role") == "assistant"
+                                   else {"type": "input_text", "text": item["content"]}]
+            item.setdefault("status", "completed")
+        prefix = _ID_PREFIXES.get(kind, "item")
+        item.setdefault("id", f"{prefix}_{uuid.uuid4().hex}")
+        out.append(item)
+    return out
+
+
+def answer_message(output: list[dict]) -> dict:
+    """A response's output items as the chat message that continues its conversation: its
+    text, and its function calls as ``tool_calls``."""
+    text = "".join(part.get("text", "") for item in output if item["type"] == "message"
+                   for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    message: dict = {"role": "assistant", "content": text if text or not calls else None}
+    if calls:
+        message["tool_calls"] = calls
+    return message
 
 
 def _check_echoed(body: dict) -> None:
@@ -252,11 +293,12 @@ class ResponsesAnswer:
     """One Responses request's answer: whole (``collect``) or as events (``stream``). ``req``
     is the chat request it was served as (its tools say how calls are read)."""
 
-    def __init__(self, body: dict, req, model_name: str) -> None:
-        self.body, self.req, self.model_name = body, req, model_name
+    def __init__(self, body: dict, req, model_name: str, store: bool = False) -> None:
+        self.body, self.req, self.model_name, self.store = body, req, model_name, store
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._sequence = 0
+        self.final: dict | None = None  # the finished Response object
 
     def response(self, status: str, output: list[dict], usage: dict | None = None,
                  finish: int = 0) -> dict:
@@ -269,7 +311,9 @@ class ResponsesAnswer:
             "incomplete_details": incomplete, "instructions": body.get("instructions"),
             "max_output_tokens": body.get("max_output_tokens"), "model": self.model_name,
             "output": output, "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
-            "previous_response_id": None, "reasoning": body.get("reasoning"), "store": False,
+            "previous_response_id": body.get("previous_response_id"),
+            "reasoning": body.get("reasoning"), "store": self.store,
+            "background": body.get("background") is True,
             "temperature": body.get("temperature", 1.0),
             "text": body.get("text") or {"format": {"type": "text"}},
             "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
@@ -288,6 +332,10 @@ class ResponsesAnswer:
                 "name": name, "arguments": arguments, "status": status}
 
     async def collect(self, call, first, account: Callable[[pb.Usage], None]) -> web.Response:
+        return web.json_response(await self.result(call, first, account))
+
+    async def result(self, call, first, account: Callable[[pb.Usage], None]) -> dict:
+        """The finished Response object (also kept as ``final``)."""
         texts, finish, usage = [], 0, pb.Usage()
         async for message in messages_of(call, first):
             for delta in message.outputs:
@@ -300,7 +348,8 @@ class ResponsesAnswer:
         content, calls = self.req.tools.parse(text) if self.req.tools else (text, [])
         output = [] if calls and not content else [self.message_item(content or "")]
         output += [self.call_item(c.id, c.name, c.arguments) for c in calls]
-        return web.json_response(self.response("completed", output, _usage(usage), finish))
+        self.final = self.response("completed", output, _usage(usage), finish)
+        return self.final
 
     def _event(self, kind: str, **fields) -> bytes:
         self._sequence += 1
@@ -340,9 +389,9 @@ class ResponsesAnswer:
         except ConnectionResetError:
             return response  # the client left; the front's finally cancels the call
         account(usage)
-        await response.write(b"".join(out.close()) + self._event(
-            "response.completed",
-            response=self.response("completed", out.items, _usage(usage), finish)))
+        closing = b"".join(out.close())  # every item done: out.items is the whole output
+        self.final = self.response("completed", out.items, _usage(usage), finish)
+        await response.write(closing + self._event("response.completed", response=self.final))
         await response.write_eof()
         return response
 

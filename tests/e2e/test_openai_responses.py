@@ -118,8 +118,7 @@ def test_text_format_json_schema_is_enforced(client):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": QUESTION, "previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"input": QUESTION, "background": True}, "background"),
+    ({"input": QUESTION, "include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": QUESTION, "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": []}, "input"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
@@ -137,5 +136,5 @@ def test_bad_requests_are_400s_naming_the_responses_field(front, body, param):
 
 
 def test_the_official_client_raises_its_bad_request_error(client):
-    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
-        client.responses.create(model=MODEL, input=QUESTION, previous_response_id="resp_1")
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.create(model=MODEL, input=QUESTION, background=True, store=False)

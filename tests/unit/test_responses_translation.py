@@ -43,7 +43,8 @@ def test_fields_map_to_chats_names():
 @pytest.mark.parametrize("body, param", [
     ({"input": "hi", "stream": "false"}, "stream"),
     ({"input": "hi", "store": 1}, "store"),
-    ({"input": "hi", "previous_response_id": "r"}, "previous_response_id"),
+    ({"input": "hi", "background": 1}, "background"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
     ({"input": [{"type": "function_call", "call_id": 5, "name": "f", "arguments": "{}"}]},
      "input"),
     ({"input": "hi", "truncation": "middle"}, "truncation"),
