@@ -243,7 +243,10 @@ HELP = {
     "http_header_timeout_s": "HTTP: a request's headers must arrive within this (slow clients "
                              "are disconnected)",
     "http_body_timeout_s": "HTTP: a request's body must arrive within this (408 otherwise)",
-    "request_timeout_s": "deadline of HTTP requests",
+    "request_timeout_s": "deadline of HTTP requests (background Responses too, queueing "
+                         "included)",
+    "responses_store_bytes": "the Responses API's stored responses (previous_response_id, GET, "
+                             "background), bytes of JSON kept per router process (0: off)",
     "drain_timeout_s": "on SIGTERM, how long in-flight requests may finish",
     "discovery": "static, dns or kubernetes",
     "engines": "static discovery: comma-separated engines: host:port (a Quire engine) or "

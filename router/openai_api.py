@@ -185,9 +185,12 @@ class OpenAIFront:
         return self.port
 
     async def stop(self) -> None:
+        # background Responses stop with the router: those running now, and any a request
+        # still being answered starts before the runner's cleanup ends
         await asyncio.gather(*self.responses.cancel_all(), return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
+        await asyncio.gather(*self.responses.cancel_all(), return_exceptions=True)
         if self._render is not None:
             self._render.shutdown()
 

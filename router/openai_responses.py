@@ -299,6 +299,7 @@ class ResponsesAnswer:
         self.created = int(time.time())
         self._sequence = 0
         self.final: dict | None = None  # the finished Response object
+        self.on_final: Callable[[dict], object] | None = None  # called with it once made
 
     def response(self, status: str, output: list[dict], usage: dict | None = None,
                  finish: int = 0) -> dict:
@@ -348,8 +349,13 @@ class ResponsesAnswer:
         content, calls = self.req.tools.parse(text) if self.req.tools else (text, [])
         output = [] if calls and not content else [self.message_item(content or "")]
         output += [self.call_item(c.id, c.name, c.arguments) for c in calls]
-        self.final = self.response("completed", output, _usage(usage), finish)
+        self._finished(self.response("completed", output, _usage(usage), finish))
         return self.final
+
+    def _finished(self, final: dict) -> None:
+        self.final = final
+        if self.on_final is not None:
+            self.on_final(final)
 
     def _event(self, kind: str, **fields) -> bytes:
         self._sequence += 1
@@ -390,7 +396,7 @@ class ResponsesAnswer:
             return response  # the client left; the front's finally cancels the call
         account(usage)
         closing = b"".join(out.close())  # every item done: out.items is the whole output
-        self.final = self.response("completed", out.items, _usage(usage), finish)
+        self._finished(self.response("completed", out.items, _usage(usage), finish))
         await response.write(closing + self._event("response.completed", response=self.final))
         await response.write_eof()
         return response

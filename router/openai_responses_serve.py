@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from functools import partial
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -95,10 +96,11 @@ async def create(front: OpenAIFront, request: web.Request) -> web.StreamResponse
         req = OpenAIRequest(chat, chat=True, model_name=front._check_model(chat) or
                             front.model_name, **front._texts())
         (message,) = await front._generate_requests(req)
-        call = LocalCall(front.seam.generate, message, timeout_s=front.cfg.request_timeout_s,
-                         metadata=front._forwarded_metadata(request))
         kept = body.get("store") is not False and store.enabled
         answer = ResponsesAnswer(body, req, req.model_name, store=kept)
+        message.request_id = answer.id  # the id logs, traces and /debug/decisions show
+        call = LocalCall(front.seam.generate, message, timeout_s=front.cfg.request_timeout_s,
+                         metadata=front._forwarded_metadata(request))
         conversation = history + input_messages(body)
         if background:
             entry = Stored(answer.response("queued", []), conversation, input_items(body), owner)
@@ -106,50 +108,62 @@ async def create(front: OpenAIFront, request: web.Request) -> web.StreamResponse
                 raise RequestError(f"input: too large to keep in the responses store (at most "
                                    f"{store.max_bytes} bytes)", "input")
             entry.task = asyncio.create_task(_run(front, entry, answer, call))
+            entry.task.add_done_callback(partial(_ended, store, entry, call))
             call = None  # the task owns it now
             return web.json_response(entry.response)
+        if kept:  # kept before the last event is written: a client that read it finds it
+            def keep(final: dict) -> None:
+                entry = Stored(final, conversation + [answer_message(final["output"])],
+                               input_items(body), owner)
+                final["store"] = store.put(entry)  # false when the bound left no room
+            answer.on_final = keep
         first = await call.read()  # errors before any output keep their HTTP status
         if body.get("stream"):
-            response = await answer.stream(request, call, first, front._account)
-        else:
-            response = await answer.collect(call, first, front._account)
-        if kept and answer.final is not None:
-            store.put(Stored(answer.final, conversation + [answer_message(
-                answer.final["output"])], input_items(body), owner))
-        return response
+            return await answer.stream(request, call, first, front._account)
+        return await answer.collect(call, first, front._account)
     except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
         if chat is None:  # the Responses body's own checks: named as it names them
             return front._error(request, e)
-        return front._error(request, renamed(e), ALIASES | ({} if req is None else {
-            k: ALIASES.get(v, v) for k, v in req.field_aliases.items()}))
+        return front._error(request, renamed(e), _aliases(req))
     finally:
         if call is not None:
             await call.aclose()
 
 
+def _aliases(req: OpenAIRequest | None) -> dict[str, str]:
+    """Chat's (and the engine's) names of fields -> the Responses request's."""
+    return ALIASES | ({} if req is None else {
+        k: ALIASES.get(v, v) for k, v in req.field_aliases.items()})
+
+
 async def _run(front: OpenAIFront, entry: Stored, answer: ResponsesAnswer,
                call: LocalCall) -> None:
     """A background response: served, its stored Response updated as it goes."""
-    store = front.responses
     try:
         first = await call.read()
         entry.response = entry.response | {"status": "in_progress"}
         final = await answer.result(call, first, front._account)
         entry.response = final
         entry.conversation.append(answer_message(final["output"]))
-    except asyncio.CancelledError:
-        entry.response = entry.response | {"status": "cancelled"}
-        raise
     except Exception as e:  # noqa: BLE001 - the failure is the stored response's error
-        error = json.loads(error_response(renamed(e), ALIASES).body)["error"]
+        error = json.loads(error_response(renamed(e), _aliases(answer.req)).body)["error"]
         code = _ERROR_CODES.get(error["code"], "invalid_prompt" if error["code"] < 500
                                 else "server_error")
         entry.response = entry.response | {"status": "failed", "error": {
-            "code": code, "message": error["message"]}}
+            "code": code, "message": error["message"], "param": error["param"]}}
     finally:
-        entry.task = None
         await call.aclose()
-        store.resized(entry)
+
+
+def _ended(store: ResponsesStore, entry: Stored, call: LocalCall, task: asyncio.Task) -> None:
+    """A background task's end, however it ended: cancelled ones (before they started too,
+    when the coroutine never ran) read ``cancelled``; the store accounts the final size."""
+    if task.cancelled():
+        if entry.running:
+            entry.response = entry.response | {"status": "cancelled"}
+        asyncio.ensure_future(call.aclose())  # a no-op once the call ended
+    entry.task = None
+    store.resized(entry)
 
 
 def _entry(front: OpenAIFront, request: web.Request) -> Stored:
@@ -198,6 +212,7 @@ async def cancel(front: OpenAIFront, request: web.Request) -> web.Response:
     task = entry.task
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+    await asyncio.sleep(0)  # its done callback (which marks it cancelled) runs first
     return web.json_response(entry.response)
 
 

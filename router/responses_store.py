@@ -1,10 +1,11 @@
 """The Responses API's stored responses: what ``previous_response_id``, ``GET`` /
 ``DELETE /v1/responses/{id}``, ``/input_items`` and background responses read.
 
-Kept in memory in the router process that answered, bounded in bytes (``--responses-store-bytes``;
-0 turns storing off, as vLLM runs unless ``VLLM_ENABLE_RESPONSES_API_STORE`` is set). When the
-bound is reached the least recently used finished responses go first; a background response
-still running is never dropped. With API keys on, a response is visible only under the key
+Kept in memory in the router process that answered, bounded in bytes of JSON
+(``--responses-store-bytes``; 0 turns storing off, as vLLM runs unless
+``VLLM_ENABLE_RESPONSES_API_STORE`` is set). When the bound is reached the least recently used
+finished responses go first (a background response's finish counts as a use); one still
+running is never dropped. With API keys on, a response is visible only under the key
 that created it (kept as its SHA-256), so one tenant cannot read another's by id. Several router
 replicas do not share their stores: a client that chains responses needs to reach the same
 replica (the chart's ``router.service.sessionAffinity``).
@@ -73,23 +74,28 @@ class ResponsesStore:
         return self._bytes
 
     def put(self, entry: Stored) -> bool:
-        """Keep ``entry`` (replacing one of its id); False when it alone is over the bound."""
-        self.remove(entry.response["id"])
+        """Keep ``entry`` (replacing one of its id); False when it is not kept (over the bound
+        alone, or with what running background responses hold)."""
+        response_id = entry.response["id"]
+        self.remove(response_id)
         entry.size = size_of(entry.response, entry.conversation, entry.input_items)
         if not self.enabled or entry.size > self.max_bytes:
             return False
-        self._entries[entry.response["id"]] = entry
+        self._entries[response_id] = entry
         self._bytes += entry.size
         self._shrink()
-        return True
+        return response_id in self._entries
 
     def resized(self, entry: Stored) -> None:
-        """Account ``entry`` again after its response changed (a background one finished)."""
-        if self._entries.get(entry.response["id"]) is not entry:
+        """Account ``entry`` again after its response changed (a background one finished:
+        that counts as a use, so the client polling for it finds it)."""
+        response_id = entry.response["id"]
+        if self._entries.get(response_id) is not entry:
             return
         self._bytes -= entry.size
         entry.size = size_of(entry.response, entry.conversation, entry.input_items)
         self._bytes += entry.size
+        self._entries.move_to_end(response_id)
         self._shrink()
 
     def get(self, response_id: str, owner: str | None) -> Stored | None:
@@ -108,12 +114,14 @@ class ResponsesStore:
         return entry
 
     def _shrink(self) -> None:
-        if self._bytes <= self.max_bytes:
-            return
-        for response_id in [i for i, e in self._entries.items() if not e.running]:
-            self.remove(response_id)
-            if self._bytes <= self.max_bytes:
+        """Drop finished responses, least recently used first, until within the bound
+        (running background responses are not dropped: they count, and flow control bounds
+        how many there are)."""
+        while self._bytes > self.max_bytes:
+            oldest = next((i for i, e in self._entries.items() if not e.running), None)
+            if oldest is None:
                 return
+            self.remove(oldest)
 
     def cancel_all(self) -> list[asyncio.Task]:
         """Cancel every background response still running (the router is stopping)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import openai
 import pytest
@@ -125,7 +124,7 @@ def test_store_false_keeps_nothing(client):
 def test_a_background_response_is_polled_to_the_same_answer(client):
     whole = _respond(client, input="Name a fruit.")
     queued = _respond(client, input="Name a fruit.", background=True)
-    assert queued.status in ("queued", "in_progress") and queued.background is True
+    assert queued.status == "queued" and queued.background is True
     assert wait_for(lambda: client.responses.retrieve(queued.id).status not in
                     ("queued", "in_progress"), timeout_s=TIMEOUT_S)
     done = client.responses.retrieve(queued.id)
@@ -208,10 +207,18 @@ def test_a_router_with_its_store_off_keeps_nothing_and_refuses_background(engine
         off.close()
 
 
+def _placed(front) -> set[str]:
+    """The request ids the router's decision log holds (a Responses request's is its id)."""
+    status, text = _http(front, "GET", "/debug/decisions?limit=1000")
+    assert status == 200, text
+    return {d["request_id"] for d in json.loads(text)["decisions"]}
+
+
 def test_a_queued_background_response_is_cancelled_and_never_runs(engines):
     """With the one flow-control slot held by a long gRPC request, a background response
-    waits in the router's queue: it reads queued, cancel makes it cancelled, it never runs
-    (no usage) and nothing is left on the engine once the holder ends."""
+    waits in the router's queue: it reads queued, cancel makes it cancelled, it is never
+    placed on an engine (the decision log, which names a placed Responses request by its
+    id, has no entry for it once the slot is free), and nothing is left on the engine."""
     one_slot = RunningRouter([address(engines[0])], http_port=0, model_name=MODEL,
                              flow={"engine_slots": 1})
     try:
@@ -226,7 +233,9 @@ def test_a_queued_background_response_is_cancelled_and_never_runs(engines):
             cancelled = c.responses.cancel(queued.id)
             assert cancelled.status == "cancelled" and cancelled.usage is None
             holder.join(TIMEOUT_S)
-            time.sleep(0.2)  # a request the cancel missed would be placed by now
+            after = _respond(c, input="Name a fruit.", background=True)  # the next in line
+            assert wait_for(lambda: after.id in _placed(one_slot.server.front))
+            assert queued.id not in _placed(one_slot.server.front)
             got = c.responses.retrieve(queued.id)
             assert got.status == "cancelled" and got.output == []
         assert wait_for(lambda: engines[0].holds_no_request())

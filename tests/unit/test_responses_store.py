@@ -101,3 +101,53 @@ def test_input_items_are_listed_as_typed_items_with_ids():
         {"type": "function_call_output", "call_id": "c1", "output": "one", "id": "mine"}]})
     assert items[0]["content"] == [{"type": "output_text", "text": "ok", "annotations": []}]
     assert items[1]["id"] == "mine"
+
+
+def test_a_background_response_that_finishes_counts_as_used():
+    """Finished, it is the most recently used: the next store drops another, not the one
+    its client is about to poll."""
+    size = size_of({"id": "resp_0", "status": "completed", "output": "x" * 100}, [], [])
+    store = ResponsesStore(max_bytes=2 * size + 10)
+    background = _entry(0, status="queued")
+    store.put(background)
+    store.put(_entry(1))
+    background.response = background.response | {"status": "completed"}
+    store.resized(background)
+    assert store.put(_entry(2))
+    assert store.get("resp_0", None) is background and store.get("resp_1", None) is None
+
+
+def test_put_says_false_when_running_responses_leave_no_room():
+    size = size_of({"id": "resp_0", "status": "queued", "output": "x" * 100}, [], [])
+    store = ResponsesStore(max_bytes=size + 10)
+    assert store.put(_entry(0, status="queued"))
+    assert not store.put(_entry(1))  # evicted at once: the running one stays
+    assert store.get("resp_1", None) is None and store.get("resp_0", None) is not None
+
+
+def test_a_background_task_cancelled_before_it_starts_reads_cancelled():
+    """Cancelled before its first step, the task's coroutine never runs (nor its finally):
+    the done callback still marks the response cancelled, closes the call and frees it."""
+    from router.openai_responses_serve import _ended
+
+    class Call:
+        closed = False
+
+        async def aclose(self):
+            Call.closed = True
+
+    async def never_started():
+        raise AssertionError("ran")
+
+    async def run():
+        store = ResponsesStore(max_bytes=10_000)
+        entry = _entry(0, status="queued")
+        store.put(entry)
+        entry.task = asyncio.get_running_loop().create_task(never_started())
+        entry.task.add_done_callback(lambda t: _ended(store, entry, Call(), t))
+        entry.task.cancel()
+        await asyncio.gather(entry.task, return_exceptions=True)
+        await asyncio.sleep(0)
+        return entry
+    entry = asyncio.run(run())
+    assert entry.response["status"] == "cancelled" and entry.task is None and Call.closed
