@@ -126,19 +126,23 @@ def test_cancelling_a_stream_aborts_and_frees_blocks(server):
 def test_two_clients_may_send_one_request_id_at_once(server):
     """The engine keys its requests by the caller's id with a suffix of its own (as vLLM's
     PR 27987): two live requests of one id, as two clients behind a router may send, both
-    run to the end with that id on every message (before, the second was a 400), and
-    cancelling one leaves the other running."""
-    first = server.stub.Generate(pb.GenerateRequest(request_id="same", token_ids=pb.TokenIds(
-        ids=PROMPT), sampling=pb.SamplingOptions(temperature=0, max_tokens=300,
-                                                 ignore_eos=True)))
-    assert next(first).request_id == "same"
-    second = list(server.stub.Generate(pb.GenerateRequest(
-        request_id="same", token_ids=pb.TokenIds(ids=PROMPT[:20]),
-        sampling=pb.SamplingOptions(temperature=0, max_tokens=4, ignore_eos=True))))
-    assert {m.request_id for m in second} == {"same"} and second[-1].finished
-    assert sum(len(d.token_ids) for m in second for d in m.outputs) == 4
-    assert server.load.num_running == 1  # the first still decodes
-    first.cancel()
+    run with that id on every message (before, the second was a 400), and cancelling one
+    leaves the other running to its end."""
+    def same(max_tokens, ids=PROMPT):
+        return server.stub.Generate(pb.GenerateRequest(
+            request_id="same", token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingOptions(
+                temperature=0, max_tokens=max_tokens, ignore_eos=True)))
+    first, kept = same(900), same(200, PROMPT[:20])
+    assert next(first).request_id == "same" and next(kept).request_id == "same"
+    deadline = time.monotonic() + 10  # both had their first token: both live (the load
+    while time.monotonic() < deadline and server.load.num_running != 2:  # is published
+        time.sleep(0.005)  # just after the step)
+    assert server.load.num_running == 2
+    first.cancel()  # aborts its own request only
+    rest = list(kept)
+    assert {m.request_id for m in rest} == {"same"} and rest[-1].finished
+    assert rest[-1].outputs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert rest[-1].usage.completion_tokens == 200
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not server.holds_no_request():
         time.sleep(0.05)
