@@ -134,9 +134,10 @@ def test_two_clients_may_send_one_request_id_at_once(server):
                 temperature=0, max_tokens=max_tokens, ignore_eos=True)))
     first, kept = same(900), same(200, PROMPT[:20])
     assert next(first).request_id == "same" and next(kept).request_id == "same"
-    deadline = time.monotonic() + 10  # both had their first token: both live (the load
-    while time.monotonic() < deadline and server.load.num_running != 2:  # is published
-        time.sleep(0.005)  # just after the step)
+    # both had their first token, so both are live (the load is published just after a step)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and server.load.num_running != 2:
+        time.sleep(0.005)
     assert server.load.num_running == 2
     first.cancel()  # aborts its own request only
     rest = list(kept)
