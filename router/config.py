@@ -44,7 +44,7 @@ class RouterServerConfig:
     request_timeout_s: float = 600.0  # deadline of HTTP requests (gRPC clients set their own)
     # the Responses API's stored responses (previous_response_id, GET, background), in bytes
     # (0: store nothing, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE)
-    responses_store_bytes: int = 64 << 20
+    responses_store_bytes: int = 16 << 20
     drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:

@@ -172,7 +172,7 @@ def input_items(body: dict) -> list[dict]:
     items = body["input"]
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]
-    out = []
+    out, seen = [], set()
     for item in items:
         item = dict(item)
         kind = item.setdefault("type", "message")
@@ -182,8 +182,10 @@ def input_items(body: dict) -> list[dict]:
                                     "annotations": []} if item.get("role") == "assistant"
                                    else {"type": "input_text", "text": item["content"]}]
             item.setdefault("status", "completed")
-        prefix = _ID_PREFIXES.get(kind, "item")
-        item.setdefault("id", f"{prefix}_{uuid.uuid4().hex}")
+        # a client's id is kept where it can page: a string none of the others has
+        if not isinstance(item.get("id"), str) or not item["id"] or item["id"] in seen:
+            item["id"] = f"{_ID_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}"
+        seen.add(item["id"])
         out.append(item)
     return out
 

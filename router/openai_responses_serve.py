@@ -209,10 +209,11 @@ async def cancel(front: OpenAIFront, request: web.Request) -> web.Response:
                                "background response can be cancelled", "response_id")
     except RequestError as e:
         return error_response(e)
+    # cancelled from here on (a second cancel, sent meanwhile, is the 400 of a finished one)
+    entry.response = entry.response | {"status": "cancelled"}
     task = entry.task
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    await asyncio.sleep(0)  # its done callback (which marks it cancelled) runs first
     return web.json_response(entry.response)
 
 
@@ -222,10 +223,8 @@ async def list_input_items(front: OpenAIFront, request: web.Request) -> web.Resp
     try:
         entry = _entry(front, request)
         query = request.query
-        try:
-            limit = int(query.get("limit", "20"))
-        except ValueError:
-            limit = 0
+        raw = query.get("limit", "20")
+        limit = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 3 else 0
         if not 1 <= limit <= 100:
             raise RequestError(f"limit: must be an integer in [1, 100], got "
                                f"{shown(query.get('limit'))}", "limit")

@@ -2,13 +2,15 @@
 ``DELETE /v1/responses/{id}``, ``/input_items`` and background responses read.
 
 Kept in memory in the router process that answered, bounded in bytes of JSON
-(``--responses-store-bytes``; 0 turns storing off, as vLLM runs unless
-``VLLM_ENABLE_RESPONSES_API_STORE`` is set). When the bound is reached the least recently used
-finished responses go first (a background response's finish counts as a use); one still
-running is never dropped. With API keys on, a response is visible only under the key
-that created it (kept as its SHA-256), so one tenant cannot read another's by id. Several router
-replicas do not share their stores: a client that chains responses needs to reach the same
-replica (the chart's ``router.service.sessionAffinity``).
+(``--responses-store-bytes``, 16 MiB: about 4.5x that in Python objects; 0 turns storing off,
+as vLLM runs unless ``VLLM_ENABLE_RESPONSES_API_STORE`` is set). When the bound is reached the
+least recently used finished responses go first. A background response counts once it has
+finished (its finish is a use: it is then the last to go, so the client polling for it finds
+it); while it runs it is never dropped, and flow control bounds how many run. With API keys
+on, a response is visible only under the key that created it (kept as its SHA-256), so one
+tenant cannot read another's by id. Several router replicas do not share their stores: a client
+that chains responses needs to reach the same replica (the chart's
+``router.service.sessionAffinity``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Stored:
     owner: str | None = None
     task: asyncio.Task | None = None
     size: int = 0
+    counted: bool = False  # its size is in the store's bytes (a finished response's is)
 
     @property
     def running(self) -> bool:
@@ -74,15 +77,15 @@ class ResponsesStore:
         return self._bytes
 
     def put(self, entry: Stored) -> bool:
-        """Keep ``entry`` (replacing one of its id); False when it is not kept (over the bound
-        alone, or with what running background responses hold)."""
+        """Keep ``entry`` (replacing one of its id); False when it is not kept (alone over the
+        bound)."""
         response_id = entry.response["id"]
         self.remove(response_id)
         entry.size = size_of(entry.response, entry.conversation, entry.input_items)
         if not self.enabled or entry.size > self.max_bytes:
             return False
         self._entries[response_id] = entry
-        self._bytes += entry.size
+        self._count(entry)
         self._shrink()
         return response_id in self._entries
 
@@ -92,11 +95,17 @@ class ResponsesStore:
         response_id = entry.response["id"]
         if self._entries.get(response_id) is not entry:
             return
-        self._bytes -= entry.size
+        if entry.counted:
+            self._bytes -= entry.size
         entry.size = size_of(entry.response, entry.conversation, entry.input_items)
-        self._bytes += entry.size
         self._entries.move_to_end(response_id)
+        self._count(entry)
         self._shrink()
+
+    def _count(self, entry: Stored) -> None:
+        entry.counted = not entry.running
+        if entry.counted:
+            self._bytes += entry.size
 
     def get(self, response_id: str, owner: str | None) -> Stored | None:
         """The response of that id created by ``owner``, or None (also for another owner's:
@@ -109,14 +118,12 @@ class ResponsesStore:
 
     def remove(self, response_id: str) -> Stored | None:
         entry = self._entries.pop(response_id, None)
-        if entry is not None:
+        if entry is not None and entry.counted:
             self._bytes -= entry.size
         return entry
 
     def _shrink(self) -> None:
-        """Drop finished responses, least recently used first, until within the bound
-        (running background responses are not dropped: they count, and flow control bounds
-        how many there are)."""
+        """Drop finished responses, least recently used first, until within the bound."""
         while self._bytes > self.max_bytes:
             oldest = next((i for i, e in self._entries.items() if not e.running), None)
             if oldest is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -106,6 +107,9 @@ def test_retrieve_input_items_and_delete(client):
     assert [item.content[0].text for item in newest_first.data] == texts[::-1]
     paged = client.responses.input_items.list(answer.id, order="asc", limit=1)
     assert [item.content[0].text for item in paged] == texts  # the client follows `after`
+    dup = _respond(client, input=[{"role": "user", "content": c, "id": "dup"} for c in "abc"])
+    pages = client.responses.input_items.list(dup.id, order="asc", limit=1)
+    assert [item.content[0].text for item in pages] == ["a", "b", "c"]  # ends, in order
     client.responses.delete(answer.id)
     with pytest.raises(openai.NotFoundError, match=answer.id):
         client.responses.retrieve(answer.id)
@@ -230,7 +234,12 @@ def test_a_queued_background_response_is_cancelled_and_never_runs(engines):
                            api_key="x", max_retries=0, timeout=TIMEOUT_S) as c:
             queued = _respond(c, input="Name a fruit.", background=True)
             assert c.responses.retrieve(queued.id).status == "queued"
-            cancelled = c.responses.cancel(queued.id)
+            with ThreadPoolExecutor(4) as pool:  # at once: one cancels, the others are 400s
+                answers = list(pool.map(lambda _: _http(
+                    one_slot.server.front, "POST", f"/v1/responses/{queued.id}/cancel"),
+                    range(4)))
+            assert sorted(status for status, _ in answers) == [200, 400, 400, 400], answers
+            cancelled = c.responses.retrieve(queued.id)
             assert cancelled.status == "cancelled" and cancelled.usage is None
             holder.join(TIMEOUT_S)
             after = _respond(c, input="Name a fruit.", background=True)  # the next in line

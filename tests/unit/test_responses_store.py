@@ -27,13 +27,16 @@ def test_least_recently_used_finished_responses_go_first_within_the_bound():
     assert store.bytes == 3 * size
 
 
-def test_a_running_background_response_is_never_dropped():
-    size = size_of({"id": "resp_0", "status": "queued", "output": "x" * 100}, [], [])
+def test_a_running_background_response_is_never_dropped_nor_counted():
+    """Running, it is outside the bound (flow control bounds how many run): finished
+    responses are not dropped to make room for it, and it is never dropped itself."""
+    size = size_of({"id": "resp_0", "status": "completed", "output": "x" * 100}, [], [])
     store = ResponsesStore(max_bytes=2 * size + 10)
     assert store.put(_entry(0, status="queued"))
-    assert store.put(_entry(1))
-    assert store.put(_entry(2))
+    assert store.put(_entry(1)) and store.put(_entry(2)) and store.bytes == 2 * size
+    assert store.put(_entry(3))
     assert store.get("resp_0", None) is not None and store.get("resp_1", None) is None
+    assert store.get("resp_2", None) is not None and store.get("resp_3", None) is not None
 
 
 def test_one_too_large_or_a_store_turned_off_keeps_nothing():
@@ -42,14 +45,16 @@ def test_one_too_large_or_a_store_turned_off_keeps_nothing():
     assert not off.enabled and not off.put(_entry(0)) and len(off) == 0
 
 
-def test_a_finished_background_response_is_accounted_again():
+def test_a_finished_background_response_is_accounted_then():
     store = ResponsesStore(max_bytes=10_000)
     entry = _entry(0, status="queued", text="")
     store.put(entry)
-    before = store.bytes
+    assert store.bytes == 0
     entry.response = entry.response | {"status": "completed", "output": "y" * 500}
     store.resized(entry)
-    assert store.bytes == before + 500 + len("completed") - len("queued")
+    assert store.bytes == entry.size == size_of(entry.response, [], [])
+    store.remove("resp_0")
+    assert store.bytes == 0
 
 
 def test_only_the_key_that_made_a_response_finds_it():
@@ -101,28 +106,37 @@ def test_input_items_are_listed_as_typed_items_with_ids():
         {"type": "function_call_output", "call_id": "c1", "output": "one", "id": "mine"}]})
     assert items[0]["content"] == [{"type": "output_text", "text": "ok", "annotations": []}]
     assert items[1]["id"] == "mine"
+    # ids that could not page are the server's: not strings, empty, or repeated
+    items = input_items({"input": [{"role": "user", "content": c, "id": i} for c, i in
+                                   (("a", "dup"), ("b", "dup"), ("c", None), ("d", 7),
+                                    ("e", ""))]})
+    ids = [item["id"] for item in items]
+    assert ids[0] == "dup" and len(set(ids)) == 5 and all(isinstance(i, str) and i for i in ids)
 
 
-def test_a_background_response_that_finishes_counts_as_used():
-    """Finished, it is the most recently used: the next store drops another, not the one
-    its client is about to poll."""
+def test_background_responses_that_finish_are_the_last_to_go():
+    """Many running while the store is full (the probe's 12 at 20,000 bytes): each, once
+    finished, is the most recently used, so the next to finish drops older finished ones,
+    not itself: the last ones to finish are all still there to be polled."""
+    size = size_of({"id": "resp_00", "status": "completed", "output": "x" * 100}, [], [])
+    store = ResponsesStore(max_bytes=3 * size + 10)
+    running = [_entry(10 + i, status="queued") for i in range(12)]
+    for entry in running:
+        assert store.put(entry)
+    for i in range(5):
+        assert store.put(_entry(100 + i))  # finished foreground answers meanwhile
+    for entry in running:
+        entry.response = entry.response | {"status": "completed"}
+        store.resized(entry)
+        assert store.get(entry.response["id"], None) is entry  # there when first polled
+    assert [store.get(f"resp_{10 + i}", None) is not None for i in range(12)] == \
+        [False] * 9 + [True] * 3
+
+
+def test_put_says_false_for_one_over_the_bound_alone():
     size = size_of({"id": "resp_0", "status": "completed", "output": "x" * 100}, [], [])
-    store = ResponsesStore(max_bytes=2 * size + 10)
-    background = _entry(0, status="queued")
-    store.put(background)
-    store.put(_entry(1))
-    background.response = background.response | {"status": "completed"}
-    store.resized(background)
-    assert store.put(_entry(2))
-    assert store.get("resp_0", None) is background and store.get("resp_1", None) is None
-
-
-def test_put_says_false_when_running_responses_leave_no_room():
-    size = size_of({"id": "resp_0", "status": "queued", "output": "x" * 100}, [], [])
-    store = ResponsesStore(max_bytes=size + 10)
-    assert store.put(_entry(0, status="queued"))
-    assert not store.put(_entry(1))  # evicted at once: the running one stays
-    assert store.get("resp_1", None) is None and store.get("resp_0", None) is not None
+    store = ResponsesStore(max_bytes=size - 1)
+    assert not store.put(_entry(0)) and store.get("resp_0", None) is None and len(store) == 0
 
 
 def test_a_background_task_cancelled_before_it_starts_reads_cancelled():
