@@ -126,9 +126,9 @@ def _text(content, where: str) -> str:
 def input_messages(body: dict) -> list[dict]:
     """The chat messages of the request's ``input`` (without its ``instructions``)."""
     items = body.get("input")
-    messages: list[dict] = []
     if isinstance(items, str):
-        return messages + [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}]
+    messages: list[dict] = []
     if not isinstance(items, list) or not items:
         raise RequestError("input: must be a string or a non-empty list of items", "input")
     for i, item in enumerate(items):
@@ -300,8 +300,8 @@ class ResponsesAnswer:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._sequence = 0
-        self.final: dict | None = None  # the finished Response object
-        self.on_final: Callable[[dict], object] | None = None  # called with it once made
+        # called with the finished Response object before it is answered (the store keeps it)
+        self.on_final: Callable[[dict], object] | None = None
 
     def response(self, status: str, output: list[dict], usage: dict | None = None,
                  finish: int = 0) -> dict:
@@ -338,7 +338,7 @@ class ResponsesAnswer:
         return web.json_response(await self.result(call, first, account))
 
     async def result(self, call, first, account: Callable[[pb.Usage], None]) -> dict:
-        """The finished Response object (also kept as ``final``)."""
+        """The finished Response object."""
         texts, finish, usage = [], 0, pb.Usage()
         async for message in messages_of(call, first):
             for delta in message.outputs:
@@ -351,13 +351,12 @@ class ResponsesAnswer:
         content, calls = self.req.tools.parse(text) if self.req.tools else (text, [])
         output = [] if calls and not content else [self.message_item(content or "")]
         output += [self.call_item(c.id, c.name, c.arguments) for c in calls]
-        self._finished(self.response("completed", output, _usage(usage), finish))
-        return self.final
+        return self._finished(self.response("completed", output, _usage(usage), finish))
 
-    def _finished(self, final: dict) -> None:
-        self.final = final
+    def _finished(self, final: dict) -> dict:
         if self.on_final is not None:
             self.on_final(final)
+        return final
 
     def _event(self, kind: str, **fields) -> bytes:
         self._sequence += 1
@@ -398,8 +397,8 @@ class ResponsesAnswer:
             return response  # the client left; the front's finally cancels the call
         account(usage)
         closing = b"".join(out.close())  # every item done: out.items is the whole output
-        self._finished(self.response("completed", out.items, _usage(usage), finish))
-        await response.write(closing + self._event("response.completed", response=self.final))
+        final = self._finished(self.response("completed", out.items, _usage(usage), finish))
+        await response.write(closing + self._event("response.completed", response=final))
         await response.write_eof()
         return response
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -26,13 +25,11 @@ from router.local_call import LocalCall
 from router.openai_answer import OpenAIRequest
 from router.openai_protocol import RequestError, error_response, shown
 from router.openai_responses import (ALIASES, RESPONSES_FIELDS, ResponsesAnswer, answer_message,
-                                     chat_body, input_items, input_messages, renamed)
+                                     chat_body, input_items, renamed)
 from router.responses_store import ResponsesStore, Stored, owner_of
 
 if TYPE_CHECKING:
     from router.openai_api import OpenAIFront
-
-logger = logging.getLogger(__name__)
 
 _FINISHED = ("completed", "incomplete")
 # a failed background response's error.code (OpenAI's names), by HTTP status
@@ -101,7 +98,8 @@ async def create(front: OpenAIFront, request: web.Request) -> web.StreamResponse
         message.request_id = answer.id  # the id logs, traces and /debug/decisions show
         call = LocalCall(front.seam.generate, message, timeout_s=front.cfg.request_timeout_s,
                          metadata=front._forwarded_metadata(request))
-        conversation = history + input_messages(body)
+        # what a following response continues: chat's messages less the instructions
+        conversation = chat["messages"][0 if body.get("instructions") is None else 1:]
         if background:
             entry = Stored(answer.response("queued", []), conversation, input_items(body), owner)
             if not store.put(entry):
