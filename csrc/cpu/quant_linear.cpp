@@ -43,21 +43,18 @@
 // Threads split the output rows; a thread reads its rows' bytes once for all M rows of x.
 //
 // More rows (batched decode, prefill): compute-bound. With VNNI (the AVX-512 set), Q4_0 / Q4_1
-// / Q8_0 with bf16 x stay on the int8 path up to 512 rows (int8_rows_limit): dot_group keeps 8 rows
-// of x in registers and adds four u8 x s8 products a lane with one vpdpbusd, x's rows in tiles
-// of 128 against each thread's groups. Zen 4, 2 threads, SmolLM2's four linears of a layer (5.5M weights,
-// bf16 x): M = 64 1.39 ms against 1.53 for oneDNN's bf16 matmul on a dense copy (2.71 ms
-// before, de-quantizing each call), M = 256 5.4 against 4.9, M = 512 9.9 against 9.5.
+// / Q8_0 with bf16 x stay on the int8 path at every size (int8_rows_limit; up to 64 rows
+// where oneDNN has AMX tiles): dot_group keeps 8 rows of x in registers and adds four u8 x s8
+// products a lane with one vpdpbusd (dot_group_pair: two groups, 16 weight rows, a 512-bit
+// register), x's rows in tiles of 128 against each thread's groups.
 // Q8_0's signed weights take x offset to unsigned (q_x + 128) so that each load is one
-// vpdpbusd, less 128 x the block's weight sums (Zen 4, a layer's four linears in Q8_0, M = 64:
-// 1.14 ms against 1.15 for oneDNN on a dense copy and 1.77 de-quantizing first; M = 512 9.0
-// against 8.7 and 9.4).
+// vpdpbusd, less 128 x the block's weight sums.
 // Otherwise (AVX2, fp32 x, the k-quants) the weight is de-quantized into x's dtype (one pass,
 // parallel over rows, into a buffer kept across calls: dequantized_scratch) and the matmul is
 // torch's (oneDNN) on that.
 //
 // The integer dot products are 256-bit (AVX2; AVX-512 VNNI's 256-bit vpdpbusd in the AVX-512
-// set, which is also built with -mavx2); the float side goes through the vector layer (vec.h).
+// set, which is also built with -mavx2), and 512-bit in the AVX-512 set's dot_group_pair.
 //
 // References: gguf.quants.dequantize (the format), then x @ w.T in fp32; tests compare.
 
@@ -72,6 +69,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -85,6 +83,12 @@
 #define QUIRE_HAS_VNNI 1
 #else
 #define QUIRE_HAS_VNNI 0
+#endif
+// ... and on 512-bit registers (the AVX-512 set; emulated there in the tests-only variant)
+#if QUIRE_HAS_VNNI && defined(__AVX512F__)
+#define QUIRE_HAS_VNNI512 1
+#else
+#define QUIRE_HAS_VNNI512 0
 #endif
 
 namespace QUIRE_NS {
@@ -102,23 +106,30 @@ constexpr int64_t kDecodeRows = 8;
 enum class QType { kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
 
 // Rows of x up to which a call stays on the int8 dot products (past it: de-quantize, then a
-// float matmul). With VNNI, Q4_0 / Q4_1's grouped kernel (dot_group: each weight load unpacked
-// once for eight rows of x, one vpdpbusd per 4 x 8 products) outruns de-quantize + oneDNN's
-// bf16 matmul up to a few hundred rows. Zen 4, 2 threads, SmolLM2's four linears of a layer:
-// M = 128 2.78 ms against 2.62 + 0.66 (the matmul + de-quantizing into the kept buffer), 256
-// 5.4 against 5.2 + 0.6, 1024 22.7 against 19.2 + 0.6, 2048 about even: long prefill
-// chunks go to the float matmul.
+// float matmul). With VNNI, Q4_0 / Q4_1 / Q8_0's grouped kernel (dot_group_pair: each weight
+// load unpacked once for eight rows of x, one vpdpbusd per 4 x 16 products) outruns
+// de-quantize + oneDNN's bf16 matmul at every size: vpdpbusd adds twice the products a cycle
+// that vdpbf16ps does. Zen 4, 2 threads, SmolLM2's four linears of a layer in Q4_1 (3.5M
+// weights, bf16 x): 256 rows 3.4 ms against 5.5 for oneDNN's bf16 matmul on a dense copy
+// (the de-quantizing not counted), 1024 rows 13.7 against 19.2, 4096 rows 54 against 75
+// (265-270 GMAC/s against 190: the int8 peak measured on this core is 234 GMAC/s a core,
+// bf16's 117); its tied Q8_0 logits table (49152 x 576) 1.26-1.39x oneDNN on the table
+// already de-quantized, 8 to 256 rows. (Before the kernel took 16 rows a register and
+// converted its bf16 results with vcvtneps2bf16: 206 GMAC/s, 1.1x oneDNN at 512 rows and
+// behind it past them.)
 // Only for bf16 x: an fp32 model asks for fp32 numerics, and on the compute-bound path it gets
 // them (past the decode rows, the exact de-quantized weights), as before; bf16 x already
-// carries 8 bits of mantissa, so its rounding to int8 per block of 32 costs less.
+// carries 8 bits of mantissa, so its rounding to int8 per block of 32 costs less (llama.cpp
+// rounds x to int8 per block of 32 at every size).
 // With AMX (Intel Sapphire Rapids and later), oneDNN's bf16 matmul runs on tiles and the
 // crossover moves down to a batch of decode rows: measured on a 2-core Xeon with AMX (family 6
 // model 207), SmolLM2's four linears of a layer in Q4_1, 2 threads, int8 against oneDNN's
 // packed bf16 + de-quantizing into the kept buffer (1.8 ms): M = 64 2.3 ms against 0.9 + 1.8,
 // 128 4.5 against 1.4 + 1.8, 512 18.5 against 6.7 + 1.8; one thread (de-quantizing 3.8 ms):
 // 64 3.4 against 0.8 + 3.8, 128 9.1 against 2.4 + 3.8, 512 36.9 against 9.7 + 3.8. A batch of
-// up to 64 decoding requests stays on the int8 kernel; prefill chunks go to the tiles.
-constexpr int64_t kVnniRows = 512;
+// up to 64 decoding requests stays on the int8 kernel; prefill chunks go to the tiles. (Those
+// figures predate dot_group_pair.)
+constexpr int64_t kVnniRows = std::numeric_limits<int64_t>::max();
 constexpr int64_t kAmxRows = 64;
 inline int64_t int8_rows_limit(QType t, at::ScalarType x_dtype) {
   const bool grouped = t == QType::kQ4_0 || t == QType::kQ4_1 || t == QType::kQ8_0;
@@ -217,6 +228,12 @@ inline __m256 load8(const at::BFloat16* p) {
 // Eight outputs stored as O (bf16: rounded to nearest even, as at::BFloat16 does).
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(at::BFloat16* p, __m256 v) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && !defined(QUIRE_AVX512_EMULATED)
+  // vcvtneps2bf16: round to nearest even (a scalar loop here cost 0.5 of the 3.5 ms of a
+  // 256-row call, Zen 4)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), (__m128i)_mm256_cvtneps_pbh(v));
+  return;
+#endif
   alignas(32) float t[8];
   _mm256_store_ps(t, v);
   for (int i = 0; i < 8; ++i) p[i] = at::BFloat16(t[i]);
@@ -655,6 +672,99 @@ inline void dot_group(const uint8_t* g, int64_t nb, const int8_t* xq, int64_t K,
   for (int m = 0; m < MM; ++m) store8(out + m * ldo, acc[m]);
 }
 
+#if QUIRE_HAS_VNNI512
+// Two consecutive groups (rows n .. n + 15) at once in 512-bit registers: each load takes the
+// same 32 bytes of both groups' block, so one vpdpbusd adds 4 x 16 products and a block's
+// sums for the 16 rows are converted and scaled once. Against dot_group on two groups: half
+// the instructions for the same products (the broadcasts of x, the unpacking, the scaling),
+// which is what limits the grouped kernel where the cores, not memory, are the bound (Zen 4,
+// 2 threads, a layer's four Q4_1 linears, bf16 x: see kVnniRows).
+inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+inline __m512 halves16(const uint8_t* a, const uint8_t* b) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+
+inline __m512i bcast4x16(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi32(v);
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// bf16: vcvtneps2bf16 rounds to nearest even, as at::BFloat16 does
+inline void store16(at::BFloat16* p, __m512 v) {
+  const auto h = _mm512_cvtneps_pbh(v);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+// out[m * ldo + r] (r < 16) = the groups at ga (rows 0 .. 7) and gb (rows 8 .. 15) dotted
+// with x rows m < MM: dot_group's arithmetic, lane for lane.
+template <QType T, int MM, typename O>
+inline void dot_group_pair(const uint8_t* ga, const uint8_t* gb, int64_t nb, const int8_t* xq,
+                           int64_t K, const float* xd, const float* xdsum, O* out,
+                           int64_t ldo) {
+  constexpr int64_t kStride = kGroupRows * kBytes<T>;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[MM];
+  for (int m = 0; m < MM; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk_a = ga + b * kStride;
+    const uint8_t* blk_b = gb + b * kStride;
+    const uint8_t* qa = blk_a + kGroupHead<T>;
+    const uint8_t* qb = blk_b + kGroupHead<T>;
+    __m512i sum[MM];
+    for (int m = 0; m < MM; ++m) sum[m] = _mm512_setzero_si512();
+    const __m512 dw = halves16(blk_a, blk_b);
+    if constexpr (T == QType::kQ8_0) {  // x offset to unsigned, as in dot_group
+      const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+      __m512i w128 = _mm512_setzero_si512();
+      for (int j = 0; j < kGroupLoads<T>; ++j) {
+        const __m512i v = load_pair(qa + 32 * j, qb + 32 * j);
+        w128 = _mm512_dpbusd_epi32(w128, bias, v);
+        for (int m = 0; m < MM; ++m)
+          sum[m] = _mm512_dpbusd_epi32(sum[m], bcast4x16(xq + m * K + b * kBlock + 4 * j), v);
+      }
+      for (int m = 0; m < MM; ++m)
+        acc[m] = _mm512_fmadd_ps(
+            dw, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[m], w128)),
+                              _mm512_set1_ps(xd[m * nb + b])),
+            acc[m]);
+      continue;
+    }
+    for (int j = 0; j < kGroupLoads<T>; ++j) {
+      const __m512i v = load_pair(qa + 32 * j, qb + 32 * j);
+      const __m512i lo = _mm512_and_si512(v, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      for (int m = 0; m < MM; ++m) {
+        const int8_t* y = xq + m * K + b * kBlock;
+        sum[m] = _mm512_dpbusd_epi32(sum[m], lo, bcast4x16(y + 4 * j));
+        sum[m] = _mm512_dpbusd_epi32(sum[m], hi, bcast4x16(y + 16 + 4 * j));
+      }
+    }
+    const __m512 mw = T == QType::kQ4_1 ? halves16(blk_a + 16, blk_b + 16) : _mm512_setzero_ps();
+    for (int m = 0; m < MM; ++m) {
+      const __m512 dot = _mm512_cvtepi32_ps(sum[m]);
+      const float dx = xd[m * nb + b], dsum = xdsum[m * nb + b];
+      if constexpr (T == QType::kQ4_1) {
+        acc[m] = _mm512_fmadd_ps(dw, _mm512_mul_ps(dot, _mm512_set1_ps(dx)), acc[m]);
+        acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dsum), acc[m]);
+      } else {
+        acc[m] = _mm512_fmadd_ps(
+            dw, _mm512_fmadd_ps(dot, _mm512_set1_ps(dx), _mm512_set1_ps(-8.f * dsum)), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MM; ++m) store16(out + m * ldo, acc[m]);
+}
+#endif
+
 // Row r of a group's block b: its quant bytes in the file's order (16 of Q4's nibble bytes
 // in the low half, or Q8_0's 32).
 template <QType T>
@@ -717,18 +827,30 @@ void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w
         for (int64_t g = g0; g < g1; ++g) {
           const int64_t n = g * kGroupRows;
           if (g < num_whole) {
+            // two groups at once where this thread has both (512-bit registers)
+            const bool pair = QUIRE_HAS_VNNI512 && g + 1 < g1 && g + 1 < num_whole;
             // kXRowsInRegs rows of x at a time, then the rest (dot_group keeps MM rows' sums
             // in registers and unpacks each weight load once for them)
             auto rows_of_x = [&](auto mm, int64_t m) {
-              dot_group<T, decltype(mm)::value, O>(
-                  w + n * row_bytes, num_blocks, xq_group + m * K, K,
-                  xq.d.data() + m * num_blocks, xq.dsum.data() + m * num_blocks,
-                  out + m * N + n, N);
+              const uint8_t* wg = w + n * row_bytes;
+              const float* d = xq.d.data() + m * num_blocks;
+              const float* ds = xq.dsum.data() + m * num_blocks;
+#if QUIRE_HAS_VNNI512
+              if (pair) {
+                dot_group_pair<T, decltype(mm)::value, O>(
+                    wg, wg + kGroupRows * row_bytes, num_blocks, xq_group + m * K, K, d, ds,
+                    out + m * N + n, N);
+                return;
+              }
+#endif
+              dot_group<T, decltype(mm)::value, O>(wg, num_blocks, xq_group + m * K, K, d, ds,
+                                                   out + m * N + n, N);
             };
             int64_t m = m0;
             for (; m + kXRowsInRegs <= m1; m += kXRowsInRegs)
               rows_of_x(std::integral_constant<int, kXRowsInRegs>{}, m);
             if (m < m1) with_count<kXRowsInRegs - 1>(int(m1 - m), [&](auto mm) { rows_of_x(mm, m); });
+            if (pair) ++g;  // its second group is done
             continue;
           }
           for (int64_t r = n; r < N; ++r)  // the rows past the last group, row by row

@@ -21,7 +21,7 @@ import torch
 
 from engine_worker.attention.metadata import AttentionMetadata
 from engine_worker.backends.base import Backend, BackendEntry, LayersFn, SamplingKernels
-from engine_worker.backends.cpu_linear import (DENSE_TWIN_ROWS, GGUF_NATIVE_TYPES,
+from engine_worker.backends.cpu_linear import (GGUF_NATIVE_TYPES,
                                                K_QUANT_BLOCK_BYTES, PANEL_COLUMNS, PANELS_BF16,
                                                SKINNY_BF16, SKINNY_MAX_ROWS, GgufBlocks,
                                                is_gguf_blocks)
@@ -114,7 +114,7 @@ class CpuOps:
             # a tied embedding's table (dense): past the decode rows where bf16 matmuls are
             # fast (Zen 5, the tied Q8_0 logits table 49152 x 576 at 16 rows: 1.7 ms against
             # 2.4 on the int8 kernel)
-            twin_rows = SKINNY_MAX_ROWS if self.twins else DENSE_TWIN_ROWS
+            twin_rows = SKINNY_MAX_ROWS if self.twins else None
             return GgufBlocks.of(self.ops, weight, dense, self._linear, twin_rows)
         return self._linear.pack(self.ops, weight)
 

@@ -30,7 +30,6 @@ GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34,
 GGUF_NATIVE_TYPES = frozenset(GGUF_BLOCK_BYTES)
 K_QUANT_BLOCK_BYTES = frozenset({144, 176, 210})  # the file's k-quant blocks: 256 weights each
 
-DENSE_TWIN_ROWS = 32  # past these rows a GGUF weight with a dense twin multiplies the twin
 SKINNY_MAX_ROWS = 8  # up to here a linear layer is a weight stream: the bf16 kernel wins
 SKINNY_SLICE = 32  # the skinny kernel's input columns a step: in_features a multiple of this
 PANEL_COLUMNS = 16  # pack_bf16w's panels: output columns in multiples of this
@@ -72,11 +71,12 @@ class GgufBlocks:
     # Where the model holds the weight's exact de-quantized values anyway (a tied embedding
     # table: SmolLM2's logits are its Q8_0 embedding, 49152 x 576): calls with more rows of x
     # than ``int8_rows`` (of ``int8_dtype``) multiply those, in the set's packed layout
-    # (``dense``), instead of de-quantizing 28M weights every batched step (Zen 4, 2 threads,
-    # 16 rows: 13.5 ms de-quantize + oneDNN against 4.7 ms on the packed table, same
-    # values). ``int8_rows`` is then at most DENSE_TWIN_ROWS: a matrix this wide outgrows the
-    # int8 kernel sooner than a layer's (Zen 4, VNNI, the logits at 32 rows 6.0 ms int8
-    # against 6.4 on the table, 64 rows 11.2 against 10.7, 256 rows 56 against 36).
+    # (``dense``), instead of de-quantizing 28M weights every batched step. ``int8_rows`` is
+    # the blocks' own limit (``quant_int8_rows``), or fewer where the caller says (``of``'s
+    # ``twin_rows``: SKINNY_MAX_ROWS where bf16 twins are kept, Zen 5: the table at 16 rows 1.7
+    # ms against 2.4 on the int8 kernel). Without twins and with VNNI (Zen 4) the int8 kernel
+    # wins at every size (the table 49152 x 576, 2 threads: 8 to 256 rows 1.26-1.39x oneDNN
+    # on the packed table; csrc/cpu/quant_linear.cpp, kVnniRows).
     dense_weight: torch.Tensor | None = None
     dense: Any = None
     int8_rows: int = 0
@@ -98,14 +98,15 @@ class GgufBlocks:
 
     @staticmethod
     def of(ops: Any, weight: torch.Tensor, dense: torch.Tensor | None = None,
-           linear: Any = None, twin_rows: int = DENSE_TWIN_ROWS) -> GgufBlocks:
+           linear: Any = None, twin_rows: int | None = None) -> GgufBlocks:
         blocks = GgufBlocks.repacked(ops, weight)
         # the twin is the same matrix (the loader reads both from one tensor): its rows
         if dense is None or linear is None or dense.dim() != 2 or dense.shape[0] != weight.shape[0]:
             return GgufBlocks(blocks)
         dtype = linear.activation_dtype
+        rows = int(ops.quant_int8_rows(blocks, dtype))
         return GgufBlocks(blocks, dense.detach(), linear.pack(ops, dense.detach()),
-                          min(twin_rows, int(ops.quant_int8_rows(blocks, dtype))), dtype)
+                          rows if twin_rows is None else min(twin_rows, rows), dtype)
 
     @staticmethod
     def with_tile_twin(ops: Any, weight: torch.Tensor) -> GgufBlocks:
@@ -123,7 +124,7 @@ class GgufBlocks:
         if self.dense_weight is None:
             return False
         rows = self.int8_rows if x.dtype == self.int8_dtype else \
-            min(DENSE_TWIN_ROWS, int(ops.quant_int8_rows(self.blocks, x.dtype)))
+            int(ops.quant_int8_rows(self.blocks, x.dtype))
         return x.shape[0] > rows
 
 

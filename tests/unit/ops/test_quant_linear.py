@@ -20,7 +20,6 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
-from engine_worker.backends.cpu_linear import DENSE_TWIN_ROWS  # noqa: E402
 from engine_worker.ops.cpu_isa import cpu_flags, cpu_vendor_family, full_width_bf16  # noqa: E402
 
 
@@ -93,14 +92,15 @@ def test_zero_rows_of_x_give_exact_zero(cpu_kernels, qtype):
 @pytest.mark.cpu_ops("quant_linear", "quant_int8_rows")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 # 9: one past the decode rows; 65: one past the int8 rows where oneDNN has AMX; 141: a tile
-# of 128 rows, then 8 + 5 (the AVX-512 set keeps 8 rows of x in registers); 513: one past the
-# AVX-512 set's int8 rows; 37 weight rows: groups of eight and the rows past them
+# of 128 rows, then 8 + 5 (the AVX-512 set keeps 8 rows of x in registers); 513: past the old
+# 512-row line; 37 weight rows: groups of eight (pairs of groups on the AVX-512 set, and one
+# group alone where a thread's share is odd) and the rows past them
 @pytest.mark.parametrize("rows", [9, 33, 65, 141, 513])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_more_rows_int8_or_dequantize_then_matmul(cpu_kernels, qtype, rows, dtype):
-    # Past the decode rows a call takes the int8 path where the kernels say so (Q4_0 / Q4_1
-    # with VNNI and bf16 x: up to 512 rows), else de-quantizes the weight exactly for a float
-    # matmul (in x's dtype)
+    # Past the decode rows a call takes the int8 path where the kernels say so (Q4_0 / Q4_1 /
+    # Q8_0 with VNNI and bf16 x: every size, 64 rows with AMX), else de-quantizes the weight
+    # exactly for a float matmul (in x's dtype)
     blocks, ref = quantized(37, 128, qtype, seed=rows)
     x = torch.randn(rows, 128)
     x[-1, 32:64] *= 20  # one block with a large scale, in the last (remainder) row
@@ -125,13 +125,13 @@ def test_which_types_keep_many_rows_on_int8(cpu_kernels):
     def limits(dtype):
         return {qt.name: cpu_kernels.ops.quant_int8_rows(quantized(8, 64, qt)[0], dtype)
                 for qt in TYPES}
-    # VNNI (the AVX-512 set) keeps up to 512 rows of bf16 x on the grouped types' int8
-    # kernel, 64 where oneDNN's matmul has AMX tiles (read here from /proc/cpuinfo, the
+    # VNNI (the AVX-512 set) keeps bf16 x of any size on the grouped types' int8 kernel, up
+    # to 64 rows where oneDNN's matmul has AMX tiles (read here from /proc/cpuinfo, the
     # emulated set's host has none); fp32 x, AVX2 and the other types are de-quantized past 8
     flags = set(Path("/proc/cpuinfo").read_text().split())
     amx = {"amx_tile", "amx_bf16", "amx_int8"} <= flags
     assert cpu_kernels.ops.amx_tiles() == amx
-    many = (64 if amx else 512) if cpu_kernels.isa == "avx512" else 8
+    many = (64 if amx else 2 ** 63 - 1) if cpu_kernels.isa == "avx512" else 8
     assert limits(torch.bfloat16) == {"Q4_0": many, "Q4_1": many, "Q8_0": many}
     assert limits(torch.float32) == {"Q4_0": 8, "Q4_1": 8, "Q8_0": 8}
 
@@ -271,10 +271,10 @@ def test_k_quant_rows_that_are_not_whole_super_blocks_are_refused(cpu_kernels):
 @pytest.mark.cpu_ops("quant_linear", "quant_int8_rows")
 def test_a_dense_twin_serves_the_rows_past_the_int8_path(cpu_kernels):
     """A tied embedding's blocks packed with the table's de-quantized values (``dense=``): up
-    to the blocks' int8 rows (at most DENSE_TWIN_ROWS: a wide matrix outgrows the int8 kernel
-    sooner) a call streams the blocks; past them it multiplies the twin in the
-    set's packed layout, instead of de-quantizing every call. A twin scaled by 2 shows which
-    one a call took; the real twin gives the de-quantized product."""
+    to the blocks' int8 rows (at most SKINNY_MAX_ROWS where bf16 twins are kept) a call streams
+    the blocks; past them it multiplies the twin in the set's packed layout, instead of
+    de-quantizing every call. A twin scaled by 2 shows which one a call took; the real twin
+    gives the de-quantized product."""
     backend, ops = cpu_kernels.backend, cpu_kernels.ops
     dtype = torch.bfloat16 if cpu_kernels.isa == "avx512" else torch.float32
     blocks, ref = quantized(64, 96, QT.Q8_0, seed=5)
@@ -282,11 +282,12 @@ def test_a_dense_twin_serves_the_rows_past_the_int8_path(cpu_kernels):
     packed = backend.pack_weight(blocks, dense=table)
     doubled = backend.pack_weight(blocks, dense=table * 2)
     # where oneDNN's bf16 matmuls are fast (AMX tiles, a full-width AVX-512 BF16 datapath)
-    # the table takes over past the decode rows
-    twin_rows = 8 if bf16_twins_expected(cpu_kernels.isa) else DENSE_TWIN_ROWS
-    limit = min(twin_rows, int(ops.quant_int8_rows(packed.blocks, dtype)))
+    # the table takes over past the decode rows; elsewhere at the blocks' own limit (none on
+    # VNNI: the table never takes over there, AVX2: past the decode rows)
+    rows_limit = int(ops.quant_int8_rows(packed.blocks, dtype))
+    limit = min(8, rows_limit) if bf16_twins_expected(cpu_kernels.isa) else rows_limit
     assert packed.int8_rows == limit
-    for rows in (1, limit, limit + 1, 40):
+    for rows in sorted({1, min(limit, 40), min(limit + 1, 40), 40}):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)
         out = backend.linear(x, blocks, None, packed).float()
         expected = x.float() @ table.float().T
