@@ -65,8 +65,9 @@ def test_dequantize_matches_gguf(cpu_kernels, qtype):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 # rows of x: Q4_0 / Q4_1 take them four at a time over each group of eight weight rows
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
-# 37: rows past the last group of four (and of eight, Q4_0 / Q4_1's interleaved groups)
-@pytest.mark.parametrize("n", [64, 37])
+# 37: rows past the last group of four (and of eight, Q4_0 / Q4_1's interleaved groups); 45:
+# five groups of eight, on the AVX-512 set two pairs and one alone
+@pytest.mark.parametrize("n", [64, 37, 45])
 def test_decode_within_the_int8_rounding_bound(cpu_kernels, qtype, rows, n):
     blocks, ref = quantized(n, 160, qtype, seed=rows)
     x = torch.randn(rows, 160)
@@ -93,21 +94,21 @@ def test_zero_rows_of_x_give_exact_zero(cpu_kernels, qtype):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 # 9: one past the decode rows; 65: one past the int8 rows where oneDNN has AMX; 141: a tile
 # of 128 rows, then 8 + 5 (the AVX-512 set keeps 8 rows of x in registers); 513: past the old
-# 512-row line; 37 weight rows: groups of eight (pairs of groups on the AVX-512 set, and one
-# group alone where a thread's share is odd) and the rows past them
+# 512-row line; 45 weight rows: five groups of eight (on the AVX-512 set two pairs and one
+# group alone) and the rows past them
 @pytest.mark.parametrize("rows", [9, 33, 65, 141, 513])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_more_rows_int8_or_dequantize_then_matmul(cpu_kernels, qtype, rows, dtype):
     # Past the decode rows a call takes the int8 path where the kernels say so (Q4_0 / Q4_1 /
     # Q8_0 with VNNI and bf16 x: every size, 64 rows with AMX), else de-quantizes the weight
     # exactly for a float matmul (in x's dtype)
-    blocks, ref = quantized(37, 128, qtype, seed=rows)
+    blocks, ref = quantized(45, 128, qtype, seed=rows)
     x = torch.randn(rows, 128)
     x[-1, 32:64] *= 20  # one block with a large scale, in the last (remainder) row
     x = x.to(dtype)
     out = cpu_kernels.ops.quant_linear(x, blocks, None)
     expected = x.float() @ ref.T
-    assert out.shape == (rows, 37) and out.dtype == dtype
+    assert out.shape == (rows, 45) and out.dtype == dtype
     if rows <= cpu_kernels.ops.quant_int8_rows(blocks, dtype):
         bound = x_rounding_bound(x, ref) * 1.01 + 1e-4
         if dtype == torch.bfloat16:  # and one rounding of the result to bf16
@@ -181,11 +182,14 @@ def test_the_loaders_repacked_layout_gives_the_same_bits(cpu_kernels, qtype):
     def same_bytes(rows):
         return sorted(packed.view(torch.uint8)[rows].flatten().tolist()) == \
             sorted(blocks[rows].flatten().tolist())
-    # whole groups of eight rows are interleaved (rows 0-31 here), the last four stay row by
-    # row
+    # whole groups of eight rows are interleaved (rows 0-31 here; on the AVX-512 set pairs of
+    # groups are interleaved block by block too), the last four stay row by row
+    unit = 16 if cpu_kernels.isa == "avx512" else 8
     assert same_bytes(slice(32, 33)) and same_bytes(slice(35, 36))
-    assert same_bytes(slice(0, 8)) and same_bytes(slice(24, 32))
+    assert same_bytes(slice(0, unit)) and same_bytes(slice(32 - unit, 32))
     assert not same_bytes(slice(3, 4))
+    if unit == 16:
+        assert not same_bytes(slice(0, 8))
     torch.testing.assert_close(cpu_kernels.ops.dequantize_weight(packed, torch.float32), ref,
                                rtol=0, atol=0)
     for rows in (1, 3, 7):
