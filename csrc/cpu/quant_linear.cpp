@@ -109,14 +109,15 @@ enum class QType { kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
 // float matmul). With VNNI, Q4_0 / Q4_1 / Q8_0's grouped kernel (dot_group_pair: each weight
 // load unpacked once for eight rows of x, one vpdpbusd per 4 x 16 products) outruns
 // de-quantize + oneDNN's bf16 matmul at every size: vpdpbusd adds twice the products a cycle
-// that vdpbf16ps does. Zen 4, 2 threads, SmolLM2's four linears of a layer in Q4_1 (3.5M
-// weights, bf16 x): 256 rows 3.4 ms against 5.5 for oneDNN's bf16 matmul on a dense copy
-// (the de-quantizing not counted), 1024 rows 13.7 against 19.2, 4096 rows 54 against 75
-// (265-270 GMAC/s against 190: the int8 peak measured on this core is 234 GMAC/s a core,
-// bf16's 117); its tied Q8_0 logits table (49152 x 576) 1.26-1.39x oneDNN on the table
-// already de-quantized, 8 to 256 rows. (Before the kernel took 16 rows a register and
-// converted its bf16 results with vcvtneps2bf16: 206 GMAC/s, 1.1x oneDNN at 512 rows and
-// behind it past them.)
+// that vdpbf16ps does (a loop of either measured on a Zen 4 core: 234 and 117 GMAC/s).
+// Zen 4, 2 threads, SmolLM2's four linears of a layer in Q4_1 (3.5M weights, bf16 x) against
+// oneDNN's bf16 matmul on a packed de-quantized copy (a twin; the de-quantizing not counted;
+// scripts/quant_linear_bench.py): 8 rows 0.156 ms against 0.239, 64 rows 1.01 against 1.17,
+// 256 rows 3.36 against 4.42, 4096 rows 53.7 against 67.9 (250-270 GMAC/s against 190-214);
+// its tied Q8_0 logits table (49152 x 576) 1.23-1.41x the packed table from 64 to 4096 rows.
+// (Before the kernel took 16 rows a register, read each pair of groups as one stream and
+// converted its bf16 results with vcvtneps2bf16: 206 GMAC/s, level with oneDNN at 512 rows
+// and behind it past them.)
 // Only for bf16 x: an fp32 model asks for fp32 numerics, and on the compute-bound path it gets
 // them (past the decode rows, the exact de-quantized weights), as before; bf16 x already
 // carries 8 bits of mantissa, so its rounding to int8 per block of 32 costs less (llama.cpp

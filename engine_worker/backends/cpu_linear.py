@@ -75,8 +75,8 @@ class GgufBlocks:
     # the blocks' own limit (``quant_int8_rows``), or fewer where the caller says (``of``'s
     # ``twin_rows``: SKINNY_MAX_ROWS where bf16 twins are kept, Zen 5: the table at 16 rows 1.7
     # ms against 2.4 on the int8 kernel). Without twins and with VNNI (Zen 4) the int8 kernel
-    # wins at every size (the table 49152 x 576, 2 threads: 8 to 256 rows 1.26-1.39x oneDNN
-    # on the packed table; csrc/cpu/quant_linear.cpp, kVnniRows).
+    # wins at every size (the table 49152 x 576, 2 threads: 64 to 4096 rows 1.23-1.41x
+    # oneDNN on the packed table; csrc/cpu/quant_linear.cpp, kVnniRows).
     dense_weight: torch.Tensor | None = None
     dense: Any = None
     int8_rows: int = 0
