@@ -38,13 +38,18 @@ inline void store_slice(__m512 lo, __m512 hi, __m512 inv, at::BFloat16* out) {
   _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
 
-// Scores [group][16] of the rows against the chunk's key rows (lanes past count are 0).
+// Scores [group][16] of the rows against the chunk's key rows (lanes past count are 0),
+// prefetching the next chunk's key rows knext as it goes.
 // GA, ZA: the arrays' sizes, exact where the caller knows the shape at compile time.
 template <int GA, int ZA>
 inline void scores(const __m512bh (&qv)[GA][ZA], const at::BFloat16* const* krow,
-                   int count, int group, int nz, __m512 (&s)[GA]) {
+                   int count, int group, int nz, __m512 (&s)[GA],
+                   const at::BFloat16* const* knext) {
   for (int g = 0; g < group; ++g) s[g] = _mm512_setzero_ps();
   for (int j = 0; j < count; j += 4) {
+    for (int t = 0; t < 4; ++t)
+      for (int z = 0; z < nz; ++z)
+        _mm_prefetch(reinterpret_cast<const char*>(knext[j + t] + 32 * z), _MM_HINT_T0);
     for (int g = 0; g < group; ++g) {
       __m512 a[4];
       for (int t = 0; t < 4; ++t) {
@@ -89,17 +94,19 @@ struct Rows {
     }
   }
 
-  // keys krow[0..count) and their values vrow (rows past count: zeros, as 16 pointers)
+  // keys krow[0..count) and their values vrow (rows past count: zeros, as 16 pointers); the
+  // next chunk's rows of the same head, knext / vnext, are prefetched on the way
   void add_chunk(const at::BFloat16* const* krow, const at::BFloat16* const* vrow, int count,
-                 float scale) {
+                 float scale, const at::BFloat16* const* knext,
+                 const at::BFloat16* const* vnext) {
     __m512 s[GA];
-    scores<GA, ZA>(qv, krow, count, group, nz, s);
-    add_scores(s, vrow, count, scale);
+    scores<GA, ZA>(qv, krow, count, group, nz, s, knext);
+    add_scores(s, vrow, count, scale, vnext);
   }
 
   // the chunk's scores s[g] (unscaled; lanes past count ignored) into the softmax and P @ V
   void add_scores(const __m512 (&s)[GA], const at::BFloat16* const* vrow, int count,
-                  float scale) {
+                  float scale, const at::BFloat16* const* vnext = nullptr) {
     // probabilities, as bf16 pairs (keys 2i, 2i + 1) per row
     alignas(64) uint32_t pairs[GA][8];
     for (int g = 0; g < group; ++g) {
@@ -116,6 +123,10 @@ struct Rows {
     }
     for (int j = 0; j < count; j += 2) {
       for (int z = 0; z < nz; ++z) {
+        if (vnext) {
+          _mm_prefetch(reinterpret_cast<const char*>(vnext[j] + 32 * z), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vnext[j + 1] + 32 * z), _MM_HINT_T0);
+        }
         const __m512i v0 = _mm512_loadu_si512(vrow[j] + 32 * z);
         const __m512i v1 = _mm512_loadu_si512(vrow[j + 1] + 32 * z);
         const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
@@ -145,10 +156,17 @@ struct Rows {
 // The heads walk the keys together, a chunk of 16 keys at a time: a slot holds every kv head's
 // row side by side, and a sweep per head would read 2 * nz lines of each 2 * nz * num_kv, a
 // stride the hardware prefetchers do not follow, leaving each core's few outstanding misses as
-// the limit. Together they read whole slot rows, in order, and the chunk after this one is
-// asked for ahead. On the 2-core Xeon with AMX (64 decodes of 288 keys, SmolLM2's 3 kv heads
-// of 64, 30 layers, blocks scattered, alternate runs): 59-73 ms a step before, 39-49 after
-// (6-7 GB/s of K/V read against 9-11; a plain read of memory there runs at 21).
+// the limit. Together they read whole slot rows, in order. On the 2-core Xeon with AMX (64
+// decodes of 288 keys, SmolLM2's 3 kv heads of 64, 30 layers, blocks scattered, alternate
+// runs): 59-73 ms a step before, 39-49 after (6-7 GB/s of K/V read against 9-11; a plain read
+// of memory there runs at 21).
+//
+// The next chunk's lines of a head are asked for while this chunk's lines of that head are
+// used, a few per group of keys (the AMX kernel asks a head at a time): the 192 lines of a
+// chunk asked at its start are more than a core's outstanding misses, and then queue ahead of
+// the chunk's own loads. On the 2-core Zen 4 (64 decodes of 192 keys, blocks scattered, 30
+// layers, scripts/decode_attention_tiles.py): 30.8-32.1 ms a step asked at the start, 25.3-
+// 30.7 spread; the same reads alone take 12.6, and the kernel on keys in cache 8.8.
 template <int G, int NZ>
 void attend(const at::BFloat16* q, at::BFloat16* out, int group_rt, int nz_rt, int num_kv,
             int64_t seq_len, float scale, const at::BFloat16* keys, const at::BFloat16* values,
@@ -159,22 +177,21 @@ void attend(const at::BFloat16* q, at::BFloat16* out, int group_rt, int nz_rt, i
   thread_local std::vector<Rows<G, NZ>> heads;
   if (int(heads.size()) < num_kv) heads.resize(num_kv);
   for (int h = 0; h < num_kv; ++h) heads[h].start(q + h * rows_stride, group_rt, nz_rt);
-  const int64_t row_bytes = num_kv * d * 2;
   for (int64_t pos = 0; pos < seq_len; pos += 16) {
     const int count = int(std::min<int64_t>(16, seq_len - pos));
-    for (int64_t p = pos + 16, e = std::min(seq_len, p + 16); p < e; ++p)
-      for (int64_t b = 0; b < row_bytes; b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(keys + offsets[p]) + b, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(values + offsets[p]) + b, _MM_HINT_T0);
-      }
+    const int next = int(std::min<int64_t>(16, std::max<int64_t>(0, seq_len - pos - 16)));
     for (int h = 0; h < num_kv; ++h) {
       const at::BFloat16* krow[16];
       const at::BFloat16* vrow[16];
+      const at::BFloat16* knext[16];
+      const at::BFloat16* vnext[16];
       for (int j = 0; j < 16; ++j) {
         krow[j] = j < count ? keys + offsets[pos + j] + h * d : zeros;
         vrow[j] = j < count ? values + offsets[pos + j] + h * d : zeros;
+        knext[j] = j < next ? keys + offsets[pos + 16 + j] + h * d : zeros;
+        vnext[j] = j < next ? values + offsets[pos + 16 + j] + h * d : zeros;
       }
-      heads[h].add_chunk(krow, vrow, count, scale);
+      heads[h].add_chunk(krow, vrow, count, scale, knext, vnext);
     }
   }
   for (int h = 0; h < num_kv; ++h) heads[h].finish(out + h * rows_stride);
