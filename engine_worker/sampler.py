@@ -222,26 +222,53 @@ def _untruncated(meta: SamplingMetadata, vocab_size: int) -> torch.Tensor | None
     return plain
 
 
+def _top_p_only(meta: SamplingMetadata, vocab_size: int) -> torch.Tensor | None:
+    """[num_rows] bool: rows truncated by top-p alone (no top-k, no min-p); None where the
+    batch has no top-p."""
+    if meta.top_p is None:
+        return None
+    rows = meta.top_p < 1
+    if meta.top_k is not None:
+        rows &= meta.top_k >= vocab_size
+    if meta.min_p is not None:
+        rows &= meta.min_p <= 0
+    return rows
+
+
 def _sample_random(logits: torch.Tensor, meta: SamplingMetadata, uniforms: torch.Tensor,
                    kernels: SamplingKernels) -> torch.Tensor:
     """The random rows' tokens (greedy rows get an arbitrary id). Untruncated rows take the
-    backend's draw where it has one (``SamplingKernels.draw``): whether a row does depends on
-    that row's own parameters only, so a seeded row's tokens do not depend on the batch."""
-    plain = _untruncated(meta, logits.shape[1])
-    drawn = None
+    backend's draw where it has one (``SamplingKernels.draw``), rows with top-p alone its top-p
+    draw (``draw_top_p``): whether a row does depends on that row's own parameters only, so a
+    seeded row's tokens do not depend on the batch. The sampler's tensor ops draw the rest."""
+    vocab_size = logits.shape[1]
+    plain = _untruncated(meta, vocab_size)
+    tokens, covered = None, None  # what the backend's kernels drew, and for which rows
     if kernels.draw is not None:
         temperature = meta.temperature if plain is None else \
             torch.where(plain, meta.temperature, 0.0)  # the kernel skips rows at 0
         drawn = kernels.draw(logits, temperature, uniforms[:, 0])
-        if drawn is not None and plain is None:
-            return drawn
+        if drawn is not None:
+            if plain is None:
+                return drawn
+            tokens, covered = drawn, plain
+    nucleus = _top_p_only(meta, vocab_size) if kernels.draw_top_p is not None else None
+    if nucleus is not None:
+        drawn = kernels.draw_top_p(logits, torch.where(nucleus, meta.temperature, 0.0),
+                                   meta.top_p, uniforms, meta.rounds.max_rounds)
+        if drawn is not None:
+            tokens = drawn if tokens is None else torch.where(nucleus, drawn, tokens)
+            covered = nucleus if covered is None else covered | nucleus
     random_rows = meta.temperature > 0
+    drawing = random_rows if covered is None else random_rows & ~covered
+    # (a backend with a top-p draw runs on the host, where this read costs a branch)
+    if nucleus is not None and covered is not None and not bool(drawing.any()):
+        return tokens
     temperature = torch.where(random_rows, meta.temperature, 1.0)
     probs = torch.softmax(logits / temperature[:, None], dim=-1, dtype=torch.float32)
-    drawing = random_rows if drawn is None else random_rows & ~plain  # the kernel drew those
-    tokens = draw_tokens(probs, drawing, uniforms, meta.rounds, top_k=meta.top_k,
-                         max_top_k=meta.max_top_k, top_p=meta.top_p, min_p=meta.min_p)
-    return tokens if drawn is None else torch.where(plain, drawn, tokens)
+    rest = draw_tokens(probs, drawing, uniforms, meta.rounds, top_k=meta.top_k,
+                       max_top_k=meta.max_top_k, top_p=meta.top_p, min_p=meta.min_p)
+    return rest if tokens is None else torch.where(covered, tokens, rest)
 
 
 def logprob_tensors(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> LogprobTensors:

@@ -17,11 +17,18 @@
 // whose exponent is below -87 is 0, as fp32's softmax underflows there, so a token of logit
 // -inf (a grammar's mask, a ban) is never drawn, nor one of logit NaN; a row with +inf logits
 // takes the first of them, a row of -inf only (or at temperature 0) is skipped (id 0).
+//
+// draw_top_p_rows: the same for rows truncated by top-p alone, as the sampler's tensor ops draw
+// them (engine_worker/sampling_draw.py: pivot rounds, each with its own uniform, then a floor
+// from a sort for a row they did not settle), one row at a time with its weights held in L2
+// across the rounds where the tensor ops write and read [rows, vocab] a few times a round:
+// 0.6 ms for 64 x 49,152 logits at top-p 0.9 on the 2-core Zen 4 against 5.2-5.4 ms.
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -155,7 +162,134 @@ int64_t draw_row(const float* x, int64_t n, float temperature, double u,
   return end - 1;  // not reached: rest is below the block's sum
 }
 
+// ---- top-p: the sampler's pivot rounds (engine_worker/sampling_draw.py) on one row at a time
+
+// The sum of w[start, end) over the tokens with w >= floor (a block's sum, in fp32).
+float block_at_least(const float* w, int64_t start, int64_t end, float floor) {
+  Vec acc = Vec::zero();
+  int64_t c = start;
+  for (; c + W <= end; c += W) {
+    const Vec v = Vec::load(w + c);
+    acc = acc + simd::where_at_least(v, floor, v);
+  }
+  float sum = simd::reduce_add(acc);
+  for (; c < end; ++c) sum += w[c] >= floor ? w[c] : 0.f;
+  return sum;
+}
+
+// The token drawn from the weights w >= floor with uniform u; sums: their block sums. As
+// draw_row's search: the first running sum strictly above a target kept below the total.
+int64_t draw_at_least(const float* w, int64_t n, const std::vector<double>& sums, float floor,
+                      double u) {
+  const int64_t num_blocks = int64_t(sums.size());
+  double total = 0;
+  for (const double b : sums) total += b;
+  const double target = std::min(u * total, std::nextafter(total, 0.0));
+  int64_t b = 0;
+  double before = 0;
+  for (; b < num_blocks - 1 && before + sums[b] <= target; ++b) before += sums[b];
+  const int64_t start = b * kDrawBlock, end = std::min(n, start + kDrawBlock);
+  double inside = 0;
+  for (int64_t i = start; i < end; ++i) inside += w[i] >= floor ? w[i] : 0.f;
+  const double rest = std::min(std::max(target - before, 0.0), std::nextafter(inside, 0.0));
+  double running = 0;
+  for (int64_t i = start; i < end; ++i) {
+    running += w[i] >= floor ? w[i] : 0.f;
+    if (running > rest) return i;
+  }
+  return end - 1;  // not reached: rest is below the block's sum
+}
+
+// The block sums of the weights w >= floor into sums; their total.
+double sums_at_least(const float* w, int64_t n, float floor, std::vector<double>& sums) {
+  double total = 0;
+  for (int64_t b = 0; b < int64_t(sums.size()); ++b) {
+    sums[b] = block_at_least(w, b * kDrawBlock, std::min(n, (b + 1) * kDrawBlock), floor);
+    total += sums[b];
+  }
+  return total;
+}
+
+// One token from softmax(x / T) restricted to top-p's set (the tokens that the tokens strictly
+// more likely than them weigh less than top_p of), as sampling_draw.draw_tokens draws it: each
+// round draws x from the tokens above a pivot with uniform u[round] and keeps it if the tokens
+// strictly more likely than x weigh less than the budget, else raises the pivot to x's weight;
+// after `rounds` rounds the set's floor comes from a sort and u[rounds] draws above it. The
+// weights stay unnormalised, in scratch w (n floats, read from L2 by every round).
+int64_t draw_top_p_row(const float* x, int64_t n, float temperature, float top_p,
+                       const double* u, int64_t u_step, int64_t rounds, std::vector<float>& w,
+                       std::vector<double>& sums) {
+  bool nan = false;
+  const float top = row_max(x, n, nan);
+  if (top == -std::numeric_limits<float>::infinity()) return 0;  // every token masked
+  if (top == std::numeric_limits<float>::infinity()) {
+    for (int64_t c = 0; c < n; ++c)
+      if (x[c] == top) return c;
+  }
+  const Vec topv = Vec::broadcast(top), inv_t = Vec::broadcast(1.f / temperature);
+  const int64_t num_blocks = (n + kDrawBlock - 1) / kDrawBlock;
+  w.resize(num_blocks * kDrawBlock);
+  sums.resize(num_blocks);
+  double total = 0;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    sums[b] = block_weights(x, b * kDrawBlock, std::min(n, (b + 1) * kDrawBlock), topv, inv_t,
+                            w.data() + b * kDrawBlock);
+    total += sums[b];
+  }
+  const double budget = top_p < 1.f ? double(top_p) * total
+                                    : std::numeric_limits<double>::infinity();
+  float floor = 0.f;  // the pivot's next float up: the tokens strictly above it
+  for (int64_t r = 0; r < rounds; ++r) {
+    const int64_t token = draw_at_least(w.data(), n, sums, floor, u[r * u_step]);
+    const float above = std::nextafter(w[token], std::numeric_limits<float>::infinity());
+    std::vector<double> kept_sums(num_blocks);
+    if (sums_at_least(w.data(), n, above, kept_sums) < budget) return token;
+    floor = above;
+    sums.swap(kept_sums);
+  }
+  // the rounds did not settle: top-p's floor from the weights in descending order, the mass
+  // strictly before each position in float64 (ties with the last kept token all stay)
+  std::vector<float> ordered(w.begin(), w.begin() + n);
+  std::sort(ordered.begin(), ordered.end(), std::greater<float>());
+  double before = 0;
+  int64_t num_kept = 0;
+  for (; num_kept < n && before < budget; ++num_kept) before += ordered[num_kept];
+  const float kept_floor = ordered[std::max<int64_t>(num_kept, 1) - 1];
+  sums_at_least(w.data(), n, kept_floor, sums);
+  return draw_at_least(w.data(), n, sums, kept_floor, u[rounds * u_step]);
+}
+
 }  // namespace
+
+at::Tensor draw_top_p_rows(const at::Tensor& x, const at::Tensor& temperature,
+                           const at::Tensor& top_p, const at::Tensor& u, int64_t rounds) {
+  TORCH_CHECK(x.dim() == 2 && x.dtype() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
+              "draw_top_p_rows: fp32 x [rows, n] with unit stride and n > 0");
+  TORCH_CHECK(temperature.dim() == 1 && temperature.size(0) == x.size(0) &&
+                  temperature.dtype() == at::kFloat && temperature.is_contiguous() &&
+                  top_p.dim() == 1 && top_p.size(0) == x.size(0) &&
+                  top_p.dtype() == at::kFloat && top_p.is_contiguous(),
+              "draw_top_p_rows: fp32 temperature and top_p [rows]");
+  TORCH_CHECK(rounds >= 0 && u.dim() == 2 && u.size(0) == x.size(0) &&
+                  u.size(1) >= rounds + 1 && u.dtype() == at::kDouble,
+              "draw_top_p_rows: float64 u [rows, rounds + 1] and rounds >= 0");
+  at::Tensor out = at::zeros({x.size(0)}, x.options().dtype(at::kLong));
+  const float* base = x.data_ptr<float>();
+  const float* temp = temperature.data_ptr<float>();
+  const float* p = top_p.data_ptr<float>();
+  const double* uu = u.data_ptr<double>();
+  int64_t* idx = out.data_ptr<int64_t>();
+  const int64_t n = x.size(1), stride = x.stride(0);
+  at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w;
+    std::vector<double> sums;
+    for (int64_t r = begin; r < end; ++r)
+      if (temp[r] > 0.f)
+        idx[r] = draw_top_p_row(base + r * stride, n, temp[r], p[r], uu + r * u.stride(0),
+                                u.stride(1), rounds, w, sums);
+  });
+  return out;
+}
 
 at::Tensor draw_rows(const at::Tensor& x, const at::Tensor& temperature, const at::Tensor& u) {
   TORCH_CHECK(x.dim() == 2 && x.dtype() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
@@ -196,11 +330,14 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("draw_rows(Tensor x, Tensor temperature, Tensor u) -> Tensor");
+  m.def("draw_top_p_rows(Tensor x, Tensor temperature, Tensor top_p, Tensor u, int rounds) -> "
+        "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(QUIRE_NS, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("draw_rows", &draw_rows);
+  m.impl("draw_top_p_rows", &draw_top_p_rows);
 }
 
 }  // namespace QUIRE_NS

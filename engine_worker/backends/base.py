@@ -47,10 +47,16 @@ class SamplingKernels:
     fp32 [rows], u float64 [rows]) -> int64 [rows], one token per row with temperature > 0
     from ``softmax(logits / temperature)`` by inverse CDF with the row's uniform (the same draw
     as ``sampling_draw.draw_tokens`` without truncation), or None where it cannot take these
-    logits; rows with top-k, top-p or min-p never go to it. None: the sampler's own draw."""
+    logits; rows with top-k, top-p or min-p never go to it. ``draw_top_p``: (logits, temperature
+    fp32 [rows] (0: skip the row), top_p fp32 [rows], uniforms float64 [rows, rounds + 1],
+    rounds) -> int64 [rows], the same draw as ``draw_tokens`` with top-p alone (its pivot rounds,
+    then its sorted floor), or None where it cannot take these logits; rows with top-k or min-p
+    never go to it. None: the sampler's own draw."""
 
     argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax
     draw: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
+    draw_top_p: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
+                         torch.Tensor | None] | None = None
 
 
 class AttentionBackend(Protocol):

@@ -186,6 +186,16 @@ class CpuOps:
             return self.ops.draw_rows(logits, temperature.contiguous(), u)
         return None
 
+    def draw_top_p(self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                   u: torch.Tensor, rounds: int) -> torch.Tensor | None:
+        # one row at a time, its weights kept in L2 across the rounds: the tensor ops read and
+        # write [rows, vocab] a few times a round
+        if self._rows_kernel_takes(logits) and temperature.dtype == torch.float32 and \
+                top_p.dtype == torch.float32 and u.dtype == torch.float64:
+            return self.ops.draw_top_p_rows(logits, temperature.contiguous(),
+                                            top_p.contiguous(), u, rounds)
+        return None
+
     def rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
              cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """In place on q and k (views into the step's fused QKV output)."""
@@ -372,7 +382,8 @@ def make_cpu_backend(kernels: CpuKernels, name: str, description: str) -> Backen
                    fused_stacks={"llama": ops.fuse_llama},
                    quantized_types=GGUF_NATIVE_TYPES if kernels.has("quant_linear")
                    else frozenset(),
-                   sampling=SamplingKernels(argmax=ops.argmax, draw=ops.draw))
+                   sampling=SamplingKernels(argmax=ops.argmax, draw=ops.draw,
+                                            draw_top_p=ops.draw_top_p))
 
 
 def cpu_backend_entry(name: str, description: str, variant: CpuVariant) -> BackendEntry:

@@ -202,3 +202,122 @@ def test_a_seeded_untruncated_row_draws_the_same_tokens_alone_and_in_a_batch(cpu
     alone = run(row[None], 0, False)
     assert run(torch.cat([others, row[None]]), 3, True) == alone
     assert run(torch.cat([others[:1], row[None], others[1:]]), 1, False) == alone
+
+
+# ---------------------------------------------------------------- top-p, one row at a time
+
+@pytest.mark.parametrize("top_p, temperature, rounds", [(0.9, 1.0, 32), (0.5, 0.7, 32),
+                                                        (0.5, 1.3, 1), (0.8, 1.0, 0)],
+                         ids=["p0.9", "p0.5-cold", "one-round", "sort-only"])
+@pytest.mark.parametrize("vocab", [300, 4099])
+def test_draw_top_p_rows_matches_multinomial(vocab, top_p, temperature, rounds, cpu_kernels):
+    """Against torch.multinomial on the truncated distribution from its definition; one
+    round and none send many rows to the sorted floor."""
+    from tests.unit.test_sampler import (NUM_DRAWS, _assert_same_distribution, _reference,
+                                         _zipf_like_logits)
+
+    logits = 0.5 * _zipf_like_logits(vocab, seed=60)  # flat enough to reject first draws
+    u = torch.rand(NUM_DRAWS, rounds + 1, dtype=torch.float64,
+                   generator=torch.Generator().manual_seed(61))
+    tokens = cpu_kernels.ops.draw_top_p_rows(
+        logits.repeat(NUM_DRAWS, 1), torch.full((NUM_DRAWS,), temperature),
+        torch.full((NUM_DRAWS,), top_p), u, rounds)
+    expected = _reference(torch.softmax(logits.double() / temperature, dim=-1), top_p=top_p)
+    _assert_same_distribution(tokens, expected, seed=62)
+
+
+@pytest.mark.parametrize("rounds", [32, 2, 0])
+def test_draw_top_p_rows_is_the_samplers_own_draw(rounds, cpu_kernels):
+    """Same logits, same uniforms: the kernel and the tensor ops' pivot rounds (and sorted
+    floor) pick the same token but where a running sum lands within rounding of its target."""
+    from engine_worker.sampling_draw import PivotRounds, draw_tokens
+
+    g = torch.Generator().manual_seed(63)
+    rows, vocab = 2000, 1000
+    logits = 2 * torch.randn(rows, vocab, generator=g) - torch.arange(vocab).log1p()
+    temperature = 0.5 + torch.rand(rows, generator=g)
+    top_p = 0.3 + 0.69 * torch.rand(rows, generator=g)
+    u = torch.rand(rows, rounds + 1, dtype=torch.float64, generator=g)
+    ours = cpu_kernels.ops.draw_top_p_rows(logits, temperature, top_p, u, rounds)
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    theirs = draw_tokens(probs, torch.ones(rows, dtype=torch.bool), u,
+                         PivotRounds(rounds, True), top_k=None, max_top_k=0, top_p=top_p,
+                         min_p=None)
+    assert (ours != theirs).sum() <= 4
+
+
+def test_draw_top_p_rows_keeps_ties_masks_and_skips(cpu_kernels):
+    """Ties with the last kept token stay; -inf and NaN logits are never drawn; a row of -inf
+    only or at temperature 0 is skipped (id 0); a row with +inf takes the first of them."""
+    n = 2000
+    u = torch.rand(n, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(64))
+    tied = torch.log(torch.tensor([0.1, 0.4, 0.2, 0.2, 0.1, float("nan"), 0.0]))
+    tokens = cpu_kernels.ops.draw_top_p_rows(tied.repeat(n, 1), torch.ones(n),
+                                             torch.full((n,), 0.5), u, 1)
+    assert set(tokens.tolist()) == {1, 2, 3}  # 0.4 < 0.5, so both 0.2s stay
+    special = torch.tensor([[float("-inf")] * 4, [0.0, float("inf"), 1.0, float("inf")],
+                            [0.0, 1.0, 2.0, 3.0]])
+    out = cpu_kernels.ops.draw_top_p_rows(special, torch.tensor([1.0, 1.0, 0.0]),
+                                          torch.full((3,), 0.9), u[:3], 1)
+    assert out.tolist() == [0, 1, 0]
+
+
+def test_the_sampler_sends_rows_with_top_p_alone_to_the_top_p_draw(cpu_kernels):
+    """Untruncated rows take the draw, rows with top-p alone the top-p draw, rows with top-k
+    or min-p the tensor ops, greedy rows the argmax: stand-ins answering tokens no other path
+    gives (logit -inf) show which rows took which."""
+    from engine_worker.backends.base import SamplingKernels
+    from tests.unit.test_sampler import _meta, _zipf_like_logits
+
+    vocab = 500
+    logits = torch.stack([_zipf_like_logits(vocab, seed=65 + i) for i in range(6)])
+    logits[:, vocab - 2:] = float("-inf")
+    seen = {}
+
+    def draw(x, temperature, u):
+        seen["draw"] = temperature.clone()
+        return torch.full((x.shape[0],), vocab - 1)
+
+    def draw_top_p(x, temperature, top_p, u, rounds):
+        seen["top_p"] = temperature.clone()
+        return torch.full((x.shape[0],), vocab - 2)
+
+    kernels = SamplingKernels(argmax=cpu_kernels.backend.sampling.argmax, draw=draw,
+                              draw_top_p=draw_top_p)
+    temperature = torch.tensor([1.0, 0.7, 0.0, 1.0, 1.2, 0.8])
+    top_p = torch.tensor([1.0, 0.9, 0.9, 0.5, 1.0, 0.9])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.05])
+    meta = _meta(6, temperature=temperature, top_p=top_p, min_p=min_p, any_greedy=True)
+    tokens = _sample_with(kernels, logits, meta, torch.Generator().manual_seed(71))
+    assert (seen["draw"] > 0).tolist() == [True, False, False, False, True, False]
+    assert (seen["top_p"] > 0).tolist() == [False, True, False, True, False, False]
+    assert tokens[[0, 4]].tolist() == [vocab - 1] * 2
+    assert tokens[[1, 3]].tolist() == [vocab - 2] * 2
+    assert tokens[5] < vocab - 2
+    assert tokens[2] == logits[2].argmax()
+
+
+def test_a_seeded_top_p_row_draws_the_same_tokens_alone_and_in_a_batch(cpu_kernels):
+    from tests.unit.test_sampler import _meta, _zipf_like_logits
+
+    vocab = 1000
+    row = _zipf_like_logits(vocab, seed=72)
+    others = torch.stack([_zipf_like_logits(vocab, seed=73 + i) * s
+                          for i, s in enumerate((0.1, 0.5, 3.0))])
+
+    def run(logits, row_index, others_top_k):
+        n = logits.shape[0]
+        generators = {row_index: torch.Generator().manual_seed(76)}
+        top_k = torch.full((n,), others_top_k)
+        top_k[row_index] = vocab
+        engine = torch.Generator().manual_seed(77 + n)
+        tokens = []
+        for _ in range(5):
+            meta = _meta(n, generators=generators, top_p=torch.full((n,), 0.8), top_k=top_k)
+            tokens.append(_sample_with(cpu_kernels.backend.sampling, logits, meta,
+                                       engine)[row_index].item())
+        return tokens
+
+    alone = run(row[None], 0, vocab)
+    assert run(torch.cat([others, row[None]]), 3, 20) == alone
+    assert run(torch.cat([others[:1], row[None], others[1:]]), 1, vocab) == alone
