@@ -165,8 +165,9 @@ struct Rows {
 // used, a few per group of keys (the AMX kernel asks a head at a time): the 192 lines of a
 // chunk asked at its start are more than a core's outstanding misses, and then queue ahead of
 // the chunk's own loads. On the 2-core Zen 4 (64 decodes of 192 keys, blocks scattered, 30
-// layers, scripts/decode_attention_tiles.py): 30.8-32.1 ms a step asked at the start, 25.3-
-// 30.7 spread; the same reads alone take 12.6, and the kernel on keys in cache 8.8.
+// layers, scripts/decode_attention_tiles.py, runs alternating with the code before this and
+// vec.h's exp_scalar): 31.7-34.7 ms a step before, 26.0-29.8 after; the same reads alone
+// take 12.6, and the kernel on keys in cache 9.
 template <int G, int NZ>
 void attend(const at::BFloat16* q, at::BFloat16* out, int group_rt, int nz_rt, int num_kv,
             int64_t seq_len, float scale, const at::BFloat16* keys, const at::BFloat16* values,
