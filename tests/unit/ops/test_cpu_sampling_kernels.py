@@ -176,10 +176,22 @@ def test_the_sampler_sends_exactly_the_untruncated_random_rows_to_the_draw(cpu_k
     assert tokens[[2, 5]].tolist() == logits[[2, 5]].argmax(dim=-1).tolist()
 
 
+def _seeded_row_tokens(kernels, logits, row_index, **columns) -> list[int]:
+    """Five steps' tokens of row ``row_index``, seeded (its own generator), the other rows
+    drawing from the engine's; ``columns``: the rows' sampling parameters."""
+    from tests.unit.test_sampler import _meta
+
+    n = logits.shape[0]
+    generators = {row_index: torch.Generator().manual_seed(47)}
+    engine = torch.Generator().manual_seed(48 + n)
+    return [_sample_with(kernels, logits, _meta(n, generators=generators, **columns),
+                         engine)[row_index].item() for _ in range(5)]
+
+
 def test_a_seeded_untruncated_row_draws_the_same_tokens_alone_and_in_a_batch(cpu_kernels):
     """The kernel's rows and the tensor ops' rows side by side: a row goes to the kernel by
     its own parameters, so its tokens do not depend on what else the step holds."""
-    from tests.unit.test_sampler import _meta, _zipf_like_logits
+    from tests.unit.test_sampler import _zipf_like_logits
 
     vocab = 1000
     row = _zipf_like_logits(vocab, seed=45)
@@ -187,17 +199,9 @@ def test_a_seeded_untruncated_row_draws_the_same_tokens_alone_and_in_a_batch(cpu
                           for i, s in enumerate((0.1, 0.5, 3.0))])
 
     def run(logits, row_index, truncate_others):
-        n = logits.shape[0]
-        generators = {row_index: torch.Generator().manual_seed(47)}
-        top_p = torch.full((n,), 0.9 if truncate_others else 1.0)
+        top_p = torch.full((logits.shape[0],), 0.9 if truncate_others else 1.0)
         top_p[row_index] = 1.0
-        engine = torch.Generator().manual_seed(48 + n)
-        tokens = []
-        for _ in range(5):
-            meta = _meta(n, generators=generators, top_p=top_p)
-            tokens.append(_sample_with(cpu_kernels.backend.sampling, logits, meta,
-                                       engine)[row_index].item())
-        return tokens
+        return _seeded_row_tokens(cpu_kernels.backend.sampling, logits, row_index, top_p=top_p)
 
     alone = run(row[None], 0, False)
     assert run(torch.cat([others, row[None]]), 3, True) == alone
@@ -298,7 +302,8 @@ def test_the_sampler_sends_rows_with_top_p_alone_to_the_top_p_draw(cpu_kernels):
 
 
 def test_a_seeded_top_p_row_draws_the_same_tokens_alone_and_in_a_batch(cpu_kernels):
-    from tests.unit.test_sampler import _meta, _zipf_like_logits
+    """Beside rows with top-k (the tensor ops) or top-p alone (the kernel)."""
+    from tests.unit.test_sampler import _zipf_like_logits
 
     vocab = 1000
     row = _zipf_like_logits(vocab, seed=72)
@@ -307,16 +312,10 @@ def test_a_seeded_top_p_row_draws_the_same_tokens_alone_and_in_a_batch(cpu_kerne
 
     def run(logits, row_index, others_top_k):
         n = logits.shape[0]
-        generators = {row_index: torch.Generator().manual_seed(76)}
         top_k = torch.full((n,), others_top_k)
         top_k[row_index] = vocab
-        engine = torch.Generator().manual_seed(77 + n)
-        tokens = []
-        for _ in range(5):
-            meta = _meta(n, generators=generators, top_p=torch.full((n,), 0.8), top_k=top_k)
-            tokens.append(_sample_with(cpu_kernels.backend.sampling, logits, meta,
-                                       engine)[row_index].item())
-        return tokens
+        return _seeded_row_tokens(cpu_kernels.backend.sampling, logits, row_index,
+                                  top_p=torch.full((n,), 0.8), top_k=top_k)
 
     alone = run(row[None], 0, vocab)
     assert run(torch.cat([others, row[None]]), 3, 20) == alone
