@@ -124,15 +124,51 @@ float block_weights(const float* x, int64_t start, int64_t end, Vec top, Vec inv
   return simd::reduce_add(acc);
 }
 
-int64_t draw_row(const float* x, int64_t n, float temperature, double u,
-                 std::vector<double>& block_sums) {
-  bool nan = false;  // a NaN logit's weight is 0 (weights_of): never drawn
-  const float top = row_max(x, n, nan);
-  if (top == -std::numeric_limits<float>::infinity()) return 0;  // every token masked
-  if (top == std::numeric_limits<float>::infinity()) {  // all the mass on the +inf tokens
+// A row whose draw is decided by its extremes: -1 where it is not, else the token (0 for a row
+// of -inf only, every token masked; the first +inf where it has one: all the mass is there).
+// top: the row's largest value leaving NaNs out (a NaN logit's weight is 0: never drawn).
+int64_t decided_by_extremes(const float* x, int64_t n, float& top) {
+  bool nan = false;
+  top = row_max(x, n, nan);
+  if (top == -std::numeric_limits<float>::infinity()) return 0;
+  if (top == std::numeric_limits<float>::infinity()) {
     for (int64_t c = 0; c < n; ++c)
       if (x[c] == top) return c;
   }
+  return -1;
+}
+
+// The inverse CDF's first level: the block holding the first running sum strictly above the
+// target u * total, the target kept strictly below the total (a token of weight 0 is never
+// drawn: its running sum equals the one before it); rest: the target less the blocks before.
+int64_t choose_block(const std::vector<double>& sums, double total, double u, double& rest) {
+  const double target = std::min(u * total, std::nextafter(total, 0.0));
+  const int64_t num_blocks = int64_t(sums.size());
+  int64_t b = 0;
+  double before = 0;
+  for (; b < num_blocks - 1 && before + sums[b] <= target; ++b) before += sums[b];
+  rest = target - before;
+  return b;
+}
+
+// The second level: the index in the block's weights w[0, count) (those >= floor counted) of
+// the first running sum strictly above rest, kept below the block's sum.
+int64_t pick_in_block(const float* w, int64_t count, float floor, double rest) {
+  double inside = 0;
+  for (int64_t i = 0; i < count; ++i) inside += w[i] >= floor ? w[i] : 0.f;
+  rest = std::min(std::max(rest, 0.0), std::nextafter(inside, 0.0));
+  double running = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    running += w[i] >= floor ? w[i] : 0.f;
+    if (running > rest) return i;
+  }
+  return count - 1;  // not reached: rest is below the block's sum
+}
+
+int64_t draw_row(const float* x, int64_t n, float temperature, double u,
+                 std::vector<double>& block_sums) {
+  float top;
+  if (const int64_t token = decided_by_extremes(x, n, top); token >= 0) return token;
   const Vec topv = Vec::broadcast(top), inv_t = Vec::broadcast(1.f / temperature);
   alignas(64) float w[kDrawBlock];
   const int64_t num_blocks = (n + kDrawBlock - 1) / kDrawBlock;
@@ -143,23 +179,11 @@ int64_t draw_row(const float* x, int64_t n, float temperature, double u,
                                   inv_t, w);
     total += block_sums[b];
   }
-  // the first running sum strictly above the target, the target strictly below the total: a
-  // token of weight 0 is never drawn (its running sum equals the one before it)
-  const double target = std::min(u * total, std::nextafter(total, 0.0));
-  int64_t b = 0;
-  double before = 0;
-  for (; b < num_blocks - 1 && before + block_sums[b] <= target; ++b) before += block_sums[b];
-  const int64_t start = b * kDrawBlock, end = std::min(n, start + kDrawBlock);
-  block_weights(x, start, end, topv, inv_t, w);
-  double inside = 0;
-  for (int64_t i = 0; i < end - start; ++i) inside += w[i];
-  const double rest = std::min(std::max(target - before, 0.0), std::nextafter(inside, 0.0));
-  double running = 0;
-  for (int64_t i = 0; i < end - start; ++i) {
-    running += w[i];
-    if (running > rest) return start + i;
-  }
-  return end - 1;  // not reached: rest is below the block's sum
+  double rest;
+  const int64_t start = choose_block(block_sums, total, u, rest) * kDrawBlock;
+  const int64_t end = std::min(n, start + kDrawBlock);
+  block_weights(x, start, end, topv, inv_t, w);  // the weights are >= 0: floor 0 keeps them all
+  return start + pick_in_block(w, end - start, 0.f, rest);
 }
 
 // ---- top-p: the sampler's pivot rounds (engine_worker/sampling_draw.py) on one row at a time
@@ -177,27 +201,14 @@ float block_at_least(const float* w, int64_t start, int64_t end, float floor) {
   return sum;
 }
 
-// The token drawn from the weights w >= floor with uniform u; sums: their block sums. As
-// draw_row's search: the first running sum strictly above a target kept below the total.
+// The token drawn from the weights w >= floor with uniform u; sums: their block sums.
 int64_t draw_at_least(const float* w, int64_t n, const std::vector<double>& sums, float floor,
                       double u) {
-  const int64_t num_blocks = int64_t(sums.size());
   double total = 0;
   for (const double b : sums) total += b;
-  const double target = std::min(u * total, std::nextafter(total, 0.0));
-  int64_t b = 0;
-  double before = 0;
-  for (; b < num_blocks - 1 && before + sums[b] <= target; ++b) before += sums[b];
-  const int64_t start = b * kDrawBlock, end = std::min(n, start + kDrawBlock);
-  double inside = 0;
-  for (int64_t i = start; i < end; ++i) inside += w[i] >= floor ? w[i] : 0.f;
-  const double rest = std::min(std::max(target - before, 0.0), std::nextafter(inside, 0.0));
-  double running = 0;
-  for (int64_t i = start; i < end; ++i) {
-    running += w[i] >= floor ? w[i] : 0.f;
-    if (running > rest) return i;
-  }
-  return end - 1;  // not reached: rest is below the block's sum
+  double rest;
+  const int64_t start = choose_block(sums, total, u, rest) * kDrawBlock;
+  return start + pick_in_block(w + start, std::min(n, start + kDrawBlock) - start, floor, rest);
 }
 
 // The block sums of the weights w >= floor into sums; their total.
@@ -218,14 +229,9 @@ double sums_at_least(const float* w, int64_t n, float floor, std::vector<double>
 // weights stay unnormalised, in scratch w (n floats, read from L2 by every round).
 int64_t draw_top_p_row(const float* x, int64_t n, float temperature, float top_p,
                        const double* u, int64_t u_step, int64_t rounds, std::vector<float>& w,
-                       std::vector<double>& sums) {
-  bool nan = false;
-  const float top = row_max(x, n, nan);
-  if (top == -std::numeric_limits<float>::infinity()) return 0;  // every token masked
-  if (top == std::numeric_limits<float>::infinity()) {
-    for (int64_t c = 0; c < n; ++c)
-      if (x[c] == top) return c;
-  }
+                       std::vector<double>& sums, std::vector<double>& kept_sums) {
+  float top;
+  if (const int64_t token = decided_by_extremes(x, n, top); token >= 0) return token;
   const Vec topv = Vec::broadcast(top), inv_t = Vec::broadcast(1.f / temperature);
   const int64_t num_blocks = (n + kDrawBlock - 1) / kDrawBlock;
   w.resize(num_blocks * kDrawBlock);
@@ -242,7 +248,7 @@ int64_t draw_top_p_row(const float* x, int64_t n, float temperature, float top_p
   for (int64_t r = 0; r < rounds; ++r) {
     const int64_t token = draw_at_least(w.data(), n, sums, floor, u[r * u_step]);
     const float above = std::nextafter(w[token], std::numeric_limits<float>::infinity());
-    std::vector<double> kept_sums(num_blocks);
+    kept_sums.resize(num_blocks);
     if (sums_at_least(w.data(), n, above, kept_sums) < budget) return token;
     floor = above;
     sums.swap(kept_sums);
@@ -282,11 +288,11 @@ at::Tensor draw_top_p_rows(const at::Tensor& x, const at::Tensor& temperature,
   const int64_t n = x.size(1), stride = x.stride(0);
   at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> w;
-    std::vector<double> sums;
+    std::vector<double> sums, kept_sums;
     for (int64_t r = begin; r < end; ++r)
       if (temp[r] > 0.f)
         idx[r] = draw_top_p_row(base + r * stride, n, temp[r], p[r], uu + r * u.stride(0),
-                                u.stride(1), rounds, w, sums);
+                                u.stride(1), rounds, w, sums, kept_sums);
   });
   return out;
 }
