@@ -269,14 +269,19 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
   const TQ* qp = q.data_ptr<TQ>();
   TQ* op = out.data_ptr<TQ>();
   const int64_t num_items = int64_t(items.size());
-#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-  for (int64_t k = 0; k < num_items; ++k) {
+  const auto attend = [&](int64_t k) {
     const Item& it = items[k];
     const int64_t query_len = qsl[it.seq + 1] - qsl[it.seq];
     const int64_t first_pos = lens[it.seq] - query_len + (it.row_begin - qsl[it.seq]);
     attend_item<TQ, TKV>(it, qp, op, lay, tables + it.seq * table_stride, num_heads, first_pos,
                          float(scale));
+  };
+  if (num_items == 1) {  // one short decode: no team to wake for it
+    attend(0);
+    return;
   }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t k = 0; k < num_items; ++k) attend(k);
 }
 
 void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
@@ -335,18 +340,21 @@ void write_kv_typed(const at::Tensor& kv_cache, const at::Tensor& k, const at::T
   TKV* value_cache = key_cache + kv_cache.stride(0);
   const TIN* kp = k.data_ptr<TIN>();
   const TIN* vp = v.data_ptr<TIN>();
+  const int64_t k_stride = k.stride(0), v_stride = v.stride(0);  // token rows (see write_kv)
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < k.size(0); ++t)
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot out of range");
   at::parallel_for(0, k.size(0), 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
+      const TIN* kt = kp + t * k_stride;
+      const TIN* vt = vp + t * v_stride;
       if constexpr (std::is_same_v<TIN, TKV>) {
-        std::copy_n(kp + t * width, width, key_cache + slots[t] * width);
-        std::copy_n(vp + t * width, width, value_cache + slots[t] * width);
+        std::copy_n(kt, width, key_cache + slots[t] * width);
+        std::copy_n(vt, width, value_cache + slots[t] * width);
       } else {
         for (int64_t c = 0; c < width; c += W) {
-          simd::store_as_torch(Vec::load(kp + t * width + c), key_cache + slots[t] * width + c);
-          simd::store_as_torch(Vec::load(vp + t * width + c), value_cache + slots[t] * width + c);
+          simd::store_as_torch(Vec::load(kt + c), key_cache + slots[t] * width + c);
+          simd::store_as_torch(Vec::load(vt + c), value_cache + slots[t] * width + c);
         }
       }
     }
@@ -369,7 +377,12 @@ void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
               "write_kv: narrowing needs kv_heads * head_dim a multiple of ", W);
   TORCH_CHECK(slot_mapping.dtype() == at::kLong && slot_mapping.size(0) == k.size(0),
               "write_kv: one int64 slot per token");
-  const at::Tensor kc = k.contiguous(), vc = v.contiguous(), sc = slot_mapping.contiguous();
+  // a token's kv heads must lie side by side; its rows may be apart (k and v as views into
+  // the QKV projection's output: copying them out first cost more than the write, one token)
+  const auto rows_of = [](const at::Tensor& t) {
+    return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
+  };
+  const at::Tensor kc = rows_of(k), vc = rows_of(v), sc = slot_mapping.contiguous();
   if (k.scalar_type() == at::kFloat) {
     QUIRE_DISPATCH(kv_cache.scalar_type(), "write_kv",
                    write_kv_typed<float, T>(kv_cache, kc, vc, sc));

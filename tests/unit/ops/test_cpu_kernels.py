@@ -299,6 +299,26 @@ def test_write_kv_narrows_as_torch_casts(cache_dtype, cpu_kernels):
                            want.nan_to_num(0.0, **keep_inf).view(torch.int16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_takes_views_of_a_projection(dtype, cpu_kernels):
+    """K and V as the fused stack passes them (views into one QKV output, token rows apart)
+    are written where their contiguous copies would be; a view whose heads do not lie side by
+    side (a transposed one) is copied first, and written the same."""
+    qkv = torch.randn(5, 9 * 64, dtype=dtype)
+    k = qkv[:, 3 * 64:6 * 64].view(5, 3, 64)
+    v = qkv[:, 6 * 64:].view(5, 3, 64)
+    slots = torch.tensor([17, 3, 40, 41, 99])
+    want = torch.zeros(2, 8, 16, 3, 64, dtype=dtype)
+    cpu_kernels.ops.write_kv(want, k.contiguous(), v.contiguous(), slots)
+    got = torch.zeros_like(want)
+    cpu_kernels.ops.write_kv(got, k, v, slots)
+    assert not k.is_contiguous() and torch.equal(got, want)
+    heads_apart = k.contiguous().transpose(1, 2).contiguous().transpose(1, 2)
+    got.zero_()
+    cpu_kernels.ops.write_kv(got, heads_apart, v, slots)
+    assert torch.equal(got, want)
+
+
 def test_write_kv_rejects_out_of_range_slot(cpu_kernels):
     cache = torch.zeros(2, 4, 16, 3, 64)
     k = torch.randn(1, 3, 64)
