@@ -15,7 +15,8 @@
 //   a oneDNN-packed weight (MkldnnCPU): oneDNN's matmul;
 //   a plain fp32 weight [N, K]: torch's fp32 matmul;
 //   a GGUF block-quantized weight (uint8 [N, K / 32, block bytes]): quant_linear.cpp, the same
-//   weight for few rows and for more.
+//   weight for few rows and for more (llama_layers' `model_dtype` tells it a bf16 model's
+//   rows, which the AVX2 set carries in fp32, so that they keep its int8 path past 8 rows).
 // The activations are in the dtype the set's linear kernels take (kActivationType: bf16 on
 // AVX-512, fp32 on AVX2). The ops run the same kernels the per-op path runs, in the same order
 // with the same roundings, so their results are bit-identical to it; what goes is the Python
@@ -55,12 +56,14 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& w,
   return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
 
-// x @ W^T + bias, W in whichever form the caller packed it (see the top of the file)
+// x @ W^T + bias, W in whichever form the caller packed it (see the top of the file); a
+// quantized W in a model computing in `numerics` (quant_linear's)
 at::Tensor linear(const at::Tensor& x, const at::Tensor& few, const at::Tensor& many,
-                  const std::optional<at::Tensor>& bias) {
+                  const std::optional<at::Tensor>& bias,
+                  std::optional<at::ScalarType> numerics = std::nullopt) {
   const at::Tensor& w = x.size(0) <= kFewRows ? few : many;
   if (w.is_mkldnn()) return onednn_linear(x, w, bias);
-  if (is_quantized_weight(w)) return quant_linear(x, w, bias);
+  if (is_quantized_weight(w)) return quant_linear(x, w, bias, numerics);
   if (std::optional<at::Tensor> out = packed_linear(x, w, bias)) return *std::move(out);
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2, "a linear weight must be ",
               kPackedWeights, ", fp32 [N, K] or oneDNN-packed, for ", x.size(0), " rows");
@@ -95,13 +98,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_qkv_rope_lora(
     const at::Tensor& x, const at::Tensor& norm_weight, double eps, const at::Tensor& qkv_few,
     const at::Tensor& qkv_many, const std::optional<at::Tensor>& qkv_bias,
     const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
-    int64_t num_kv_heads, const LoRAProjection* lora) {
+    int64_t num_kv_heads, const LoRAProjection* lora,
+    std::optional<at::ScalarType> numerics = std::nullopt) {
   check_x(x, "norm_qkv_rope");
   const int64_t head_dim = cos.size(1), tokens = x.size(0);
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
               "norm_qkv_rope: num_heads must be a positive multiple of num_kv_heads");
   const at::Tensor normed = rms_norm(x, norm_weight, eps);
-  at::Tensor qkv = linear(normed, qkv_few, qkv_many, qkv_bias);
+  at::Tensor qkv = linear(normed, qkv_few, qkv_many, qkv_bias, numerics);
   add_lora(qkv, normed, lora);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
               "norm_qkv_rope: the QKV weight does not give (heads + 2 kv heads) * head_dim");
@@ -169,6 +173,7 @@ struct MlpWeights {
   const at::Tensor& down_few;
   const at::Tensor& down_many;
   const std::optional<at::Tensor>& down_bias;
+  std::optional<at::ScalarType> numerics;  // the model's, for its quantized weights
 };
 
 // x + o_proj(attn) + mlp(norm(...)); into `dst` (rows of a larger output) when given, so a
@@ -176,15 +181,15 @@ struct MlpWeights {
 at::Tensor residual_mlp_rows(const at::Tensor& x, const at::Tensor& attn_rows,
                              const MlpWeights& w, const LoRAProjection* lora, const ShmGroup* tp,
                              at::Tensor* dst = nullptr) {
-  at::Tensor h = linear(attn_rows, w.o_few, w.o_many, w.o_bias);
+  at::Tensor h = linear(attn_rows, w.o_few, w.o_many, w.o_bias, w.numerics);
   TORCH_CHECK(h.sizes() == x.sizes(), "residual_mlp: o_proj must map back to hidden");
   add_lora(h, attn_rows, lora ? lora + 0 : nullptr);
   if (tp) shm_all_reduce(h, *tp);  // row-parallel: every rank's partial sum
   const at::Tensor normed = add_rms_norm(h, x, w.norm_weight, w.eps);  // h = x + o_proj(attn)
-  at::Tensor gate_up = linear(normed, w.gate_up_few, w.gate_up_many, w.gate_up_bias);
+  at::Tensor gate_up = linear(normed, w.gate_up_few, w.gate_up_many, w.gate_up_bias, w.numerics);
   add_lora(gate_up, normed, lora ? lora + 1 : nullptr);
   const at::Tensor act = silu_and_mul(gate_up);
-  at::Tensor out = linear(act, w.down_few, w.down_many, w.down_bias);
+  at::Tensor out = linear(act, w.down_few, w.down_many, w.down_bias, w.numerics);
   TORCH_CHECK(out.sizes() == x.sizes(), "residual_mlp: down_proj must map back to hidden");
   add_lora(out, act, lora ? lora + 2 : nullptr);
   if (tp) shm_all_reduce(out, *tp);
@@ -204,12 +209,13 @@ at::Tensor residual_mlp_lora(const at::Tensor& x, const at::Tensor& attn,
                              const std::optional<at::Tensor>& gate_up_bias,
                              const at::Tensor& down_few, const at::Tensor& down_many,
                              const std::optional<at::Tensor>& down_bias,
-                             const LoRAProjection* lora, const ShmGroup* tp = nullptr) {
+                             const LoRAProjection* lora, const ShmGroup* tp = nullptr,
+                             std::optional<at::ScalarType> numerics = std::nullopt) {
   check_x(x, "residual_mlp");
   TORCH_CHECK(attn.dim() == 2 && attn.size(0) == x.size(0) && attn.dtype() == x.dtype(),
               "residual_mlp: attn must be [tokens, heads * head_dim] in x's dtype");
   const MlpWeights w{o_few, o_many, o_bias, norm_weight, eps, gate_up_few, gate_up_many,
-                     gate_up_bias, down_few, down_many, down_bias};
+                     gate_up_bias, down_few, down_many, down_bias, numerics};
   const at::Tensor attn_rows = attn.contiguous();
   const int64_t rows = x.size(0);
   const int64_t slice = lora != nullptr ? rows
@@ -289,7 +295,8 @@ at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, con
                         const std::optional<at::Tensor>& lora_slots,
                         const std::optional<at::Tensor>& attention_ns,
                         const std::optional<at::Tensor>& tp_segment,
-                        const std::optional<at::Tensor>& tp_state) {
+                        const std::optional<at::Tensor>& tp_state,
+                        std::optional<at::ScalarType> model_dtype) {
   const int64_t num_layers = int64_t(kv_caches.size());
   TORCH_CHECK(int64_t(weights.size()) == num_layers * kWeightsPerLayer &&
                   int64_t(biases.size()) == num_layers * kBiasesPerLayer,
@@ -334,7 +341,7 @@ at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, con
     }
     auto [q, k, v] = norm_qkv_rope_lora(x, w[0], eps, w[1], w[2], bias(0), positions, cos, sin,
                                         num_heads, num_kv_heads,
-                                        qkv_lora ? &*qkv_lora : nullptr);
+                                        qkv_lora ? &*qkv_lora : nullptr, model_dtype);
     const auto start = std::chrono::steady_clock::now();
     at::Tensor kv_cache = kv_caches[i];
     write_kv(kv_cache, k, v, slot_mapping);
@@ -347,7 +354,8 @@ at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, con
     if (i + 1 < num_layers) prefetch_kv(kv_caches[i + 1], block_tables, seq_lens);
     x = residual_mlp_lora(x, attn.view({x.size(0), -1}), w[3], w[4], bias(1), w[5], eps, w[6],
                           w[7], bias(2), w[8], w[9], bias(3),
-                          mlp_lora.empty() ? nullptr : mlp_lora.data(), tp ? &*tp : nullptr);
+                          mlp_lora.empty() ? nullptr : mlp_lora.data(), tp ? &*tp : nullptr,
+                          model_dtype);
   }
   return x;
 }
@@ -359,8 +367,8 @@ TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
         "Tensor?[] biases, Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, float eps, float scale, int num_heads, "
         "int num_kv_heads, Tensor[] lora_weights, Tensor? lora_slots, "
-        "Tensor(b!)? attention_ns=None, Tensor(c!)? tp_segment=None, Tensor(d!)? tp_state=None) "
-        "-> Tensor");
+        "Tensor(b!)? attention_ns=None, Tensor(c!)? tp_segment=None, Tensor(d!)? tp_state=None, "
+        "ScalarType? model_dtype=None) -> Tensor");
   m.def("norm_qkv_rope(Tensor x, Tensor norm_weight, float eps, Tensor qkv_skinny, "
         "Tensor qkv_onednn, Tensor? qkv_bias, Tensor positions, Tensor cos, Tensor sin, "
         "int num_heads, int num_kv_heads) -> (Tensor, Tensor, Tensor)");

@@ -71,9 +71,12 @@ bool amx_tiles_usable();
 bool is_quantized_weight(const at::Tensor& w);
 // the file's blocks (uint8) regrouped row by row for the decode kernel (int8, same shape)
 at::Tensor repack_gguf(const at::Tensor& w);
-// x fp32 / bf16 [M, K] @ dequant(w)^T (+ bias) -> [M, N] in x's dtype
+// x fp32 / bf16 [M, K] @ dequant(w)^T (+ bias) -> [M, N] in x's dtype; `numerics`: the dtype
+// the caller's model computes in, where its activations are wider (a bf16 model on the AVX2
+// set, whose stack runs in fp32); x's own dtype where absent
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
-                        const std::optional<at::Tensor>& bias);
+                        const std::optional<at::Tensor>& bias,
+                        std::optional<at::ScalarType> numerics = std::nullopt);
 // the weight's values [N, K] in fp32 or bf16
 at::Tensor dequantize_weight(const at::Tensor& w, at::ScalarType dtype);
 // batched LoRA (lora.cpp): h [T, R] = A[slot[t]] @ x[t]; y[t] += h[t] @ B[slot[t]], B

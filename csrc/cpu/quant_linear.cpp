@@ -42,14 +42,15 @@
 // |out - ref| <= sum_k |w_k| d_x(k) / 2 (plus fp32 summation order); tests check that bound.
 // Threads split the output rows; a thread reads its rows' bytes once for all M rows of x.
 //
-// More rows (batched decode, prefill): compute-bound. With VNNI (the AVX-512 set), Q4_0 / Q4_1
-// / Q8_0 with bf16 x stay on the int8 path at every size (int8_rows_limit; up to 64 rows
-// where oneDNN has AMX tiles): dot_group keeps 8 rows of x in registers and adds four u8 x s8
-// products a lane with one vpdpbusd (dot_group_pair: two groups, 16 weight rows, a 512-bit
-// register), x's rows in tiles of 128 against each thread's groups.
+// More rows (batched decode, prefill): compute-bound. Q4_0 / Q4_1 / Q8_0 in a bf16 model stay
+// on the int8 path at every size (int8_rows_limit; up to 64 rows where oneDNN has AMX tiles):
+// dot_group keeps rows of x in registers (8 with VNNI, 4 on AVX2) and adds four u8 x s8
+// products a lane with one vpdpbusd (with VNNI; dot_group_pair: two groups, 16 weight rows, a
+// 512-bit register) or a maddubs into int16 (AVX2), x's rows in tiles of 128 against each
+// thread's groups.
 // Q8_0's signed weights take x offset to unsigned (q_x + 128) so that each load is one
 // vpdpbusd, less 128 x the block's weight sums.
-// Otherwise (AVX2, fp32 x, the k-quants) the weight is de-quantized into x's dtype (one pass,
+// Otherwise (an fp32 model, the k-quants) the weight is de-quantized into x's dtype (one pass,
 // parallel over rows, into a buffer kept across calls: dequantized_scratch) and the matmul is
 // torch's (oneDNN) on that.
 //
@@ -118,10 +119,17 @@ enum class QType { kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
 // (Before the kernel took 16 rows a register, read each pair of groups as one stream and
 // converted its bf16 results with vcvtneps2bf16: 206 GMAC/s, level with oneDNN at 512 rows
 // and behind it past them.)
-// Only for bf16 x: an fp32 model asks for fp32 numerics, and on the compute-bound path it gets
-// them (past the decode rows, the exact de-quantized weights), as before; bf16 x already
-// carries 8 bits of mantissa, so its rounding to int8 per block of 32 costs less (llama.cpp
-// rounds x to int8 per block of 32 at every size).
+// Only in a bf16 model: an fp32 model asks for fp32 numerics, and on the compute-bound path it
+// gets them (past the decode rows, the exact de-quantized weights), as before; bf16 carries 8
+// bits of mantissa, so rounding x to int8 per block of 32 costs less (llama.cpp rounds x to
+// int8 per block of 32 at every size). The AVX2 set runs a bf16 model's stack in fp32 (no
+// bf16 arithmetic there), so its callers name the model's dtype (quant_linear's `numerics`).
+// Without VNNI (AVX2: maddubs + add into int16, a madd to widen once a block) the grouped
+// kernel still outruns the alternative there, the weight de-quantized once into bf16 panels
+// and multiplied in fp32 by linear_bf16w (a Zen 4 running the AVX2 set, 2 threads, a layer's
+// four Q4_1 linears, fp32 x; scripts/quant_linear_bench.py --variant avx2): 16 rows 0.61 ms
+// against 0.94, 64 rows 2.32 against 3.27, 256 rows 9.4 against 11.6, 1024 rows 36.4 against
+// 45.7 (93-100 GMAC/s against 60-79); the Q8_0 logits table 1.12-1.42x from 16 to 1024 rows.
 // With AMX (Intel Sapphire Rapids and later), oneDNN's bf16 matmul runs on tiles and the
 // crossover moves down to a batch of decode rows: measured on a 2-core Xeon with AMX (family 6
 // model 207), SmolLM2's four linears of a layer in Q4_1, 2 threads, int8 against oneDNN's
@@ -132,10 +140,10 @@ enum class QType { kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
 // figures predate dot_group_pair.)
 constexpr int64_t kVnniRows = std::numeric_limits<int64_t>::max();
 constexpr int64_t kAmxRows = 64;
-inline int64_t int8_rows_limit(QType t, at::ScalarType x_dtype) {
+inline int64_t int8_rows_limit(QType t, at::ScalarType numerics) {
   const bool grouped = t == QType::kQ4_0 || t == QType::kQ4_1 || t == QType::kQ8_0;
-  if (!(QUIRE_HAS_VNNI && grouped && x_dtype == at::kBFloat16)) return kDecodeRows;
-  return amx_tiles_usable() ? kAmxRows : kVnniRows;
+  if (!(grouped && numerics == at::kBFloat16)) return kDecodeRows;
+  return QUIRE_HAS_VNNI && amx_tiles_usable() ? kAmxRows : kVnniRows;
 }
 
 // The type of a weight's blocks, by their bytes as the file has them (uint8) or repacked
@@ -1117,7 +1125,8 @@ at::Tensor dequantize_weight(const at::Tensor& w_in, at::ScalarType dtype) {
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w_in,
-                        const std::optional<at::Tensor>& bias) {
+                        const std::optional<at::Tensor>& bias,
+                        std::optional<at::ScalarType> numerics) {
   const at::Tensor w = repacked(w_in, "quant_linear");
   const QType type = qtype_of(w.size(2), true);
   const int64_t N = w.size(0), K = w.size(1) * values_per_block(type);
@@ -1125,7 +1134,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w_in,
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_linear: x must be fp32 or bf16 [M, K] with the weight's K = ", K);
   const int64_t M = x.size(0);
-  if (M > int8_rows_limit(type, x.scalar_type()))
+  if (M > int8_rows_limit(type, numerics.value_or(x.scalar_type())))
     return at::linear(x, dequantized_scratch(w, x.scalar_type()), bias);
   // bf16 is read and written as it is (no fp32 copies a call: a few us of SmolLM2's 121
   // calls a decode step); with a bias the sum stays fp32 up to one rounding, as before
@@ -1151,17 +1160,18 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w_in,
   return out.scalar_type() == x.scalar_type() ? out : out.to(x.scalar_type());
 }
 
-int64_t quant_int8_rows(const at::Tensor& w, at::ScalarType x_dtype) {
+int64_t quant_int8_rows(const at::Tensor& w, at::ScalarType numerics) {
   TORCH_CHECK(is_quantized_weight(w), "quant_int8_rows: a quantized weight [N, K / 32, bytes]");
-  return int8_rows_limit(qtype_of(w.size(2), w.scalar_type() == at::kChar), x_dtype);
+  return int8_rows_limit(qtype_of(w.size(2), w.scalar_type() == at::kChar), numerics);
 }
 
 TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
-  // the most rows of x (of that dtype) a call with this weight keeps on the int8 dot products
-  m.def("quant_int8_rows(Tensor w, ScalarType x_dtype) -> int");
+  // the most rows of x a call with this weight keeps on the int8 dot products, in a model
+  // computing in `numerics` (x's dtype, or the model's where x is wider: quant_linear)
+  m.def("quant_int8_rows(Tensor w, ScalarType numerics) -> int");
   // whether oneDNN's matmuls run on AMX tiles here (and so where quant_int8_rows draws its line)
   m.def("amx_tiles() -> bool", &amx_tiles_usable);
-  m.def("quant_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor w, Tensor? bias, ScalarType? numerics=None) -> Tensor");
   m.def("dequantize_weight(Tensor w, ScalarType dtype) -> Tensor");
   m.def("repack_gguf(Tensor w) -> Tensor");
 }

@@ -125,18 +125,23 @@ class CpuOps:
             if lin.packed.tile_twin is not None and dtype == torch.bfloat16:
                 return blocks, lin.packed.tile_twin
             if self._linear is PANELS_BF16 and model_dtype == torch.bfloat16:
+                if int(self.ops.quant_int8_rows(blocks, model_dtype)) > SKINNY_MAX_ROWS:
+                    # the int8 kernel at every row count (told the model's dtype:
+                    # OneCallLayers), the types it groups (csrc/cpu/quant_linear.cpp)
+                    return blocks, blocks
                 return blocks, self._panel_twin(blocks)
             return blocks, blocks
         return self._linear.stack_weights(lin)
 
     def _panel_twin(self, blocks: torch.Tensor) -> torch.Tensor:
-        """The AVX2 set's twin of quantized layer weights in a bf16 model: the weight
-        de-quantized once into bf16 panels (``pack_bf16w``), which the stack multiplies past 8
-        rows, as the ``dequantize`` path multiplies its weights, instead of de-quantizing it into
-        fp32 on every such call (the blocks themselves when the panels do not divide it or the
-        budget, a quarter of available memory, is spent). Measured with the AVX2 kernels on a
-        2-core Zen 5: the 64 long-tailed requests at 95 output tok/s native against 160 on the
-        bf16 path (0.59x) before the twins."""
+        """The AVX2 set's twin of a bf16 model's k-quant layer weights (the types the int8
+        kernel does not group): the weight de-quantized once into bf16 panels (``pack_bf16w``),
+        which the stack multiplies past 8 rows, as the ``dequantize`` path multiplies its
+        weights, instead of de-quantizing it into fp32 on every such call (the blocks
+        themselves when the panels do not divide it or the budget, a quarter of available
+        memory, is spent). Measured with the AVX2 kernels on a 2-core Zen 5 (Q4_1, before it
+        took the int8 kernel past 8 rows): the 64 long-tailed requests at 95 output tok/s
+        native against 160 on the bf16 path (0.59x) before the twins."""
         rows = blocks.shape[0]
         twin_bytes = _dense_numel(blocks) * 2
         if rows % PANEL_COLUMNS or twin_bytes > self._twin_bytes_left:
@@ -245,7 +250,7 @@ class CpuOps:
                         gate_up_many, down_few, down_many]
             biases += [None if lin.bias is None else lin.bias.detach().to(dtype)
                        for lin in layer.linears]
-        return _one_call_layers(self.ops, stack, weights, biases, dtype)
+        return _one_call_layers(self.ops, stack, weights, biases, dtype, model_dtype)
 
 
 # the per-layer LoRA stacks llama_layers takes, in its order (csrc/cpu/llama_block.cpp)
@@ -253,16 +258,19 @@ LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _one_call_layers(ops: Any, stack: LlamaStack, weights: list[torch.Tensor],
-                     biases: list[torch.Tensor | None], activation_dtype: torch.dtype) -> LayersFn:
+                     biases: list[torch.Tensor | None], activation_dtype: torch.dtype,
+                     model_dtype: torch.dtype) -> LayersFn:
     return OneCallLayers(ops, stack, weights, biases, activation_dtype,
-                         stack.rope_cos.float(), stack.rope_sin.float())
+                         stack.rope_cos.float(), stack.rope_sin.float(), model_dtype)
 
 
 @dataclass(frozen=True, slots=True)
 class OneCallLayers:
     """The decoder layers as one ``ops.llama_layers`` call a step over these weight lists (ten
     tensors and four biases a layer), the residual stream in ``activation_dtype``, the model's
-    own dtype on the way in and out. It runs LoRA steps too (``takes_lora``), the adapters'
+    own dtype on the way in and out (``model_dtype``: a bf16 model's quantized linears take
+    the int8 kernel past the decode rows even where the activations are fp32, the AVX2 set's
+    stack; csrc/cpu/quant_linear.cpp). It runs LoRA steps too (``takes_lora``), the adapters'
     deltas applied inside the call after each linear, from slots in ``activation_dtype`` in
     the CPU kernels' layout (``lora_dtype``: what the engine allocates them in)."""
 
@@ -273,6 +281,7 @@ class OneCallLayers:
     activation_dtype: torch.dtype
     cos: torch.Tensor
     sin: torch.Tensor
+    model_dtype: torch.dtype
 
     @property
     def lora_dtype(self) -> torch.dtype:
@@ -299,7 +308,8 @@ class OneCallLayers:
             self.weights, self.biases, kv_caches, meta.slot_mapping, meta.block_tables,
             meta.query_start_loc, meta.seq_lens, stack.rms_norm_eps, stack.attention_scale,
             stack.num_heads, stack.num_kv_heads, lora_weights, lora_slots, attention_ns,
-            None if tp is None else tp.segment, None if tp is None else tp.state)
+            None if tp is None else tp.segment, None if tp is None else tp.state,
+            self.model_dtype)
         return out.to(x.dtype)
 
 
@@ -351,8 +361,9 @@ def bf16_twins_reason(kernels: CpuKernels, tiles: bool) -> str | None:
         return "Full-width AVX-512 BF16"
     if ISA_PROFILES[kernels.isa].linear is PANELS_BF16 and kernels.has("pack_bf16w"):
         # AVX2: many rows of fp32 x multiply bf16 panels (what the dequantize path runs) far
-        # faster than a weight de-quantized into fp32 on every call; a bf16 model's layers
-        # (the fused stack) keep them (CpuOps._panel_twin)
+        # faster than a weight de-quantized into fp32 on every call; a bf16 model's k-quant
+        # layers (the fused stack) keep them (CpuOps._panel_twin); its Q4_0 / Q4_1 / Q8_0
+        # layers take the int8 kernel, faster still
         return "AVX2 bf16 panels"
     return None
 
@@ -369,8 +380,8 @@ def make_cpu_backend(kernels: CpuKernels, name: str, description: str) -> Backen
         if kernels.has("attention_tiles") and kernels.ops.attention_tiles():
             description += " and bf16 attention (prefill; decode scores)"
     elif ops.twins == "AVX2 bf16 panels":
-        description += ", bf16 panel twins of a bf16 model's quantized weights for many-row " \
-            "matmuls"
+        description += ", int8 dot products for a bf16 model's Q4_0 / Q4_1 / Q8_0 weights, " \
+            "bf16 panel twins of its k-quants for many-row matmuls"
     elif ops.twins:
         # oneDNN's bf16 matmul on a full 512-bit datapath: quantized layers keep bf16 twins
         description += ", bf16 twins of quantized weights for many-row matmuls (full-width " \

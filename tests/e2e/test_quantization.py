@@ -2,10 +2,10 @@
 load (``quantization="dequantize"``), on each CPU kernel variant that runs here.
 
 - Teacher-forced perplexity of a fixed English text (data/perplexity_text.txt) through
-  ``prompt_logprobs``: within 1 % of the de-quantized path. Prefill de-quantizes each block
-  exactly, so the two differ only by the dtype the de-quantized path rounds weights to.
-- Greedy continuations (the decode path: activations rounded to int8 per block of 32): equal
-  on most prompts. A prompt that differs does so where two candidate tokens are near-equal;
+  ``prompt_logprobs``: within 1 % of the de-quantized path. The native path rounds each
+  linear's input to int8 per block of 32 (the bf16 model's prompt too, on every set), the
+  de-quantized one its weights to bf16.
+- Greedy continuations: equal on most prompts. A prompt that differs does so where two candidate tokens are near-equal;
   the test prints which differ.
 """
 
@@ -60,10 +60,10 @@ def test_native_4bit_matches_the_dequantized_checkpoint(variant, monkeypatch):
     # Greedy continuations may part where the two numerics (x rounded to int8 per block of 32
     # on the native path, bf16 de-quantized weights on the other) split a near-tie, and only
     # there: at the first differing token, the native choice is within half a nat of the
-    # de-quantized model's best (its logprobs are bf16: steps of 1/8 nat near 0 here). With
-    # VNNI the native path rounds x to int8 in every matmul, the prompt's too (as llama.cpp
-    # does); seen on a Zen 4: partings at 0 to 3/8 nat, perplexity +0.3 %. Without it, only
-    # steps of up to 8 rows do (partings at 0 to 1/8 nat).
+    # de-quantized model's best (its logprobs are bf16: steps of 1/8 nat near 0 here). The
+    # native path rounds x to int8 in every matmul, the prompt's too (as llama.cpp does);
+    # seen on a Zen 4: partings at 0 to 3/8 nat, perplexity +0.3 % (AVX-512 set), 0 to 1/4
+    # nat and +0.45 % (AVX2 set).
     tokenizer = widened.engine.tokenizer
     for prompt, a, b in zip(PROMPTS, greedy_native, greedy_widened):
         at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)

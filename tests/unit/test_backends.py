@@ -49,8 +49,8 @@ def test_auto_on_the_cpu_takes_the_kernels_where_they_build_and_says_why_not():
         assert (choice.name, choice.fallback) == ("cpu-avx2", False)
         assert choice.reason == f"compiled CPU kernels, AVX-512 unavailable: {avx512}"
         assert choice.describe().startswith(
-            "cpu-avx2 (compiled CPU kernels, AVX2, bf16 panel twins of a bf16 model's quantized "
-            "weights for many-row matmuls): ")
+            "cpu-avx2 (compiled CPU kernels, AVX2, int8 dot products for a bf16 model's Q4_0 / "
+            "Q4_1 / Q8_0 weights, bf16 panel twins of its k-quants for many-row matmuls): ")
     else:
         assert (choice.name, choice.fallback) == ("torch", True)
         assert choice.reason == (f"compiled CPU kernels, AVX-512 unavailable: {avx512}; "

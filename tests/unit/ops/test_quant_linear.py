@@ -5,7 +5,8 @@ de-quantized by its reference (``gguf.quants.dequantize``).
 Few rows (decode) quantize x to int8 per block of 32 (ggml's Q8_0): the result differs from the
 fp32 reference by at most sum_k |w_k| * d_x(k) / 2, d_x = max|x_block| / 127 (x's rounding), plus
 fp32 summation noise; that bound (times 1.01, + 1e-4) is what is asserted, row by row. More rows
-de-quantize the weight exactly and run a float matmul: fp32 tolerance (bf16 where x is bf16).
+stay there for Q4_0 / Q4_1 / Q8_0 in a bf16 model (``quant_int8_rows``), else de-quantize the
+weight exactly and run a float matmul: fp32 tolerance (bf16 where x is bf16).
 """
 
 from __future__ import annotations
@@ -100,8 +101,8 @@ def test_zero_rows_of_x_give_exact_zero(cpu_kernels, qtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_more_rows_int8_or_dequantize_then_matmul(cpu_kernels, qtype, rows, dtype):
     # Past the decode rows a call takes the int8 path where the kernels say so (Q4_0 / Q4_1 /
-    # Q8_0 with VNNI and bf16 x: every size, 64 rows with AMX), else de-quantizes the weight
-    # exactly for a float matmul (in x's dtype)
+    # Q8_0 with bf16 x: every size, 64 rows with AMX), else de-quantizes the weight exactly
+    # for a float matmul (in x's dtype)
     blocks, ref = quantized(45, 128, qtype, seed=rows)
     x = torch.randn(rows, 128)
     x[-1, 32:64] *= 20  # one block with a large scale, in the last (remainder) row
@@ -126,15 +127,40 @@ def test_which_types_keep_many_rows_on_int8(cpu_kernels):
     def limits(dtype):
         return {qt.name: cpu_kernels.ops.quant_int8_rows(quantized(8, 64, qt)[0], dtype)
                 for qt in TYPES}
-    # VNNI (the AVX-512 set) keeps bf16 x of any size on the grouped types' int8 kernel, up
-    # to 64 rows where oneDNN's matmul has AMX tiles (read here from /proc/cpuinfo, the
-    # emulated set's host has none); fp32 x, AVX2 and the other types are de-quantized past 8
+    # Both sets keep a bf16 model's rows of any size on the grouped types' int8 kernel, the
+    # AVX-512 set (VNNI) up to 64 rows where oneDNN's matmul has AMX tiles (read here from
+    # /proc/cpuinfo, the emulated set's host has none); an fp32 model's rows and the other
+    # types are de-quantized past 8
     flags = set(Path("/proc/cpuinfo").read_text().split())
     amx = {"amx_tile", "amx_bf16", "amx_int8"} <= flags
     assert cpu_kernels.ops.amx_tiles() == amx
-    many = (64 if amx else 2 ** 63 - 1) if cpu_kernels.isa == "avx512" else 8
+    many = 64 if amx and cpu_kernels.isa == "avx512" else 2 ** 63 - 1
     assert limits(torch.bfloat16) == {"Q4_0": many, "Q4_1": many, "Q8_0": many}
     assert limits(torch.float32) == {"Q4_0": 8, "Q4_1": 8, "Q8_0": 8}
+
+
+@pytest.mark.cpu_ops("quant_linear", "quant_int8_rows")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [9, 141])
+def test_a_bf16_models_fp32_rows_stay_on_the_int8_path(cpu_kernels, qtype, rows):
+    # The AVX2 set carries a bf16 model's activations in fp32 and names the model's dtype
+    # (``numerics``): its rows stay on the int8 kernel past the decode rows, each row's result
+    # the bits it gets alone (the same blocks, the same sums in the same order); without it
+    # (an fp32 model) they are de-quantized exactly
+    ops = cpu_kernels.ops
+    blocks, ref = quantized(45, 128, qtype, seed=rows)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+    x[-1, 32:64] *= 20
+    assert ops.quant_int8_rows(blocks, torch.bfloat16) >= rows
+    out = ops.quant_linear(x, blocks, None, torch.bfloat16)
+    assert out.shape == (rows, 45) and out.dtype == torch.float32
+    expected = x @ ref.T
+    bound = x_rounding_bound(x, ref) * 1.01 + 1e-4
+    assert ((out - expected).abs() <= bound).all(), (out - expected).abs().max()
+    for r in (0, rows // 2, rows - 1):
+        assert torch.equal(out[r], ops.quant_linear(x[r:r + 1], blocks, None)[0])
+    torch.testing.assert_close(ops.quant_linear(x, blocks, None), expected, rtol=1e-5,
+                               atol=1e-5)
 
 
 @pytest.mark.cpu_ops("quant_linear")
@@ -345,12 +371,13 @@ def test_fast_bf16_cpus_multiply_rows_past_the_decode_rows_on_a_bf16_twin(cpu_ke
 
 @pytest.mark.cpu_ops("quant_linear", "pack_bf16w", "linear_bf16w", "dequantize_weight")
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q4_K], ids=lambda t: t.name)
-def test_avx2_stacks_of_a_bf16_model_keep_bf16_panel_twins(cpu_kernels, qtype):
-    """The AVX2 set's fused stack of a bf16 model multiplies a quantized layer weight past 8
-    rows on its de-quantized bf16 panels, made once (what the dequantize path multiplies),
-    instead of de-quantizing it into fp32 on every such call; up to 8 rows stream the
-    blocks. An fp32 model keeps the exact de-quantized values (no twin); a weight the panels
-    do not divide keeps its blocks."""
+def test_avx2_stacks_of_a_bf16_model_keep_the_int8_path_or_bf16_panel_twins(cpu_kernels, qtype):
+    """The AVX2 set's fused stack of a bf16 model multiplies a Q4_0 / Q4_1 / Q8_0 layer
+    weight on the int8 kernel at every row count (the blocks both ways; the stack names the
+    model's dtype), and a k-quant weight past 8 rows on its de-quantized bf16 panels, made
+    once (what the dequantize path multiplies), instead of de-quantizing it into fp32 on every
+    such call; up to 8 rows stream the blocks. An fp32 model keeps the exact de-quantized
+    values (no twin); a weight the panels do not divide keeps its blocks."""
     from engine_worker.backends.base import LinearWeights
 
     if cpu_kernels.isa != "avx2":
@@ -365,6 +392,12 @@ def test_avx2_stacks_of_a_bf16_model_keep_bf16_panel_twins(cpu_kernels, qtype):
     lin = LinearWeights(blocks, None, packed)
     few, many = cpu_ops._stack_weights(lin, torch.float32, torch.bfloat16)
     assert few is packed.blocks
+    # an fp32 model: the blocks both ways (many rows de-quantize exactly, into fp32)
+    assert cpu_ops._stack_weights(lin, torch.float32, torch.float32) == (packed.blocks,
+                                                                         packed.blocks)
+    if qtype != QT.Q4_K:
+        assert many is packed.blocks
+        return
     twin = ops.pack_bf16w(ref.to(torch.bfloat16))
     # the twin holds the de-quantized weight rounded to bf16, in pack_bf16w's panels
     assert many.dtype == torch.bfloat16 and many.shape == twin.shape
@@ -374,10 +407,7 @@ def test_avx2_stacks_of_a_bf16_model_keep_bf16_panel_twins(cpu_kernels, qtype):
     expected = x @ ref.T
     bound = (x.abs() @ ref.abs().T) * 2 ** -8 + 1e-4  # weights rounded to bf16 (2^-9 each)
     assert ((out - expected).abs() <= bound).all(), (out - expected).abs().max()
-    # an fp32 model: the blocks both ways (many rows de-quantize exactly, into fp32)
-    assert cpu_ops._stack_weights(lin, torch.float32, torch.float32) == (packed.blocks,
-                                                                         packed.blocks)
-    odd_blocks, _ = quantized(40, 96, QT.Q4_1, seed=4)  # 40 rows: no whole panels of 16
+    odd_blocks, _ = k_quantized(40, 512, QT.Q4_K, seed=4)  # 40 rows: no whole panels of 16
     odd = backend.pack_weight(odd_blocks)
     assert cpu_ops._stack_weights(LinearWeights(odd_blocks, None, odd), torch.float32,
                                   torch.bfloat16) == (odd.blocks, odd.blocks)
