@@ -1,6 +1,9 @@
 """``quire bench embed``: embedding throughput, Quire's engine against transformers batched the
 way sentence-transformers batches (inputs sorted by length, fixed-size padded batches, the
-attention mask in the pooling), on the same inputs, model, dtype and threads, in one run.
+attention mask in the pooling), on the same inputs, model and threads, in one run; in the
+engine's dtype on both sides unless ``--hf-dtype`` names transformers' own (a CPU without bf16
+arithmetic, a Zen 3: Quire's AVX2 kernels run bf16 weights, transformers' bf16 matmul is
+emulated there, so a user runs it in fp32).
 
 Inputs: ``num_inputs`` random token-id prompts of lengths drawn uniformly from
 [``min_len``, ``max_len``]. Both sides pool the same way (the engine's resolved pooler config:
@@ -62,7 +65,8 @@ def hf_embed(model, inputs: list[list[int]], batch_size: int, pooling_type: str,
     return out
 
 
-def run(engine_args, inputs: list[list[int]], hf_batch_size: int, repeats: int = 1) -> dict:
+def run(engine_args, inputs: list[list[int]], hf_batch_size: int, repeats: int = 1,
+        hf_dtype: str | None = None) -> dict:
     """Both sides loaded side by side, then timed taking turns (Quire, transformers, Quire,
     ...) ``repeats`` times each, so a machine whose load changes weighs on both; the first
     turn's figures head the report, every turn's ratio and their median follow."""
@@ -74,7 +78,8 @@ def run(engine_args, inputs: list[list[int]], hf_batch_size: int, repeats: int =
     llm = LLM(**dataclasses.asdict(engine_args))
     info = llm.info
     prompts = [{"prompt_token_ids": p} for p in inputs]
-    model = transformers.AutoModel.from_pretrained(info.model_dir, dtype=info.dtype).eval()
+    dtype = getattr(torch, hf_dtype) if hf_dtype else info.dtype
+    model = transformers.AutoModel.from_pretrained(info.model_dir, dtype=dtype).eval()
     llm.embed(prompts[:4], use_tqdm=False)  # warm-ups
     hf_embed(model, inputs[:4], hf_batch_size, info.pooling_type, info.pooling_normalize)
     turns, cosine = [], 1.0
@@ -95,12 +100,13 @@ def run(engine_args, inputs: list[list[int]], hf_batch_size: int, repeats: int =
         gc.collect()
     num_tokens = sum(len(p) for p in inputs)
     quire_s, hf_s = turns[0]["quire_s"], turns[0]["hf_s"]
-    ceiling = matmul_ceiling(model, info.dtype, hf_tokens_per_s=num_tokens / hf_s,
+    ceiling = matmul_ceiling(model, dtype, hf_tokens_per_s=num_tokens / hf_s,
                              quire_tokens_per_s=num_tokens / quire_s)
     return {
         "num_inputs": len(inputs), "num_tokens": num_tokens,
         "pooling_type": info.pooling_type, "normalize": info.pooling_normalize,
         "dtype": str(info.dtype).removeprefix("torch."), "kernels": info.backend,
+        "hf_dtype": str(dtype).removeprefix("torch."),
         "quantization": info.quantization,
         "num_threads": info.num_threads, "kv_cache_pages": info.kv_cache_pages,
         "quire": {"elapsed_s": quire_s, "inputs_per_s": len(inputs) / quire_s,
@@ -158,6 +164,8 @@ def add_embed_args(parser: argparse.ArgumentParser) -> None:
                              "ratio and the median are reported")
     parser.add_argument("--output-json", type=Path, default=Path("bench_results/embed.json"))
     add_server_engine_args(parser)
+    parser.add_argument("--hf-dtype", choices=["float32", "bfloat16"], default=None,
+                        help="transformers' dtype (default: the engine's)")
     # fp32 on both sides by default: a Zen 3 has no bf16 arithmetic (FIELD-NOTES.md)
     parser.set_defaults(dtype="float32")
 
@@ -166,12 +174,15 @@ def run_from_args(ns: argparse.Namespace) -> int:
     inputs = make_inputs(ns.num_inputs, ns.min_len, ns.max_len, ns.workload_seed)
     if ns.repeats < 1:
         raise ValueError(f"repeats: must be >= 1, got {ns.repeats}")
-    result = run(engine_args_from_namespace(ns), inputs, ns.hf_batch_size, ns.repeats)
+    result = run(engine_args_from_namespace(ns), inputs, ns.hf_batch_size, ns.repeats,
+                 ns.hf_dtype)
     result["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(ns).items()
                         if k != "func"}
     q, hf = result["quire"], result["hf"]
+    dtypes = result["dtype"] if result["hf_dtype"] == result["dtype"] else \
+        f"{result['dtype']} (transformers {result['hf_dtype']})"
     print(f"{result['num_inputs']} inputs, {result['num_tokens']} tokens, "
-          f"{result['pooling_type']} pooling, {result['dtype']}, {result['num_threads']} threads")
+          f"{result['pooling_type']} pooling, {dtypes}, {result['num_threads']} threads")
     print(f"quire        {q['elapsed_s']:8.2f} s {q['inputs_per_s']:8.1f} inputs/s "
           f"{q['tokens_per_s']:9.0f} tok/s")
     print(f"transformers {hf['elapsed_s']:8.2f} s {hf['inputs_per_s']:8.1f} inputs/s "
@@ -180,8 +191,8 @@ def run_from_args(ns: argparse.Namespace) -> int:
           f"{result['min_cosine_similarity']:.6f}")
     c = result["matmul_ceiling"]
     print(f"matmul ceiling: {c['tokens_per_s']:.0f} tok/s ({c['linear_parameters'] / 1e6:.1f}M "
-          f"linear weights at {c['matmul_gflops']:.0f} GFLOP/s, this machine's {result['dtype']} "
-          f"matmul now) = x{c['ratio_to_hf']:.2f} transformers at most; Quire runs at "
+          f"linear weights at {c['matmul_gflops']:.0f} GFLOP/s, this machine's "
+          f"{result['hf_dtype']} matmul now) = x{c['ratio_to_hf']:.2f} transformers at most; Quire runs at "
           f"{c['quire_fraction']:.0%} of it")
     if c["quire_fraction"] > 1 and result["quantization"] not in (None, "dequantize"):
         print(f"  (above it: the {result['quantization']} weights' linears run int8 dot products, "

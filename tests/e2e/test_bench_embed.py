@@ -25,7 +25,7 @@ def test_bench_embed_report(tiny_model_dir, tmp_path, pooling_type):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["num_inputs"] == 10 and report["pooling_type"] == pooling_type
-    assert report["dtype"] == "float32" and report["normalize"] is True
+    assert report["dtype"] == report["hf_dtype"] == "float32" and report["normalize"] is True
     assert report["min_cosine_similarity"] > 1 - 1e-5  # padded batches and ours agree
     assert report["ratio"] == pytest.approx(report["hf"]["elapsed_s"]
                                             / report["quire"]["elapsed_s"])
@@ -46,3 +46,23 @@ def test_bench_embed_report(tiny_model_dir, tmp_path, pooling_type):
         ceiling["matmul_gflops"] * 1e9 / (2 * ceiling["linear_parameters"]))
     assert ceiling["ratio_to_hf"] == pytest.approx(
         ceiling["tokens_per_s"] / report["hf"]["tokens_per_s"])
+
+
+def test_bench_embed_with_transformers_in_its_own_dtype(tiny_model_dir, tmp_path):
+    # a Zen 3's comparison: Quire's bf16 weights (its AVX2 kernels widen them) against
+    # transformers in fp32, whose bf16 matmul is emulated there; the ceiling is fp32's
+    out = tmp_path / "embed.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "quire_cli", "bench", "embed", "--model", str(tiny_model_dir),
+         "--kv-cache-memory-bytes", str(1 << 24), "--num-inputs", "6", "--min-len", "1",
+         "--max-len", "40", "--hf-batch-size", "4", "--dtype", "bfloat16", "--hf-dtype",
+         "float32", "--output-json", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "bfloat16 (transformers float32)" in result.stdout
+    report = json.loads(out.read_text())
+    assert (report["dtype"], report["hf_dtype"]) == ("bfloat16", "float32")
+    # bf16 weights and activations against fp32: close, not equal
+    assert 0.99 < report["min_cosine_similarity"] < 1 - 1e-7
+    assert report["matmul_ceiling"]["matmul_gflops"] == pytest.approx(
+        report["machine"]["matmul_tflops"]["float32"] * 1000, rel=1e-3)

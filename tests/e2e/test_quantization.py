@@ -5,8 +5,8 @@ load (``quantization="dequantize"``), on each CPU kernel variant that runs here.
   ``prompt_logprobs``: within 1 % of the de-quantized path. The native path rounds each
   linear's input to int8 per block of 32 (the bf16 model's prompt too, on every set), the
   de-quantized one its weights to bf16.
-- Greedy continuations: equal on most prompts. A prompt that differs does so where two candidate tokens are near-equal;
-  the test prints which differ.
+- Greedy continuations: equal on most prompts. A prompt that differs does so where two
+  candidate tokens are near-equal; the test prints which differ.
 """
 
 from __future__ import annotations
