@@ -11,7 +11,10 @@ with the weights widened to bf16 at load (``quantization=dequantize``), and llam
   decode step streams (the weights as that system holds them: ``limits.py``);
 - the time to first token of a ``--ttft-prompt-len`` prompt (best of ``--repeats``);
 - for Quire's two paths, the long-tailed batched workload of ``quire bench throughput``
-  (llama-cpp-python's API serves one sequence at a time, so llama.cpp has no such figure).
+  (llama-cpp-python's API serves one sequence at a time, so llama.cpp has no such figure):
+  ``--repeats`` turns, the two engines alternating (which goes first swaps each turn), so each
+  pair of runs is a minute apart on a machine whose speed drifts; the median turn and the
+  median of the turns' paired ratios are reported.
 
 Every system sees the same token ids (``compare.make_requests``) and is measured the same way
 (``vllm_peer.measure``'s rules; ``llama_peer.py`` for llama.cpp). JSON and a PNG are written.
@@ -25,11 +28,13 @@ import gc
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from engine_worker.config import quire_cache_dir
 from quire_cli.bench.report import write_json
@@ -69,8 +74,10 @@ def _best(result: dict) -> dict:
             "ttft_s": min(result["ttft_runs_s"])}
 
 
-def run_quire(engine_args, quantization: str, model: str, threads: int, requests: dict,
-              with_throughput: bool) -> dict:
+def run_quire(engine_args, quantization: str, model: str, threads: int,
+              requests: dict) -> tuple[Any, dict]:
+    """-> (the engine, its decode and TTFT figures); the batched workload runs later, in
+    turns with the other engine (``alternate_throughput``)."""
     from engine_worker import LLM, SamplingParams
     from quire_cli.bench.limits import weight_bytes
     from quire_cli.bench.vllm_peer import measure
@@ -79,18 +86,46 @@ def run_quire(engine_args, quantization: str, model: str, threads: int, requests
     llm = LLM(**{**dataclasses.asdict(engine_args), "model": model,
                  "quantization": quantization, "num_threads": threads})
     load_s = time.perf_counter() - start
-    req = requests if with_throughput else {**requests, "workload": requests["warmup"]}
-    result = _best(measure(llm, SamplingParams, req))
-    if not with_throughput:
-        result.pop("throughput")
+    result = _best(measure(llm, SamplingParams, {**requests, "workload": requests["warmup"]}))
+    result.pop("throughput")
     info = llm.info
     result.update(load_s=load_s, threads=threads, kernels=info.backend,
                   dtype=str(info.dtype).removeprefix("torch."),
                   quantization=info.quantization, quantization_summary=info.quantization_summary,
                   step_bytes=weight_bytes(llm.engine.runner.model))
-    del llm
-    gc.collect()
-    return result
+    return llm, result
+
+
+def turn_order(names: list[str], turn: int) -> list[str]:
+    """Who runs first swaps each turn: neither engine always follows the other."""
+    return names if turn % 2 == 0 else names[::-1]
+
+
+def alternate_throughput(llms: dict, requests: dict, turns: int) -> dict[str, list[dict]]:
+    """The batched workload ``turns`` times on each engine, alternating, the first swapping
+    each turn (A B, B A, A B, ...): -> each engine's runs, in turn order."""
+    from engine_worker import SamplingParams
+    from quire_cli.bench.vllm_peer import _timed
+
+    work = requests["workload"]
+    runs: dict[str, list[dict]] = {name: [] for name in llms}
+    for turn in range(turns):
+        for name in turn_order(list(llms), turn):
+            elapsed, num_out = _timed(llms[name], SamplingParams, work["prompt_token_ids"],
+                                      work["output_lens"], requests["ignore_eos"])
+            runs[name].append({"elapsed_s": elapsed, "num_output_tokens": num_out,
+                               "output_tokens_per_s": num_out / elapsed})
+    return runs
+
+
+def throughput_figures(turns: dict[str, list[dict]]) -> tuple[dict, dict, float]:
+    """-> (each engine's median turn, its runs' tok/s, the median of native/de-quantized
+    over the turns, each pair of runs side by side in time)."""
+    rates = {name: [r["output_tokens_per_s"] for r in runs] for name, runs in turns.items()}
+    median = {name: sorted(runs, key=lambda r: r["output_tokens_per_s"])[(len(runs) - 1) // 2]
+              for name, runs in turns.items()}
+    paired = statistics.median(n / d for n, d in zip(rates[NATIVE], rates[DEQUANTIZED]))
+    return median, rates, paired
 
 
 def run_llama(python: str, threads: int, requests: dict, timeout_s: float) -> dict:
@@ -201,12 +236,22 @@ def run_from_args(ns: argparse.Namespace) -> int:
     env = {**cpu_facts(), "gguf": str(gguf), "threads": threads,
            "loadavg_1m_at_start": os.getloadavg()[0]}
     runs: dict[str, dict] = {}
+    llms: dict[str, Any] = {}
     for name, quantization in ((NATIVE, "auto"), (DEQUANTIZED, "dequantize")):
         print(name, file=sys.stderr)
         before = os.getloadavg()[0]
-        runs[name] = {**run_quire(engine_args, quantization, str(gguf), threads, requests,
-                                  not ns.skip_throughput),
-                      "loadavg_1m_before": before, "loadavg_1m_after": os.getloadavg()[0]}
+        llms[name], result = run_quire(engine_args, quantization, str(gguf), threads, requests)
+        runs[name] = {**result, "loadavg_1m_before": before,
+                      "loadavg_1m_after": os.getloadavg()[0]}
+    paired = None
+    if not ns.skip_throughput:
+        print(f"the batched workload, {cfg.repeats} turns each, alternating", file=sys.stderr)
+        median, rates, paired = throughput_figures(
+            alternate_throughput(llms, requests, cfg.repeats))
+        for name in llms:
+            runs[name].update(throughput=median[name], throughput_runs=rates[name])
+    llms.clear()
+    gc.collect()
     if python is not None:
         print(f"{LLAMA} ({python})", file=sys.stderr)
         before = os.getloadavg()[0]
@@ -219,6 +264,8 @@ def run_from_args(ns: argparse.Namespace) -> int:
                                                limits)
     env["loadavg_1m_at_end"] = os.getloadavg()[0]
     ratios = _ratios(runs)
+    if paired is not None:  # pairs of runs side by side in time, not two medians
+        ratios["throughput_native_over_dequantize"] = paired
     _print_report(env, runs, ratios, describe(limits))
     report = {"config": {**dataclasses.asdict(cfg), "peer": "llama.cpp",
                          "engine": dataclasses.asdict(engine_args)},

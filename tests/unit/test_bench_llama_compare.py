@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from quire_cli.bench.llama_compare import (DEQUANTIZED, LLAMA, NATIVE, _best, _ratios,
-                                           gguf_step_bytes)
+                                           gguf_step_bytes, throughput_figures, turn_order)
 
 
 def test_best_of_the_runs_and_the_ratios():
@@ -24,6 +24,27 @@ def test_best_of_the_runs_and_the_ratios():
     assert ratios["throughput_native_over_dequantize"] == pytest.approx(200 / 180)
     del runs[LLAMA]
     assert "decode_native_over_llama_cpp" not in _ratios(runs)
+
+
+def test_the_batched_workload_alternates_and_pairs_its_turns():
+    assert [turn_order([NATIVE, DEQUANTIZED], t) for t in range(3)] == [
+        [NATIVE, DEQUANTIZED], [DEQUANTIZED, NATIVE], [NATIVE, DEQUANTIZED]]
+
+    def turn(rate):
+        return {"elapsed_s": 1000 / rate, "num_output_tokens": 1000, "output_tokens_per_s": rate}
+
+    # the machine slows in turn 2: each turn's pair says native is ahead, the medians less so
+    turns = {NATIVE: [turn(600.0), turn(400.0), turn(620.0)],
+             DEQUANTIZED: [turn(580.0), turn(380.0), turn(610.0)]}
+    median, rates, paired = throughput_figures(turns)
+    assert median[NATIVE]["output_tokens_per_s"] == 600.0
+    assert median[DEQUANTIZED]["output_tokens_per_s"] == 580.0
+    assert rates[DEQUANTIZED] == [580.0, 380.0, 610.0]
+    assert paired == pytest.approx(600 / 580)
+    # an even count: the lower middle turn, a run that happened
+    median, _, paired = throughput_figures({n: t[:2] for n, t in turns.items()})
+    assert median[NATIVE]["output_tokens_per_s"] == 400.0
+    assert paired == pytest.approx((600 / 580 + 400 / 380) / 2)
 
 
 def test_a_step_streams_every_tensor_of_the_file(tmp_path):
