@@ -126,6 +126,66 @@ def test_aclose_runs_the_handlers_cleanup_once():
     assert closed == [True]
 
 
+def test_a_deadline_passed_between_reads_ends_the_next_read():
+    """The deadline is one timer for the call: when it fires while the reader is away (writing
+    the last message to its client), the next read is DEADLINE_EXCEEDED and closes the
+    handler; the reader's task is not cancelled."""
+    cleaned = asyncio.Event()
+
+    async def handler(request, context):
+        try:
+            while True:
+                yield "message"
+        finally:
+            cleaned.set()
+
+    async def scenario():
+        call = LocalCall(handler, None, timeout_s=0.1)
+        assert await call.read() == "message"
+        await asyncio.sleep(0.2)  # away past the deadline, not inside read()
+        assert asyncio.current_task().cancelling() == 0
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call.read()
+        return raised.value, cleaned.is_set()
+
+    error, was_cleaned = _run(scenario())
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert was_cleaned
+
+
+def test_a_reader_cancelled_before_its_deadline_is_cancelled_not_timed_out():
+    """A client that leaves while a deadline is armed: the reader sees CancelledError (the
+    front then closes the call), not a deadline status; the timer is disarmed."""
+    closed = asyncio.Event()
+
+    async def handler(request, context):
+        try:
+            yield "first"
+            await asyncio.sleep(60)
+            yield "never"
+        finally:
+            closed.set()
+
+    async def scenario():
+        call = LocalCall(handler, None, timeout_s=0.3)
+
+        async def reader():
+            await call.read()
+            await call.read()
+
+        task = asyncio.create_task(reader())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await call.aclose()
+        await asyncio.sleep(0.4)  # past the deadline: nothing fires on a closed call
+        return closed.is_set(), await call.read()
+
+    was_closed, after = _run(scenario())
+    assert was_closed and after is grpc.aio.EOF
+
+
 def test_a_cancelled_reader_stops_the_handler():
     """A client that leaves cancels the HTTP handler's task while it waits in read()."""
     closed = asyncio.Event()
