@@ -427,8 +427,11 @@ class EnginePool:
                         self._exact.claim(engine_id, hashes, first_at)
                 else:
                     last_at = time.monotonic()
-                    num_later_tokens += max((len(d.token_ids) for d in message.outputs),
-                                            default=0)  # per stream: n > 1 runs side by side
+                    outputs = message.outputs
+                    if len(outputs) == 1:  # the common case, without a generator a token
+                        num_later_tokens += len(outputs[0].token_ids)
+                    elif outputs:  # per stream: n > 1 runs side by side
+                        num_later_tokens += max(len(d.token_ids) for d in outputs)
                 yield message
         finally:
             member.requests -= sequences
