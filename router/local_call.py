@@ -169,10 +169,13 @@ class LocalCall:
         if self._expired:
             raise await self._deadline_exceeded()
         task = self._reader = asyncio.current_task() if deadline is not None else None
+        # cancellations the reader already had (as asyncio.timeout counts them on entry)
+        base = 0 if task is None else task.cancelling()
         try:
             return await anext(self._stream)
         except asyncio.CancelledError:
-            if self._take_timer_cancel(task) == 0:  # the timer's alone: the deadline
+            remaining = self._take_timer_cancel(task)
+            if remaining is not None and remaining <= base:  # the timer's alone: the deadline
                 raise await self._deadline_exceeded() from None
             raise
         except StopAsyncIteration:
@@ -188,6 +191,7 @@ class LocalCall:
 
     async def aclose(self) -> None:
         """Close the handler (no-op once it finished): its cleanup aborts the engine request."""
+        self._done = True  # a read while the cleanup runs answers EOF
         try:
             await self._stream.aclose()
         finally:

@@ -110,6 +110,7 @@ def test_deadline_exceeded_closes_the_handler(away):
             assert asyncio.current_task().cancelling() == 0
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await call.read()
+        assert asyncio.current_task().cancelling() == 0  # the timer's cancel withdrawn
         return raised.value, cleaned.is_set()
 
     error, was_cleaned = _run(scenario())
@@ -161,10 +162,44 @@ def test_a_cancelled_reader_stops_the_handler(timeout_s):
             await task
         await call.aclose()
         await asyncio.sleep(0.4)  # past any deadline: nothing fires on a closed call
+        assert not call._expired
         return closed.is_set(), await call.read()
 
     was_closed, after = _run(scenario())
     assert was_closed and after is grpc.aio.EOF
+
+
+def test_a_client_leaving_as_the_deadline_fires_is_a_cancellation():
+    """The timer and a client's disconnect in one loop iteration: the reader is cancelled
+    (the client left), not answered DEADLINE_EXCEEDED; one that had swallowed a cancellation
+    earlier still gets the deadline."""
+    async def scenario(leaving: bool):
+        call = LocalCall(_first_then_hang(asyncio.Event()), None, timeout_s=60)
+        assert await call.read() == "first"
+
+        async def read():
+            if not leaving:  # an earlier cancellation this reader caught and went on from
+                asyncio.current_task().cancel()
+                try:
+                    await asyncio.sleep(0)
+                except asyncio.CancelledError:
+                    pass
+            return await call.read()
+
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(0.01)  # suspended inside the handler
+        if leaving:
+            reader.cancel()
+        call._expire()  # the timer, firing now
+        try:
+            await reader
+        except asyncio.CancelledError:
+            return "cancelled"
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+
+    assert asyncio.run(scenario(True)) == "cancelled"
+    assert asyncio.run(scenario(False)) == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def test_unary_answers_aborts_and_deadline():
