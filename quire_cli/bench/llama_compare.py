@@ -86,8 +86,7 @@ def run_quire(engine_args, quantization: str, model: str, threads: int,
     llm = LLM(**{**dataclasses.asdict(engine_args), "model": model,
                  "quantization": quantization, "num_threads": threads})
     load_s = time.perf_counter() - start
-    result = _best(measure(llm, SamplingParams, {**requests, "workload": requests["warmup"]}))
-    result.pop("throughput")
+    result = _best(measure(llm, SamplingParams, requests, with_throughput=False))
     info = llm.info
     result.update(load_s=load_s, threads=threads, kernels=info.backend,
                   dtype=str(info.dtype).removeprefix("torch."),

@@ -39,18 +39,22 @@ def _timed(llm, params_cls, token_lists, max_tokens, ignore_eos=True):
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
-def measure(llm, params_cls, req: dict) -> dict:
-    """The three figures on ``req`` (the request set compare.py wrote)."""
+def measure(llm, params_cls, req: dict, with_throughput: bool = True) -> dict:
+    """The three figures on ``req`` (the request set compare.py wrote); without
+    ``with_throughput``, the decode speed and TTFT only (the caller runs the batched workload
+    itself)."""
     warm = req["warmup"]
     _timed(llm, params_cls, warm["prompt_token_ids"], warm["output_lens"])
-    work = req["workload"]
-    elapsed, num_out = _timed(llm, params_cls, work["prompt_token_ids"], work["output_lens"],
-                              req["ignore_eos"])
+    result = {}
+    if with_throughput:
+        work = req["workload"]
+        elapsed, num_out = _timed(llm, params_cls, work["prompt_token_ids"],
+                                  work["output_lens"], req["ignore_eos"])
+        result["throughput"] = {"elapsed_s": elapsed, "num_output_tokens": num_out,
+                                "output_tokens_per_s": num_out / elapsed}
     decode = measure_decode(llm, params_cls, req)
     ttfts = [_timed(llm, params_cls, [p], 1)[0] for p in req["ttft_prompts"]][1:]
-    return {"throughput": {"elapsed_s": elapsed, "num_output_tokens": num_out,
-                           "output_tokens_per_s": num_out / elapsed},
-            **decode, "ttft_s": statistics.median(ttfts), "ttft_runs_s": ttfts}
+    return {**result, **decode, "ttft_s": statistics.median(ttfts), "ttft_runs_s": ttfts}
 
 
 def measure_decode(llm, params_cls, req: dict) -> dict:
