@@ -16,6 +16,7 @@ Generate calls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -29,6 +30,7 @@ from router.backoff import Backoff
 from router.connection import (ClientOptions, EngineMismatchError, EngineReports, EngineState,
                                ModelExpectation, ModelIdentity, change_state, refuse)
 from router.endpoint import Endpoint
+from router.generate_many import GenerateMany
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class EngineClient:
         self.refusal: EngineMismatchError | None = None
         self.channel = self._open_channel()
         self.stub = engine_pb2_grpc.EngineServiceStub(self.channel)
+        self._many = GenerateMany(self.stub, engine_id)
         self._supervisor: asyncio.Task | None = None
         self._feeds: list[asyncio.Task] = []
         self._closed = False
@@ -111,6 +114,7 @@ class EngineClient:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._feeds = []
         self.state = EngineState.UNREACHABLE  # closed by the router: nothing to warn about
+        await self._many.close()
         await self.channel.close()
 
     @property
@@ -163,7 +167,15 @@ class EngineClient:
                        metadata: tuple[tuple[str, str], ...] = ()
                        ) -> AsyncIterator[pb.GenerateResponse]:
         """Relay the engine's stream. Closing the iterator (or cancelling the task reading it)
-        cancels the upstream call, which aborts the request on the engine."""
+        cancels the upstream call, which aborts the request on the engine. An engine that
+        serves ``GenerateMany`` gets the call on the stream it shares with the router's other
+        calls to it (``router.generate_many``)."""
+        if self.info is not None and self.info.generate_many:
+            async with contextlib.aclosing(self._many.generate(
+                    request, timeout_s=timeout_s, metadata=metadata)) as stream:
+                async for message in stream:
+                    yield message
+            return
         call = self.stub.Generate(request, timeout=timeout_s, metadata=metadata or None)
         try:
             async for message in call:
@@ -224,7 +236,8 @@ class EngineClient:
             try:
                 async for message in call:
                     if not on_message(message):
-                        logger.warning("engine %s: %s gap (or another engine process), re-subscribing", self.engine_id, what)
+                        logger.warning("engine %s: %s gap (or another engine process), "
+                                       "re-subscribing", self.engine_id, what)
                         break
                     backoff.reset()
             except grpc.aio.AioRpcError as e:

@@ -22,6 +22,7 @@ from engine_worker.server.convert import (RequestLimits, embed_request_from_prot
                                           embed_response_to_proto, request_from_proto,
                                           response_to_proto, wire_error)
 from engine_worker.server.errors import abort_with
+from engine_worker.server.generate_many import GenerateManyStream, ProtocolError
 from quire.errors import FieldError
 from quire.limits import check_lora_name
 from quire.tokenizer_digest import TOKENIZER_FILES
@@ -95,6 +96,15 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         except Exception as e:
             await abort_with(context, wire_error(e, sampling=True))
 
+    async def GenerateMany(self, requests, context: grpc.aio.ServicerContext):
+        """Many Generate calls on one stream (a router's), their news a message a turn."""
+        stream = GenerateManyStream(self.Generate, peer=context.peer())
+        try:
+            async for message in stream.serve(requests):
+                yield message
+        except ProtocolError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
     async def Embed(self, request: pb.EmbedRequest,
                     context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         """Pool one prompt on the engine (a pooling request batched with the step)."""
@@ -145,7 +155,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             pipeline_parallel_size=info.pipeline_parallel_size,
             all_reduce_backend=info.all_reduce_backend,
             distributed_executor_backend=info.distributed_executor_backend,
-            layer_execution=info.layer_execution, incarnation_id=self.incarnation_id, **spec_fields)
+            layer_execution=info.layer_execution, incarnation_id=self.incarnation_id,
+            generate_many=True, **spec_fields)
 
     async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest,
                               context) -> pb.LoadLoRAAdapterResponse:

@@ -171,6 +171,60 @@ class GenerateResponse(_message.Message):
     finished: bool
     def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[CompletionDelta, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., finished: _Optional[bool] = ...) -> None: ...
 
+class GenerateManyRequest(_message.Message):
+    __slots__ = ("open", "cancel")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    open: OpenGenerate
+    cancel: int
+    def __init__(self, open: _Optional[_Union[OpenGenerate, _Mapping]] = ..., cancel: _Optional[int] = ...) -> None: ...
+
+class OpenGenerate(_message.Message):
+    __slots__ = ("stream_id", "request", "metadata", "timeout_s")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    request: GenerateRequest
+    metadata: _containers.RepeatedCompositeFieldContainer[MetadataEntry]
+    timeout_s: float
+    def __init__(self, stream_id: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class MetadataEntry(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: str
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+
+class GenerateManyResponse(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[GenerateManyEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[GenerateManyEntry, _Mapping]]] = ...) -> None: ...
+
+class GenerateManyEntry(_message.Message):
+    __slots__ = ("stream_id", "response", "status")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    response: GenerateResponse
+    status: CallStatus
+    def __init__(self, stream_id: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., status: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...
+
+class CallStatus(_message.Message):
+    __slots__ = ("code", "details", "trailing_metadata")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_METADATA_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    trailing_metadata: _containers.RepeatedCompositeFieldContainer[MetadataEntry]
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., trailing_metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ...) -> None: ...
+
 class EmbedRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "cache_salt", "priority", "normalize", "truncate_prompt_tokens", "truncation_side")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -206,7 +260,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "block_size", "block_hash_algorithm", "block_hash_seed", "tokenizer_digest", "vocab_size", "enable_prefix_caching", "num_kv_blocks", "backend", "backend_reason", "backend_fallback", "cuda_graphs", "quantization", "incarnation_id", "speculative_config", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "runner", "pooling_type", "pooling_normalize", "hidden_size", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_adapters", "lora_adapter_paths", "tensor_parallel_size", "pipeline_parallel_size", "all_reduce_backend", "distributed_executor_backend", "layer_execution")
+    __slots__ = ("model_name", "max_model_len", "block_size", "block_hash_algorithm", "block_hash_seed", "tokenizer_digest", "vocab_size", "enable_prefix_caching", "num_kv_blocks", "backend", "backend_reason", "backend_fallback", "cuda_graphs", "quantization", "incarnation_id", "speculative_config", "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos", "runner", "pooling_type", "pooling_normalize", "hidden_size", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_adapters", "lora_adapter_paths", "tensor_parallel_size", "pipeline_parallel_size", "all_reduce_backend", "distributed_executor_backend", "layer_execution", "generate_many")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +296,7 @@ class ModelInfo(_message.Message):
     ALL_REDUCE_BACKEND_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTED_EXECUTOR_BACKEND_FIELD_NUMBER: _ClassVar[int]
     LAYER_EXECUTION_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_MANY_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     block_size: int
@@ -277,7 +332,8 @@ class ModelInfo(_message.Message):
     all_reduce_backend: str
     distributed_executor_backend: str
     layer_execution: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., block_hash_algorithm: _Optional[str] = ..., block_hash_seed: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., vocab_size: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., backend_reason: _Optional[str] = ..., backend_fallback: _Optional[bool] = ..., cuda_graphs: _Optional[str] = ..., quantization: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., speculative_config: _Optional[str] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., runner: _Optional[str] = ..., pooling_type: _Optional[str] = ..., pooling_normalize: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., enable_lora: _Optional[bool] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_adapter_paths: _Optional[_Iterable[str]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., all_reduce_backend: _Optional[str] = ..., distributed_executor_backend: _Optional[str] = ..., layer_execution: _Optional[str] = ...) -> None: ...
+    generate_many: bool
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., block_hash_algorithm: _Optional[str] = ..., block_hash_seed: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., vocab_size: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., backend_reason: _Optional[str] = ..., backend_fallback: _Optional[bool] = ..., cuda_graphs: _Optional[str] = ..., quantization: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., speculative_config: _Optional[str] = ..., spec_decode_num_drafts: _Optional[int] = ..., spec_decode_num_draft_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens: _Optional[int] = ..., spec_decode_num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., runner: _Optional[str] = ..., pooling_type: _Optional[str] = ..., pooling_normalize: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., enable_lora: _Optional[bool] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_adapter_paths: _Optional[_Iterable[str]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., all_reduce_backend: _Optional[str] = ..., distributed_executor_backend: _Optional[str] = ..., layer_execution: _Optional[str] = ..., generate_many: _Optional[bool] = ...) -> None: ...
 
 class LoadLoRAAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")

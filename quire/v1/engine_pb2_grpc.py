@@ -39,6 +39,11 @@ class EngineServiceStub:
                 request_serializer=quire_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=quire_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/quire.v1.EngineService/GenerateMany',
+                request_serializer=quire_dot_v1_dot_engine__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=quire_dot_v1_dot_engine__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.Embed = channel.unary_unary(
                 '/quire.v1.EngineService/Embed',
                 request_serializer=quire_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
@@ -83,6 +88,17 @@ class EngineServiceServicer:
         """Generate one request's completions, streamed as deltas. Closing the stream (or cancelling
         the call) aborts the request and frees its KV blocks within one engine step. The call's
         deadline is honoured: past it the request is aborted and the call ends DEADLINE_EXCEEDED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many Generate calls on one stream, each behaving as its own call (statuses, deadline,
+        cancellation, trace context): what a router uses when ModelInfo.generate_many is set. The
+        engine answers with one message per turn of its event loop carrying every call's news (one
+        message a step for all running requests, where Generate sends one per request); a
+        call's last entry is its status. Ending the stream cancels every call still open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -153,6 +169,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     request_deserializer=quire_dot_v1_dot_engine__pb2.GenerateRequest.FromString,
                     response_serializer=quire_dot_v1_dot_engine__pb2.GenerateResponse.SerializeToString,
             ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=quire_dot_v1_dot_engine__pb2.GenerateManyRequest.FromString,
+                    response_serializer=quire_dot_v1_dot_engine__pb2.GenerateManyResponse.SerializeToString,
+            ),
             'Embed': grpc.unary_unary_rpc_method_handler(
                     servicer.Embed,
                     request_deserializer=quire_dot_v1_dot_engine__pb2.EmbedRequest.FromString,
@@ -216,6 +237,33 @@ class EngineService:
             '/quire.v1.EngineService/Generate',
             quire_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
             quire_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/quire.v1.EngineService/GenerateMany',
+            quire_dot_v1_dot_engine__pb2.GenerateManyRequest.SerializeToString,
+            quire_dot_v1_dot_engine__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
