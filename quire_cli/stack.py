@@ -244,6 +244,7 @@ async def run_stack(cfg: StackConfig, engines, flow=None, server=None) -> int:
     example request carries the first."""
     import dataclasses
 
+    from quire.gc_heap import freeze_startup_heap
     from quire.signals import shutdown_event
     from quire.tracing import TracingConfig, make_tracing
     from router.app import RouterServer
@@ -274,6 +275,7 @@ async def run_stack(cfg: StackConfig, engines, flow=None, server=None) -> int:
             answer = await _example(port, router.pool.identity.tokenizer, key,
                                     min(64, limit) if limit > 0 else 64)
         print(f"example: {EXAMPLE_QUESTION!r} -> {answer!r}", flush=True)
+        freeze_startup_heap()  # the router's process: its start-up heap is never garbage
         if not cfg.once:
             stop = shutdown_event()
             print("serving; Ctrl-C stops the stack", flush=True)

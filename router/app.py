@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from quire.gc_heap import freeze_startup_heap
 from quire.grpc_server import NO_PORT_REUSE, BadRequestBytes, bind_port
 from quire.tracing import Tracing, TracingConfig, make_tracing
 from quire.v1 import engine_pb2_grpc
@@ -238,6 +239,7 @@ async def serve(server: RouterServerConfig, discovery: DiscoveryConfig,
     router = RouterServer(server, discovery, placement, tls, flow, tracing=tracing)
     try:
         port = await router.start()
+        freeze_startup_heap()  # a long-running process: its start-up heap is never garbage
         stop = shutdown_event()
         http = (f", OpenAI API on http://{server.host}:{router.http_port}/v1" if router.front
                 else "")

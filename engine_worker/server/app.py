@@ -21,6 +21,7 @@ from engine_worker.server.model_thread import ModelThread
 from engine_worker.lora.paths import parse_adapter_dirs
 from engine_worker.server.servicer import EngineServicer
 from quire.grpc_server import NO_PORT_REUSE, BadRequestBytes, PortInUseError, bind_port
+from quire.gc_heap import freeze_startup_heap
 from quire.signals import shutdown_event
 from quire.tracing import Tracing, TracingConfig, make_tracing
 from quire.v1 import engine_pb2, engine_pb2_grpc
@@ -196,6 +197,7 @@ async def serve(engine: LLMEngine, cfg: ServerConfig,
     server = EngineServer(engine, cfg, tracing=tracing, model_thread=model_thread)
     try:
         await server.start()
+        freeze_startup_heap()  # a long-running process: its start-up heap is never garbage
         stop = shutdown_event()
         metrics_at = (f", metrics on http://{cfg.host}:{server.metrics_server.port}/metrics"
                       if server.metrics_server else "")

@@ -118,3 +118,6 @@ def test_the_start_block_names_the_threads_the_model_runs_on(tiny_model_dir):
             proc.kill()
     line = next(line for line in log.splitlines() if "Threads: " in line)
     assert "the model on 1 OpenMP thread (the engine loop and 0 workers;" in line, line
+    # a server process takes its start-up heap out of the collector's full walks
+    frozen = re.search(r"froze (\d+) start-up objects", log)
+    assert frozen and int(frozen.group(1)) > 10_000, log
