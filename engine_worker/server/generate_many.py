@@ -30,6 +30,29 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[pb.GenerateRequest, LocalContext], AsyncIterator[pb.GenerateResponse]]
 
+# A turn's entries leave in messages of about this many bytes at most: many calls' prompt
+# logprobs in one turn could otherwise pass the server's send limit (16 MiB by default), which
+# each call's own messages keep to, and a message over it would end every call on the stream.
+MESSAGE_BUDGET_BYTES = 4 << 20
+
+
+def split_message(message: pb.GenerateManyResponse, budget: int = MESSAGE_BUDGET_BYTES
+                  ) -> list[pb.GenerateManyResponse]:
+    """``message``'s entries, in order, in messages of at most ``budget`` bytes (an entry
+    larger than that alone in one)."""
+    if message.ByteSize() <= budget:
+        return [message]
+    parts, part, size = [], pb.GenerateManyResponse(), 0
+    for entry in message.entries:
+        entry_size = entry.ByteSize() + 8  # the field's tag and length
+        if part.entries and size + entry_size > budget:
+            parts.append(part)
+            part, size = pb.GenerateManyResponse(), 0
+        part.entries.add().CopyFrom(entry)
+        size += entry_size
+    parts.append(part)
+    return parts
+
 
 class ProtocolError(Exception):
     """The caller broke the stream's rules (a stream id reused while its call is open)."""
@@ -52,10 +75,6 @@ class GenerateManyStream:
         self._reading = True  # the caller may still open calls
         self._error: BaseException | None = None
 
-    @property
-    def num_open(self) -> int:
-        return len(self._calls)
-
     async def serve(self, requests: AsyncIterator[pb.GenerateManyRequest]
                     ) -> AsyncIterator[pb.GenerateManyResponse]:
         """Run the calls ``requests`` opens; yield their entries, a message a turn. Ends once
@@ -75,7 +94,8 @@ class GenerateManyStream:
                 message, self._pending = self._pending, pb.GenerateManyResponse()
                 self._flowing.clear()
                 try:
-                    yield message
+                    for part in split_message(message):
+                        yield part
                 finally:
                     self._flowing.set()
         finally:

@@ -16,6 +16,7 @@ from quire.v1 import engine_pb2_grpc
 from router.generate_many import GenerateMany
 from tests.e2e.test_engine_server import PROMPT, RunningServer, _collect, _engine, _request
 from engine_worker.server.config import ServerConfig
+from engine_worker.server.generate_many import split_message
 
 
 def _server(model_dir) -> RunningServer:
@@ -220,3 +221,18 @@ def test_open_calls_fail_unavailable_when_the_engine_goes_and_a_new_stream_is_op
         running.close()
     assert gone.code() == grpc.StatusCode.UNAVAILABLE
     assert refused.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_turn_over_the_budget_leaves_in_several_messages_in_order():
+    message = pb.GenerateManyResponse()
+    for stream_id in range(1, 11):
+        entry = message.entries.add(stream_id=stream_id)
+        entry.response.prompt_token_ids.extend(range(stream_id * 100))  # about 2-3 bytes each
+    small = split_message(message, budget=1 << 20)
+    assert small == [message]
+    budget = 1200
+    parts = split_message(message, budget=budget)
+    assert len(parts) > 1
+    assert [e for part in parts for e in part.entries] == list(message.entries)
+    for part in parts:
+        assert part.ByteSize() <= budget or len(part.entries) == 1

@@ -92,3 +92,4 @@ def test_a_reader_that_keeps_up_gets_each_message():
 
     got = asyncio.run(run())
     assert len(got) == 3 and _joined(got) == _joined(_messages())
+
