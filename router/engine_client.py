@@ -16,9 +16,8 @@ Generate calls.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -163,19 +162,22 @@ class EngineClient:
             await backoff.sleep()
 
     # ------------------------------------------------------------------- requests
-    async def generate(self, request: pb.GenerateRequest, *, timeout_s: float | None = None,
-                       metadata: tuple[tuple[str, str], ...] = ()
-                       ) -> AsyncIterator[pb.GenerateResponse]:
+    def generate(self, request: pb.GenerateRequest, *, timeout_s: float | None = None,
+                 metadata: tuple[tuple[str, str], ...] = ()
+                 ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Relay the engine's stream. Closing the iterator (or cancelling the task reading it)
         cancels the upstream call, which aborts the request on the engine. An engine that
         serves ``GenerateMany`` gets the call on the stream it shares with the router's other
-        calls to it (``router.generate_many``)."""
+        calls to it (``router.generate_many``; its iterator is returned as it is, no layer
+        around every message)."""
         if self.info is not None and self.info.generate_many:
-            async with contextlib.aclosing(self._many.generate(
-                    request, timeout_s=timeout_s, metadata=metadata)) as stream:
-                async for message in stream:
-                    yield message
-            return
+            return self._many.generate(request, timeout_s=timeout_s, metadata=metadata)
+        return self._generate_call(request, timeout_s, metadata)
+
+    async def _generate_call(self, request: pb.GenerateRequest, timeout_s: float | None,
+                             metadata: tuple[tuple[str, str], ...]
+                             ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """One ``Generate`` call (an engine older than ``GenerateMany``)."""
         call = self.stub.Generate(request, timeout=timeout_s, metadata=metadata or None)
         try:
             async for message in call:
