@@ -16,6 +16,13 @@ import grpc
 Metadata = Sequence[tuple[str, str]]
 
 
+def rpc_error(code: grpc.StatusCode, details: str, *, trailing: Metadata = (),
+              initial: Metadata = ()) -> grpc.aio.AioRpcError:
+    """The error a grpc.aio client raises for a call that ended with ``code``."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(*initial), grpc.aio.Metadata(*trailing),
+                                details=details)
+
+
 class LocalContext:
     """The part of ``grpc.aio.ServicerContext`` a servicer's ``Generate`` uses, for a local call.
 
@@ -97,7 +104,6 @@ class LocalContext:
     def error(self, code: grpc.StatusCode | None = None, details: str | None = None
               ) -> grpc.aio.AioRpcError:
         """The status this call ended with, as the error a grpc.aio client raises."""
-        return grpc.aio.AioRpcError(
-            code or self._code or grpc.StatusCode.UNKNOWN, grpc.aio.Metadata(*self._initial),
-            grpc.aio.Metadata(*self._trailing),
-            details=self._details if details is None else details)
+        return rpc_error(code or self._code or grpc.StatusCode.UNKNOWN,
+                         self._details if details is None else details,
+                         trailing=self._trailing, initial=self._initial)

@@ -23,18 +23,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from quire.local_context import rpc_error
 from quire.v1 import engine_pb2 as pb
 from quire.v1 import engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
-def status_error(code: grpc.StatusCode, details: str, trailing=()) -> grpc.aio.AioRpcError:
-    """The error a grpc.aio client raises for a call that ended with ``code``."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing),
-                                details=details)
 
 
 def merge_response(into: pb.GenerateResponse, later: pb.GenerateResponse) -> None:
@@ -109,7 +104,7 @@ class _Session:
             yield entry
 
     async def _read(self) -> None:
-        error = status_error(grpc.StatusCode.UNAVAILABLE,
+        error = rpc_error(grpc.StatusCode.UNAVAILABLE,
                              f"engine {self.engine_id} ended its GenerateMany stream")
         try:
             async for message in self.stream:
@@ -123,13 +118,13 @@ class _Session:
                         continue
                     del calls[entry.stream_id]
                     code = _CODES.get(entry.status.code, grpc.StatusCode.UNKNOWN)
-                    call.end(None if code is grpc.StatusCode.OK else status_error(
+                    call.end(None if code is grpc.StatusCode.OK else rpc_error(
                         code, entry.status.details,
-                        [(m.key, m.value) for m in entry.status.trailing_metadata]))
+                        trailing=[(m.key, m.value) for m in entry.status.trailing_metadata]))
         except grpc.aio.AioRpcError as e:
             error = e
         except asyncio.CancelledError:
-            error = status_error(grpc.StatusCode.CANCELLED, "the router closed the stream")
+            error = rpc_error(grpc.StatusCode.CANCELLED, "the router closed the stream")
         finally:
             self.broken = True
             self.outbox.put_nowait(None)  # the request iterator ends
@@ -205,4 +200,4 @@ def _expire(call: _Call) -> None:
     """The call's deadline passed here first: it ends DEADLINE_EXCEEDED (and is cancelled)."""
     if not call.ended:
         call.expired = True
-        call.end(status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+        call.end(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))

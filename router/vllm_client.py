@@ -39,6 +39,7 @@ import grpc
 from quire.block_hash import BLOCK_HASH_ALGORITHM, ROOT_HASH
 from quire.errors import FIELD_METADATA
 from quire.kv_events import BlockStored, KVCacheSnapshot, KVEventBatch
+from quire.local_context import rpc_error as aio_rpc_error
 from quire.structured_outputs import spec_from_proto
 from quire.v1 import engine_pb2 as pb
 from router.backoff import Backoff
@@ -73,8 +74,7 @@ def rpc_error(code: grpc.StatusCode, details: str,
               field: str | None = None) -> grpc.aio.AioRpcError:
     """The status a Quire engine would answer (``field``: the field it names, as an engine's
     ``quire-error-field`` trailing metadata)."""
-    trailing = grpc.aio.Metadata(*([(FIELD_METADATA, field)] if field else []))
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
+    return aio_rpc_error(code, details, trailing=[(FIELD_METADATA, field)] if field else ())
 
 
 _LORA_INFO = "vllm:lora_requests_info"

@@ -7,7 +7,8 @@ import asyncio
 import grpc
 
 from quire.v1 import engine_pb2 as pb
-from router.generate_many import _Call, merge_response, status_error
+from quire.local_context import rpc_error
+from router.generate_many import _Call, merge_response
 
 
 def _delta(index, ids, text, finish=pb.FINISH_REASON_UNSPECIFIED, logprob=None):
@@ -60,7 +61,7 @@ def test_a_lagging_reader_takes_one_merged_message_and_then_the_status():
         call = _Call()
         for message in _messages():
             call.push(message)
-        call.end(status_error(grpc.StatusCode.CANCELLED, "gone"))
+        call.end(rpc_error(grpc.StatusCode.CANCELLED, "gone"))
         first = await call.next()
         end = await call.next()
         return first, end, call.items
