@@ -567,25 +567,32 @@ constexpr int64_t kGroupRows = 8;
 template <QType T>
 constexpr bool kGrouped = T == QType::kQ4_0 || T == QType::kQ4_1 || T == QType::kQ8_0;
 
+// The bytes before a block's quants in a unit of U rows: U scales (+ U offsets, Q4_1), fp16.
 template <QType T>
-constexpr int64_t kGroupHead = T == QType::kQ4_1 ? 32 : 16;  // scales (+ offsets) a block
+constexpr int64_t group_head(int64_t U) { return (T == QType::kQ4_1 ? 4 : 2) * U; }
 // A group's block holds its eight rows' quants as loads of 32 bytes, four bytes of each row a
 // load (bytes 4j .. 4j + 3 of rows 0 .. 7 in load j): Q4's 16 nibble bytes a row in 4 loads
 // (each unpacked into two), Q8_0's 32 int8 a row in 8.
 template <QType T>
 constexpr int kGroupLoads = T == QType::kQ8_0 ? 8 : 4;
 
-// Where group g's blocks lie in a weight of num_whole groups (group_bytes: a group's 8 rows;
-// stride: a group's block, 8 rows of it): {offset of its block 0, bytes between its blocks}.
-// On the AVX-512 set groups come in pairs (2p, 2p + 1) interleaved block by block, so that
-// dot_group_pair reads one sequential stream (two streams 2.9 KB apart, SmolLM2's Q4_1 rows,
-// made a decode step's 30 layers 1.8x slower from memory on a Zen 4: each pair's second
-// stream started cold); a last odd group, and every group elsewhere, lies alone.
-inline std::pair<int64_t, int64_t> group_place(int64_t g, int64_t num_whole,
-                                               int64_t group_bytes, int64_t stride) {
+// The rows that are read together (a unit): on the AVX-512 set groups come in pairs (2p,
+// 2p + 1) of sixteen rows laid out as one group of sixteen (dot_group_pair: each 64-byte run
+// one 512-bit load, its lanes the sixteen rows; the scales of a block one 256-bit load); a
+// last odd group, and every group elsewhere, is a unit of eight. A unit's block b of U rows
+// is [U scales] [U offsets, Q4_1] [kGroupLoads runs of 4U bytes, row r's at 4r], its blocks
+// U * block bytes apart from its first row's place. (Two groups' blocks read as two 256-bit
+// halves cost an insert a load, a fifth of the one-row kernel's vector instructions; before
+// that, the pair's blocks interleaved at 160 bytes so that it read one sequential stream:
+// two streams 2.9 KB apart, SmolLM2's Q4_1 rows, made a decode step's 30 layers 1.8x slower
+// from memory on a Zen 4, each pair's second stream starting cold.)
+struct GroupUnit {
+  int64_t first_row, rows;
+};
+inline GroupUnit unit_of_group(int64_t g, int64_t num_whole) {
   if (QUIRE_HAS_VNNI512 && g < num_whole - num_whole % 2)
-    return {(g - g % 2) * group_bytes + (g % 2) * stride, 2 * stride};
-  return {g * group_bytes, stride};
+    return {(g - g % 2) * kGroupRows, 2 * kGroupRows};
+  return {g * kGroupRows, kGroupRows};
 }
 
 inline __m256i bcast4(const int8_t* p) {
@@ -626,7 +633,7 @@ inline __m256 sums_as_floats(__m256i sum) {
 }
 
 // out[m * ldo + r] (r < 8) = group's rows dotted with x rows m < MM (quantized, K apart);
-// the group's blocks block_step bytes apart (group_place).
+// the group's blocks block_step bytes apart (a unit of eight: unit_of_group).
 template <QType T, int MM, typename O>
 inline void dot_group(const uint8_t* g, int64_t block_step, int64_t nb, const int8_t* xq,
                       int64_t K, const float* xd, const float* xdsum, O* out, int64_t ldo) {
@@ -635,7 +642,7 @@ inline void dot_group(const uint8_t* g, int64_t block_step, int64_t nb, const in
   for (int m = 0; m < MM; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = g + b * block_step;
-    const uint8_t* qs = blk + kGroupHead<T>;
+    const uint8_t* qs = blk + group_head<T>(kGroupRows);
     __m256i sum[MM];
     for (int m = 0; m < MM; ++m) sum[m] = _mm256_setzero_si256();
     if constexpr (T == QType::kQ8_0) {
@@ -695,22 +702,16 @@ inline void dot_group(const uint8_t* g, int64_t block_step, int64_t nb, const in
 }
 
 #if QUIRE_HAS_VNNI512
-// Two consecutive groups (rows n .. n + 15) at once in 512-bit registers: each load takes the
-// same 32 bytes of both groups' block, so one vpdpbusd adds 4 x 16 products and a block's
+// A unit of sixteen rows (two groups: unit_of_group) in 512-bit registers: each 64-byte load is
+// four bytes of each of the sixteen rows, so one vpdpbusd adds 4 x 16 products and a block's
 // sums for the 16 rows are converted and scaled once. Against dot_group on two groups: half
 // the instructions for the same products (the broadcasts of x, the unpacking, the scaling),
 // which is what limits the grouped kernel where the cores, not memory, are the bound (Zen 4,
 // 2 threads, a layer's four Q4_1 linears, bf16 x: see kVnniRows).
-inline __m512i load_pair(const uint8_t* a, const uint8_t* b) {
-  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
-  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-}
+inline __m512i load64(const uint8_t* p) { return _mm512_loadu_si512(p); }
 
-inline __m512 halves16(const uint8_t* a, const uint8_t* b) {
-  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
-  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+inline __m512 halves16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 inline __m512i bcast4x16(const int8_t* p) {
@@ -726,28 +727,32 @@ inline void store16(at::BFloat16* p, __m512 v) {
   std::memcpy(p, &h, sizeof(h));
 }
 
-// out[m * ldo + r] (r < 16) = a pair of groups (rows 0 .. 7, 8 .. 15; their blocks
-// interleaved: group_place) dotted with x rows m < MM: dot_group's arithmetic, lane for lane.
+// out[m * ldo + r] (r < 16) = a unit of sixteen rows dotted with x rows m < MM: dot_group's
+// arithmetic, lane for lane. At one or two rows of x (decode: bound by these instructions
+// where memory is fast) the high nibbles are masked in place (v & 0xF0, sixteen times their
+// value) into sums of their own, shifted back once a block (exact: the sums are multiples
+// of 16, at most 4 x 4 x 240 x 127 a lane): one instruction a load instead of two. At more
+// rows the shift is shared by the rows of x and the second sums would cost registers.
 template <QType T, int MM, typename O>
-inline void dot_group_pair(const uint8_t* pair, int64_t nb, const int8_t* xq, int64_t K,
+inline void dot_group_pair(const uint8_t* unit, int64_t nb, const int8_t* xq, int64_t K,
                            const float* xd, const float* xdsum, O* out, int64_t ldo) {
-  constexpr int64_t kStride = kGroupRows * kBytes<T>;
+  constexpr int64_t kRows = 2 * kGroupRows, kStride = kRows * kBytes<T>;
+  constexpr bool kSplitHigh = MM <= 2;
   const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i high = _mm512_set1_epi8(static_cast<char>(0xF0));
   __m512 acc[MM];
   for (int m = 0; m < MM; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk_a = pair + 2 * b * kStride;
-    const uint8_t* blk_b = blk_a + kStride;
-    const uint8_t* qa = blk_a + kGroupHead<T>;
-    const uint8_t* qb = blk_b + kGroupHead<T>;
-    __m512i sum[MM];
-    for (int m = 0; m < MM; ++m) sum[m] = _mm512_setzero_si512();
-    const __m512 dw = halves16(blk_a, blk_b);
+    const uint8_t* blk = unit + b * kStride;
+    const uint8_t* qs = blk + group_head<T>(kRows);
+    __m512i sum[MM], sum_high[MM];
+    for (int m = 0; m < MM; ++m) sum[m] = sum_high[m] = _mm512_setzero_si512();
+    const __m512 dw = halves16(blk);
     if constexpr (T == QType::kQ8_0) {  // x offset to unsigned, as in dot_group
       const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
       __m512i w128 = _mm512_setzero_si512();
       for (int j = 0; j < kGroupLoads<T>; ++j) {
-        const __m512i v = load_pair(qa + 32 * j, qb + 32 * j);
+        const __m512i v = load64(qs + 64 * j);
         w128 = _mm512_dpbusd_epi32(w128, bias, v);
         for (int m = 0; m < MM; ++m)
           sum[m] = _mm512_dpbusd_epi32(sum[m], bcast4x16(xq + m * K + b * kBlock + 4 * j), v);
@@ -760,16 +765,20 @@ inline void dot_group_pair(const uint8_t* pair, int64_t nb, const int8_t* xq, in
       continue;
     }
     for (int j = 0; j < kGroupLoads<T>; ++j) {
-      const __m512i v = load_pair(qa + 32 * j, qb + 32 * j);
+      const __m512i v = load64(qs + 64 * j);
       const __m512i lo = _mm512_and_si512(v, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const __m512i hi = kSplitHigh ? _mm512_and_si512(v, high)
+                                    : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       for (int m = 0; m < MM; ++m) {
         const int8_t* y = xq + m * K + b * kBlock;
         sum[m] = _mm512_dpbusd_epi32(sum[m], lo, bcast4x16(y + 4 * j));
-        sum[m] = _mm512_dpbusd_epi32(sum[m], hi, bcast4x16(y + 16 + 4 * j));
+        __m512i& sh = kSplitHigh ? sum_high[m] : sum[m];
+        sh = _mm512_dpbusd_epi32(sh, hi, bcast4x16(y + 16 + 4 * j));
       }
     }
-    const __m512 mw = T == QType::kQ4_1 ? halves16(blk_a + 16, blk_b + 16) : _mm512_setzero_ps();
+    if constexpr (kSplitHigh)
+      for (int m = 0; m < MM; ++m) sum[m] = _mm512_add_epi32(sum[m], _mm512_srai_epi32(sum_high[m], 4));
+    const __m512 mw = T == QType::kQ4_1 ? halves16(blk + 2 * kRows) : _mm512_setzero_ps();
     for (int m = 0; m < MM; ++m) {
       const __m512 dot = _mm512_cvtepi32_ps(sum[m]);
       const float dx = xd[m * nb + b], dsum = xdsum[m * nb + b];
@@ -786,13 +795,13 @@ inline void dot_group_pair(const uint8_t* pair, int64_t nb, const int8_t* xq, in
 }
 #endif
 
-// Row r of a group's block b: its quant bytes in the file's order (16 of Q4's nibble bytes
-// in the low half, or Q8_0's 32).
+// Row r of a unit's block (U rows): its quant bytes in the file's order (16 of Q4's nibble
+// bytes in the low half, or Q8_0's 32).
 template <QType T>
-inline __m256i group_row_quants(const uint8_t* blk, int r) {
-  const uint8_t* qs = blk + kGroupHead<T> + 4 * r;
+inline __m256i group_row_quants(const uint8_t* blk, int64_t U, int64_t r) {
+  const uint8_t* qs = blk + group_head<T>(U) + 4 * r;
   int32_t part[8] = {};
-  for (int j = 0; j < kGroupLoads<T>; ++j) std::memcpy(&part[j], qs + 32 * j, sizeof(int32_t));
+  for (int j = 0; j < kGroupLoads<T>; ++j) std::memcpy(&part[j], qs + 4 * U * j, sizeof(int32_t));
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(part));
 }
 
@@ -840,11 +849,10 @@ void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w
       xq_group = x_unsigned.data();
     }
 #endif
-    // work units: pairs of groups (the AVX-512 set: group_place), then the groups alone,
+    // work units: pairs of groups (the AVX-512 set: unit_of_group), then the groups alone,
     // then the rows past the last group
     const int64_t num_pairs = QUIRE_HAS_VNNI512 ? num_whole / 2 : 0;
     const int64_t num_units = num_whole - num_pairs + (N % kGroupRows ? 1 : 0);
-    const int64_t group_bytes = kGroupRows * row_bytes, stride = kGroupRows * kBytes<T>;
     at::parallel_for(0, num_units, num_pairs ? 1 : 2, [&](int64_t u0, int64_t u1) {
       // x's rows a tile at a time, each tile against all of this thread's groups (their
       // bytes stay in L2 across tiles; a tile's int8 rows stay in L1/L2 across groups)
@@ -854,7 +862,8 @@ void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w
           const bool pair = u < num_pairs;
           const int64_t g = pair ? 2 * u : u + num_pairs, n = g * kGroupRows;
           if (g < num_whole) {
-            const auto [offset, block_step] = group_place(g, num_whole, group_bytes, stride);
+            const GroupUnit unit = unit_of_group(g, num_whole);
+            const int64_t offset = unit.first_row * row_bytes, block_step = unit.rows * kBytes<T>;
             // kXRowsInRegs rows of x at a time, then the rest (dot_group keeps MM rows' sums
             // in registers and unpacks each weight load once for them)
             auto rows_of_x = [&](auto mm, int64_t m) {
@@ -931,17 +940,16 @@ inline void dequant_block(const uint8_t* w, int64_t N, int64_t nb, int64_t n, in
   using L = RowLayout<T>;
   const int64_t row_bytes = nb * kBytes<T>;
   if constexpr (kGrouped<T>) {
-    if (n < N - N % kGroupRows) {  // in a group of eight (dot_group's layout)
-      const auto [offset, block_step] = group_place(n / kGroupRows, N / kGroupRows,
-                                                    kGroupRows * row_bytes, kGroupRows * kBytes<T>);
-      const uint8_t* blk = w + offset + b * block_step;
-      const int r = int(n % kGroupRows);
+    if (n < N - N % kGroupRows) {  // in a unit of eight or sixteen (unit_of_group)
+      const GroupUnit unit = unit_of_group(n / kGroupRows, N / kGroupRows);
+      const uint8_t* blk = w + unit.first_row * row_bytes + b * unit.rows * kBytes<T>;
+      const int64_t r = n - unit.first_row;
       const float d = half_at(blk + 2 * r);
-      const __m256i quants = group_row_quants<T>(blk, r);
+      const __m256i quants = group_row_quants<T>(blk, unit.rows, r);
       if constexpr (T == QType::kQ8_0) {
         dequant_values<T>(quants, d, 0.f, out);
       } else {
-        const float offset = T == QType::kQ4_1 ? half_at(blk + 16 + 2 * r) : -8.f * d;
+        const float offset = T == QType::kQ4_1 ? half_at(blk + 2 * (unit.rows + r)) : -8.f * d;
         dequant_values<T>(nibbles(_mm256_castsi256_si128(quants)), d, offset, out);
       }
       return;
@@ -1005,23 +1013,24 @@ at::Tensor repack(const at::Tensor& w) {
   at::Tensor out = at::empty(w.sizes(), w.options().dtype(at::kChar));
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr<int8_t>());
-  // whole groups of eight rows as dot_group reads them (where group_place puts them), the
-  // rest row by row
+  // whole groups of eight rows in the units dot_group and dot_group_pair read
+  // (unit_of_group), the rest row by row
   const int64_t grouped = N - N % kGroupRows;
   at::parallel_for(0, grouped / kGroupRows, 4, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
+    for (int64_t g = g0; g < g1; ++g) {
+      const GroupUnit unit = unit_of_group(g, grouped / kGroupRows);
       for (int64_t b = 0; b < nb; ++b) {
-        const auto [offset, block_step] = group_place(g, grouped / kGroupRows,
-                                                      kGroupRows * nb * B, kGroupRows * B);
-        uint8_t* o = dst + offset + b * block_step;
-        for (int64_t r = 0; r < kGroupRows; ++r) {
-          const uint8_t* blk = src + ((g * kGroupRows + r) * nb + b) * B;
+        uint8_t* o = dst + unit.first_row * nb * B + b * unit.rows * B;
+        for (int64_t n = g * kGroupRows; n < (g + 1) * kGroupRows; ++n) {
+          const uint8_t* blk = src + (n * nb + b) * B;
+          const int64_t r = n - unit.first_row, U = unit.rows;
           std::memcpy(o + 2 * r, blk, 2);  // d
-          if (head == 4) std::memcpy(o + 16 + 2 * r, blk + 2, 2);  // m
+          if (head == 4) std::memcpy(o + 2 * U + 2 * r, blk + 2, 2);  // m
           for (int64_t j = 0; j < quant_bytes / 4; ++j)  // kGroupLoads: 4 (Q4) or 8 (Q8_0)
-            std::memcpy(o + 8 * head + 32 * j + 4 * r, blk + head + 4 * j, 4);
+            std::memcpy(o + head * U + 4 * U * j + 4 * r, blk + head + 4 * j, 4);
         }
       }
+    }
   });
   at::parallel_for(grouped, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
