@@ -777,7 +777,8 @@ inline void dot_group_pair(const uint8_t* unit, int64_t nb, const int8_t* xq, in
       }
     }
     if constexpr (kSplitHigh)
-      for (int m = 0; m < MM; ++m) sum[m] = _mm512_add_epi32(sum[m], _mm512_srai_epi32(sum_high[m], 4));
+      for (int m = 0; m < MM; ++m)
+        sum[m] = _mm512_add_epi32(sum[m], _mm512_srai_epi32(sum_high[m], 4));
     const __m512 mw = T == QType::kQ4_1 ? halves16(blk + 2 * kRows) : _mm512_setzero_ps();
     for (int m = 0; m < MM; ++m) {
       const __m512 dot = _mm512_cvtepi32_ps(sum[m]);
