@@ -44,7 +44,7 @@
 //
 // More rows (batched decode, prefill): compute-bound. Q4_0 / Q4_1 / Q8_0 in a bf16 model stay
 // on the int8 path at every size (int8_rows_limit; up to 64 rows where oneDNN has AMX tiles):
-// dot_group keeps rows of x in registers (8 with VNNI, 4 on AVX2) and adds four u8 x s8
+// dot_group keeps rows of x in registers (8 with VNNI, 5 on AVX2) and adds four u8 x s8
 // products a lane with one vpdpbusd (with VNNI; dot_group_pair: two groups, 16 weight rows, a
 // 512-bit register) or a maddubs into int16 (AVX2), x's rows in tiles of 128 against each
 // thread's groups.
@@ -623,6 +623,19 @@ inline __m256i add_dot4_signed(__m256i sum, __m256i w, __m256i s) {
 #endif
 }
 
+// An empty asm that takes v in a register and gives it back, so that GCC adds each product
+// into its sum where the source does. Without it, on AVX2 (where add_dot4's int16 adds are
+// free to reorder), GCC computed a block's 32 maddubs products for four rows of x first and
+// added them later, most of them kept on the stack: 106 stack accesses in the Q4_1 loop, 1
+// with it. (On the value, not on sum[m]: an asm operand on an array element kept the array
+// in memory.)
+template <typename V>
+inline void keep_in_register(V& v) {
+#if !QUIRE_HAS_VNNI
+  asm("" : "+x"(v));
+#endif
+}
+
 // add_dot4's sums as 8 floats, one a lane
 inline __m256 sums_as_floats(__m256i sum) {
 #if QUIRE_HAS_VNNI
@@ -663,8 +676,11 @@ inline void dot_group(const uint8_t* g, int64_t block_step, int64_t nb, const in
 #else
       for (int j = 0; j < kGroupLoads<T>; ++j) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-        for (int m = 0; m < MM; ++m)
-          sum[m] = add_dot4_signed(sum[m], v, bcast4(xq + m * K + b * kBlock + 4 * j));
+        for (int m = 0; m < MM; ++m) {
+          __m256i s = add_dot4_signed(sum[m], v, bcast4(xq + m * K + b * kBlock + 4 * j));
+          keep_in_register(s);
+          sum[m] = s;
+        }
       }
 #endif
       const __m256 dw = halves8(blk);
@@ -680,8 +696,10 @@ inline void dot_group(const uint8_t* g, int64_t block_step, int64_t nb, const in
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       for (int m = 0; m < MM; ++m) {
         const int8_t* y = xq + m * K + b * kBlock;
-        sum[m] = add_dot4(sum[m], lo, bcast4(y + 4 * j));
-        sum[m] = add_dot4(sum[m], hi, bcast4(y + 16 + 4 * j));
+        __m256i s = add_dot4(sum[m], lo, bcast4(y + 4 * j));
+        s = add_dot4(s, hi, bcast4(y + 16 + 4 * j));
+        keep_in_register(s);
+        sum[m] = s;
       }
     }
     const __m256 dw = halves8(blk);
@@ -809,8 +827,13 @@ inline __m256i group_row_quants(const uint8_t* blk, int64_t U, int64_t r) {
 constexpr int kRowGroup = 4;  // weight rows sharing each load of x's block
 
 // Rows of x whose sums dot_group keeps in registers at once: 8 with AVX-512's 32 vector
-// registers (8 int32 sums + 8 float accumulators + the unpacked weights), else 4 of 16.
-constexpr int kXRowsInRegs = QUIRE_HAS_VNNI ? 8 : 4;
+// registers (8 int32 sums + 8 float accumulators + the unpacked weights), else 5 of 16
+// (5 sums + 5 accumulators + a load's low and high nibbles, the mask, x's broadcast, madd's
+// ones). On a Zen 3 (2 threads, a layer's four Q4_1 linears, scripts/quant_linear_bench.py
+// --variant avx2), 256 rows of x: 122 GMAC/s at 4 rows spilling sums to the stack (before
+// keep_in_register), 153 at 4 rows in registers, 161 at 5 or 6; the Q8_0 logits table 87
+// GMAC/s at 4 or 5 rows, 82 at 6.
+constexpr int kXRowsInRegs = QUIRE_HAS_VNNI ? 8 : 5;
 // Rows of x a tile (the grouped kernel's outer loop): 128 x K int8 bytes (74 KB at K = 576)
 constexpr int64_t kXRowTile = 128;
 
