@@ -79,7 +79,14 @@ void accumulate_rows(const float (*p)[kChunk], const float* alpha, const TV* con
                      int count, int64_t num_rows, int64_t d, float* acc) {
   int64_t r = 0;
   for (; r + 4 <= num_rows; r += 4) accumulate_pv<4>(p + r, alpha + r, vrow, count, d, acc + r * d);
-  for (; r < num_rows; ++r) accumulate_pv<1>(p + r, alpha + r, vrow, count, d, acc + r * d);
+  // the rest in one pass over V (a GQA group of 3 rows, SmolLM2's decode, reads V once, not 3x)
+  float* rest = acc + r * d;
+  switch (num_rows - r) {
+    case 3: accumulate_pv<3>(p + r, alpha + r, vrow, count, d, rest); break;
+    case 2: accumulate_pv<2>(p + r, alpha + r, vrow, count, d, rest); break;
+    case 1: accumulate_pv<1>(p + r, alpha + r, vrow, count, d, rest); break;
+    default: break;
+  }
 }
 
 // Decode: one kv head's `group` rows against keys [pos, pos + count), read in place.
