@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, replace
 from quire.errors import FieldError
 from quire.limits import SAMPLING_RANGES, check_min_tokens, check_n, check_sampling
 from quire.list_limits import check_allowed_token_ids, check_bad_words
-from quire.structured_outputs import (STRUCTURED_OUTPUT_KINDS, check_logit_bias,
-                                      structured_outputs_kind)
+from quire.structured_outputs import (STRUCTURED_OUTPUT_KINDS, STRUCTURED_OUTPUT_OPTIONS,
+                                      check_logit_bias, structured_outputs_kind)
 
 _GREEDY_EPS = 1e-5
 _OPTIONAL = frozenset({"max_tokens", "seed", "logprobs", "prompt_logprobs"})  # None: not set
@@ -62,14 +62,19 @@ class StructuredOutputsParams:
     # vLLM's structural tag: JSON text (or its object) of {"type": "structural_tag",
     # "format": ...} or {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
     structural_tag: str | dict | None = None
+    # vLLM's options: accepted and checked, no effect here (JSON is always compact and strict;
+    # see quire.structured_outputs.STRUCTURED_OUTPUT_OPTIONS)
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         self.spec()  # FieldError naming structured_outputs.<kind> if malformed
 
     def spec(self) -> tuple[str, str]:
         """(kind, canonical text): the key compiled grammars are cached under."""
-        kind, value = structured_outputs_kind(
-            {k: getattr(self, k) for k in STRUCTURED_OUTPUT_KINDS})
+        fields = (*STRUCTURED_OUTPUT_KINDS, *STRUCTURED_OUTPUT_OPTIONS)
+        kind, value = structured_outputs_kind({k: getattr(self, k) for k in fields})
         if kind in ("json", "structural_tag"):
             return kind, json_module.dumps(value, separators=(",", ":"))  # order matters
         if kind == "choice":

@@ -16,6 +16,14 @@ from quire.limits import UINT32_MAX, load_json, shown
 # vLLM's StructuredOutputsParams fields, in the order a spec is described.
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object",
                            "structural_tag")
+# ... and its options beside the kind, accepted so that a vLLM application's request runs
+# unchanged. vLLM's xgrammar backend reads none of them from a request (its server flags
+# decide; whitespace_pattern was outlines'), and none changes the output here either: Quire's
+# JSON never has free whitespace (xgrammar's any_whitespace=False: json.dumps' spacing) and
+# its schemas are xgrammar's strict ones (no properties a schema does not name).
+STRUCTURED_OUTPUT_OPTIONS = {"disable_any_whitespace": bool,
+                             "disable_additional_properties": bool,
+                             "whitespace_pattern": str}
 LOGIT_BIAS_MAX = 100.0  # OpenAI's bound, either sign
 MAX_LOGIT_BIAS_ENTRIES = 1024  # tokens one request may bias
 MAX_CHOICES = 1024
@@ -27,10 +35,15 @@ def structured_outputs_kind(spec: Mapping[str, object], field: str = "structured
     """(kind, value) of the one kind ``spec`` sets (None, False and absent are unset);
     FieldError naming ``field.<kind>`` (or ``field``) otherwise."""
     set_kinds = [k for k in STRUCTURED_OUTPUT_KINDS if spec.get(k) not in (None, False)]
-    unknown = sorted(set(spec) - set(STRUCTURED_OUTPUT_KINDS))
+    unknown = sorted(set(spec) - set(STRUCTURED_OUTPUT_KINDS) - set(STRUCTURED_OUTPUT_OPTIONS))
     if unknown:
         raise FieldError(f"{field}.{unknown[0]}", "unknown structured output kind (one of "
-                         f"{', '.join(STRUCTURED_OUTPUT_KINDS)})")
+                         f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; options: "
+                         f"{', '.join(STRUCTURED_OUTPUT_OPTIONS)})")
+    for option, kind_of in STRUCTURED_OUTPUT_OPTIONS.items():
+        if spec.get(option) is not None and not isinstance(spec[option], kind_of):
+            what = "a boolean" if kind_of is bool else "a string"
+            raise FieldError(f"{field}.{option}", f"must be {what}, got {shown(spec[option])}")
     if len(set_kinds) != 1:
         raise FieldError(field, f"exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} must "
                          f"be set, got {len(set_kinds)}" +

@@ -54,6 +54,7 @@ class RouterServer:
         """``tracing``: where request spans go (None: tracing off; the owner shuts it down)."""
         self.cfg = server
         self.placement = placement
+        self._known_max_model_len: int | None = None  # _max_model_len's last serving answer
         self.keys = ApiKeys(server.keys())
         tokenizer = FastTokenizer.from_dir(server.tokenizer) if server.tokenizer else None
         options = client_options or ClientOptions(
@@ -132,10 +133,14 @@ class RouterServer:
         return identity.tokenizer if identity is not None else None
 
     def _max_model_len(self) -> int | None:
-        """The smallest length limit of the serving engines: what any of them accepts."""
+        """The smallest length limit of the serving engines: what any of them accepts. While
+        none serves, the last one known (None before any engine joined), so the router's own
+        answers (/tokenize, /v1/models) do not wait for an engine to come back."""
         lengths = [c.info.max_model_len for c in self.pool.serving()
                    if c.info is not None]
-        return min(lengths) if lengths else None
+        if lengths:
+            self._known_max_model_len = min(lengths)
+        return self._known_max_model_len
 
     async def start(self) -> int:
         options = [("grpc.max_receive_message_length", self.cfg.max_message_bytes),

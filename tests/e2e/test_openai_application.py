@@ -69,7 +69,14 @@ def test_structured_output_whole_and_streamed(client, model):
                                             response_format=fmt, max_tokens=64, seed=7)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     jsonschema.validate(json.loads(text), READING)
-    # vLLM's extra-body form of the same
+    # vLLM's extra-body form of the same, with an option of vLLM's StructuredOutputsParams
+    # (Quire's JSON never has free whitespace: json.dumps' spacing exactly)
+    result = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=64, seed=11,
+        extra_body={"structured_outputs": {"json": READING, "disable_any_whitespace": True}})
+    text = result.choices[0].message.content
+    assert text == json.dumps(json.loads(text))
+    jsonschema.validate(json.loads(text), READING)
     result = client.chat.completions.create(
         model=model, messages=MESSAGES, max_tokens=16,
         extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
@@ -105,6 +112,45 @@ def test_tool_call_round_trip(client, model):
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
     jsonschema.validate(json.loads(named.choices[0].message.tool_calls[0].function.arguments),
                         WEATHER_TOOL["function"]["parameters"])
+
+
+# What a model following the Hermes tool format writes to call get_weather (the tiny random
+# model never would unprompted, so a regex makes it; under tool_choice "auto" the router only
+# reads the text back, which is what this checks)
+HERMES_CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": '
+               r'\{"city": "(Paris|Rome)"\}\}\n</tool_call>')
+
+
+def test_auto_tool_call_round_trip_whole_and_streamed(client, model):
+    kwargs = dict(model=model, messages=MESSAGES, tools=[WEATHER_TOOL], tool_choice="auto",
+                  max_tokens=64, extra_body={"structured_outputs": {"regex": HERMES_CALL}})
+    first = client.chat.completions.create(**kwargs).choices[0]
+    assert first.finish_reason == "tool_calls" and not first.message.content
+    [call] = first.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    streamed: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:  # accumulated as the openai client documents it
+            for delta in choice.delta.tool_calls or ():
+                entry = streamed.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == \
+        [("get_weather", json.loads(call.function.arguments))]
+    # the tool's result goes back, and the model answers under "auto" again
+    history = MESSAGES + [first.message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id,
+                           "content": json.dumps({"celsius": 21})}]
+    final = client.chat.completions.create(model=model, messages=history, tools=[WEATHER_TOOL],
+                                           tool_choice="auto", max_tokens=8, seed=5)
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    before = client.chat.completions.create(model=model, messages=history[:-1],
+                                            tools=[WEATHER_TOOL], max_tokens=1)
+    assert final.usage.prompt_tokens > before.usage.prompt_tokens  # the result was rendered
 
 
 def test_embeddings(client, model):

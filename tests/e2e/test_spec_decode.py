@@ -6,12 +6,14 @@ and logprobs), drafts are actually accepted, and sampled output is distributed a
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from engine_worker import LLM, SamplingParams
+from engine_worker.sampling_params import StructuredOutputsParams
 from engine_worker.metrics import EngineMetrics
 from engine_worker.spec_decode.speculator import Speculator
 
@@ -247,6 +249,26 @@ def test_seeded_sampling_is_token_identical_with_and_without_drafts(baseline, sp
     before = speculative.engine.stats().scheduler.spec_decoding.num_drafts
     assert _tokens(speculative, params=params) == _tokens(baseline, params=params)
     assert speculative.engine.stats().scheduler.spec_decoding.num_drafts > before
+
+
+def test_a_grammar_request_runs_undrafted_beside_drafting_ones(baseline, speculative):
+    """A request under a grammar gets no drafts (its matcher cannot roll back rejected ones),
+    so its greedy output equals the engine's without speculation; the plain requests of the
+    same steps still draft and accept."""
+    regex = "(ab|cd|ef)( (ab|cd|ef)){2,12}"
+    params = _params()
+    params[1] = SamplingParams(temperature=0, max_tokens=48,
+                               structured_outputs=StructuredOutputsParams(regex=regex))
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    want = baseline.generate(prompts, params, use_tqdm=False)
+    before = speculative.engine.stats().scheduler.spec_decoding
+    got = speculative.generate(prompts, params, use_tqdm=False)
+    after = speculative.engine.stats().scheduler.spec_decoding
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert re.fullmatch(regex, got[1].outputs[0].text), got[1].outputs[0].text
+    assert got[1].outputs[0].finish_reason == "stop"
+    assert after.num_drafts > before.num_drafts
+    assert after.num_accepted_tokens > before.num_accepted_tokens
 
 
 def test_grpc_model_info_and_metrics_report_speculation(tiny_model_dir):

@@ -168,6 +168,25 @@ def test_json_object_regex_and_choice(client):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) in choices
 
 
+def test_sampled_grammar_and_streamed_choice(client):
+    """vLLM's ``grammar`` kind (xgrammar's EBNF) and a streamed ``choice``, 50 samples each."""
+    grammar = 'root ::= num (" + " num){0,3}\nnum ::= [1-9] [0-9]{0,2}'
+    sums = re.compile(r"[1-9][0-9]{0,2}( \+ [1-9][0-9]{0,2}){0,3}")
+    for stream in (False, True):
+        texts = _sampled(client.completions.create, 21, model=MODEL, prompt="A sum: ",
+                         temperature=1.0, max_tokens=40, stream=stream,
+                         extra_body={"structured_outputs": {"grammar": grammar}})
+        texts = texts if stream else [c.text for c in texts]
+        assert all(sums.fullmatch(t) for t in texts), texts
+        assert len(set(texts)) > 1
+    choices = ["positive", "negative", "neutral \"quoted\""]
+    picked = _sampled(client.chat.completions.create, 31, model=MODEL,
+                      messages=[{"role": "user", "content": "Is this good?"}],
+                      temperature=1.0, max_tokens=20, stream=True,
+                      extra_body={"structured_outputs": {"choice": choices}})
+    assert all(text in choices for text in picked), picked
+
+
 def test_vllm_guided_fields(client):
     """vLLM's older names (guided_json / guided_regex / guided_choice) still constrain."""
     schema = SCHEMAS["enum"]

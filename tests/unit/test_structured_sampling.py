@@ -105,6 +105,11 @@ def test_choice_grammar_escapes_quotes_and_backslashes():
     ({"regex": ""}, "structured_outputs.regex"),
     ({"json_object": "yes"}, "structured_outputs.json_object"),
     ({"jsonschema": {}}, "structured_outputs.jsonschema"),
+    ({"regex": "a", "disable_any_whitespace": "yes"}, "structured_outputs.disable_any_whitespace"),
+    ({"regex": "a", "disable_additional_properties": 1},
+     "structured_outputs.disable_additional_properties"),
+    ({"regex": "a", "whitespace_pattern": 3}, "structured_outputs.whitespace_pattern"),
+    ({"disable_any_whitespace": True}, "structured_outputs"),  # an option is not a kind
 ])
 def test_malformed_specs_name_their_field(spec, field):
     with pytest.raises(FieldError) as e:
@@ -113,6 +118,18 @@ def test_malformed_specs_name_their_field(spec, field):
     with pytest.raises(FieldError) as e:
         SamplingParams(structured_outputs=spec)
     assert e.value.field == field
+
+
+def test_vllm_options_are_accepted_beside_the_kind_and_do_not_change_the_grammar():
+    """vLLM's StructuredOutputsParams options (disable_any_whitespace, ...) are taken as it
+    takes them; the compiled grammar is the kind's alone (compact, strict JSON either way)."""
+    plain = StructuredOutputsParams(json={"type": "object"})
+    for options in ({"disable_any_whitespace": True}, {"disable_any_whitespace": False},
+                    {"disable_additional_properties": True}, {"whitespace_pattern": r"[ ]?"}):
+        spec = {"json": {"type": "object"}, **options}
+        assert structured_outputs_kind(spec) == ("json", {"type": "object"})
+        assert StructuredOutputsParams(**spec).spec() == plain.spec()
+        assert SamplingParams(structured_outputs=spec).structured_outputs.spec() == plain.spec()
 
 
 def test_spec_keys_keep_property_order():
