@@ -67,6 +67,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    disable_fallback: bool = False  # older vLLM releases' (one grammar engine here: none)
 
     def __post_init__(self) -> None:
         self.spec()  # FieldError naming structured_outputs.<kind> if malformed

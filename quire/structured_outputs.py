@@ -23,7 +23,8 @@ STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object",
 # its schemas are xgrammar's strict ones (no properties a schema does not name).
 STRUCTURED_OUTPUT_OPTIONS = {"disable_any_whitespace": bool,
                              "disable_additional_properties": bool,
-                             "whitespace_pattern": str}
+                             "whitespace_pattern": str,
+                             "disable_fallback": bool}  # older vLLM releases'; no fallback here
 LOGIT_BIAS_MAX = 100.0  # OpenAI's bound, either sign
 MAX_LOGIT_BIAS_ENTRIES = 1024  # tokens one request may bias
 MAX_CHOICES = 1024

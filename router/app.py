@@ -54,7 +54,6 @@ class RouterServer:
         """``tracing``: where request spans go (None: tracing off; the owner shuts it down)."""
         self.cfg = server
         self.placement = placement
-        self._known_max_model_len: int | None = None  # _max_model_len's last serving answer
         self.keys = ApiKeys(server.keys())
         tokenizer = FastTokenizer.from_dir(server.tokenizer) if server.tokenizer else None
         options = client_options or ClientOptions(
@@ -133,14 +132,21 @@ class RouterServer:
         return identity.tokenizer if identity is not None else None
 
     def _max_model_len(self) -> int | None:
-        """The smallest length limit of the serving engines: what any of them accepts. While
-        none serves, the last one known (None before any engine joined), so the router's own
-        answers (/tokenize, /v1/models) do not wait for an engine to come back."""
+        """The smallest length limit of the serving engines: what any of them accepts."""
         lengths = [c.info.max_model_len for c in self.pool.serving()
                    if c.info is not None]
-        if lengths:
-            self._known_max_model_len = min(lengths)
-        return self._known_max_model_len
+        return min(lengths) if lengths else None
+
+    def _known_max_model_len(self) -> int | None:
+        """The length the router's own answers report (/tokenize, /v1/models), which need no
+        engine: the serving engines' smallest; while none serves, the smallest of the engines
+        the pool still lists, else the last engine admitted (None before any joined)."""
+        value = self._max_model_len()
+        if value is not None:
+            return value
+        lengths = [c.info.max_model_len for c in self.pool.clients.values()
+                   if c.info is not None]
+        return min(lengths) if lengths else self.pool.last_max_model_len
 
     async def start(self) -> int:
         options = [("grpc.max_receive_message_length", self.cfg.max_message_bytes),
@@ -171,7 +177,9 @@ class RouterServer:
                              engine_states=self.pool.engine_states,
                              draining=lambda: self.servicer.draining,
                              tenant_header=self.servicer.admission.table.header,
-                             max_model_len=self._max_model_len, embed=self.servicer.Embed,
+                             max_model_len=self._max_model_len,
+                             known_max_model_len=self._known_max_model_len,
+                             embed=self.servicer.Embed,
                              adapters=self.pool.adapters,
                              resolvable=lambda name: self.adapter_sources.path_for(
                                  name) is not None,

@@ -90,6 +90,9 @@ class FrontSeam:
     tenant_header: str | None = None  # the HTTP header forwarded as the gRPC tenant metadata
     # the smallest max_model_len of the serving engines (None: none serves)
     max_model_len: Callable[[], int | None] = lambda: None
+    # what /tokenize and /v1/models report, which need no engine: the above, else the last
+    # length known (None: no engine has joined yet)
+    known_max_model_len: Callable[[], int | None] = lambda: None
     # the router servicer's Embed(request, context), called in process like ``generate``
     embed: Callable[..., Awaitable] | None = None
     # LoRA: the adapters the serving engines hold (name -> path), and loading / unloading one
@@ -229,8 +232,8 @@ class OpenAIFront:
         except RequestError as e:
             return error_response(e)
         # the context length too, as vLLM lists it (clients size prompts by it)
-        length = {} if self.seam.max_model_len() is None else \
-            {"max_model_len": self.seam.max_model_len()}
+        known = self.seam.known_max_model_len()
+        length = {} if known is None else {"max_model_len": known}
         return web.json_response({"object": "list", "data": [
             # "root" as vLLM's server gives it: clients such as `vllm bench serve` read it
             {"id": name, "object": "model", "created": 0, "owned_by": "quire",
@@ -405,8 +408,10 @@ class OpenAIFront:
             req = TokenizeRequest.from_body(body, self.cfg.max_prompt_chars)
             tokenizer = self.tokenizer
             ids = await self._render.run(approx_chars(body), req.token_ids, tokenizer)
-            return web.json_response(tokenize_response(req, ids, self._max_model_len(),
-                                                       tokenizer))
+            known = self.seam.known_max_model_len()
+            if known is None:
+                raise RequestError("no engine is available yet", None, 503)
+            return web.json_response(tokenize_response(req, ids, known, tokenizer))
         except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
             return self._error(request, e)
 

@@ -145,7 +145,7 @@ _SAMPLING_FIELDS = frozenset({
     "prompt_logprobs", "return_tokens_as_token_ids", "allowed_token_ids",
     "bad_words", "truncate_prompt_tokens", "truncation_side"}) | frozenset({
         "guided_json", "guided_regex", "guided_choice", "guided_grammar"})
-# vLLM's older extra-body names of structured outputs (still read by vLLM, deprecated there):
+# vLLM's older extra-body names of structured outputs (vLLM 0.32 no longer reads them):
 # each is one structured_outputs kind, refused under its own name
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}

@@ -88,6 +88,9 @@ class EnginePool:
         self._approx = ApproximateIndex(approx_index_blocks)
         self._members: dict[str, _Member] = {}
         self.identity: ModelIdentity | None = None
+        # the length limit of the engine admitted last (None: none yet); the router's own
+        # answers (/tokenize, /v1/models) fall back on it while no engine serves
+        self.last_max_model_len: int | None = None
         self._identity_lock = asyncio.Lock()
         self._follower: asyncio.Task | None = None
         self.changed = asyncio.Event()  # set whenever membership or an engine's state changes
@@ -197,6 +200,7 @@ class EnginePool:
             if self.identity is None:
                 self.identity = await self._establish(client, info)
         client.check_identity(self.identity, info)
+        self.last_max_model_len = info.max_model_len
         if (member := self._member(client)) is not None:
             self._new_incarnation(member, info.incarnation_id)
         self._notify()

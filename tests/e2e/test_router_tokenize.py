@@ -243,25 +243,31 @@ def test_chat_top_logprobs_streamed_and_not(router):
             assert err.value.body["param"] == "top_logprobs"
 
 
-def test_tokenize_needs_no_engine(tiny_model_dir):
-    """/tokenize and /detokenize are the router's own: once the pool knows its model, they are
-    answered with every engine gone (a request that asked one would fail or hang)."""
+def test_tokenize_needs_no_engine(tiny_model_dir, engine_tokenizer):
+    """/tokenize and /detokenize are the router's own: once an engine has joined they are
+    answered with every engine gone, even if nothing asked while it served (a request that
+    asked an engine would fail or hang)."""
     from tests.e2e.router_harness import start_engine, wait_for
 
     engine = start_engine(tiny_model_dir, max_model_len=512)
     running = RunningRouter([address(engine)], http_port=0, model_name=MODEL, api_keys=KEY)
     try:
-        body = {"model": MODEL, "messages": MESSAGES, "add_generation_prompt": True}
-        status, before = _post(running, "/tokenize", body)
-        assert status == 200 and before["count"] > 0
         engine.close()
-        assert wait_for(lambda: _post(running, "/v1/completions", {
-            "model": MODEL, "prompt": "hi", "max_tokens": 1})[0] != 200, timeout_s=30)
-        after = _post(running, "/tokenize", body)
-        assert after == (200, before), after
+        assert wait_for(lambda: running.server.engine_states().get("serving", 0) == 0,
+                        timeout_s=30), running.server.engine_states()
+        body = {"model": MODEL, "messages": MESSAGES, "add_generation_prompt": True}
+        status, tokens = _post(running, "/tokenize", body)
+        assert status == 200, tokens
+        rendered = engine_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+        assert tokens["tokens"] == engine_tokenizer.encode(rendered, add_special_tokens=False)
+        assert tokens["max_model_len"] == 512
         status, back = _post(running, "/detokenize", {"model": MODEL,
-                                                      "tokens": before["tokens"]})
-        assert status == 200 and back["prompt"]
+                                                      "tokens": tokens["tokens"]})
+        assert (status, back) == (200, {"prompt": rendered})
+        # a generation needs an engine: a 503 the client may retry, not a stale answer
+        status, error = _post(running, "/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                          "max_tokens": 1})
+        assert status == 503, error
     finally:
         running.close()
         if engine.thread.is_alive():

@@ -251,10 +251,10 @@ def test_seeded_sampling_is_token_identical_with_and_without_drafts(baseline, sp
     assert speculative.engine.stats().scheduler.spec_decoding.num_drafts > before
 
 
-def test_a_grammar_request_runs_undrafted_beside_drafting_ones(baseline, speculative):
-    """A request under a grammar gets no drafts (its matcher cannot roll back rejected ones),
-    so its greedy output equals the engine's without speculation; the plain requests of the
-    same steps still draft and accept."""
+def test_a_grammar_request_beside_drafting_ones_matches_no_speculation(baseline, speculative):
+    """A request under a grammar (which the scheduler gives no drafts: its matcher cannot roll
+    back rejected ones) decodes exactly as without speculation and ends where its grammar
+    does, while the plain requests of the same steps still draft and accept."""
     regex = "(ab|cd|ef)( (ab|cd|ef)){2,12}"
     params = _params()
     params[1] = SamplingParams(temperature=0, max_tokens=48,

@@ -109,6 +109,7 @@ def test_choice_grammar_escapes_quotes_and_backslashes():
     ({"regex": "a", "disable_additional_properties": 1},
      "structured_outputs.disable_additional_properties"),
     ({"regex": "a", "whitespace_pattern": 3}, "structured_outputs.whitespace_pattern"),
+    ({"regex": "a", "disable_fallback": "no"}, "structured_outputs.disable_fallback"),
     ({"disable_any_whitespace": True}, "structured_outputs"),  # an option is not a kind
 ])
 def test_malformed_specs_name_their_field(spec, field):
@@ -125,7 +126,8 @@ def test_vllm_options_are_accepted_beside_the_kind_and_do_not_change_the_grammar
     takes them; the compiled grammar is the kind's alone (compact, strict JSON either way)."""
     plain = StructuredOutputsParams(json={"type": "object"})
     for options in ({"disable_any_whitespace": True}, {"disable_any_whitespace": False},
-                    {"disable_additional_properties": True}, {"whitespace_pattern": r"[ ]?"}):
+                    {"disable_additional_properties": True}, {"whitespace_pattern": r"[ ]?"},
+                    {"disable_fallback": True}):
         spec = {"json": {"type": "object"}, **options}
         assert structured_outputs_kind(spec) == ("json", {"type": "object"})
         assert StructuredOutputsParams(**spec).spec() == plain.spec()
