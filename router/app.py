@@ -139,14 +139,10 @@ class RouterServer:
 
     def _known_max_model_len(self) -> int | None:
         """The length the router's own answers report (/tokenize, /v1/models), which need no
-        engine: the serving engines' smallest; while none serves, the smallest of the engines
-        the pool still lists, else the last engine admitted (None before any joined)."""
+        engine: the serving engines' smallest; while none serves, the last engine admitted's
+        (None before any joined)."""
         value = self._max_model_len()
-        if value is not None:
-            return value
-        lengths = [c.info.max_model_len for c in self.pool.clients.values()
-                   if c.info is not None]
-        return min(lengths) if lengths else self.pool.last_max_model_len
+        return value if value is not None else self.pool.last_max_model_len
 
     async def start(self) -> int:
         options = [("grpc.max_receive_message_length", self.cfg.max_message_bytes),

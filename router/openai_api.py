@@ -408,10 +408,8 @@ class OpenAIFront:
             req = TokenizeRequest.from_body(body, self.cfg.max_prompt_chars)
             tokenizer = self.tokenizer
             ids = await self._render.run(approx_chars(body), req.token_ids, tokenizer)
-            known = self.seam.known_max_model_len()
-            if known is None:
-                raise RequestError("no engine is available yet", None, 503)
-            return web.json_response(tokenize_response(req, ids, known, tokenizer))
+            return web.json_response(tokenize_response(
+                req, ids, self._length(self.seam.known_max_model_len()), tokenizer))
         except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
             return self._error(request, e)
 
@@ -429,8 +427,9 @@ class OpenAIFront:
         except Exception as e:  # noqa: BLE001 - every failure gets a JSON body
             return self._error(request, e)
 
-    def _max_model_len(self) -> int:
-        value = self.seam.max_model_len()
+    @staticmethod
+    def _length(value: int | None) -> int:
+        """A length limit from the seam; 503 while there is none to give."""
         if value is None:
             raise RequestError("no engine is available yet", None, 503)
         return value
@@ -576,7 +575,7 @@ class OpenAIFront:
         placement hashes what the engine runs); echo then repeats what ran."""
         if truncate is None:
             return ids
-        ids, cut = truncate_ids(ids, truncate, self._max_model_len(), reserve)
+        ids, cut = truncate_ids(ids, truncate, self._length(self.seam.max_model_len()), reserve)
         req.cut_now = req.cut_now or cut
         return ids
 
