@@ -70,7 +70,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     before it; from pinned memory a ``non_blocking`` copy is queued in stream order instead.
     On the CPU, ``t`` itself."""
     if device.type != "cuda":
-        return t.to(device)
+        return t if t.device == device else t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
 

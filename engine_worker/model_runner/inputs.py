@@ -37,6 +37,15 @@ def build_step_inputs(states: Sequence, counts: Sequence[int], block_size: int,
                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
     """-> input_ids [num_tokens], positions [num_tokens], metadata, each request's first row.
     ``states`` need ``token_ids``, ``block_ids`` and ``num_computed_tokens``."""
+    if all(n == 1 for n in counts):
+        return decode_step_inputs(states, block_size, device)
+    return mixed_step_inputs(states, counts, block_size, device)
+
+
+def mixed_step_inputs(states: Sequence, counts: Sequence[int], block_size: int,
+                      device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    """``build_step_inputs`` for any step (prefill chunks, drafts, decodes), in numpy."""
     num_seqs = len(states)
     starts = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
@@ -66,3 +75,26 @@ def build_step_inputs(states: Sequence, counts: Sequence[int], block_size: int,
         decode_max_seq_len=int(seq_lens[:num_decodes].max(initial=0)), prefills=prefills,
         query_start_loc=to_dev(starts), seq_lens=to_dev(seq_lens), block_tables=tables_dev)
     return to_dev(ids), to_dev(positions), meta, starts[:-1].tolist()
+
+
+def decode_step_inputs(states: Sequence, block_size: int, device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    """``build_step_inputs`` for a step of one token per request: the same tensors, from
+    Python ints. Inside a decode loop the streamed weights leave every cache cold, and there
+    each torch or numpy call costs tens of microseconds: the mixed path's two dozen took
+    200-300 us for one request, this 110-120 (Zen 4)."""
+    n = len(states)
+    positions = [s.num_computed_tokens for s in states]
+    ids = [s.token_ids[p] for s, p in zip(states, positions)]
+    slots = [s.block_ids[p // block_size] * block_size + p % block_size
+             for s, p in zip(states, positions)]
+    seq_lens = [p + 1 for p in positions]
+    ids_t, positions_t, slots_t, seq_lens_t, starts_t = (
+        to_device(torch.from_numpy(np.array(a, dtype=np.int64)), device)
+        for a in (ids, positions, slots, seq_lens, range(n + 1)))
+    tables = to_device(torch.from_numpy(block_tables(states)), device)
+    meta = AttentionMetadata(
+        slot_mapping=slots_t, num_decode_tokens=n, decode_block_tables=tables.long(),
+        decode_seq_lens=seq_lens_t, decode_max_seq_len=max(seq_lens), prefills=(),
+        query_start_loc=starts_t, seq_lens=seq_lens_t, block_tables=tables)
+    return ids_t, positions_t, meta, list(range(n))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine_worker.backends.base import SamplingKernels
@@ -28,11 +29,13 @@ from engine_worker.grammar import GrammarBitmask
 from engine_worker.lora.manager import LoRAManager
 from engine_worker.model_runner.graphs import CudaGraphDecoder
 from engine_worker.model_runner.inputs import build_step_inputs
-from engine_worker.model_runner.sampling_inputs import build_sampling_metadata
+from engine_worker.model_runner.sampling_inputs import (build_sampling_metadata,
+                                                         changes_with_tokens)
 from engine_worker.platform import to_device, to_host
 from engine_worker.pooler import Pooler
 from engine_worker.pooling_params import PoolingParams
-from engine_worker.sampler import LogprobTensors, draw_uniforms, logprob_tensors, sample_tokens
+from engine_worker.sampler import (LogprobTensors, SamplingMetadata, draw_uniforms,
+                                   logprob_tensors, sample_tokens)
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.spec_decode.rejection_sampler import accepted_tokens
 from engine_worker.step_types import (ForkedRequestData, ModelRunnerOutput, SampledLogprobs,
@@ -106,6 +109,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.requests: dict[str, RunnerRequestState] = {}
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
+        # the last step's sampling rows and their metadata, while it can be reused
+        self._last_sampling: tuple[list, SamplingMetadata] | None = None
 
     # ------------------------------------------------------------------ state updates
     def _apply_diffs(self, out: SchedulerOutput) -> None:
@@ -216,20 +221,38 @@ class ModelRunner:
                 # the samples of one prompt share its logits
                 logit_rows.extend(range(first_row, first_row + len(draft) + 1))
         row_starts.append(len(row_views))
-        logits = self.model.compute_logits(hidden[self._index(hidden_rows)])
+        if hidden_rows != list(range(hidden.shape[0])):  # (a decode step samples every row)
+            hidden = hidden[self._index(hidden_rows)]
+        logits = self.model.compute_logits(hidden)
         if len(logit_rows) != len(hidden_rows):
             logits = logits[self._index(logit_rows)]
         bitmask = None
         if grammar_bitmask is not None:
             bitmask = grammar_bitmask.rows_for(mask_keys)
-        meta = build_sampling_metadata(row_views, self.vocab_size, self.eos_token_ids,
-                                       self.device, token_bitmask=bitmask)
+        meta = self._sampling_metadata(row_views, bitmask)
         rewinds = {j: (s.generator, s.generator.get_state(), meta.rounds.num_uniforms)
                    for j, (s, d) in enumerate(zip(picked, drafts))
                    if d and s.generator is not None and not s.params.is_greedy}
         uniforms = draw_uniforms(logits, meta, self.default_generator)
         token_ids, logprobs = sample_tokens(logits, meta, uniforms, self.sampling_kernels)
         return _DeviceSamples(picked, row_starts, drafts, token_ids, logprobs, rewinds)
+
+    def _sampling_metadata(self, rows: list, bitmask: np.ndarray | None) -> SamplingMetadata:
+        """The sampler's tensors for ``rows``. A step of the same rows as the last one, none
+        of whose sampling changes with its tokens (no penalties, bad words, min_tokens ban or
+        grammar), reuses the last step's, as vLLM's persistent batch keeps them: a decode step
+        then builds none (where the streamed weights leave every cache cold, building them
+        costs 80-100 us a step)."""
+        last = self._last_sampling
+        if bitmask is None and last is not None and len(last[0]) == len(rows) \
+                and all(a is b for a, b in zip(last[0], rows)):
+            return last[1]
+        meta = build_sampling_metadata(rows, self.vocab_size, self.eos_token_ids, self.device,
+                                       token_bitmask=bitmask)
+        # (the rows are held, so that no other object can take one's place at its address)
+        keep = bitmask is None and not any(map(changes_with_tokens, rows))
+        self._last_sampling = (rows, meta) if keep else None
+        return meta
 
     def _rewind(self, generator: torch.Generator, state: torch.Tensor, num_uniforms: int,
                 num_tokens: int) -> None:

@@ -43,6 +43,15 @@ def _bad_word_bans(words, token_ids, num_prompt_tokens: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
+def changes_with_tokens(state) -> bool:
+    """Whether a row's sampling metadata may differ from one step to the next as its tokens
+    grow: penalties (counts of the tokens), bad words (the latest tokens) and a min_tokens
+    ban not yet lifted. Everything else in it is fixed by the request's parameters."""
+    p = state.params
+    return p.uses_penalties or bool(p.bad_words_token_ids) or \
+        len(state.token_ids) - state.num_prompt_tokens < p.min_tokens
+
+
 def build_sampling_metadata(states, vocab_size: int, eos_token_ids: frozenset[int],
                             device: torch.device, token_bitmask: np.ndarray | None = None
                             ) -> SamplingMetadata:
