@@ -260,15 +260,16 @@ LORA_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 def _one_call_layers(ops: Any, stack: LlamaStack, weights: list[torch.Tensor],
                      biases: list[torch.Tensor | None], activation_dtype: torch.dtype,
                      model_dtype: torch.dtype) -> LayersFn:
-    return OneCallLayers(ops, stack, weights, biases, activation_dtype,
-                         stack.rope_cos.float(), stack.rope_sin.float(), model_dtype)
+    held = getattr(torch.classes, ops.name).LlamaStackWeights(weights, biases)
+    return OneCallLayers(ops, stack, held, activation_dtype, stack.rope_cos.float(),
+                         stack.rope_sin.float(), model_dtype)
 
 
 @dataclass(frozen=True, slots=True)
 class OneCallLayers:
-    """The decoder layers as one ``ops.llama_layers`` call a step over these weight lists (ten
-    tensors and four biases a layer), the residual stream in ``activation_dtype``, the model's
-    own dtype on the way in and out (``model_dtype``: a bf16 model's quantized linears take
+    """The decoder layers as one ``ops.llama_layers`` call a step over ``weights`` (the ops'
+    ``LlamaStackWeights``: ten tensors and four biases a layer, handed to C++ once), the
+    residual stream in ``activation_dtype``, the model's own dtype on the way in and out (``model_dtype``: a bf16 model's quantized linears take
     the int8 kernel past the decode rows even where the activations are fp32, the AVX2 set's
     stack; csrc/cpu/quant_linear.cpp). It runs LoRA steps too (``takes_lora``), the adapters'
     deltas applied inside the call after each linear, from slots in ``activation_dtype`` in
@@ -276,8 +277,7 @@ class OneCallLayers:
 
     ops: Any
     stack: LlamaStack
-    weights: list[torch.Tensor]
-    biases: list[torch.Tensor | None]
+    weights: Any
     activation_dtype: torch.dtype
     cos: torch.Tensor
     sin: torch.Tensor
@@ -303,14 +303,17 @@ class OneCallLayers:
                             for w in (a[p], b[p])]
             lora_slots = lora.groups.token_slots
         tp = stack.tp_all_reduce
+        dtype = x.dtype  # (a dtype test costs less than a no-op .to() where caches are cold)
+        if dtype != self.activation_dtype or not x.is_contiguous():
+            x = x.to(self.activation_dtype).contiguous()
         out = self.ops.llama_layers(
-            x.to(self.activation_dtype).contiguous(), positions, self.cos, self.sin,
-            self.weights, self.biases, kv_caches, meta.slot_mapping, meta.block_tables,
-            meta.query_start_loc, meta.seq_lens, stack.rms_norm_eps, stack.attention_scale,
-            stack.num_heads, stack.num_kv_heads, lora_weights, lora_slots, attention_ns,
+            x, positions, self.cos, self.sin, self.weights, kv_caches, meta.slot_mapping,
+            meta.block_tables, meta.query_start_loc, meta.seq_lens, stack.rms_norm_eps,
+            stack.attention_scale, stack.num_heads, stack.num_kv_heads, lora_weights,
+            lora_slots, attention_ns,
             None if tp is None else tp.segment, None if tp is None else tp.state,
             self.model_dtype)
-        return out.to(x.dtype)
+        return out if out.dtype == dtype else out.to(dtype)
 
 
 class CpuPagedAttentionBackend:
