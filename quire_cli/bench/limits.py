@@ -16,6 +16,7 @@ FLOPs left out: small at these lengths).
 from __future__ import annotations
 
 import time
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -79,15 +80,37 @@ def measure_limits(device: torch.device | str, *, copy_bytes: int | None = None,
     return MachineLimits(str(device), bandwidth, tflops)
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _decode_form(packed: Any) -> torch.Tensor | None:
+    """The layout a decode step's few-rows kernel streams where a backend packed one of its own
+    (the AVX-512 set's ``skinny``: bf16 exponent-coded to 12 bits a weight where a row allows);
+    None where it streams the weight as loaded."""
+    skinny = getattr(packed, "skinny", None)
+    return skinny if isinstance(skinny, torch.Tensor) and skinny.numel() else None
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters (a tied embedding counted once): what one decode step
-    streams. Where the logits stream another form of a tied embedding (a GGUF's blocks,
-    ``tied_logits_weight``), that form counts instead: the float table is only looked up."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    tied = getattr(model, "tied_logits_weight", None)
-    if tied is not None:
+    """What one decode step streams: the model's parameters (a tied embedding counted once),
+    each linear weight in the form its few-rows kernel reads where the backend packed one
+    (the exponent-coded bf16 of the AVX-512 set is three quarters of the bf16 weight). Where the
+    logits stream another form of a tied embedding (a GGUF's blocks, ``tied_logits_weight``,
+    or the packed table), that form counts instead: the float table is only looked up."""
+    from engine_worker.layers.linear import Linear
+
+    total = sum(_nbytes(p) for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, Linear) and (form := _decode_form(module.packed)) is not None:
+            total += _nbytes(form) - _nbytes(module.weight)
+    if getattr(model, "lm_head", 0) is None:  # tied: the logits read another form of the table
         table = model.embed_tokens.weight
-        total += tied.numel() * tied.element_size() - table.numel() * table.element_size()
+        tied = getattr(model, "tied_logits_weight", None)
+        form = _decode_form(getattr(model, "logits_packed", None))
+        streamed = tied if tied is not None else form
+        if streamed is not None:
+            total += _nbytes(streamed) - _nbytes(table)
     return total
 
 

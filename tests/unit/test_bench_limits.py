@@ -33,3 +33,26 @@ def test_weights_are_counted_once_when_tied():
     head.weight = emb.weight
     model = torch.nn.ModuleDict({"emb": emb, "head": head})
     assert num_parameters(model) == 40 and weight_bytes(model) == 80
+
+
+def test_a_step_streams_the_packed_decode_form_where_a_backend_has_one():
+    """The AVX-512 set streams bf16 weights exponent-coded (12 bits a weight) at decode: a
+    step's bytes are those, not the bf16 parameters' (a tied table: its packed form once)."""
+    from engine_worker.backends.cpu_linear import CpuPackedWeight
+    from engine_worker.layers.linear import Linear
+
+    def linear(n: int, k: int, coded: bool) -> Linear:
+        lin = Linear(k, n, False, kernel=None, pack=None).to(torch.bfloat16)
+        skinny = torch.zeros(n * k * 3 // 2, dtype=torch.uint8) if coded else None
+        lin.packed = CpuPackedWeight(onednn=None, skinny=skinny)
+        return lin
+
+    model = torch.nn.Module()
+    model.proj = linear(64, 32, coded=True)  # 4096 bytes of bf16, 3072 streamed
+    model.plain = linear(64, 32, coded=False)  # no decode form: its 4096 bytes
+    model.embed_tokens = torch.nn.Embedding(100, 32).to(torch.bfloat16)  # 6400 bytes
+    model.lm_head = None  # tied: the logits stream the table's packed form
+    model.logits_packed = CpuPackedWeight(onednn=None, skinny=torch.zeros(4800, dtype=torch.uint8))
+    assert weight_bytes(model) == 3072 + 4096 + 4800
+    model.logits_packed = CpuPackedWeight(onednn=None, skinny=None)  # the table as loaded
+    assert weight_bytes(model) == 3072 + 4096 + 6400
