@@ -276,11 +276,12 @@ void prefetch_kv(const at::Tensor& kv_cache, const at::Tensor& block_tables,
 // and residual_mlp, exactly as the per-layer path runs them, with no Python between layers.
 // `stack` (LlamaStackWeights) holds kWeightsPerLayer weights a layer, in this order: input
 // norm, QKV (few, many), o_proj (few, many), post-attention norm, gate/up (few, many), down
-// (few, many); and four biases a layer: QKV, o_proj, gate/up, down. Given `attention_ns` (int64 [1]), the time spent
-// in the cache writes and attention is added to it, for the step profiler. With LoRA,
-// `lora_weights` holds eight tensors a layer: A then B (lora.cpp's layouts) of QKV, o_proj,
-// gate/up and down, in the activations' dtype, and `lora_slots` each token's slot (int64
-// [tokens], 0: the base model); QKV's ranks split in three slices (q, k, v), gate/up's in two.
+// (few, many); and four biases a layer: QKV, o_proj, gate/up, down. Given `attention_ns`
+// (int64 [1]), the time spent in the cache writes and attention is added to it, for the step
+// profiler. With LoRA, `lora_weights` holds eight tensors a layer: A then B (lora.cpp's
+// layouts) of QKV, o_proj, gate/up and down, in the activations' dtype, and `lora_slots` each
+// token's slot (int64 [tokens], 0: the base model); QKV's ranks split in three slices (q, k,
+// v), gate/up's in two.
 // Under tensor parallelism (`tp_segment` and `tp_state`: shm_all_reduce.cpp's group) the
 // weights are this rank's shard and o_proj's and down's partial outputs are summed over the
 // group's ranks in shared memory, where the per-layer path calls its all-reduce.

@@ -272,9 +272,10 @@ def _one_call_layers(ops: Any, stack: LlamaStack, weights: list[torch.Tensor],
 class OneCallLayers:
     """The decoder layers as one ``ops.llama_layers`` call a step over ``weights`` (the ops'
     ``LlamaStackWeights``: ten tensors and four biases a layer, handed to C++ once), the
-    residual stream in ``activation_dtype``, the model's own dtype on the way in and out (``model_dtype``: a bf16 model's quantized linears take
-    the int8 kernel past the decode rows even where the activations are fp32, the AVX2 set's
-    stack; csrc/cpu/quant_linear.cpp). It runs LoRA steps too (``takes_lora``), the adapters'
+    residual stream in ``activation_dtype``, the model's own dtype on the way in and out
+    (``model_dtype``: a bf16 model's quantized linears take the int8 kernel past the decode
+    rows even where the activations are fp32, the AVX2 set's stack;
+    csrc/cpu/quant_linear.cpp). It runs LoRA steps too (``takes_lora``), the adapters'
     deltas applied inside the call after each linear, from slots in ``activation_dtype`` in
     the CPU kernels' layout (``lora_dtype``: what the engine allocates them in)."""
 
@@ -314,9 +315,8 @@ class OneCallLayers:
             x, positions, self.cos, self.sin, self.weights, kv_caches, meta.slot_mapping,
             meta.block_tables, meta.query_start_loc, meta.seq_lens, stack.rms_norm_eps,
             stack.attention_scale, stack.num_heads, stack.num_kv_heads, lora_weights,
-            lora_slots, attention_ns,
-            None if tp is None else tp.segment, None if tp is None else tp.state,
-            self.model_dtype)
+            lora_slots, attention_ns, None if tp is None else tp.segment,
+            None if tp is None else tp.state, self.model_dtype)
         return out if out.dtype == dtype else out.to(dtype)
 
 

@@ -82,7 +82,7 @@ def decode_step_inputs(states: Sequence, block_size: int, device: torch.device
     """``build_step_inputs`` for a step of one token per request: the same tensors, from
     Python ints. Inside a decode loop the streamed weights leave every cache cold, and there
     each torch or numpy call costs tens of microseconds: the mixed path's two dozen took
-    200-300 us for one request, this 110-120 (Zen 4)."""
+    200-300 us for one request, this 75-140 (Zen 4)."""
     n = len(states)
     positions = [s.num_computed_tokens for s in states]
     ids = [s.token_ids[p] for s, p in zip(states, positions)]

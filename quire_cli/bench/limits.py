@@ -16,8 +16,8 @@ FLOPs left out: small at these lengths).
 from __future__ import annotations
 
 import time
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
