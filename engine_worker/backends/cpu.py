@@ -264,7 +264,7 @@ def _one_call_layers(ops: Any, stack: LlamaStack, weights: list[torch.Tensor],
     # the op's C++ entry, without torch.ops' Python-side search of every argument for a fake
     # script object (done for an op that takes a class, as this one: 20 us a call, 70 where
     # the caches are cold); nothing here runs under torch.compile or export, which need it
-    return OneCallLayers(ops, ops.llama_layers.default._op, stack, held, activation_dtype,
+    return OneCallLayers(ops.llama_layers.default._op, stack, held, activation_dtype,
                          stack.rope_cos.float(), stack.rope_sin.float(), model_dtype)
 
 
@@ -279,7 +279,6 @@ class OneCallLayers:
     deltas applied inside the call after each linear, from slots in ``activation_dtype`` in
     the CPU kernels' layout (``lora_dtype``: what the engine allocates them in)."""
 
-    ops: Any
     llama_layers: Any  # ops.llama_layers' C++ entry
     stack: LlamaStack
     weights: Any

@@ -104,7 +104,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, Linear) and (form := _decode_form(module.packed)) is not None:
             total += _nbytes(form) - _nbytes(module.weight)
-    if getattr(model, "lm_head", 0) is None:  # tied: the logits read another form of the table
+    if hasattr(model, "lm_head") and model.lm_head is None:  # tied: logits read the table
         table = model.embed_tokens.weight
         tied = getattr(model, "tied_logits_weight", None)
         form = _decode_form(getattr(model, "logits_packed", None))
