@@ -32,16 +32,18 @@ def adapter_root(tiny_model_dir, tmp_path_factory):
 @pytest.fixture
 def fleet(tiny_model_dir, adapter_root):
     """``fleet(order0, order1)``: two engines registering the adapters in those orders (the
-    last one stays loaded) and a router over them; the engines in that order."""
+    last one stays loaded) and a router over them (``placement``: its options); the engines
+    in that order."""
     made = []
 
-    def make(*orders: str):
+    def make(*orders: str, **placement):
         engines = [start_engine(tiny_model_dir, kernels="torch", enable_lora=True, max_loras=1,
                                 max_cpu_loras=1, max_lora_rank=8,
                                 lora_modules=" ".join(f"{n}={adapter_root / n}" for n in order))
                    for order in orders]
         made.extend(engines)
-        router = RunningRouter([address(e) for e in engines])
+        router = RunningRouter([address(e) for e in engines],
+                               placement={"reconnect_max_backoff_s": 0.5, **placement})
         made.append(router)
         return engines, router
 
@@ -71,8 +73,12 @@ def _reported(router, engine, field: str) -> list[str]:
 
 
 def test_prefers_the_engine_holding_the_adapter(fleet):
-    # registered on both; held in host memory: "a" by one engine, "b" by the other
-    (e0, e1), router = fleet("bca", "acb")
+    # registered on both; held in host memory: "a" by one engine, "b" by the other. A read of
+    # these tiny adapters takes ~3 ms, priced at the 0.05 s floor: within what the engines'
+    # measured rates differ by on a loaded machine (one engine's first LoRA request ran
+    # 0.15 s slower in a CI run), which is not what this test is about. A read priced at 1 s
+    # (a large adapter from network storage) leaves the adapter the only difference.
+    (e0, e1), router = fleet("bca", "acb", lora_load_s=1.0)
     wanted = {address(e0): "a", address(e1): "b"}
     orders = {address(e): e for e in (e0, e1)}
     holder = {}
