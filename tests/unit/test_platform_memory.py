@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_worker.platform import HUGE_PAGE_BYTES, allocate_zeroed, to_huge_pages
+from engine_worker.platform import (HUGE_PAGE_BYTES, SMALL_REGION_BYTES, SmallRegions,
+                                     allocate_zeroed, to_huge_pages)
 
 CPU = torch.device("cpu")
 
@@ -36,10 +37,36 @@ def test_allocations_do_not_share_memory():
 
 
 def test_to_huge_pages_copies():
-    src = torch.randn(300, 64).bfloat16()
+    src = torch.randn(1200, 1024).bfloat16()  # 2.3 MiB: a mapping of its own
     out = to_huge_pages(src)
     assert torch.equal(out, src) and out.data_ptr() != src.data_ptr()
     assert out.data_ptr() % HUGE_PAGE_BYTES == 0
+
+
+def test_small_copies_share_huge_pages_and_keep_their_own_bytes():
+    # weights under a huge page are packed one after another in a shared region, so that each
+    # does not hold a 2 MiB page of its own once touched
+    srcs = [torch.randn(n, 64).bfloat16() for n in (300, 7, 1000)] + \
+        [torch.arange(33, dtype=torch.uint8)]
+    outs = [to_huge_pages(s) for s in srcs]
+    for src, out in zip(srcs, outs):
+        assert torch.equal(out, src) and out.dtype == src.dtype and out.is_contiguous()
+        assert out.data_ptr() % 64 == 0
+    outs[0].fill_(0)
+    assert all(torch.equal(o, s) for o, s in zip(outs[1:], srcs[1:]))
+
+
+def test_small_regions_pack_back_to_back_and_open_a_new_region_when_full():
+    regions = SmallRegions()
+    a, b, c = regions.take(100), regions.take(1000), regions.take(64)
+    assert a.data_ptr() % HUGE_PAGE_BYTES == 0  # a region starts on a huge page
+    assert b.data_ptr() == a.data_ptr() + 128 and c.data_ptr() == b.data_ptr() + 1024
+    big = regions.take(SMALL_REGION_BYTES - 1000)  # does not fit after c: a new region
+    assert big.data_ptr() % HUGE_PAGE_BYTES == 0 and big.numel() == SMALL_REGION_BYTES - 1000
+    d = regions.take(200)
+    assert d.data_ptr() == big.data_ptr() + SMALL_REGION_BYTES - 960
+    a.fill_(1)
+    assert not b.any() and not c.any()
 
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
