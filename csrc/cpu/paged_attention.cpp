@@ -146,10 +146,14 @@ void widen_chunk(const TKV* const* krow, const TKV* const* vrow, int count, int6
 
 // One work item: for each kv head in [kv_begin, kv_end), rows = (query position, head of its
 // group), positions ascending.
+// A split item (it.part >= 0) leaves its rows' running max, sum and unnormalized accumulator
+// in parts (merge_parts) instead of writing out.
 template <typename TQ, typename TKV>
 void attend_item(const Item& it, const TQ* q, TQ* out, const Layout<TKV>& lay,
-                 const int32_t* table, int64_t num_heads, int64_t first_pos, float scale) {
-  if (attend_item_native(it, q, out, lay, table, num_heads, first_pos, scale)) return;
+                 const int32_t* table, int64_t num_heads, int64_t first_pos, float scale,
+                 float* parts) {
+  if (it.part < 0 && attend_item_native(it, q, out, lay, table, num_heads, first_pos, scale))
+    return;
   alignas(64) static const TKV zeros[kMaxHeadDim] = {};
   const int64_t d = lay.head_dim;
   const int64_t group = num_heads / lay.num_kv_heads;
@@ -187,8 +191,10 @@ void attend_item(const Item& it, const TQ* q, TQ* out, const Layout<TKV>& lay,
   const TKV* vrow[kChunk];
   const float* vf_rows[kChunk];
   for (int j = 0; j < kChunk; ++j) vf_rows[j] = vf + j * d;
-  for (int64_t pos = 0; pos <= last_pos; pos += kChunk) {
-    const int count = int(std::min<int64_t>(kChunk, last_pos + 1 - pos));
+  // the keys this item sees: all up to last_pos, or its split's
+  const int64_t key_last = it.key_end < 0 ? last_pos : std::min(last_pos, it.key_end - 1);
+  for (int64_t pos = it.key_begin; pos <= key_last; pos += kChunk) {
+    const int count = int(std::min<int64_t>(kChunk, key_last + 1 - pos));
     for (int64_t h = 0; h < num_kv; ++h) {
       const int64_t kv_head = it.kv_begin + h;
       for (int j = 0; j < kChunk; ++j) {  // keys past `count` read as zeros: finite scores
@@ -209,6 +215,13 @@ void attend_item(const Item& it, const TQ* q, TQ* out, const Layout<TKV>& lay,
         prefill_rows<1>(heads[h], r, kT, vf_rows, count, pos, first_pos, group, d);
     }
   }
+  if (it.part >= 0) {  // a split: one kv head, one position (make_items)
+    float* dst = parts + it.part * num_rows * (d + 2);
+    std::copy(heads[0].acc, heads[0].acc + num_rows * d, dst);
+    std::copy(heads[0].m, heads[0].m + num_rows, dst + num_rows * d);
+    std::copy(heads[0].l, heads[0].l + num_rows, dst + num_rows * (d + 1));
+    return;
+  }
   for (int64_t h = 0; h < num_kv; ++h) {
     for (int64_t r = 0; r < num_rows; ++r) {
       const int64_t i = r / group, head = (it.kv_begin + h) * group + r % group;
@@ -221,22 +234,59 @@ void attend_item(const Item& it, const TQ* q, TQ* out, const Layout<TKV>& lay,
 
 // From this many keys on, a lone decode's kv heads go to separate items (threads).
 constexpr int64_t kSplitDecodeKeys = 128;
+// ... and where its kv heads alone are too few to share out evenly (SmolLM2's 3 over 2
+// threads: one thread took two, the other one and then waited), each kv head's keys are split
+// into parts of at least this many, merged after (flash-decoding's split-K).
+constexpr int64_t kMinSplitKeys = 64;
 
+// The splits of one (decode, kv head): parts [first_part, first_part + num_parts), merged
+// into query row `row`'s heads of kv head `kv_head`.
+struct Merge {
+  int64_t row, kv_head, first_part, num_parts;
+};
+
+// split_keys: whether a decode's kv heads may be split over their keys (the fp32 path; an
+// instruction set's own decode kernel walks every key of an item: native_decode).
 std::vector<Item> make_items(const int64_t* query_start_loc, const int64_t* seq_lens,
                              int64_t num_seqs, int64_t num_kv_heads, int64_t num_threads,
-                             int64_t prefill_tile) {
+                             int64_t prefill_tile, bool split_keys, std::vector<Merge>& merges) {
   std::vector<Item> items;
   // A decode is one item for all its kv heads (their rows sit side by side in each slot: one
   // sweep reads them all), unless too few decodes keep the threads busy and its context is
-  // long enough to be worth splitting: then one item per kv head.
-  int64_t num_decodes = 0;
+  // long enough to be worth splitting: then one item per kv head, and where that is still
+  // fewer than two items a thread, each kv head's keys in parts.
+  int64_t num_decodes = 0, num_long = 0;
   for (int64_t b = 0; b < num_seqs; ++b)
     num_decodes += query_start_loc[b + 1] - query_start_loc[b] == 1;
   const bool few_decodes = num_threads > 1 && num_decodes < 2 * num_threads;
+  for (int64_t b = 0; b < num_seqs; ++b)
+    num_long += query_start_loc[b + 1] - query_start_loc[b] == 1 &&
+                seq_lens[b] >= kSplitDecodeKeys;
+  int64_t num_parts = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t begin = query_start_loc[b], end = query_start_loc[b + 1];
     if (end - begin == 1) {
-      const int64_t per_item = few_decodes && seq_lens[b] >= kSplitDecodeKeys ? 1 : num_kv_heads;
+      const bool split = few_decodes && seq_lens[b] >= kSplitDecodeKeys;
+      const int64_t per_item = split ? 1 : num_kv_heads;
+      // parts a kv head: enough for two items a thread over the long decodes' kv heads
+      const int64_t want = (2 * num_threads + num_kv_heads * num_long - 1) /
+                           std::max<int64_t>(num_kv_heads * num_long, 1);
+      const int64_t splits =
+          split && split_keys ? std::clamp<int64_t>(want, 1, seq_lens[b] / kMinSplitKeys) : 1;
+      if (splits > 1) {
+        // parts of whole chunks of keys, the last one the rest
+        const int64_t step = (seq_lens[b] + splits - 1) / splits;
+        const int64_t part_keys = (step + kChunk - 1) / kChunk * kChunk;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          const int64_t first = num_parts;
+          for (int64_t k0 = 0; k0 < seq_lens[b]; k0 += part_keys) {
+            const int64_t k1 = std::min(seq_lens[b], k0 + part_keys);
+            items.push_back({b, h, h + 1, begin, end, k1 - k0, k0, k1, num_parts++});
+          }
+          merges.push_back({begin, h, first, num_parts - first});
+        }
+        continue;
+      }
       for (int64_t h = 0; h < num_kv_heads; h += per_item)
         items.push_back({b, h, std::min(h + per_item, num_kv_heads), begin, end,
                          seq_lens[b] * per_item});
@@ -254,6 +304,36 @@ std::vector<Item> make_items(const int64_t* query_start_loc, const int64_t* seq_
   return items;
 }
 
+// Each split decode's output from its parts: per row, the parts' sums and accumulators scaled
+// to their common max (exp(m_s - M)), then divided by the summed sum.
+template <typename TQ>
+void merge_parts(const std::vector<Merge>& merges, const float* parts, TQ* out,
+                 int64_t num_heads, int64_t group, int64_t d) {
+  const int64_t part_floats = group * (d + 2);
+  for (const Merge& mg : merges) {
+    for (int64_t r = 0; r < group; ++r) {
+      float m = kNegInf;
+      for (int64_t s = 0; s < mg.num_parts; ++s)
+        m = std::max(m, parts[(mg.first_part + s) * part_floats + group * d + r]);
+      alignas(64) float acc[kMaxHeadDim] = {};
+      float l = 0.f;
+      for (int64_t s = 0; s < mg.num_parts; ++s) {
+        const float* part = parts + (mg.first_part + s) * part_floats;
+        const float ms = part[group * d + r], ls = part[group * (d + 1) + r];
+        if (ls == 0.f) continue;  // (a part always sees keys; kept safe)
+        const float f = std::exp(ms - m);
+        l += ls * f;
+        const Vec fv = Vec::broadcast(f);
+        for (int64_t c = 0; c < d; c += W)
+          simd::fma(fv, Vec::load(part + r * d + c), Vec::load(acc + c)).store(acc + c);
+      }
+      const Vec inv = Vec::broadcast(1.f / l);
+      TQ* dst = out + (mg.row * num_heads + mg.kv_head * group + r) * d;
+      for (int64_t c = 0; c < d; c += W) (Vec::load(acc + c) * inv).store(dst + c);
+    }
+  }
+}
+
 template <typename TQ, typename TKV>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
          const at::Tensor& block_tables, const at::Tensor& query_start_loc,
@@ -268,11 +348,17 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t table_stride = block_tables.size(1);
+  const int64_t group = num_heads / lay.num_kv_heads;
+  std::vector<Merge> merges;
   const std::vector<Item> items =
       make_items(qsl, lens, seq_lens.size(0), lay.num_kv_heads, at::get_num_threads(),
                  std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TKV, at::BFloat16>
                      ? prefill_positions_per_item(lay.head_dim, kPrefillTile)
-                     : kPrefillTile);
+                     : kPrefillTile,
+                 !native_decode<TQ, TKV>(lay.head_dim, group), merges);
+  int64_t num_parts = 0;
+  for (const Merge& mg : merges) num_parts += mg.num_parts;
+  std::vector<float> parts(num_parts * group * (lay.head_dim + 2));
   const TQ* qp = q.data_ptr<TQ>();
   TQ* op = out.data_ptr<TQ>();
   const int64_t num_items = int64_t(items.size());
@@ -281,7 +367,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
     const int64_t query_len = qsl[it.seq + 1] - qsl[it.seq];
     const int64_t first_pos = lens[it.seq] - query_len + (it.row_begin - qsl[it.seq]);
     attend_item<TQ, TKV>(it, qp, op, lay, tables + it.seq * table_stride, num_heads, first_pos,
-                         float(scale));
+                         float(scale), parts.data());
   };
   if (num_items == 1) {  // one short decode: no team to wake for it
     attend(0);
@@ -289,6 +375,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
   }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
   for (int64_t k = 0; k < num_items; ++k) attend(k);
+  merge_parts(merges, parts.data(), op, num_heads, group, lay.head_dim);
 }
 
 void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,

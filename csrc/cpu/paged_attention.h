@@ -11,6 +11,9 @@ constexpr int kChunk = 16;  // keys per chunk of the fp32 path: what <isa>/atten
 constexpr int64_t kMaxHeadDim = 512;
 
 // One work item: kv heads [kv_begin, kv_end) of one sequence, query rows [row_begin, row_end).
+// A lone decode's kv head may be split over its keys (paged_attention.cpp, make_items): the
+// item then sees keys [key_begin, key_end) only and leaves its softmax state in part `part`
+// of the step's scratch, merged once every split is done.
 struct Item {
   int64_t seq;
   int64_t kv_begin;
@@ -18,6 +21,9 @@ struct Item {
   int64_t row_begin;  // first query row of the tile (global token index)
   int64_t row_end;
   int64_t cost;  // rows times the keys the last of them sees: its work, roughly
+  int64_t key_begin = 0;
+  int64_t key_end = -1;  // -1: every key the rows see
+  int64_t part = -1;     // -1: the item writes its rows' output itself
 };
 
 template <typename TKV>

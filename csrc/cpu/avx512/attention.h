@@ -89,9 +89,18 @@ inline bool attention_tiles(std::optional<bool> want) {
 #endif
 }
 
+// Whether attend_item_native takes a decode of these dtypes and shape (its conditions below):
+// then make_items never splits a kv head over its keys (the native kernel walks them all).
+template <typename TQ, typename TKV>
+bool native_decode(int64_t head_dim, int64_t group) {
+  return std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TKV, at::BFloat16> &&
+         head_dim % 32 == 0 && head_dim <= 256 && group <= decode_bf16::kMaxGroup;
+}
+
 // The bf16 kernels for a whole work item (bf16 queries and cache, head_dim a multiple of 32 up
 // to 256, at most 16 query heads per kv head); false where they do not apply, leaving the
 // item to the fp32 path.
+
 template <typename TQ, typename TKV>
 bool attend_item_native(const Item& it, const TQ* q, TQ* out, const Layout<TKV>& lay,
                         const int32_t* table, int64_t num_heads, int64_t first_pos,

@@ -11,6 +11,7 @@ layers are each set's own
 from __future__ import annotations
 
 import random
+import zlib
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,11 @@ def test_rotary_embedding_matches_reference_in_place(dtype, cpu_kernels):
 
 # ---------------------------------------------------------------- paged attention
 
+
+def _seed(*key) -> int:
+    """A case's seed, the same in every process (hash() of a str is salted per process)."""
+    return zlib.crc32(repr(key).encode())
+
 # (query dtype, cache dtype): the cache in the queries' dtype, or narrower under fp32 queries
 DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)]
@@ -128,7 +134,7 @@ DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
 @pytest.mark.parametrize("step", sorted(STEPS))
 def test_paged_attention_matches_reference(step, heads, block_size, dtypes, cpu_kernels):
     q_dtype, cache_dtype = dtypes
-    rng = random.Random(hash((step, heads, block_size)) & 0xFFFF)
+    rng = random.Random(_seed(step, heads, block_size))
     torch.manual_seed(rng.randrange(1 << 30))
     meta = make_step(rng, STEPS[step], block_size, NUM_BLOCKS)
     q, k, v, cache = random_inputs(meta, heads, NUM_BLOCKS, block_size, q_dtype, cache_dtype)
@@ -156,6 +162,41 @@ def test_paged_attention_reads_only_its_own_blocks(cpu_kernels):
     assert not out.isnan().any()
 
 
+@pytest.mark.parametrize("context_len", [127, 128, 200, 333, 1000])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 1, 64), (4, 4, 32)],
+                         ids=lambda h: "{}:{}-d{}".format(*h))
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16), (torch.float32, torch.float32)],
+                         ids=lambda p: f"{p[0]}-{p[1]}".replace("torch.", ""))
+def test_a_lone_long_decode_split_over_its_keys_matches_reference(context_len, heads, dtypes,
+                                                                   cpu_kernels):
+    """With two threads a decode alone in its step is split by kv head, and where its kv
+    heads are fewer than two items a thread (3 or 1 here) by keys too, merged after: the
+    output is the reference's, and so is one thread's, which splits nothing; a garbage
+    (NaN) slot outside the request, or past its length, never reaches it."""
+    q_dtype, cache_dtype = dtypes
+    rng = random.Random(context_len)
+    torch.manual_seed(context_len)
+    meta = make_step(rng, [(context_len, 1)], 16, NUM_BLOCKS)
+    q, k, v, cache = random_inputs(meta, heads, NUM_BLOCKS, 16, q_dtype, cache_dtype)
+    garbage = nan_outside_requests(meta, NUM_BLOCKS, 16, heads[1], heads[2])
+    cache = torch.where(garbage.isnan(), garbage, cache.float()).to(cache_dtype)
+    scale = heads[2] ** -0.5
+    ref_cache = cache.to(q_dtype).nan_to_num()
+    want = TorchAttentionBackend().forward(q, k.to(cache_dtype).to(q_dtype),
+                                           v.to(cache_dtype).to(q_dtype), ref_cache, meta, scale)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(cpu_kernels.backend.attention.forward(q, k, v, cache.clone(), meta, scale))
+    finally:
+        torch.set_num_threads(threads)
+    for got in outs:
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 # long bf16 prefills (the AMX tile kernel's 16-row tiles and 64-key blocks, partly filled),
 # some over cached context, beside decodes
 LONG_STEPS = {
@@ -178,7 +219,7 @@ def test_bf16_prefill_on_amx_tiles_and_vectors_both_match_reference(step, heads,
     reference; the two are different code (their outputs differ in some bits)."""
     ops = cpu_kernels.ops
     tiles_here = _amx_here() and cpu_kernels.kernels.variant.name == "avx512"
-    rng = random.Random(hash((step, heads)) & 0xFFFF)
+    rng = random.Random(_seed(step, heads))
     torch.manual_seed(rng.randrange(1 << 30))
     meta = make_step(rng, LONG_STEPS[step], 16, 128)
     q, k, v, cache = random_inputs(meta, heads, 128, 16, torch.bfloat16)
