@@ -257,22 +257,22 @@ std::vector<Item> make_items(const int64_t* query_start_loc, const int64_t* seq_
   // fewer than two items a thread, each kv head's keys in parts.
   int64_t num_decodes = 0, num_long = 0;
   for (int64_t b = 0; b < num_seqs; ++b)
-    num_decodes += query_start_loc[b + 1] - query_start_loc[b] == 1;
+    if (query_start_loc[b + 1] - query_start_loc[b] == 1) {
+      ++num_decodes;
+      num_long += seq_lens[b] >= kSplitDecodeKeys;
+    }
   const bool few_decodes = num_threads > 1 && num_decodes < 2 * num_threads;
-  for (int64_t b = 0; b < num_seqs; ++b)
-    num_long += query_start_loc[b + 1] - query_start_loc[b] == 1 &&
-                seq_lens[b] >= kSplitDecodeKeys;
+  // parts a split kv head: enough for two items a thread over the long decodes' kv heads
+  const int64_t split_heads = std::max<int64_t>(num_kv_heads * num_long, 1);
+  const int64_t want_parts = split_keys ? (2 * num_threads + split_heads - 1) / split_heads : 1;
   int64_t num_parts = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t begin = query_start_loc[b], end = query_start_loc[b + 1];
     if (end - begin == 1) {
       const bool split = few_decodes && seq_lens[b] >= kSplitDecodeKeys;
       const int64_t per_item = split ? 1 : num_kv_heads;
-      // parts a kv head: enough for two items a thread over the long decodes' kv heads
-      const int64_t want = (2 * num_threads + num_kv_heads * num_long - 1) /
-                           std::max<int64_t>(num_kv_heads * num_long, 1);
       const int64_t splits =
-          split && split_keys ? std::clamp<int64_t>(want, 1, seq_lens[b] / kMinSplitKeys) : 1;
+          split ? std::clamp<int64_t>(want_parts, 1, seq_lens[b] / kMinSplitKeys) : 1;
       if (splits > 1) {
         // parts of whole chunks of keys, the last one the rest
         const int64_t step = (seq_lens[b] + splits - 1) / splits;
@@ -319,10 +319,8 @@ void merge_parts(const std::vector<Merge>& merges, const float* parts, TQ* out,
       float l = 0.f;
       for (int64_t s = 0; s < mg.num_parts; ++s) {
         const float* part = parts + (mg.first_part + s) * part_floats;
-        const float ms = part[group * d + r], ls = part[group * (d + 1) + r];
-        if (ls == 0.f) continue;  // (a part always sees keys; kept safe)
-        const float f = std::exp(ms - m);
-        l += ls * f;
+        const float f = std::exp(part[group * d + r] - m);  // every part saw keys: l > 0
+        l += part[group * (d + 1) + r] * f;
         const Vec fv = Vec::broadcast(f);
         for (int64_t c = 0; c < d; c += W)
           simd::fma(fv, Vec::load(part + r * d + c), Vec::load(acc + c)).store(acc + c);

@@ -89,8 +89,8 @@ inline bool attention_tiles(std::optional<bool> want) {
 #endif
 }
 
-// Whether attend_item_native takes a decode of these dtypes and shape (its conditions below):
-// then make_items never splits a kv head over its keys (the native kernel walks them all).
+// Whether attend_item_native takes items of these dtypes and shape: then make_items never
+// splits a decode's kv head over its keys (the native kernel walks them all).
 template <typename TQ, typename TKV>
 bool native_decode(int64_t head_dim, int64_t group) {
   return std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TKV, at::BFloat16> &&
@@ -100,14 +100,13 @@ bool native_decode(int64_t head_dim, int64_t group) {
 // The bf16 kernels for a whole work item (bf16 queries and cache, head_dim a multiple of 32 up
 // to 256, at most 16 query heads per kv head); false where they do not apply, leaving the
 // item to the fp32 path.
-
 template <typename TQ, typename TKV>
 bool attend_item_native(const Item& it, const TQ* q, TQ* out, const Layout<TKV>& lay,
                         const int32_t* table, int64_t num_heads, int64_t first_pos,
                         float scale) {
   if constexpr (std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TKV, at::BFloat16>) {
     const int64_t d = lay.head_dim, group = num_heads / lay.num_kv_heads;
-    if (d % 32 != 0 || d > 256 || group > decode_bf16::kMaxGroup) return false;
+    if (!native_decode<TQ, TKV>(d, group)) return false;
     const int64_t num_pos = it.row_end - it.row_begin;
     const int64_t last_pos = first_pos + num_pos - 1;
     // each key's slot, once for all kv heads

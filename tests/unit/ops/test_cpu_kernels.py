@@ -116,10 +116,10 @@ def test_rotary_embedding_matches_reference_in_place(dtype, cpu_kernels):
 
 # ---------------------------------------------------------------- paged attention
 
-
 def _seed(*key) -> int:
     """A case's seed, the same in every process (hash() of a str is salted per process)."""
     return zlib.crc32(repr(key).encode())
+
 
 # (query dtype, cache dtype): the cache in the queries' dtype, or narrower under fp32 queries
 DTYPE_PAIRS = [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
