@@ -18,5 +18,5 @@ bench() { local name=$1 limit=$2; shift 2
   timeout "$limit" python3 -m quire_cli bench "$@" --model /tmp/smol --device cuda \
       --dtype bfloat16 > "$out/$name.log" 2>&1; echo "bench $name: exit $?"; tail -4 "$out/$name.log"; }
 bench latency 90 latency --repeats 3 --output-json "$out/latency.json"
-bench throughput 150 throughput --output-json "$out/throughput.json" \
+bench throughput 240 throughput --output-json "$out/throughput.json" \
     --output-plot "$out/throughput.png"
