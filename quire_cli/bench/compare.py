@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine_worker.arg_utils import add_bench_engine_args, engine_args_from_namespace
+from quire.config_args import env_name
 from quire_cli.bench.llama_compare import add_llama_args
 from quire_cli.bench.prompts import random_prompt
 from quire_cli.bench.throughput import Workload, make_workload
@@ -124,6 +125,10 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--output-plot", default=None, help="PNG (default: beside the JSON)")
     add_llama_args(parser)
     add_bench_engine_args(parser)
+    # the peers zero their KV cache at start (vLLM's torch.zeros, llama.cpp's buffer clear), so
+    # Quire faults its in as its servers do: no timed step pays for fresh pages
+    if env_name("kv_cache_prefault") not in os.environ:
+        parser.set_defaults(kv_cache_prefault=True)
 
 
 def make_requests(cfg: CompareConfig, vocab_size: int, model_dir: Path,

@@ -8,13 +8,19 @@ with the weights widened to bf16 at load (``quantization=dequantize``), and llam
 
 - one request's decode speed (greedy, ``--decode-output-len`` tokens, best of ``--repeats``),
   each also as a fraction of the memory bandwidth measured in the same run, for the bytes one
-  decode step streams (the weights as that system holds them: ``limits.py``);
+  decode step streams (the weights as that system holds them: ``limits.py``); Quire's two
+  engines take turns, a pair of prompts each (which goes first swaps each turn), and the
+  median of the turns' paired ratios is reported beside the ratio of the bests;
 - the time to first token of a ``--ttft-prompt-len`` prompt (best of ``--repeats``);
 - for Quire's two paths, the long-tailed batched workload of ``quire bench throughput``
   (llama-cpp-python's API serves one sequence at a time, so llama.cpp has no such figure):
   ``--repeats`` turns, the two engines alternating (which goes first swaps each turn), so each
   pair of runs is a minute apart on a machine whose speed drifts; the median turn and the
   median of the turns' paired ratios are reported.
+
+Quire's engines fault their KV cache in at start (``--kv-cache-prefault``, on by default here
+as in ``quire engine``): llama.cpp clears its KV buffer when it creates a context, so neither
+pays for fresh pages inside a timed step.
 
 Every system sees the same token ids (``compare.make_requests``) and is measured the same way
 (``vllm_peer.measure``'s rules; ``llama_peer.py`` for llama.cpp). JSON and a PNG are written.
@@ -76,28 +82,49 @@ def _best(result: dict) -> dict:
 
 def run_quire(engine_args, quantization: str, model: str, threads: int,
               requests: dict) -> tuple[Any, dict]:
-    """-> (the engine, its decode and TTFT figures); the batched workload runs later, in
-    turns with the other engine (``alternate_throughput``)."""
+    """-> (the engine, warmed up; its load time and what it runs). Its decode, TTFT and
+    batched figures come later, the two engines taking turns (``alternate_decode``,
+    ``alternate_throughput``)."""
     from engine_worker import LLM, SamplingParams
     from quire_cli.bench.limits import weight_bytes
-    from quire_cli.bench.vllm_peer import measure
+    from quire_cli.bench.vllm_peer import _timed
 
     start = time.perf_counter()
     llm = LLM(**{**dataclasses.asdict(engine_args), "model": model,
                  "quantization": quantization, "num_threads": threads})
     load_s = time.perf_counter() - start
-    result = _best(measure(llm, SamplingParams, requests, with_throughput=False))
+    warm = requests["warmup"]
+    _timed(llm, SamplingParams, warm["prompt_token_ids"], warm["output_lens"])
     info = llm.info
-    result.update(load_s=load_s, threads=threads, kernels=info.backend,
-                  dtype=str(info.dtype).removeprefix("torch."),
-                  quantization=info.quantization, quantization_summary=info.quantization_summary,
-                  step_bytes=weight_bytes(llm.engine.runner.model))
-    return llm, result
+    return llm, {"load_s": load_s, "threads": threads, "kernels": info.backend,
+                 "dtype": str(info.dtype).removeprefix("torch."),
+                 "quantization": info.quantization,
+                 "quantization_summary": info.quantization_summary,
+                 "step_bytes": weight_bytes(llm.engine.runner.model)}
 
 
 def turn_order(names: list[str], turn: int) -> list[str]:
     """Who runs first swaps each turn: neither engine always follows the other."""
     return names if turn % 2 == 0 else names[::-1]
+
+
+def alternate_decode(llms: dict, requests: dict) -> tuple[dict[str, list[float]], float]:
+    """One request's decode on each engine a pair of prompts at a time, the engines taking
+    turns (which goes first swaps each turn; the first turn a warm-up), so that each pair of
+    runs sees the same state of a machine whose speed drifts: -> (each engine's rates, the
+    median of the turns' native / de-quantized ratios)."""
+    from engine_worker import SamplingParams
+    from quire_cli.bench.vllm_peer import decode_rate
+
+    n = requests["decode_output_len"]
+    rates: dict[str, list[float]] = {name: [] for name in llms}
+    for turn, pair in enumerate(requests["decode_prompt_pairs"]):
+        for name in turn_order(list(llms), turn):
+            rate = decode_rate(llms[name], SamplingParams, pair, n)
+            if turn:
+                rates[name].append(rate)
+    paired = statistics.median(a / b for a, b in zip(rates[NATIVE], rates[DEQUANTIZED]))
+    return rates, paired
 
 
 def alternate_throughput(llms: dict, requests: dict, turns: int) -> dict[str, list[dict]]:
@@ -211,11 +238,13 @@ def _write_plot(path: Path, runs: dict, env: dict) -> bool:
 
 
 def run_from_args(ns: argparse.Namespace) -> int:
+    from engine_worker import SamplingParams
     from engine_worker.arg_utils import engine_args_from_namespace
     from engine_worker.weights.resolve import gguf_path_of, resolve_model_dir
     from quire.config_args import dataclass_from_namespace
     from quire_cli.bench.compare import CompareConfig, cpu_facts, make_requests
     from quire_cli.bench.limits import decode_fraction, describe, limits_report, measure_limits
+    from quire_cli.bench.vllm_peer import measure_ttft
 
     cfg = dataclass_from_namespace(CompareConfig, ns)
     engine_args = engine_args_from_namespace(ns)
@@ -236,12 +265,18 @@ def run_from_args(ns: argparse.Namespace) -> int:
            "loadavg_1m_at_start": os.getloadavg()[0]}
     runs: dict[str, dict] = {}
     llms: dict[str, Any] = {}
+    before = os.getloadavg()[0]
     for name, quantization in ((NATIVE, "auto"), (DEQUANTIZED, "dequantize")):
         print(name, file=sys.stderr)
-        before = os.getloadavg()[0]
-        llms[name], result = run_quire(engine_args, quantization, str(gguf), threads, requests)
-        runs[name] = {**result, "loadavg_1m_before": before,
-                      "loadavg_1m_after": os.getloadavg()[0]}
+        llms[name], runs[name] = run_quire(engine_args, quantization, str(gguf), threads,
+                                           requests)
+    print(f"one request's decode, {cfg.repeats} turns each, alternating", file=sys.stderr)
+    decode_runs, decode_paired = alternate_decode(llms, requests)
+    for name, llm in llms.items():
+        runs[name] = _best({**runs[name], "decode_runs": decode_runs[name],
+                            "decode_tokens_per_s": statistics.median(decode_runs[name]),
+                            **measure_ttft(llm, SamplingParams, requests),
+                            "loadavg_1m_before": before, "loadavg_1m_after": os.getloadavg()[0]})
     paired = None
     if not ns.skip_throughput:
         print(f"the batched workload, {cfg.repeats} turns each, alternating", file=sys.stderr)
@@ -263,6 +298,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
                                                limits)
     env["loadavg_1m_at_end"] = os.getloadavg()[0]
     ratios = _ratios(runs)
+    ratios["decode_native_over_dequantize_paired"] = decode_paired
     if paired is not None:  # pairs of runs side by side in time, not two medians
         ratios["throughput_native_over_dequantize"] = paired
     _print_report(env, runs, ratios, describe(limits))

@@ -53,21 +53,30 @@ def measure(llm, params_cls, req: dict, with_throughput: bool = True) -> dict:
         result["throughput"] = {"elapsed_s": elapsed, "num_output_tokens": num_out,
                                 "output_tokens_per_s": num_out / elapsed}
     decode = measure_decode(llm, params_cls, req)
-    ttfts = [_timed(llm, params_cls, [p], 1)[0] for p in req["ttft_prompts"]][1:]
-    return {**result, **decode, "ttft_s": statistics.median(ttfts), "ttft_runs_s": ttfts}
+    return {**result, **decode, **measure_ttft(llm, params_cls, req)}
+
+
+def decode_rate(llm, params_cls, pair, n: int) -> float:
+    """One request's decode speed from one pair of fresh prompts: (n - 1) tokens over the
+    time of an n-token generate less that of a one-token generate (its prefill)."""
+    short, long = pair
+    t1 = _timed(llm, params_cls, [short], 1)[0]
+    t_n = _timed(llm, params_cls, [long], n)[0]
+    return (n - 1) / (t_n - t1)
 
 
 def measure_decode(llm, params_cls, req: dict) -> dict:
     """Only the decode speed (also ``quire bench tensor-parallel``'s figure)."""
     n = req["decode_output_len"]
-    rates = []
     # [warm-up pair, then one pair a repeat]
-    for i, (short, long) in enumerate(req["decode_prompt_pairs"]):
-        t1 = _timed(llm, params_cls, [short], 1)[0]
-        t_n = _timed(llm, params_cls, [long], n)[0]
-        if i:
-            rates.append((n - 1) / (t_n - t1))
+    rates = [decode_rate(llm, params_cls, pair, n) for pair in req["decode_prompt_pairs"]][1:]
     return {"decode_tokens_per_s": statistics.median(rates), "decode_runs": rates}
+
+
+def measure_ttft(llm, params_cls, req: dict) -> dict:
+    """The time to first token of each fresh long prompt (the first a warm-up)."""
+    ttfts = [_timed(llm, params_cls, [p], 1)[0] for p in req["ttft_prompts"]][1:]
+    return {"ttft_s": statistics.median(ttfts), "ttft_runs_s": ttfts}
 
 
 def main() -> None:

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from quire_cli.bench.llama_compare import (DEQUANTIZED, LLAMA, NATIVE, _best, _ratios,
-                                           gguf_step_bytes, throughput_figures, turn_order)
+                                           alternate_decode, gguf_step_bytes,
+                                           throughput_figures, turn_order)
 
 
 def test_best_of_the_runs_and_the_ratios():
@@ -45,6 +46,38 @@ def test_the_batched_workload_alternates_and_pairs_its_turns():
     median, _, paired = throughput_figures({n: t[:2] for n, t in turns.items()})
     assert median[NATIVE]["output_tokens_per_s"] == 400.0
     assert paired == pytest.approx((600 / 580 + 400 / 380) / 2)
+
+
+def test_decode_turns_alternate_between_two_real_engines_and_pair_up(tiny_model_dir):
+    """Each turn runs one prompt pair on each engine, the first swapping each turn; the first
+    turn is a warm-up; the paired ratio is the median of the turns' ratios."""
+    import statistics
+
+    from engine_worker import LLM
+
+    calls = []
+    llms = {}
+    for name in (NATIVE, DEQUANTIZED):
+        llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=1 << 22)
+        real = llm.generate
+
+        def spy(prompts, params, _name=name, _real=real, **kw):
+            calls.append((_name, prompts[0]["prompt_token_ids"], params[0].max_tokens))
+            return _real(prompts, params, **kw)
+
+        llm.generate = spy
+        llms[name] = llm
+    pairs = [([1, 2], [3, 4]), ([5, 6], [7, 8]), ([9, 10], [11, 12]), ([13], [14])]
+    rates, paired = alternate_decode(llms, {"decode_output_len": 6, "decode_prompt_pairs": pairs})
+    first = [NATIVE, DEQUANTIZED, DEQUANTIZED, NATIVE] * 2
+    assert [c[0] for c in calls[::2]] == first
+    # each engine's turn: the pair's short prompt for one token, then its long one for six
+    assert [(c[1], c[2]) for c in calls[:4]] == [([1, 2], 1), ([3, 4], 6)] * 2
+    assert [(c[1], c[2]) for c in calls[4:8]] == [([5, 6], 1), ([7, 8], 6)] * 2
+    assert len(rates[NATIVE]) == len(rates[DEQUANTIZED]) == 3
+    assert all(r > 0 for rs in rates.values() for r in rs)
+    assert paired == pytest.approx(statistics.median(
+        a / b for a, b in zip(rates[NATIVE], rates[DEQUANTIZED])))
 
 
 def test_a_step_streams_every_tensor_of_the_file(tmp_path):
