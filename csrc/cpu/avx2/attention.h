@@ -1,5 +1,5 @@
-// What AVX2 brings to the paged-attention kernel (paged_attention.cpp): the dot products of
-// its fp32 path. It has no attention kernel of its own besides.
+// What AVX2 brings to the paged-attention kernel (paged_attention.cpp): the prefill dot
+// products of its fp32 path. It has no attention kernel of its own besides.
 #pragma once
 
 #include <cstdint>
@@ -14,28 +14,6 @@ namespace QUIRE_NS {
 // The most K/V bytes the layer stack prefetches for the next layer (llama_block.cpp): what
 // still fits in a Zen 3 core's 512 KiB L2.
 constexpr int64_t kPrefetchKvMaxBytes = 1 << 19;
-
-// Scores of one fp32 query row against the 8 keys krow[0..8) (finite, [d] each, widened as
-// loaded): one accumulator a key, then eight horizontal sums sharing one shuffle tree.
-template <typename TKV>
-inline Vec dots8(const float* q, const TKV* const* krow, int64_t d) {
-  Vec a[8];
-  for (int j = 0; j < 8; ++j) a[j] = Vec::zero();
-  for (int64_t c = 0; c < d; c += Vec::kWidth) {
-    const Vec qc = Vec::load(q + c);
-    for (int j = 0; j < 8; ++j) a[j] = simd::fma(qc, Vec::load(krow[j] + c), a[j]);
-  }
-  return simd::sum8(a);
-}
-
-// Scores of one query row against the 16 keys krow[0..16) (keys past `count` read zeros):
-// the second eight only where there are any.
-template <typename TKV>
-inline void dots16(const float* q, const TKV* const* krow, int count, int64_t d, Vec (&s)[2]) {
-  s[0] = dots8(q, krow, d);
-  s[1] = count > 8 ? dots8(q, krow + 8, d)
-                   : Vec::broadcast(-std::numeric_limits<float>::infinity());
-}
 
 // Scores of RB query rows (fp32, [RB, d]) against 16 keys stored transposed (kT: [d, 16]): a
 // broadcast query element times 16 keys per two FMAs, no horizontal sums.

@@ -103,6 +103,13 @@ inline Vec sum8(const Vec* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// Lane i of the result: the sum of a_i's lanes (four horizontal sums, one shuffle tree).
+inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  // per 128-bit lane: [a0 a1 a2 a3], each the sum of that half's four lanes
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
 // Lanes [0, n) of x, the others `fill` (n clamped to 0..8).
 inline Vec first_n(Vec x, int n, float fill) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);

@@ -1,6 +1,6 @@
-// What AVX-512 brings to the paged-attention kernel (paged_attention.cpp): the dot products of
-// its fp32 path, and for bf16 queries and caches its own kernels, which never widen the cache
-// (AVX-512 BF16 dot products: decode_bf16.h, prefill_bf16.h).
+// What AVX-512 brings to the paged-attention kernel (paged_attention.cpp): the prefill dot
+// products of its fp32 path, and for bf16 queries and caches its own kernels, which never
+// widen the cache (AVX-512 BF16 dot products: decode_bf16.h, prefill_bf16.h).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -23,32 +23,6 @@ namespace QUIRE_NS {
 // The most K/V bytes the layer stack prefetches for the next layer (llama_block.cpp): what
 // still fits in the L2 of the AVX-512 parts it was measured on.
 constexpr int64_t kPrefetchKvMaxBytes = 1 << 20;
-
-// Scores of one query row (fp32, [d]) against the 16 keys krow[0..16) ([d] each, all finite;
-// keys past `count` read zeros): four keys per pass share each load of q and one shuffle tree.
-template <typename TKV>
-inline void dots16(const float* q, const TKV* const* krow, int /*count*/, int64_t d,
-                   Vec (&s)[1]) {
-  __m512 sc = _mm512_setzero_ps();
-  for (int j = 0; j < 16; j += 4) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t c = 0; c < d; c += 16) {
-      const __m512 qc = _mm512_loadu_ps(q + c);
-      a0 = _mm512_fmadd_ps(qc, Vec::load(krow[j + 0] + c).v, a0);
-      a1 = _mm512_fmadd_ps(qc, Vec::load(krow[j + 1] + c).v, a1);
-      a2 = _mm512_fmadd_ps(qc, Vec::load(krow[j + 2] + c).v, a2);
-      a3 = _mm512_fmadd_ps(qc, Vec::load(krow[j + 3] + c).v, a3);
-    }
-    const __m128 sums = simd::sum4(a0, a1, a2, a3);
-    switch (j) {  // the lane index of an insert must be a constant
-      case 0: sc = _mm512_insertf32x4(sc, sums, 0); break;
-      case 4: sc = _mm512_insertf32x4(sc, sums, 1); break;
-      case 8: sc = _mm512_insertf32x4(sc, sums, 2); break;
-      default: sc = _mm512_insertf32x4(sc, sums, 3); break;
-    }
-  }
-  s[0] = sc;
-}
 
 // Scores of RB query rows (fp32, [RB, d]) against 16 keys stored transposed (kT: [d, 16]):
 // one zmm per row, no horizontal sums. Two accumulators per row hide the FMA latency.
