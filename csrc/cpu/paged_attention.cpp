@@ -60,26 +60,11 @@ inline float softmax_into(const Vec (&s)[kChunkVecs], int visible, float& m, flo
   return alpha;
 }
 
-// acc[r] = alpha[r] * acc[r] + p[r] @ V for RB rows (acc rows d apart); value j is vrow[j].
-template <int RB, typename TV>
-inline void accumulate_pv(const float (*p)[kChunk], const float* alpha, const TV* const* vrow,
-                          int count, int64_t d, float* acc) {
-  for (int64_t c = 0; c < d; c += W) {
-    Vec o[RB];
-    for (int r = 0; r < RB; ++r) o[r] = Vec::load(acc + r * d + c) * Vec::broadcast(alpha[r]);
-    for (int j = 0; j < count; ++j) {
-      const Vec v = Vec::load(vrow[j] + c);
-      for (int r = 0; r < RB; ++r) o[r] = simd::fma(Vec::broadcast(p[r][j]), v, o[r]);
-    }
-    for (int r = 0; r < RB; ++r) o[r].store(acc + r * d + c);
-  }
-}
-
-// accumulate_pv with the keys outer: C vectors of each of the RB rows' accumulators stay in
-// registers while every key passes, so a row's probability of a key is broadcast once per C
-// vectors of V, not once per vector (RB * C accumulators; columns [c0, c1), a multiple of C * W)
+// acc[r] = alpha[r] * acc[r] + p[r] @ V for RB rows (acc rows d apart; value j is vrow[j]) in
+// columns [c0, c1), a multiple of C * W: C vectors of each row's accumulator stay in registers
+// while every key passes, so a row's probability of a key is broadcast once per C vectors of V
 template <int RB, int C, typename TV>
-inline void accumulate_pv_keys(const float (*p)[kChunk], const float* alpha, const TV* const* vrow,
+inline void accumulate_pv(const float (*p)[kChunk], const float* alpha, const TV* const* vrow,
                                int count, int64_t d, int64_t c0, int64_t c1, float* acc) {
   for (int64_t c = c0; c < c1; c += C * W) {
     Vec o[RB][C];
@@ -106,8 +91,8 @@ inline void accumulate_decode(const float (*p)[kChunk], const float* alpha, cons
                               int count, int64_t d, float* acc) {
   constexpr int C = RB <= 3 ? 4 : 2;
   const int64_t wide = d / (C * W) * (C * W);
-  accumulate_pv_keys<RB, C>(p, alpha, vrow, count, d, 0, wide, acc);
-  accumulate_pv_keys<RB, 1>(p, alpha, vrow, count, d, wide, d, acc);
+  accumulate_pv<RB, C>(p, alpha, vrow, count, d, 0, wide, acc);
+  accumulate_pv<RB, 1>(p, alpha, vrow, count, d, wide, d, acc);
 }
 
 template <typename TV>
@@ -202,7 +187,7 @@ void prefill_rows(const Rows& w, int64_t r0, const float* kT, const float* const
     }
     alpha[r] = softmax_into(s[r], visible, w.m[r0 + r], w.l[r0 + r], p[r]);
   }
-  accumulate_pv<RB>(p, alpha, vrow, count, d, w.acc + r0 * d);
+  accumulate_pv<RB, 1>(p, alpha, vrow, count, d, 0, d, w.acc + r0 * d);
 }
 
 // Widens keys [pos, pos + count) of one kv head into kT [d][16] (missing keys 0) and their

@@ -274,7 +274,6 @@ def run_from_args(ns: argparse.Namespace) -> int:
     decode_runs, decode_paired = alternate_decode(llms, requests)
     for name, llm in llms.items():
         runs[name] = _best({**runs[name], "decode_runs": decode_runs[name],
-                            "decode_tokens_per_s": statistics.median(decode_runs[name]),
                             **measure_ttft(llm, SamplingParams, requests),
                             "loadavg_1m_before": before, "loadavg_1m_after": os.getloadavg()[0]})
     paired = None
