@@ -3,7 +3,8 @@
 The op runs the fused halves, the cache write and the paged-attention kernel of each layer in
 the order the per-layer path calls them, so a whole generation must be bit-identical with and
 without it: the same tokens and the same logprobs, over steps that mix decodes with chunked
-prefills (``cpu``, bf16), and a whole model's logits and caches (``cpu-avx2``, fp32). The
+prefills (``cpu``, bf16; and on a model's native GGUF blocks, each set), and a whole model's
+logits and caches (``cpu-avx2``, fp32). The
 per-layer path is itself checked against the references in test_llama_blocks.py and
 test_cpu_kernels.py.
 """
@@ -68,6 +69,35 @@ def test_one_call_layers_are_the_per_layer_path_bit_for_bit(tmp_path_factory,
     assert qkv.packed.skinny.dtype == torch.uint8  # the decodes stream the coded layout
     with_stack = _generate(llm)
     assert llm.engine.reset_prefix_cache()  # the second run computes every prompt again
+    model.layer_stack = None
+    per_layer = _generate(llm)
+    assert with_stack == per_layer
+    assert all(len(tokens) == 12 for tokens, _ in with_stack)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_one_call_layers_on_native_gguf_blocks_are_the_per_layer_path_bit_for_bit(
+        stack_model_dir, tmp_path, monkeypatch, cpu_kernels, qtype):
+    # the model's GGUF blocks multiplied natively (quant_linear.cpp) inside the stack: the
+    # decode steps (5 rows) on the int8 kernel, the steps with a prefill chunk too (a bf16 or
+    # fp32 model keeps its Q4_1 / Q8_0 linears there at every size). fp32 on the AVX2 set,
+    # whose stack carries a bf16 model in fp32 where its per-layer path does not.
+    from gguf import GGMLQuantizationType
+
+    from tests.conftest import CPU_BACKEND_OF_ISA
+    from tests.unit.test_gguf_weights import write_gguf
+
+    monkeypatch.setenv("QUIRE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "stack.gguf"
+    write_gguf(stack_model_dir, path, GGMLQuantizationType[qtype])
+    llm = LLM(str(path), tokenizer=str(stack_model_dir), quantization="gguf",
+              dtype="bfloat16" if cpu_kernels.isa == "avx512" else "float32",
+              kernels=CPU_BACKEND_OF_ISA[cpu_kernels.isa], max_num_batched_tokens=32,
+              kv_cache_memory_bytes=1 << 24)
+    model = llm.engine.runner.model
+    assert model.layer_stack is not None
+    with_stack = _generate(llm)
+    assert llm.engine.reset_prefix_cache()
     model.layer_stack = None
     per_layer = _generate(llm)
     assert with_stack == per_layer
