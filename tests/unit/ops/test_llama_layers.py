@@ -4,9 +4,8 @@ The op runs the fused halves, the cache write and the paged-attention kernel of 
 the order the per-layer path calls them, so a whole generation must be bit-identical with and
 without it: the same tokens and the same logprobs, over steps that mix decodes with chunked
 prefills (``cpu``, bf16; and on a model's native GGUF blocks, each set), and a whole model's
-logits and caches (``cpu-avx2``, fp32). The
-per-layer path is itself checked against the references in test_llama_blocks.py and
-test_cpu_kernels.py.
+logits and caches (``cpu-avx2``, fp32). The per-layer path is itself checked against the
+references in test_llama_blocks.py and test_cpu_kernels.py.
 """
 
 from __future__ import annotations
