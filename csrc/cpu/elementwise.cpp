@@ -144,41 +144,63 @@ void rope_typed(at::Tensor& q_dst, const at::Tensor& q_src, at::Tensor& k,
 
 }  // namespace
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// The *_into forms write into the caller's out (contiguous, x's shape and dtype: the layer
+// stack's decode buffers, made once a step); the others allocate it.
+void rms_norm_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % W == 0,
               "rms_norm: x [rows, hidden] with unit stride, hidden a multiple of ", W);
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
                   weight.dtype() == x.dtype(), "rms_norm: weight [hidden] in x's dtype");
-  at::Tensor out = at::empty(x.sizes(), x.options());
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.dtype() == x.dtype(),
+              "rms_norm: out contiguous, shaped and typed as x");
   QUIRE_DISPATCH(x.scalar_type(), "rms_norm",
                  rms_norm_typed<T>(out.data_ptr<T>(), x.data_ptr<T>(), weight.data_ptr<T>(),
                                    x.size(0), x.size(1), x.stride(0), float(eps)));
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rms_norm_into(out, x, weight, eps);
   return out;
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x) {
+void silu_and_mul_into(at::Tensor& out, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % (2 * W) == 0,
               "silu_and_mul: contiguous x [rows, 2 * width], width a multiple of ", W);
   const int64_t width = x.size(1) / 2;
-  at::Tensor out = at::empty({x.size(0), width}, x.options());
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == x.size(0) &&
+                  out.size(1) == width && out.dtype() == x.dtype(),
+              "silu_and_mul: out contiguous [rows, width] in x's dtype");
   QUIRE_DISPATCH(x.scalar_type(), "silu_and_mul",
                  silu_and_mul_typed<T>(out.data_ptr<T>(), x.data_ptr<T>(), x.size(0), width));
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  silu_and_mul_into(out, x);
   return out;
 }
 
-at::Tensor add_rms_norm(at::Tensor& h, const at::Tensor& x, const at::Tensor& weight,
-                        double eps) {
+void add_rms_norm_into(at::Tensor& out, at::Tensor& h, const at::Tensor& x,
+                       const at::Tensor& weight, double eps) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && x.sizes() == h.sizes() &&
                   x.is_contiguous() && x.dtype() == h.dtype() && h.size(1) % W == 0,
               "add_rms_norm: contiguous h and x [rows, hidden] in one dtype, hidden a "
               "multiple of ", W);
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == h.size(1) &&
                   weight.dtype() == h.dtype(), "add_rms_norm: weight [hidden] in h's dtype");
-  at::Tensor out = at::empty_like(h);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == h.sizes() && out.dtype() == h.dtype(),
+              "add_rms_norm: out contiguous, shaped and typed as h");
   QUIRE_DISPATCH(h.scalar_type(), "add_rms_norm",
                  add_rms_norm_typed<T>(out.data_ptr<T>(), h.data_ptr<T>(), x.data_ptr<T>(),
                                        weight.data_ptr<T>(), h.size(0), h.size(1),
                                        float(eps)));
+}
+
+at::Tensor add_rms_norm(at::Tensor& h, const at::Tensor& x, const at::Tensor& weight,
+                        double eps) {
+  at::Tensor out = at::empty_like(h);
+  add_rms_norm_into(out, h, x, weight, eps);
   return out;
 }
 

@@ -46,6 +46,12 @@ at::Tensor add_rms_norm(at::Tensor& h, const at::Tensor& x, const at::Tensor& we
 void add_into(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
 // [rows, 2 * width] -> silu(gate) * up [rows, width]
 at::Tensor silu_and_mul(const at::Tensor& x);
+// rms_norm, add_rms_norm and silu_and_mul into the caller's out (contiguous, the result's
+// shape, x's dtype)
+void rms_norm_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm_into(at::Tensor& out, at::Tensor& h, const at::Tensor& x,
+                       const at::Tensor& weight, double eps);
+void silu_and_mul_into(at::Tensor& out, const at::Tensor& x);
 // NeoX rotary embedding in place on q, k [tokens, heads, head_dim]
 void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
                       const at::Tensor& cos, const at::Tensor& sin);
@@ -77,6 +83,11 @@ at::Tensor repack_gguf(const at::Tensor& w);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias,
                         std::optional<at::ScalarType> numerics = std::nullopt);
+// quant_linear(x, w, no bias) into out (contiguous [M, N] in x's dtype) where the weight is
+// repacked and its int8 path takes x's rows: true; else false, out untouched (the caller runs
+// quant_linear)
+bool quant_linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
+                       std::optional<at::ScalarType> numerics = std::nullopt);
 // the weight's values [N, K] in fp32 or bf16
 at::Tensor dequantize_weight(const at::Tensor& w, at::ScalarType dtype);
 // batched LoRA (lora.cpp): h [T, R] = A[slot[t]] @ x[t]; y[t] += h[t] @ B[slot[t]], B

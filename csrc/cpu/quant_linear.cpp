@@ -248,11 +248,14 @@ inline void store8(at::BFloat16* p, __m256 v) {
   for (int i = 0; i < 8; ++i) p[i] = at::BFloat16(t[i]);
 }
 
+// into r, whose vectors keep their capacity from call to call (a thread's one QuantizedRows:
+// quant_linear_into), so a decode step's 121 calls allocate nothing here
 template <typename X>
-QuantizedRows quantize_rows(const X* x, int64_t M, int64_t K) {
+void quantize_rows(const X* x, int64_t M, int64_t K, QuantizedRows& r) {
   const int64_t num_blocks = M * K / kBlock;
-  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(num_blocks),
-                  std::vector<float>(num_blocks)};
+  r.q.resize(M * K);
+  r.d.resize(num_blocks);
+  r.dsum.resize(num_blocks);
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   // blocks are independent: many rows (a prefill) split over the threads
   at::parallel_for(0, num_blocks, 512, [&](int64_t b0, int64_t b1) {
@@ -283,7 +286,6 @@ QuantizedRows quantize_rows(const X* x, int64_t M, int64_t K) {
     r.dsum[b] = d * float(sum_q);
   }
   });
-  return r;
 }
 
 // Where a repacked row keeps its parts: nb blocks' scales (fp16), their offsets (Q4_1, fp16),
@@ -1157,6 +1159,46 @@ at::Tensor dequantize_weight(const at::Tensor& w_in, at::ScalarType dtype) {
   return out;
 }
 
+namespace {
+
+// out [M, N] (contiguous, bf16 or fp32) = x (contiguous [M, K], bf16 or fp32) @ w^T on the int8
+// dot products: x quantized per block of 32 into the thread's one QuantizedRows, then
+// decode_rows
+void int8_rows_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, QType type) {
+  thread_local QuantizedRows xq;
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (x.scalar_type() == at::kBFloat16)
+    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, xq);
+  else
+    quantize_rows(x.data_ptr<float>(), M, K, xq);
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
+  with_qtype(type, [&](auto t) {
+    constexpr QType T = decltype(t)::value;
+    if (out.scalar_type() == at::kBFloat16)
+      decode_rows<T>(xq, M, K, wp, N, out.data_ptr<at::BFloat16>());
+    else
+      decode_rows<T>(xq, M, K, wp, N, out.data_ptr<float>());
+  });
+}
+
+}  // namespace
+
+bool quant_linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
+                       std::optional<at::ScalarType> numerics) {
+  if (w.scalar_type() != at::kChar || w.dim() != 3 || !w.is_contiguous()) return false;
+  const QType type = qtype_of(w.size(2), true);
+  const int64_t N = w.size(0), K = w.size(1) * values_per_block(type), M = x.size(0);
+  if (x.dim() != 2 || x.size(1) != K || !x.is_contiguous() || M == 0 ||
+      (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16) ||
+      M > int8_rows_limit(type, numerics.value_or(x.scalar_type())))
+    return false;
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
+                  out.scalar_type() == x.scalar_type(),
+              "quant_linear_into: out must be contiguous [M, N] in x's dtype");
+  int8_rows_into(out, x, w, type);
+  return true;
+}
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w_in,
                         const std::optional<at::Tensor>& bias,
                         std::optional<at::ScalarType> numerics) {
@@ -1176,16 +1218,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w_in,
   at::Tensor out = at::empty(
       {M, N}, x.options().dtype(bf16 && !bias.has_value() ? at::kBFloat16 : at::kFloat));
   if (M == 0) return out.to(x.scalar_type());
-  const QuantizedRows xq = bf16 ? quantize_rows(xc.data_ptr<at::BFloat16>(), M, K)
-                                : quantize_rows(xc.data_ptr<float>(), M, K);
-  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
-  with_qtype(type, [&](auto t) {
-    constexpr QType T = decltype(t)::value;
-    if (out.scalar_type() == at::kBFloat16)
-      decode_rows<T>(xq, M, K, wp, N, out.data_ptr<at::BFloat16>());
-    else
-      decode_rows<T>(xq, M, K, wp, N, out.data_ptr<float>());
-  });
+  int8_rows_into(out, xc, w, type);
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "quant_linear: bias must be [N]");
     out.add_(bias->to(at::kFloat).view({1, N}));
