@@ -13,6 +13,8 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
+#include <cstdint>
 #include <optional>
 #include <vector>
 
@@ -88,6 +90,31 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
 // quant_linear)
 bool quant_linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
                        std::optional<at::ScalarType> numerics = std::nullopt);
+// A team of threads running together in one OpenMP parallel region (the layer stack's decode
+// steps, llama_block.cpp), for the quantized linears between its barriers: each member's
+// share of a linear's weight rows, which members done with their own take from its far end,
+// and a spinning barrier (a parallel region's start and end cost each linear ~0.8 us on a
+// Zen 4, and its threads waited for each other at the end ~0.5-1.8 us).
+constexpr int kMaxTeam = 64;
+struct QuantTeam {
+  struct alignas(64) Share {
+    std::atomic<uint64_t> units{0};  // [first << 32 | end): not yet taken
+  };
+  alignas(64) std::atomic<int> arrived{0};
+  alignas(64) std::atomic<int> phase{0};
+  Share shares[kMaxTeam];
+  // every one of the `size` members waits here until all have come
+  void barrier(int size);
+};
+// whether quant_linear_into(out, x, w, numerics) takes an x of [rows, in_features] in dtype
+// (what quant_linear_team needs)
+bool quant_linear_into_takes(const at::Tensor& w, int64_t rows, int64_t in_features,
+                             at::ScalarType dtype, std::optional<at::ScalarType> numerics);
+// quant_linear_into's out, computed by a team: member `member` of `size`, every member calling
+// with the same out, w and x's values (x may be each member's own copy); out is whole once
+// every member has returned and they met at team.barrier
+void quant_linear_team(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
+                       QuantTeam& team, int member, int size);
 // the weight's values [N, K] in fp32 or bf16
 at::Tensor dequantize_weight(const at::Tensor& w, at::ScalarType dtype);
 // batched LoRA (lora.cpp): h [T, R] = A[slot[t]] @ x[t]; y[t] += h[t] @ B[slot[t]], B

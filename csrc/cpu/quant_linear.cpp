@@ -62,12 +62,14 @@
 #include <ATen/Parallel.h>
 #include <cpuid.h>
 #include <immintrin.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -848,9 +850,12 @@ inline void with_count(int count, F&& f) {
   }
 }
 
-template <QType T, typename O>
-void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w, int64_t N,
-                 O* out) {
+// out [M, N] = x's quantized rows xq against w's N rows, as units of weight rows: `schedule`
+// (num_units, grain, run) runs run(u0, u1) over every unit once, on whichever threads it
+// chooses (decode_rows: at::parallel_for; a running team: quant_linear_team).
+template <QType T, typename O, typename S>
+void decode_units(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                  O* out, S&& schedule) {
   const int64_t num_blocks = K / kBlock, row_bytes = K / kValues<T> * kBytes<T>;
   const int64_t num_groups = (N + kRowGroup - 1) / kRowGroup;
   // the kernel for R rows: the k-quants' runs over super-blocks, the others' over blocks
@@ -879,7 +884,7 @@ void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w
     // then the rows past the last group
     const int64_t num_pairs = QUIRE_HAS_VNNI512 ? num_whole / 2 : 0;
     const int64_t num_units = num_whole - num_pairs + (N % kGroupRows ? 1 : 0);
-    at::parallel_for(0, num_units, num_pairs ? 1 : 2, [&](int64_t u0, int64_t u1) {
+    schedule(num_units, num_pairs ? 1 : 2, [&](int64_t u0, int64_t u1) {
       // x's rows a tile at a time, each tile against all of this thread's groups (their
       // bytes stay in L2 across tiles; a tile's int8 rows stay in L1/L2 across groups)
       for (int64_t m0 = 0; m0 < M; m0 += kXRowTile) {
@@ -925,7 +930,7 @@ void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w
     });
     return;
   }
-  at::parallel_for(0, num_groups, 8, [&](int64_t g0, int64_t g1) {
+  schedule(num_groups, 8, [&](int64_t g0, int64_t g1) {
     float tmp[kRowGroup];
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n = g * kRowGroup, rows = std::min<int64_t>(kRowGroup, N - n);
@@ -943,6 +948,14 @@ void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w
         for (int64_t r = 0; r < rows; ++r) out[m * N + n + r] = O(tmp[r]);
       }
     }
+  });
+}
+
+template <QType T, typename O>
+void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                 O* out) {
+  decode_units<T>(xq, M, K, w, N, out, [](int64_t units, int64_t grain, const auto& run) {
+    at::parallel_for(0, units, grain, run);
   });
 }
 
@@ -1181,17 +1194,106 @@ void int8_rows_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, Q
   });
 }
 
+// A team member's units of a linear (decode_units' schedule): its own contiguous share first
+// (one stream a member, as parallel_for's), `grain` units at a time from the front; then the
+// other members' remaining units from their ends, one grain at a time, until none is left.
+// A share's word is exhausted when a member leaves a linear, so the next linear's store
+// cannot race with a taker (the barrier between linears orders them).
+inline uint64_t unit_range(int64_t first, int64_t end) {
+  return uint64_t(first) << 32 | uint64_t(end);
+}
+
+template <typename F>
+void team_units(QuantTeam& team, int member, int size, int64_t units, int64_t grain,
+                const F& run) {
+  std::atomic<uint64_t>& mine = team.shares[member].units;
+  mine.store(unit_range(units * member / size, units * (member + 1) / size),
+             std::memory_order_release);
+  for (uint64_t cur = mine.load(std::memory_order_acquire);;) {
+    const int64_t first = int64_t(cur >> 32), end = int64_t(cur & 0xFFFFFFFFu);
+    if (first >= end) break;
+    const int64_t n = std::min(grain, end - first);
+    if (mine.compare_exchange_weak(cur, unit_range(first + n, end), std::memory_order_acq_rel,
+                                   std::memory_order_acquire))
+      run(first, first + n);
+  }
+  for (int k = 1; k < size; ++k) {
+    std::atomic<uint64_t>& theirs = team.shares[(member + k) % size].units;
+    for (uint64_t cur = theirs.load(std::memory_order_acquire);;) {
+      const int64_t first = int64_t(cur >> 32), end = int64_t(cur & 0xFFFFFFFFu);
+      if (first >= end) break;
+      const int64_t n = std::min(grain, end - first);
+      if (theirs.compare_exchange_weak(cur, unit_range(first, end - n),
+                                       std::memory_order_acq_rel, std::memory_order_acquire))
+        run(end - n, end);
+    }
+  }
+}
+
+std::optional<QType> int8_type_for(const at::Tensor& w, int64_t M, at::ScalarType dtype,
+                                   std::optional<at::ScalarType> numerics) {
+  if (w.scalar_type() != at::kChar || w.dim() != 3 || !w.is_contiguous()) return std::nullopt;
+  const QType type = qtype_of(w.size(2), true);
+  if (M == 0 || (dtype != at::kFloat && dtype != at::kBFloat16) ||
+      M > int8_rows_limit(type, numerics.value_or(dtype)))
+    return std::nullopt;
+  return type;
+}
+
 }  // namespace
+
+void QuantTeam::barrier(int size) {
+  if (size <= 1) return;
+  const int seen = phase.load(std::memory_order_acquire);
+  if (arrived.fetch_add(1, std::memory_order_acq_rel) == size - 1) {
+    arrived.store(0, std::memory_order_relaxed);
+    phase.store(seen + 1, std::memory_order_release);
+    return;
+  }
+  // spin (a decode linear is some microseconds); past ~1 ms, a member is likely off its core
+  // (more threads than free cores): yield it the core
+  for (int spins = 0; phase.load(std::memory_order_acquire) == seen; ++spins) {
+    _mm_pause();
+    if (spins >= 1 << 14) sched_yield();
+  }
+}
+
+bool quant_linear_into_takes(const at::Tensor& w, int64_t rows, int64_t in_features,
+                             at::ScalarType dtype, std::optional<at::ScalarType> numerics) {
+  const std::optional<QType> type = int8_type_for(w, rows, dtype, numerics);
+  return type && w.size(1) * values_per_block(*type) == in_features;
+}
+
+void quant_linear_team(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
+                       QuantTeam& team, int member, int size) {
+  thread_local QuantizedRows xq;
+  const QType type = qtype_of(w.size(2), true);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (x.scalar_type() == at::kBFloat16)
+    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, xq);
+  else
+    quantize_rows(x.data_ptr<float>(), M, K, xq);
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
+  const auto schedule = [&](int64_t units, int64_t grain, const auto& run) {
+    team_units(team, member, size, units, grain, run);
+  };
+  with_qtype(type, [&](auto t) {
+    constexpr QType T = decltype(t)::value;
+    if (out.scalar_type() == at::kBFloat16)
+      decode_units<T>(xq, M, K, wp, N, out.data_ptr<at::BFloat16>(), schedule);
+    else
+      decode_units<T>(xq, M, K, wp, N, out.data_ptr<float>(), schedule);
+  });
+}
 
 bool quant_linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
                        std::optional<at::ScalarType> numerics) {
-  if (w.scalar_type() != at::kChar || w.dim() != 3 || !w.is_contiguous()) return false;
-  const QType type = qtype_of(w.size(2), true);
+  if (x.dim() != 2) return false;
+  const std::optional<QType> int8_type = int8_type_for(w, x.size(0), x.scalar_type(), numerics);
+  if (!int8_type) return false;
+  const QType type = *int8_type;
   const int64_t N = w.size(0), K = w.size(1) * values_per_block(type), M = x.size(0);
-  if (x.dim() != 2 || x.size(1) != K || !x.is_contiguous() || M == 0 ||
-      (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16) ||
-      M > int8_rows_limit(type, numerics.value_or(x.scalar_type())))
-    return false;
+  if (x.size(1) != K || !x.is_contiguous()) return false;
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
                   out.scalar_type() == x.scalar_type(),
               "quant_linear_into: out must be contiguous [M, N] in x's dtype");

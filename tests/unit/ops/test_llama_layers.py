@@ -103,6 +103,33 @@ def test_one_call_layers_on_native_gguf_blocks_are_the_per_layer_path_bit_for_bi
     assert all(len(tokens) == 12 for tokens, _ in with_stack)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_gguf_decodes_run_as_one_team_on_more_threads(stack_model_dir, tmp_path,
+                                                            monkeypatch, cpu_kernels, threads):
+    # llama_block.cpp's team path (one parallel region a layer, the linears' rows shared out
+    # between its members) takes the decode steps of an all-Q4_1 stack on two threads, not on
+    # one; either way the tokens are the per-layer path's
+    from gguf import GGMLQuantizationType
+
+    from tests.conftest import CPU_BACKEND_OF_ISA
+    from tests.unit.test_gguf_weights import write_gguf
+
+    monkeypatch.setenv("QUIRE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "stack.gguf"
+    write_gguf(stack_model_dir, path, GGMLQuantizationType.Q4_1)
+    llm = LLM(str(path), tokenizer=str(stack_model_dir), quantization="gguf",
+              dtype="bfloat16" if cpu_kernels.isa == "avx512" else "float32",
+              kernels=CPU_BACKEND_OF_ISA[cpu_kernels.isa], num_threads=threads,
+              max_num_batched_tokens=32, kv_cache_memory_bytes=1 << 24)
+    calls = cpu_kernels.ops.layer_team_calls
+    before = calls()
+    with_stack = _generate(llm)
+    assert (calls() > before) == (threads > 1)
+    assert llm.engine.reset_prefix_cache()
+    llm.engine.runner.model.layer_stack = None
+    assert _generate(llm) == with_stack
+
+
 @pytest.mark.parametrize("dtype, kernels", [("float32", "cpu"), ("bfloat16", "torch")])
 def test_layers_run_one_by_one_where_the_op_does_not_apply(stack_model_dir, dtype, kernels,
                                                           cpu_kernels):
