@@ -664,7 +664,7 @@ inline void dot_group(const uint8_t* g, int64_t block_step, int64_t nb, const in
     for (int m = 0; m < MM; ++m) sum[m] = _mm256_setzero_si256();
     if constexpr (T == QType::kQ8_0) {
 #if QUIRE_HAS_VNNI
-      // x comes offset to unsigned (q_x + 128, decode_rows' x_unsigned), so each load is one
+      // x comes offset to unsigned (q_x + 128, decode_units' x_unsigned), so each load is one
       // vpdpbusd a row of x with w as the signed side: sum (q_x + 128) w - 128 sum w, the
       // second sum once a block for all rows of x (exact in int32: 32 products of at most
       // 255 * 128 a lane)
@@ -852,7 +852,7 @@ inline void with_count(int count, F&& f) {
 
 // out [M, N] = x's quantized rows xq against w's N rows, as units of weight rows: `schedule`
 // (num_units, grain, run) runs run(u0, u1) over every unit once, on whichever threads it
-// chooses (decode_rows: at::parallel_for; a running team: quant_linear_team).
+// chooses (int8_rows_into: at::parallel_for; a running team: quant_linear_team).
 template <QType T, typename O, typename S>
 void decode_units(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                   O* out, S&& schedule) {
@@ -948,14 +948,6 @@ void decode_units(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* 
         for (int64_t r = 0; r < rows; ++r) out[m * N + n + r] = O(tmp[r]);
       }
     }
-  });
-}
-
-template <QType T, typename O>
-void decode_rows(const QuantizedRows& xq, int64_t M, int64_t K, const uint8_t* w, int64_t N,
-                 O* out) {
-  decode_units<T>(xq, M, K, w, N, out, [](int64_t units, int64_t grain, const auto& run) {
-    at::parallel_for(0, units, grain, run);
   });
 }
 
@@ -1176,8 +1168,10 @@ namespace {
 
 // out [M, N] (contiguous, bf16 or fp32) = x (contiguous [M, K], bf16 or fp32) @ w^T on the int8
 // dot products: x quantized per block of 32 into the thread's one QuantizedRows, then
-// decode_rows
-void int8_rows_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, QType type) {
+// decode_units on the units as `schedule` hands them out (int8_rows_into: at::parallel_for)
+template <typename S>
+void int8_rows_scheduled(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, QType type,
+                         const S& schedule) {
   thread_local QuantizedRows xq;
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   if (x.scalar_type() == at::kBFloat16)
@@ -1188,9 +1182,15 @@ void int8_rows_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, Q
   with_qtype(type, [&](auto t) {
     constexpr QType T = decltype(t)::value;
     if (out.scalar_type() == at::kBFloat16)
-      decode_rows<T>(xq, M, K, wp, N, out.data_ptr<at::BFloat16>());
+      decode_units<T>(xq, M, K, wp, N, out.data_ptr<at::BFloat16>(), schedule);
     else
-      decode_rows<T>(xq, M, K, wp, N, out.data_ptr<float>());
+      decode_units<T>(xq, M, K, wp, N, out.data_ptr<float>(), schedule);
+  });
+}
+
+void int8_rows_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, QType type) {
+  int8_rows_scheduled(out, x, w, type, [](int64_t units, int64_t grain, const auto& run) {
+    at::parallel_for(0, units, grain, run);
   });
 }
 
@@ -1266,24 +1266,10 @@ bool quant_linear_into_takes(const at::Tensor& w, int64_t rows, int64_t in_featu
 
 void quant_linear_team(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
                        QuantTeam& team, int member, int size) {
-  thread_local QuantizedRows xq;
-  const QType type = qtype_of(w.size(2), true);
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  if (x.scalar_type() == at::kBFloat16)
-    quantize_rows(x.data_ptr<at::BFloat16>(), M, K, xq);
-  else
-    quantize_rows(x.data_ptr<float>(), M, K, xq);
-  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
-  const auto schedule = [&](int64_t units, int64_t grain, const auto& run) {
-    team_units(team, member, size, units, grain, run);
-  };
-  with_qtype(type, [&](auto t) {
-    constexpr QType T = decltype(t)::value;
-    if (out.scalar_type() == at::kBFloat16)
-      decode_units<T>(xq, M, K, wp, N, out.data_ptr<at::BFloat16>(), schedule);
-    else
-      decode_units<T>(xq, M, K, wp, N, out.data_ptr<float>(), schedule);
-  });
+  int8_rows_scheduled(out, x, w, qtype_of(w.size(2), true),
+                      [&](int64_t units, int64_t grain, const auto& run) {
+                        team_units(team, member, size, units, grain, run);
+                      });
 }
 
 bool quant_linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
