@@ -377,6 +377,27 @@ struct LlamaStackWeights : torch::CustomClassHolder {
   }
 };
 
+// A layer's cache write and attention (q rotated, k and v as QKV gave them), their time added
+// to `timer` where given, then the next layer's K/V asked for (prefetch_kv)
+void attend_layer(at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  at::TensorList kv_caches, int64_t i, const at::Tensor& slot_mapping,
+                  const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                  const at::Tensor& seq_lens, double scale, int64_t* timer) {
+  const auto start = std::chrono::steady_clock::now();
+  at::Tensor kv_cache = kv_caches[i];
+  write_kv(kv_cache, k, v, slot_mapping);
+  paged_attention(attn, q, kv_cache, block_tables, query_start_loc, seq_lens, scale);
+  if (timer)
+    *timer += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                  std::chrono::steady_clock::now() - start).count();
+  if (i + 1 < int64_t(kv_caches.size())) prefetch_kv(kv_caches[i + 1], block_tables, seq_lens);
+}
+
+// llama_layers calls that ran team_layers, in this process (layer_team_calls: the tests')
+std::atomic<int64_t> team_calls{0};
+
+int64_t layer_team_calls() { return team_calls.load(std::memory_order_relaxed); }
+
 // A decode step's layers with every linear on the int8 GGUF path, run by one team of threads
 // (QuantTeam) from each layer's o_proj through the next layer's QKV: one OpenMP parallel region a
 // layer instead of one a linear, the members meeting at a spinning barrier after each linear
@@ -388,11 +409,6 @@ struct LlamaStackWeights : torch::CustomClassHolder {
 // embedded Q4_1 model, one request, a timer around each linear's parallel region, not kept):
 // starting and ending a region cost ~0.8 us a linear and its threads' ends were 0.5-1.8 us
 // apart.
-// llama_layers calls that ran team_layers, in this process (layer_team_calls: the tests')
-std::atomic<int64_t> team_calls{0};
-
-int64_t layer_team_calls() { return team_calls.load(std::memory_order_relaxed); }
-
 struct TeamPlan {
   int threads = 1;
   std::vector<at::Tensor> x, h, normed, act;  // each member's own, [rows, width]
@@ -459,14 +475,8 @@ at::Tensor team_layers(const at::Tensor& x_in, const at::Tensor& positions, cons
   for (int64_t i = 0; i < num_layers; ++i) {
     const at::Tensor* w = weights.data() + i * kWeightsPerLayer;
     rotary_embedding_into(b.q, b.q_rows, b.k, positions, cos, sin);
-    const auto start = std::chrono::steady_clock::now();
-    at::Tensor kv_cache = kv_caches[i];
-    write_kv(kv_cache, b.k, b.v, slot_mapping);
-    paged_attention(b.attn, b.q, kv_cache, block_tables, query_start_loc, seq_lens, scale);
-    if (timer)
-      *timer += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                    std::chrono::steady_clock::now() - start).count();
-    if (i + 1 < num_layers) prefetch_kv(kv_caches[i + 1], block_tables, seq_lens);
+    attend_layer(b.attn, b.q, b.k, b.v, kv_caches, i, slot_mapping, block_tables,
+                 query_start_loc, seq_lens, scale, timer);
     const at::Tensor* next = i + 1 < num_layers ? w + kWeightsPerLayer : nullptr;
     team_region(plan.threads, [&](int t, int n) {
       const at::Tensor& x = i == 0 ? x_in : plan.x[t];
@@ -559,16 +569,9 @@ at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, con
     auto [q, k, v] = norm_qkv_rope_lora(x, w[0], eps, w[1], w[2], bias(0), positions, cos, sin,
                                         num_heads, num_kv_heads,
                                         qkv_lora ? &*qkv_lora : nullptr, model_dtype, step);
-    const auto start = std::chrono::steady_clock::now();
-    at::Tensor kv_cache = kv_caches[i];
-    write_kv(kv_cache, k, v, slot_mapping);
     at::Tensor attn = step ? step->attn : at::empty({x.size(0), num_heads, q.size(2)}, x.options());
-    paged_attention(attn, q.contiguous(), kv_cache, block_tables, query_start_loc, seq_lens,
-                    scale);
-    if (timer)
-      *timer += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                    std::chrono::steady_clock::now() - start).count();
-    if (i + 1 < num_layers) prefetch_kv(kv_caches[i + 1], block_tables, seq_lens);
+    attend_layer(attn, q.contiguous(), k, v, kv_caches, i, slot_mapping, block_tables,
+                 query_start_loc, seq_lens, scale, timer);
     x = residual_mlp_lora(x, step ? step->attn_rows : attn.view({x.size(0), -1}), w[3], w[4],
                           bias(1), w[5], eps, w[6], w[7], bias(2), w[8], w[9], bias(3),
                           mlp_lora.empty() ? nullptr : mlp_lora.data(), tp ? &*tp : nullptr,

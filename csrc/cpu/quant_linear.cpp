@@ -73,6 +73,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -1203,30 +1204,32 @@ inline uint64_t unit_range(int64_t first, int64_t end) {
   return uint64_t(first) << 32 | uint64_t(end);
 }
 
+// One grain of a share's remaining units, from its front or its end: [first, end) taken,
+// or an empty range where none is left.
+std::pair<int64_t, int64_t> take_units(std::atomic<uint64_t>& share, int64_t grain,
+                                       bool front) {
+  for (uint64_t cur = share.load(std::memory_order_acquire);;) {
+    const int64_t first = int64_t(cur >> 32), end = int64_t(cur & 0xFFFFFFFFu);
+    if (first >= end) return {0, 0};
+    const int64_t n = std::min(grain, end - first);
+    const uint64_t rest = front ? unit_range(first + n, end) : unit_range(first, end - n);
+    if (share.compare_exchange_weak(cur, rest, std::memory_order_acq_rel,
+                                    std::memory_order_acquire))
+      return front ? std::pair{first, first + n} : std::pair{end - n, end};
+  }
+}
+
 template <typename F>
 void team_units(QuantTeam& team, int member, int size, int64_t units, int64_t grain,
                 const F& run) {
   std::atomic<uint64_t>& mine = team.shares[member].units;
   mine.store(unit_range(units * member / size, units * (member + 1) / size),
              std::memory_order_release);
-  for (uint64_t cur = mine.load(std::memory_order_acquire);;) {
-    const int64_t first = int64_t(cur >> 32), end = int64_t(cur & 0xFFFFFFFFu);
-    if (first >= end) break;
-    const int64_t n = std::min(grain, end - first);
-    if (mine.compare_exchange_weak(cur, unit_range(first + n, end), std::memory_order_acq_rel,
-                                   std::memory_order_acquire))
-      run(first, first + n);
-  }
-  for (int k = 1; k < size; ++k) {
-    std::atomic<uint64_t>& theirs = team.shares[(member + k) % size].units;
-    for (uint64_t cur = theirs.load(std::memory_order_acquire);;) {
-      const int64_t first = int64_t(cur >> 32), end = int64_t(cur & 0xFFFFFFFFu);
-      if (first >= end) break;
-      const int64_t n = std::min(grain, end - first);
-      if (theirs.compare_exchange_weak(cur, unit_range(first, end - n),
-                                       std::memory_order_acq_rel, std::memory_order_acquire))
-        run(end - n, end);
-    }
+  for (int k = 0; k < size; ++k) {  // k = 0: this member's own share, then the others'
+    std::atomic<uint64_t>& share = team.shares[(member + k) % size].units;
+    for (auto [u0, u1] = take_units(share, grain, k == 0); u0 < u1;
+         std::tie(u0, u1) = take_units(share, grain, k == 0))
+      run(u0, u1);
   }
 }
 
@@ -1274,12 +1277,11 @@ void quant_linear_team(at::Tensor& out, const at::Tensor& x, const at::Tensor& w
 
 bool quant_linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
                        std::optional<at::ScalarType> numerics) {
-  if (x.dim() != 2) return false;
-  const std::optional<QType> int8_type = int8_type_for(w, x.size(0), x.scalar_type(), numerics);
-  if (!int8_type) return false;
-  const QType type = *int8_type;
-  const int64_t N = w.size(0), K = w.size(1) * values_per_block(type), M = x.size(0);
-  if (x.size(1) != K || !x.is_contiguous()) return false;
+  if (x.dim() != 2 || !x.is_contiguous() ||
+      !quant_linear_into_takes(w, x.size(0), x.size(1), x.scalar_type(), numerics))
+    return false;
+  const QType type = qtype_of(w.size(2), true);
+  const int64_t N = w.size(0), M = x.size(0);
   TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
                   out.scalar_type() == x.scalar_type(),
               "quant_linear_into: out must be contiguous [M, N] in x's dtype");
