@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <exception>
 #include <string_view>
 #include <tuple>
 #include <utility>
@@ -404,11 +405,14 @@ int64_t layer_team_calls() { return team_calls.load(std::memory_order_relaxed); 
 // and taking each other's remaining weight rows when done with theirs. The small ops between
 // the linears run on every member at once on its own copy (x, the residual sum h, the norm's and
 // SwiGLU's outputs: some hundreds of values a row), so that no barrier waits for them; only the
-// linears' outputs are shared. Attention runs between regions as on the other path. Results:
-// the same kernels in the same order, so the same bits. Measured on a Zen 4 (2 threads, the
-// embedded Q4_1 model, one request, a timer around each linear's parallel region, not kept):
-// starting and ending a region cost ~0.8 us a linear and its threads' ends were 0.5-1.8 us
-// apart.
+// linears' outputs are shared. The whole step is one region: each layer's RoPE and cache
+// write on one member, then its attention's work items (AttentionPlan, made once a step)
+// taken by every member, where the per-layer path runs a lone short decode's attention on one
+// thread while the others wait (SmolLM2's 3 kv heads are 3 items from 32 keys on). Results:
+// the same kernels in the same order a row, so the same bits. Measured on a Zen 4 (2 threads,
+// the embedded Q4_1 model, one request, a timer around each linear's parallel region, not
+// kept): starting and ending a region cost ~0.8 us a linear and its threads' ends were
+// 0.5-1.8 us apart.
 struct TeamPlan {
   int threads = 1;
   std::vector<at::Tensor> x, h, normed, act;  // each member's own, [rows, width]
@@ -467,18 +471,48 @@ at::Tensor team_layers(const at::Tensor& x_in, const at::Tensor& positions, cons
                        StepBuffers& b, TeamPlan& plan) {
   const int64_t num_layers = int64_t(kv_caches.size());
   const std::vector<at::Tensor>& weights = stack.weights;
+  AttentionPlan attention;
+  plan_attention(attention, b.attn, b.q, kv_caches[0], block_tables, query_start_loc, seq_lens,
+                 plan.threads);
+  for (const at::Tensor& c : kv_caches)
+    TORCH_CHECK(c.sizes() == kv_caches[0].sizes() && c.dtype() == kv_caches[0].dtype() &&
+                    c.is_contiguous(),
+                "llama_layers: every layer's KV cache shaped and typed alike");
   QuantTeam team;
-  team_region(plan.threads, [&](int t, int n) {  // layer 0's norm and QKV
+  // the cache write's errors (a slot out of range), raised once the region has ended
+  std::exception_ptr error;
+  std::atomic<bool> failed{false};
+  team_region(plan.threads, [&](int t, int n) {
     rms_norm_into(plan.normed[t], x_in, weights[0], eps);
     quant_linear_team(b.qkv, plan.normed[t], weights[1], team, t, n);
-  });
-  for (int64_t i = 0; i < num_layers; ++i) {
-    const at::Tensor* w = weights.data() + i * kWeightsPerLayer;
-    rotary_embedding_into(b.q, b.q_rows, b.k, positions, cos, sin);
-    attend_layer(b.attn, b.q, b.k, b.v, kv_caches, i, slot_mapping, block_tables,
-                 query_start_loc, seq_lens, scale, timer);
-    const at::Tensor* next = i + 1 < num_layers ? w + kWeightsPerLayer : nullptr;
-    team_region(plan.threads, [&](int t, int n) {
+    for (int64_t i = 0; i < num_layers; ++i) {
+      const at::Tensor* w = weights.data() + i * kWeightsPerLayer;
+      team.barrier(n);  // QKV whole
+      const auto start = std::chrono::steady_clock::now();
+      if (t == 0) {
+        try {
+          rotary_embedding_into(b.q, b.q_rows, b.k, positions, cos, sin);
+          at::Tensor kv_cache = kv_caches[i];
+          write_kv(kv_cache, b.k, b.v, slot_mapping);
+        } catch (...) {
+          error = std::current_exception();
+          failed.store(true, std::memory_order_relaxed);
+        }
+        attention.next.store(0, std::memory_order_relaxed);
+      }
+      team.barrier(n);
+      if (failed.load(std::memory_order_relaxed)) return;
+      attend_items(attention, b.attn, b.q, kv_caches[i], block_tables, query_start_loc,
+                   seq_lens, scale);
+      if (!attention.merges.empty()) {
+        team.barrier(n);
+        if (t == 0) merge_attention(attention, b.attn);
+      }
+      team.barrier(n);
+      if (t == 0 && timer)
+        *timer += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now() - start).count();
+      if (i + 1 < num_layers) prefetch_kv(kv_caches[i + 1], block_tables, seq_lens);
       const at::Tensor& x = i == 0 ? x_in : plan.x[t];
       quant_linear_team(b.h, b.attn_rows, w[3], team, t, n);
       team.barrier(n);
@@ -490,11 +524,12 @@ at::Tensor team_layers(const at::Tensor& x_in, const at::Tensor& positions, cons
       quant_linear_team(b.out, plan.act[t], w[8], team, t, n);
       team.barrier(n);
       add_into(plan.x[t], b.out, plan.h[t]);
-      if (next == nullptr) return;
-      rms_norm_into(plan.normed[t], plan.x[t], next[0], eps);
-      quant_linear_team(b.qkv, plan.normed[t], next[1], team, t, n);
-    });
-  }
+      if (i + 1 == num_layers) return;
+      rms_norm_into(plan.normed[t], plan.x[t], w[kWeightsPerLayer], eps);
+      quant_linear_team(b.qkv, plan.normed[t], w[kWeightsPerLayer + 1], team, t, n);
+    }
+  });
+  if (error) std::rethrow_exception(error);
   return plan.x[0];
 }
 

@@ -67,6 +67,28 @@ void rotary_embedding_into(at::Tensor& q_out, const at::Tensor& q, at::Tensor& k
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                      const at::Tensor& seq_lens, double scale);
+// One step's paged attention as work items (and the merges of lone decodes' key splits), the
+// same for every layer of the step, for a team of threads (llama_block.cpp's team_layers):
+// plan_attention makes it once a step and checks what paged_attention checks (q, out and this
+// kv_cache; the step's other layers' caches must be alike); then, every layer, each member
+// runs attend_items (items taken from `next`, reset to 0 before the members start), and once
+// all are done one member runs merge_attention. Each row's result is paged_attention's, bit
+// for bit.
+struct AttentionPlan {
+  std::vector<Item> items;
+  std::vector<Merge> merges;
+  std::vector<float> parts;
+  int64_t group = 1;
+  std::atomic<int64_t> next{0};
+};
+void plan_attention(AttentionPlan& plan, const at::Tensor& out, const at::Tensor& q,
+                    const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                    const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                    int64_t threads);
+void attend_items(AttentionPlan& plan, at::Tensor& out, const at::Tensor& q,
+                  const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale);
+void merge_attention(const AttentionPlan& plan, at::Tensor& out);
 // each token's k, v [tokens, kv_heads, head_dim] into its cache slot (narrowed to its dtype)
 void write_kv(at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& slot_mapping);

@@ -296,22 +296,24 @@ void attend_item(const Item& it, const TQ* q, TQ* out, const Layout<TKV>& lay,
 
 // From this many keys on, a lone decode's kv heads go to separate items (threads).
 constexpr int64_t kSplitDecodeKeys = 128;
+// ... and in a running team (AttentionPlan), whose members wait for no wake-up, from this many:
+// SmolLM2's 3 kv heads as 3 items over 2 members from 32 keys instead of one item on one
+// member until 128
+constexpr int64_t kTeamHeadItemsFrom = 32;
 // ... and where its kv heads alone are too few to share out evenly (SmolLM2's 3 over 2
 // threads: one thread took two, the other one and then waited), each kv head's keys are split
 // into parts of at least this many, merged after (flash-decoding's split-K).
 constexpr int64_t kMinSplitKeys = 64;
 
-// The splits of one (decode, kv head): parts [first_part, first_part + num_parts), merged
-// into query row `row`'s heads of kv head `kv_head`.
-struct Merge {
-  int64_t row, kv_head, first_part, num_parts;
-};
-
 // split_keys: whether a decode's kv heads may be split over their keys (the fp32 path; an
 // instruction set's own decode kernel walks every key of an item: native_decode).
+// head_items_from: the keys from which a few decodes' kv heads are items of their own
+// (kSplitDecodeKeys where threads must be woken for them; a running team's members are
+// awake: AttentionPlan). Each kv head's rows are computed alike either way.
 std::vector<Item> make_items(const int64_t* query_start_loc, const int64_t* seq_lens,
                              int64_t num_seqs, int64_t num_kv_heads, int64_t num_threads,
-                             int64_t prefill_tile, bool split_keys, std::vector<Merge>& merges) {
+                             int64_t prefill_tile, bool split_keys, int64_t head_items_from,
+                             std::vector<Merge>& merges) {
   std::vector<Item> items;
   // A decode is one item for all its kv heads (their rows sit side by side in each slot: one
   // sweep reads them all), unless too few decodes keep the threads busy and its context is
@@ -331,10 +333,11 @@ std::vector<Item> make_items(const int64_t* query_start_loc, const int64_t* seq_
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t begin = query_start_loc[b], end = query_start_loc[b + 1];
     if (end - begin == 1) {
-      const bool split = few_decodes && seq_lens[b] >= kSplitDecodeKeys;
+      const bool split = few_decodes && seq_lens[b] >= std::min(head_items_from, kSplitDecodeKeys);
       const int64_t per_item = split ? 1 : num_kv_heads;
-      const int64_t splits =
-          split ? std::clamp<int64_t>(want_parts, 1, seq_lens[b] / kMinSplitKeys) : 1;
+      const int64_t splits = split && seq_lens[b] >= kSplitDecodeKeys
+                                 ? std::clamp<int64_t>(want_parts, 1, seq_lens[b] / kMinSplitKeys)
+                                 : 1;
       if (splits > 1) {
         // parts of whole chunks of keys, the last one the rest
         const int64_t step = (seq_lens[b] + splits - 1) / splits;
@@ -395,39 +398,67 @@ void merge_parts(const std::vector<Merge>& merges, const float* parts, TQ* out,
 }
 
 template <typename TQ, typename TKV>
+Layout<TKV> layout_of(const at::Tensor& kv_cache) {
+  const TKV* cache = kv_cache.data_ptr<TKV>();
+  return {cache, cache + kv_cache.stride(0),
+          int64_t(__builtin_ctzll(uint64_t(kv_cache.size(2)))), kv_cache.size(3),
+          kv_cache.size(4)};
+}
+
+// f(TQ{}, TKV{}) for the queries' and the cache's dtypes (checked: check_inputs)
+template <typename F>
+void with_types(const at::Tensor& q, const at::Tensor& kv_cache, const F& f) {
+  if (q.scalar_type() == at::kFloat) {
+    QUIRE_DISPATCH(kv_cache.scalar_type(), "paged_attention", f(float{}, T{}));
+    return;
+  }
+  QUIRE_DISPATCH(q.scalar_type(), "paged_attention", f(T{}, T{}));
+}
+
+template <typename TQ, typename TKV>
+void plan_typed(AttentionPlan& plan, const at::Tensor& q, const at::Tensor& kv_cache,
+                const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t threads,
+                int64_t head_items_from) {
+  const int64_t d = kv_cache.size(4), group = q.size(1) / kv_cache.size(3);
+  plan.items.clear();
+  plan.merges.clear();
+  plan.items = make_items(query_start_loc.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+                          seq_lens.size(0), kv_cache.size(3), threads,
+                          std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TKV, at::BFloat16>
+                              ? prefill_positions_per_item(d, kPrefillTile)
+                              : kPrefillTile,
+                          !native_decode<TQ, TKV>(d, group), head_items_from, plan.merges);
+  int64_t num_parts = 0;
+  for (const Merge& mg : plan.merges) num_parts += mg.num_parts;
+  plan.group = group;
+  plan.parts.resize(num_parts * group * (d + 2));
+}
+
+template <typename TQ, typename TKV>
+void attend_typed(AttentionPlan& plan, int64_t k, at::Tensor& out, const at::Tensor& q,
+                  const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
+  const Item& it = plan.items[k];
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t query_len = qsl[it.seq + 1] - qsl[it.seq];
+  const int64_t first_pos =
+      seq_lens.data_ptr<int64_t>()[it.seq] - query_len + (it.row_begin - qsl[it.seq]);
+  attend_item<TQ, TKV>(it, q.data_ptr<TQ>(), out.data_ptr<TQ>(), layout_of<TQ, TKV>(kv_cache),
+                       block_tables.data_ptr<int32_t>() + it.seq * block_tables.size(1),
+                       q.size(1), first_pos, float(scale), plan.parts.data());
+}
+
+template <typename TQ, typename TKV>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
          const at::Tensor& block_tables, const at::Tensor& query_start_loc,
          const at::Tensor& seq_lens, double scale) {
-  const int64_t num_heads = q.size(1);
-  const int64_t block_size = kv_cache.size(2);
-  const TKV* cache = kv_cache.data_ptr<TKV>();
-  const Layout<TKV> lay{cache, cache + kv_cache.stride(0),
-                        int64_t(__builtin_ctzll(uint64_t(block_size))), kv_cache.size(3),
-                        kv_cache.size(4)};
-  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int64_t table_stride = block_tables.size(1);
-  const int64_t group = num_heads / lay.num_kv_heads;
-  std::vector<Merge> merges;
-  const std::vector<Item> items =
-      make_items(qsl, lens, seq_lens.size(0), lay.num_kv_heads, at::get_num_threads(),
-                 std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TKV, at::BFloat16>
-                     ? prefill_positions_per_item(lay.head_dim, kPrefillTile)
-                     : kPrefillTile,
-                 !native_decode<TQ, TKV>(lay.head_dim, group), merges);
-  int64_t num_parts = 0;
-  for (const Merge& mg : merges) num_parts += mg.num_parts;
-  std::vector<float> parts(num_parts * group * (lay.head_dim + 2));
-  const TQ* qp = q.data_ptr<TQ>();
-  TQ* op = out.data_ptr<TQ>();
-  const int64_t num_items = int64_t(items.size());
+  AttentionPlan plan;
+  plan_typed<TQ, TKV>(plan, q, kv_cache, query_start_loc, seq_lens, at::get_num_threads(),
+                      kSplitDecodeKeys);
+  const int64_t num_items = int64_t(plan.items.size());
   const auto attend = [&](int64_t k) {
-    const Item& it = items[k];
-    const int64_t query_len = qsl[it.seq + 1] - qsl[it.seq];
-    const int64_t first_pos = lens[it.seq] - query_len + (it.row_begin - qsl[it.seq]);
-    attend_item<TQ, TKV>(it, qp, op, lay, tables + it.seq * table_stride, num_heads, first_pos,
-                         float(scale), parts.data());
+    attend_typed<TQ, TKV>(plan, k, out, q, kv_cache, block_tables, query_start_loc, seq_lens,
+                          scale);
   };
   if (num_items == 1) {  // one short decode: no team to wake for it
     attend(0);
@@ -435,7 +466,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
   }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
   for (int64_t k = 0; k < num_items; ++k) attend(k);
-  merge_parts(merges, parts.data(), op, num_heads, group, lay.head_dim);
+  merge_attention(plan, out);
 }
 
 void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
@@ -467,18 +498,44 @@ void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
 
 }  // namespace
 
+void merge_attention(const AttentionPlan& plan, at::Tensor& out) {
+  if (plan.merges.empty()) return;
+  QUIRE_DISPATCH(out.scalar_type(), "merge_attention",
+                 merge_parts(plan.merges, plan.parts.data(), out.data_ptr<T>(), out.size(1),
+                             plan.group, out.size(2)));
+}
+
+void plan_attention(AttentionPlan& plan, const at::Tensor& out, const at::Tensor& q,
+                    const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                    const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                    int64_t threads) {
+  check_inputs(out, q, kv_cache, block_tables, query_start_loc, seq_lens);
+  with_types(q, kv_cache, [&](auto tq, auto tkv) {
+    plan_typed<decltype(tq), decltype(tkv)>(plan, q, kv_cache, query_start_loc, seq_lens,
+                                            threads, kTeamHeadItemsFrom);
+  });
+}
+
+void attend_items(AttentionPlan& plan, at::Tensor& out, const at::Tensor& q,
+                  const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
+  const int64_t num_items = int64_t(plan.items.size());
+  with_types(q, kv_cache, [&](auto tq, auto tkv) {
+    for (int64_t k = plan.next.fetch_add(1, std::memory_order_relaxed); k < num_items;
+         k = plan.next.fetch_add(1, std::memory_order_relaxed))
+      attend_typed<decltype(tq), decltype(tkv)>(plan, k, out, q, kv_cache, block_tables,
+                                                query_start_loc, seq_lens, scale);
+  });
+}
+
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                      const at::Tensor& seq_lens, double scale) {
   check_inputs(out, q, kv_cache, block_tables, query_start_loc, seq_lens);
-  if (q.scalar_type() == at::kFloat) {
-    QUIRE_DISPATCH(kv_cache.scalar_type(), "paged_attention",
-                   run<float, T>(out, q, kv_cache, block_tables, query_start_loc, seq_lens,
-                                 scale));
-    return;
-  }
-  QUIRE_DISPATCH(q.scalar_type(), "paged_attention",
-                 run<T, T>(out, q, kv_cache, block_tables, query_start_loc, seq_lens, scale));
+  with_types(q, kv_cache, [&](auto tq, auto tkv) {
+    run<decltype(tq), decltype(tkv)>(out, q, kv_cache, block_tables, query_start_loc, seq_lens,
+                                     scale);
+  });
 }
 
 namespace {

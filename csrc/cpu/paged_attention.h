@@ -26,6 +26,12 @@ struct Item {
   int64_t part = -1;     // -1: the item writes its rows' output itself
 };
 
+// The splits of one (decode, kv head): parts [first_part, first_part + num_parts), merged
+// into query row `row`'s heads of kv head `kv_head`.
+struct Merge {
+  int64_t row, kv_head, first_part, num_parts;
+};
+
 template <typename TKV>
 struct Layout {
   const TKV* key_cache;  // [num_blocks, block_size, num_kv_heads, head_dim]

@@ -130,6 +130,84 @@ def test_native_gguf_decodes_run_as_one_team_on_more_threads(stack_model_dir, tm
     assert _generate(llm) == with_stack
 
 
+@pytest.fixture(scope="module")
+def three_kv_heads_gguf(tmp_path_factory, embedded_model_dir):
+    # SmolLM2's grouping at a small size: 3 kv heads of 2 query heads each, head_dim 64
+    from gguf import GGMLQuantizationType
+
+    from tests.unit.test_gguf_weights import write_gguf
+
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny-kv3"), embedded_model_dir,
+                                 hidden_size=384, num_heads=6, num_kv_heads=3, num_layers=2)
+    path = model_dir / "model-q4_1.gguf"
+    write_gguf(model_dir, path, GGMLQuantizationType.Q4_1)
+    return model_dir, path
+
+
+def _team_llm(three_kv_heads_gguf, tmp_path, monkeypatch, cpu_kernels):
+    from tests.conftest import CPU_BACKEND_OF_ISA
+
+    model_dir, path = three_kv_heads_gguf
+    monkeypatch.setenv("QUIRE_CACHE_DIR", str(tmp_path / "cache"))
+    return LLM(str(path), tokenizer=str(model_dir), quantization="gguf",
+               dtype="bfloat16" if cpu_kernels.isa == "avx512" else "float32",
+               kernels=CPU_BACKEND_OF_ISA[cpu_kernels.isa], num_threads=2,
+               max_num_batched_tokens=64, kv_cache_memory_bytes=1 << 24)
+
+
+def test_team_attention_is_the_per_layer_paths_past_every_split(three_kv_heads_gguf, tmp_path,
+                                                                monkeypatch, cpu_kernels):
+    # A lone decode on the team path: its attention's work items shared by the members, its 3
+    # kv heads as items of their own from 32 keys (one item below: 10 keys), and past 128 keys
+    # on the fp32 path each kv head's keys split in parts merged after (AVX-512 BF16's kernel
+    # walks them whole): every token and logprob the per-layer path's
+    llm = _team_llm(three_kv_heads_gguf, tmp_path, monkeypatch, cpu_kernels)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+
+    def generate():
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                for n in (10, 40, 150) for o in
+                llm.generate([{"prompt_token_ids": list(range(200, 200 + n))}], params)]
+
+    before = cpu_kernels.ops.layer_team_calls()
+    team = generate()
+    assert cpu_kernels.ops.layer_team_calls() - before >= 3 * 9  # every decode step
+    assert llm.engine.reset_prefix_cache()
+    llm.engine.runner.model.layer_stack = None
+    assert generate() == team
+
+
+def test_a_bad_cache_slot_in_the_team_is_an_error_and_the_engine_goes_on(
+        three_kv_heads_gguf, tmp_path, monkeypatch, cpu_kernels):
+    # the cache write runs inside the team's one parallel region: its error (a slot past the
+    # cache) must come out after the region as an exception, not end the process
+    import dataclasses
+
+    llm = _team_llm(three_kv_heads_gguf, tmp_path, monkeypatch, cpu_kernels)
+    model = llm.engine.runner.model
+    stack, seen = model.layer_stack, []
+
+    def recording(x, positions, kv_caches, meta, **kwargs):
+        if x.shape[0] == 1:
+            seen.append((x.clone(), positions.clone(), kv_caches, meta))
+        return stack(x, positions, kv_caches, meta, **kwargs)
+
+    model.layer_stack = recording
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(300, 340))}
+    first = llm.generate([prompt], params)[0].outputs[0].token_ids
+    model.layer_stack = stack
+    x, positions, kv_caches, meta = seen[-1]
+    num_slots = kv_caches[0].shape[1] * kv_caches[0].shape[2]
+    bad = dataclasses.replace(meta, slot_mapping=torch.tensor([num_slots + 5]))
+    before = cpu_kernels.ops.layer_team_calls()
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        stack(x, positions, kv_caches, bad)
+    assert cpu_kernels.ops.layer_team_calls() == before + 1  # it was the team path
+    assert llm.engine.reset_prefix_cache()
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == first
+
+
 @pytest.mark.parametrize("dtype, kernels", [("float32", "cpu"), ("bfloat16", "torch")])
 def test_layers_run_one_by_one_where_the_op_does_not_apply(stack_model_dir, dtype, kernels,
                                                           cpu_kernels):
