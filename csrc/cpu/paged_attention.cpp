@@ -307,9 +307,9 @@ constexpr int64_t kMinSplitKeys = 64;
 
 // split_keys: whether a decode's kv heads may be split over their keys (the fp32 path; an
 // instruction set's own decode kernel walks every key of an item: native_decode).
-// head_items_from: the keys from which a few decodes' kv heads are items of their own
-// (kSplitDecodeKeys where threads must be woken for them; a running team's members are
-// awake: AttentionPlan). Each kv head's rows are computed alike either way.
+// head_items_from (at most kSplitDecodeKeys): the keys from which a few decodes' kv heads are
+// items of their own (kSplitDecodeKeys where threads must be woken for them; a running team's
+// members are awake: AttentionPlan). Each kv head's rows are computed alike either way.
 std::vector<Item> make_items(const int64_t* query_start_loc, const int64_t* seq_lens,
                              int64_t num_seqs, int64_t num_kv_heads, int64_t num_threads,
                              int64_t prefill_tile, bool split_keys, int64_t head_items_from,
@@ -333,7 +333,7 @@ std::vector<Item> make_items(const int64_t* query_start_loc, const int64_t* seq_
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t begin = query_start_loc[b], end = query_start_loc[b + 1];
     if (end - begin == 1) {
-      const bool split = few_decodes && seq_lens[b] >= std::min(head_items_from, kSplitDecodeKeys);
+      const bool split = few_decodes && seq_lens[b] >= head_items_from;
       const int64_t per_item = split ? 1 : num_kv_heads;
       const int64_t splits = split && seq_lens[b] >= kSplitDecodeKeys
                                  ? std::clamp<int64_t>(want_parts, 1, seq_lens[b] / kMinSplitKeys)
@@ -420,7 +420,6 @@ void plan_typed(AttentionPlan& plan, const at::Tensor& q, const at::Tensor& kv_c
                 const at::Tensor& query_start_loc, const at::Tensor& seq_lens, int64_t threads,
                 int64_t head_items_from) {
   const int64_t d = kv_cache.size(4), group = q.size(1) / kv_cache.size(3);
-  plan.items.clear();
   plan.merges.clear();
   plan.items = make_items(query_start_loc.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                           seq_lens.size(0), kv_cache.size(3), threads,
