@@ -214,8 +214,7 @@ template <typename TQ, typename TKV>
 void attend_item(const Item& it, const TQ* q, TQ* out, const Layout<TKV>& lay,
                  const int32_t* table, int64_t num_heads, int64_t first_pos, float scale,
                  float* parts) {
-  if (it.part < 0 && attend_item_native(it, q, out, lay, table, num_heads, first_pos, scale))
-    return;
+  if (attend_item_native(it, q, out, lay, table, num_heads, first_pos, scale, parts)) return;
   alignas(64) static const TKV zeros[kMaxHeadDim] = {};
   const int64_t d = lay.head_dim;
   const int64_t group = num_heads / lay.num_kv_heads;
@@ -305,14 +304,12 @@ constexpr int64_t kTeamHeadItemsFrom = 32;
 // into parts of at least this many, merged after (flash-decoding's split-K).
 constexpr int64_t kMinSplitKeys = 64;
 
-// split_keys: whether a decode's kv heads may be split over their keys (the fp32 path; an
-// instruction set's own decode kernel walks every key of an item: native_decode).
 // head_items_from (at most kSplitDecodeKeys): the keys from which a few decodes' kv heads are
 // items of their own (kSplitDecodeKeys where threads must be woken for them; a running team's
 // members are awake: AttentionPlan). Each kv head's rows are computed alike either way.
 std::vector<Item> make_items(const int64_t* query_start_loc, const int64_t* seq_lens,
                              int64_t num_seqs, int64_t num_kv_heads, int64_t num_threads,
-                             int64_t prefill_tile, bool split_keys, int64_t head_items_from,
+                             int64_t prefill_tile, int64_t head_items_from,
                              std::vector<Merge>& merges) {
   std::vector<Item> items;
   // A decode is one item for all its kv heads (their rows sit side by side in each slot: one
@@ -328,7 +325,7 @@ std::vector<Item> make_items(const int64_t* query_start_loc, const int64_t* seq_
   const bool few_decodes = num_threads > 1 && num_decodes < 2 * num_threads;
   // parts a split kv head: enough for two items a thread over the long decodes' kv heads
   const int64_t split_heads = std::max<int64_t>(num_kv_heads * num_long, 1);
-  const int64_t want_parts = split_keys ? (2 * num_threads + split_heads - 1) / split_heads : 1;
+  const int64_t want_parts = (2 * num_threads + split_heads - 1) / split_heads;
   int64_t num_parts = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t begin = query_start_loc[b], end = query_start_loc[b + 1];
@@ -426,7 +423,7 @@ void plan_typed(AttentionPlan& plan, const at::Tensor& q, const at::Tensor& kv_c
                           std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TKV, at::BFloat16>
                               ? prefill_positions_per_item(d, kPrefillTile)
                               : kPrefillTile,
-                          !native_decode<TQ, TKV>(d, group), head_items_from, plan.merges);
+                          head_items_from, plan.merges);
   int64_t num_parts = 0;
   for (const Merge& mg : plan.merges) num_parts += mg.num_parts;
   plan.group = group;

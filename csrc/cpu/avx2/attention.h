@@ -34,17 +34,10 @@ inline int64_t prefill_positions_per_item(int64_t, int64_t fallback) { return fa
 
 inline bool attention_tiles(std::optional<bool>) { return false; }
 
-// Whether attend_item_native takes a decode of these dtypes and shape (then its kv heads are
-// never split over their keys: make_items); here never.
-template <typename TQ, typename TKV>
-constexpr bool native_decode(int64_t, int64_t) {
-  return false;
-}
-
 // No kernel of its own: every item takes the fp32 path.
 template <typename TQ, typename TKV>
 bool attend_item_native(const Item&, const TQ*, TQ*, const Layout<TKV>&, const int32_t*,
-                        int64_t, int64_t, float) {
+                        int64_t, int64_t, float, float*) {
   return false;
 }
 

@@ -63,8 +63,7 @@ inline bool attention_tiles(std::optional<bool> want) {
 #endif
 }
 
-// Whether attend_item_native takes items of these dtypes and shape: then make_items never
-// splits a decode's kv head over its keys (the native kernel walks them all).
+// Whether attend_item_native takes items of these dtypes and shape.
 template <typename TQ, typename TKV>
 bool native_decode(int64_t head_dim, int64_t group) {
   return std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TKV, at::BFloat16> &&
@@ -73,20 +72,32 @@ bool native_decode(int64_t head_dim, int64_t group) {
 
 // The bf16 kernels for a whole work item (bf16 queries and cache, head_dim a multiple of 32 up
 // to 256, at most 16 query heads per kv head); false where they do not apply, leaving the
-// item to the fp32 path.
+// item to the fp32 path. A key split (it.part >= 0: one decode's kv head, make_items) leaves
+// its rows' state in part it.part of `parts` for merge_parts, as the fp32 path does.
 template <typename TQ, typename TKV>
 bool attend_item_native(const Item& it, const TQ* q, TQ* out, const Layout<TKV>& lay,
                         const int32_t* table, int64_t num_heads, int64_t first_pos,
-                        float scale) {
+                        float scale, float* parts) {
   if constexpr (std::is_same_v<TQ, at::BFloat16> && std::is_same_v<TKV, at::BFloat16>) {
     const int64_t d = lay.head_dim, group = num_heads / lay.num_kv_heads;
     if (!native_decode<TQ, TKV>(d, group)) return false;
     const int64_t num_pos = it.row_end - it.row_begin;
     const int64_t last_pos = first_pos + num_pos - 1;
+    const bool split = it.part >= 0;
+    const int64_t key_begin = split ? it.key_begin : 0;
+    const int64_t key_end = split ? std::min(last_pos + 1, it.key_end) : last_pos + 1;
     // each key's slot, once for all kv heads
     thread_local std::vector<int64_t> offsets;
-    offsets.resize(last_pos + 1);
-    for (int64_t p = 0; p <= last_pos; ++p) offsets[p] = lay.offset(table, 0, p);
+    offsets.resize(key_end);
+    for (int64_t p = key_begin; p < key_end; ++p) offsets[p] = lay.offset(table, 0, p);
+    if (split) {
+      const int64_t row = (it.row_begin * num_heads + it.kv_begin * group) * d;
+      decode_bf16::dispatch(q + row, nullptr, int(group), d, 1, key_end, scale,
+                            lay.key_cache + it.kv_begin * d, lay.value_cache + it.kv_begin * d,
+                            offsets.data(), key_begin, key_end,
+                            parts + it.part * group * (d + 2));
+      return true;
+    }
     for (int64_t kv_head = it.kv_begin; kv_head < it.kv_end; ++kv_head) {
       const TKV* keys = lay.key_cache + kv_head * d;
       const TKV* values = lay.value_cache + kv_head * d;

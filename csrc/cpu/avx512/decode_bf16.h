@@ -140,6 +140,24 @@ struct Rows {
     }
   }
 
+  // A key split's state for merge_parts (paged_attention.cpp): the unnormalized accumulators
+  // [group, d] fp32 in dimension order, then the rows' max, then their sums
+  void finish_part(float* part) const {
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second =
+        _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    const int d = 32 * nz;
+    for (int g = 0; g < group; ++g) {
+      for (int z = 0; z < nz; ++z) {
+        float* dst = part + g * d + 32 * z;
+        _mm512_storeu_ps(dst, _mm512_permutex2var_ps(lo[g][z], first, hi[g][z]));
+        _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(lo[g][z], second, hi[g][z]));
+      }
+      part[group * d + g] = m[g];
+      part[group * (d + 1) + g] = l[g];
+    }
+  }
+
   // out: [group, d] bf16
   void finish(at::BFloat16* out) const {
     for (int g = 0; g < group; ++g) {
@@ -168,19 +186,23 @@ struct Rows {
 // layers, scripts/decode_attention_tiles.py, runs alternating with the code before this and
 // vec.h's exp_scalar): 31.7-34.7 ms a step before, 26.0-29.8 after; the same reads alone
 // take 12.6, and the kernel on keys in cache 9.
+//
+// Keys [key_begin, key_end) only where `part` is given (a key split, flash-decoding's split-K:
+// one kv head, its state left in part for merge_parts); else every key of seq_len.
 template <int G, int NZ>
 void attend(const at::BFloat16* q, at::BFloat16* out, int group_rt, int nz_rt, int num_kv,
             int64_t seq_len, float scale, const at::BFloat16* keys, const at::BFloat16* values,
-            const int64_t* offsets) {
+            const int64_t* offsets, int64_t key_begin, int64_t key_end, float* part) {
   alignas(64) static const at::BFloat16 zeros[256] = {};
   const int64_t d = 32 * (NZ > 0 ? NZ : nz_rt);
   const int64_t rows_stride = (G > 0 ? G : group_rt) * d;
   thread_local std::vector<Rows<G, NZ>> heads;
   if (int(heads.size()) < num_kv) heads.resize(num_kv);
   for (int h = 0; h < num_kv; ++h) heads[h].start(q + h * rows_stride, group_rt, nz_rt);
-  for (int64_t pos = 0; pos < seq_len; pos += 16) {
-    const int count = int(std::min<int64_t>(16, seq_len - pos));
-    const int next = int(std::min<int64_t>(16, std::max<int64_t>(0, seq_len - pos - 16)));
+  const int64_t end = part != nullptr ? key_end : seq_len;
+  for (int64_t pos = part != nullptr ? key_begin : 0; pos < end; pos += 16) {
+    const int count = int(std::min<int64_t>(16, end - pos));
+    const int next = int(std::min<int64_t>(16, std::max<int64_t>(0, end - pos - 16)));
     for (int h = 0; h < num_kv; ++h) {
       const at::BFloat16* krow[16];
       const at::BFloat16* vrow[16];
@@ -195,6 +217,10 @@ void attend(const at::BFloat16* q, at::BFloat16* out, int group_rt, int nz_rt, i
       heads[h].add_chunk(krow, vrow, count, scale, knext, vnext);
     }
   }
+  if (part != nullptr) {
+    heads[0].finish_part(part);
+    return;
+  }
   for (int h = 0; h < num_kv; ++h) heads[h].finish(out + h * rows_stride);
 }
 
@@ -208,6 +234,8 @@ struct DecodeArgs {
   const at::BFloat16* keys;
   const at::BFloat16* values;
   const int64_t* offsets;
+  int64_t key_begin = 0, key_end = 0;
+  float* part = nullptr;  // a key split's state (attend)
 };
 
 template <typename Kernel, int G, int NZ>
@@ -238,15 +266,16 @@ struct Vectors {
   template <int G, int NZ>
   static void run(const DecodeArgs& a) {
     attend<G, NZ>(a.q, a.out, a.group, a.nz, a.num_kv, a.seq_len, a.scale, a.keys, a.values,
-                  a.offsets);
+                  a.offsets, a.key_begin, a.key_end, a.part);
   }
 };
 
 inline void dispatch(const at::BFloat16* q, at::BFloat16* out, int group, int64_t d, int num_kv,
                      int64_t seq_len, float scale, const at::BFloat16* keys,
-                     const at::BFloat16* values, const int64_t* offsets) {
-  dispatch_shape<Vectors>(
-      {q, out, group, int(d / 32), num_kv, seq_len, scale, keys, values, offsets});
+                     const at::BFloat16* values, const int64_t* offsets,
+                     int64_t key_begin = 0, int64_t key_end = 0, float* part = nullptr) {
+  dispatch_shape<Vectors>({q, out, group, int(d / 32), num_kv, seq_len, scale, keys, values,
+                           offsets, key_begin, key_end, part});
 }
 
 }  // namespace QUIRE_NS::decode_bf16

@@ -159,8 +159,8 @@ def test_team_attention_is_the_per_layer_paths_past_every_split(three_kv_heads_g
                                                                 monkeypatch, cpu_kernels):
     # A lone decode on the team path: its attention's work items shared by the members, its 3
     # kv heads as items of their own from 32 keys (one item below: 10 keys), and past 128 keys
-    # on the fp32 path each kv head's keys split in parts merged after (AVX-512 BF16's kernel
-    # walks them whole): every token and logprob the per-layer path's
+    # each kv head's keys split in parts merged after (on AVX-512 BF16's kernel and on the
+    # fp32 path): every token and logprob the per-layer path's
     llm = _team_llm(three_kv_heads_gguf, tmp_path, monkeypatch, cpu_kernels)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
 
