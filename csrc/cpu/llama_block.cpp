@@ -378,6 +378,13 @@ struct LlamaStackWeights : torch::CustomClassHolder {
   }
 };
 
+// the nanoseconds since `start` added to `timer` where given (the step profiler's attention)
+inline void add_elapsed(int64_t* timer, std::chrono::steady_clock::time_point start) {
+  if (timer)
+    *timer += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                  std::chrono::steady_clock::now() - start).count();
+}
+
 // A layer's cache write and attention (q rotated, k and v as QKV gave them), their time added
 // to `timer` where given, then the next layer's K/V asked for (prefetch_kv)
 void attend_layer(at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -388,9 +395,7 @@ void attend_layer(at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, co
   at::Tensor kv_cache = kv_caches[i];
   write_kv(kv_cache, k, v, slot_mapping);
   paged_attention(attn, q, kv_cache, block_tables, query_start_loc, seq_lens, scale);
-  if (timer)
-    *timer += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                  std::chrono::steady_clock::now() - start).count();
+  add_elapsed(timer, start);
   if (i + 1 < int64_t(kv_caches.size())) prefetch_kv(kv_caches[i + 1], block_tables, seq_lens);
 }
 
@@ -509,9 +514,7 @@ at::Tensor team_layers(const at::Tensor& x_in, const at::Tensor& positions, cons
         if (t == 0) merge_attention(attention, b.attn);
       }
       team.barrier(n);
-      if (t == 0 && timer)
-        *timer += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                      std::chrono::steady_clock::now() - start).count();
+      if (t == 0) add_elapsed(timer, start);
       if (i + 1 < num_layers) prefetch_kv(kv_caches[i + 1], block_tables, seq_lens);
       const at::Tensor& x = i == 0 ? x_in : plan.x[t];
       quant_linear_team(b.h, b.attn_rows, w[3], team, t, n);

@@ -29,13 +29,20 @@ constexpr int kMaxZ = 8;        // head_dim / 32, head_dim up to 256
 // The interleave permutes dimensions within 128-bit lanes: lane i of lo holds dimension
 // 8 * (i / 4) + i % 4 of the slice, of hi that plus 4. One permute per 16 dimensions undoes
 // it; one conversion rounds as at::BFloat16 does (to nearest even).
-inline void store_slice(__m512 lo, __m512 hi, __m512 inv, at::BFloat16* out) {
+// A slice's lo and hi accumulators as its dimensions 0-15 (a) and 16-31 (b), in order.
+inline void slice_in_order(__m512 lo, __m512 hi, __m512& a, __m512& b) {
   const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
   const __m512i second =
       _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-  const __m512 a = _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), inv);
-  const __m512 b = _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), inv);
-  _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  a = _mm512_permutex2var_ps(lo, first, hi);
+  b = _mm512_permutex2var_ps(lo, second, hi);
+}
+
+inline void store_slice(__m512 lo, __m512 hi, __m512 inv, at::BFloat16* out) {
+  __m512 a, b;
+  slice_in_order(lo, hi, a, b);
+  _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(b, inv),
+                                                         _mm512_mul_ps(a, inv)));
 }
 
 // Scores [group][16] of the rows against the chunk's key rows (lanes past count are 0),
@@ -143,15 +150,13 @@ struct Rows {
   // A key split's state for merge_parts (paged_attention.cpp): the unnormalized accumulators
   // [group, d] fp32 in dimension order, then the rows' max, then their sums
   void finish_part(float* part) const {
-    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-    const __m512i second =
-        _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
     const int d = 32 * nz;
     for (int g = 0; g < group; ++g) {
       for (int z = 0; z < nz; ++z) {
-        float* dst = part + g * d + 32 * z;
-        _mm512_storeu_ps(dst, _mm512_permutex2var_ps(lo[g][z], first, hi[g][z]));
-        _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(lo[g][z], second, hi[g][z]));
+        __m512 a, b;
+        slice_in_order(lo[g][z], hi[g][z], a, b);
+        _mm512_storeu_ps(part + g * d + 32 * z, a);
+        _mm512_storeu_ps(part + g * d + 32 * z + 16, b);
       }
       part[group * d + g] = m[g];
       part[group * (d + 1) + g] = l[g];
