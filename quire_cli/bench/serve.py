@@ -14,8 +14,11 @@ same times:
   requests that add a unique question; groups interleave in a shuffled order.
 - ``no_sharing``: the same number and lengths of prompts, every one unique (the control).
 - ``hot_prefix``: one system prompt on ``hot_share`` (80%) of the requests, the others unique
-  prompts of the same length: at a rate above one engine's capacity, pure cache affinity
-  piles the hot prefix onto one engine, and least-loaded recomputes it everywhere.
+  prompts of the same length, or (``other_prompts`` > 0) each on one of that many other
+  system prompts with a question of its own: at a rate above one engine's capacity, pure
+  cache affinity piles the hot prefix onto one engine, and least-loaded recomputes prefixes
+  wherever the load sends them. With unique others, their own prefill sets the TTFT p90
+  (a fifth of the requests, each a whole prompt to compute on some engine).
 
 With ``num_routers`` above one, that many router replicas share the traffic (request ``i``
 through replica ``i mod N``); each holds its own index from every engine's KV events.
@@ -82,8 +85,10 @@ def _hot_prefix_prompts(cfg: ServeBenchConfig, rng: random.Random, vocab_size: i
     hot = _draw(rng, vocab_size, cfg.system_prompt_len)
     num_hot = round(cfg.hot_share * cfg.num_requests)
     prompts = [tuple(hot + _draw(rng, vocab_size, cfg.question_len)) for _ in range(num_hot)]
-    prompts += [tuple(_draw(rng, vocab_size, cfg.prompt_len))
-                for _ in range(cfg.num_requests - num_hot)]
+    others = [_draw(rng, vocab_size, cfg.system_prompt_len) for _ in range(cfg.other_prompts)]
+    for i in range(cfg.num_requests - num_hot):
+        prompts.append(tuple(others[i % len(others)] + _draw(rng, vocab_size, cfg.question_len))
+                       if others else tuple(_draw(rng, vocab_size, cfg.prompt_len)))
     rng.shuffle(prompts)
     return prompts
 

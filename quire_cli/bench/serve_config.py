@@ -30,6 +30,8 @@ class ServeBenchConfig:
     question_len: int = 32
     output_len: int = 32
     hot_share: float = 0.8  # hot_prefix: share of requests that carry the one system prompt
+    # hot_prefix: system prompts the other requests share (0: every other prompt unique)
+    other_prompts: int = 0
     num_routers: int = 1  # router replicas sharing the traffic (each subscribes to every engine)
     request_rate: float = 1.0
     repeats: int = 1  # runs of every (workload, policy), the policy order rotated each time
@@ -70,6 +72,7 @@ class ServeBenchConfig:
                              f"got {self.request_rate}")
         if not 0.0 <= self.hot_share <= 1.0:
             raise ValueError(f"hot_share: must be in [0, 1], got {self.hot_share}")
+        require_at_least(self, ("other_prompts",), minimum=0)
         if not 1 <= self.num_routers <= 16:
             raise ValueError(f"num_routers: must be in [1, 16], got {self.num_routers}")
         require_at_least(self, ("light_idle_requests",))
@@ -146,11 +149,14 @@ SERVE_HELP = {
     "num_engines": "engine processes (each gets cpu_count // num_engines threads)",
     "policies": "comma-separated routing policies to compare",
     "workloads": "comma-separated: shared_prefix, no_sharing, hot_prefix (one system prompt on "
-                 "--hot-share of the requests, the rest unique), two_tenants (one tenant floods "
+                 "--hot-share of the requests, the rest unique or on --other-prompts others), two_tenants (one tenant floods "
                  "while another sends a request every --light-interval-s), restart (an engine "
                  "killed and restarted under shared-prefix traffic: hit rate per window, "
                  "recovery, client errors)",
     "hot_share": "hot_prefix: share of the requests that carry the one hot system prompt",
+    "other_prompts": "hot_prefix: the other requests carry one of this many other system "
+                     "prompts (each with its own question) instead of a unique prompt "
+                     "(0: unique, nothing of them cached anywhere)",
     "num_routers": "router replicas; request i goes through replica i mod N, and every "
                    "replica subscribes to every engine's KV events and load",
     "flood_rate": "two_tenants: the heavy tenant's Poisson arrival rate (requests/s)",

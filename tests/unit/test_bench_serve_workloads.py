@@ -20,8 +20,26 @@ def test_hot_prefix_puts_one_system_prompt_on_its_share_of_requests():
     assert make_workload("hot_prefix", cfg, vocab_size=49152, seed=3) == workload
 
 
+def test_hot_prefix_other_requests_share_other_system_prompts_when_asked():
+    cfg = ServeBenchConfig(num_groups=4, prompts_per_group=10, system_prompt_len=64,
+                           question_len=8, hot_share=0.8, other_prompts=3)
+    workload = make_workload("hot_prefix", cfg, vocab_size=49152, seed=3)
+    assert len(workload.prompts) == 40 and {len(p) for p in workload.prompts} == {72}
+    heads = [p[:64] for p in workload.prompts]
+    hot = max(set(heads), key=heads.count)
+    others = sorted(heads.count(h) for h in set(heads) if h != hot)
+    assert heads.count(hot) == 32 and others == [2, 3, 3]  # 8 others over 3 system prompts
+    assert len({p[64:] for p in workload.prompts}) == 40  # every question its own
+    # the unique-prompt workload is what it was without the setting
+    plain = make_workload("hot_prefix", ServeBenchConfig(
+        num_groups=4, prompts_per_group=10, system_prompt_len=64, question_len=8),
+        vocab_size=49152, seed=3)
+    assert len({p[:64] for p in plain.prompts}) == 1 + 8
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"hot_share": 1.5}, "hot_share"), ({"num_routers": 0}, "num_routers"),
+    ({"other_prompts": -1}, "other_prompts"),
     ({"workloads": "hot"}, "workloads"), ({"repeats": 0}, "repeats")])
 def test_bad_settings_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
