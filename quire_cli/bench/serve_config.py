@@ -149,10 +149,10 @@ SERVE_HELP = {
     "num_engines": "engine processes (each gets cpu_count // num_engines threads)",
     "policies": "comma-separated routing policies to compare",
     "workloads": "comma-separated: shared_prefix, no_sharing, hot_prefix (one system prompt on "
-                 "--hot-share of the requests, the rest unique or on --other-prompts others), two_tenants (one tenant floods "
-                 "while another sends a request every --light-interval-s), restart (an engine "
-                 "killed and restarted under shared-prefix traffic: hit rate per window, "
-                 "recovery, client errors)",
+                 "--hot-share of the requests, the rest unique or on --other-prompts others), "
+                 "two_tenants (one tenant floods while another sends a request every "
+                 "--light-interval-s), restart (an engine killed and restarted under "
+                 "shared-prefix traffic: hit rate per window, recovery, client errors)",
     "hot_share": "hot_prefix: share of the requests that carry the one hot system prompt",
     "other_prompts": "hot_prefix: the other requests carry one of this many other system "
                      "prompts (each with its own question) instead of a unique prompt "
