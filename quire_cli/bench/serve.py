@@ -85,10 +85,14 @@ def _hot_prefix_prompts(cfg: ServeBenchConfig, rng: random.Random, vocab_size: i
     hot = _draw(rng, vocab_size, cfg.system_prompt_len)
     num_hot = round(cfg.hot_share * cfg.num_requests)
     prompts = [tuple(hot + _draw(rng, vocab_size, cfg.question_len)) for _ in range(num_hot)]
-    others = [_draw(rng, vocab_size, cfg.system_prompt_len) for _ in range(cfg.other_prompts)]
-    for i in range(cfg.num_requests - num_hot):
-        prompts.append(tuple(others[i % len(others)] + _draw(rng, vocab_size, cfg.question_len))
-                       if others else tuple(_draw(rng, vocab_size, cfg.prompt_len)))
+    num_others = cfg.num_requests - num_hot
+    if cfg.other_prompts:
+        others = [_draw(rng, vocab_size, cfg.system_prompt_len)
+                  for _ in range(cfg.other_prompts)]
+        prompts += [tuple(others[i % len(others)] + _draw(rng, vocab_size, cfg.question_len))
+                    for i in range(num_others)]
+    else:
+        prompts += [tuple(_draw(rng, vocab_size, cfg.prompt_len)) for _ in range(num_others)]
     rng.shuffle(prompts)
     return prompts
 
