@@ -84,6 +84,9 @@ class RouterMetrics:
                                 ["engine", "code"], registry=r)
         self.retries = Counter("quire_router_retries", "Requests retried on another engine "
                                "after a failure before the first token", ["engine"], registry=r)
+        self.migrations = Counter("quire_router_migrations", "Streams moved to another engine "
+                                  "after their engine failed mid-way (router.resume)",
+                                  ["engine"], registry=r)
         self.placement_s = Histogram("quire_router_placement_seconds",
                                      "Hashing, index lookup and scoring per placement",
                                      buckets=PLACEMENT_BUCKETS_S, registry=r)

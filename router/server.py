@@ -40,6 +40,8 @@ from router.errors import RETRYABLE_CODES, abort_with
 from router.lora_adapters import AdapterSources, load_everywhere, unload_everywhere
 from router.metrics import DecisionRecord, RouterMetrics
 from router.pool import EnginePool, ModelIdentity, PromptHashes
+from router.resume import (as_continued, continuation, last_message, max_tokens_left,
+                           resume_refusal)
 from router.tenants import TenantTable
 
 if TYPE_CHECKING:
@@ -226,6 +228,10 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
         session_key = self._session_key(context)
         tried: set[str] = self._unable("generate") | lacking
         last_error: BaseException | None = None
+        sending = forward  # the request as the current attempt sends it
+        refusal = resume_refusal(forward)  # None: a stream that fails mid-way can move
+        generated: list[int] = []  # token ids relayed to the client (when it can move)
+        started = False  # the client has had a message
         for attempt in range(1, self.max_attempts + 1):
             placed = time.perf_counter()
             try:
@@ -251,20 +257,25 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
                     await abort_with(context, _adapter_load_error(request.lora_name, e))
                     return
             stream = self.pool.generate(
-                engine_id, forward, block_hashes=prompt.hashes,
+                engine_id, sending, block_hashes=prompt.hashes,
                 num_uncached_tokens=len(prompt.token_ids) - decision.predicted_cached_tokens,
                 timeout_s=context.time_remaining(), metadata=span.metadata if span else ())
-            relayed = False
+            moved, earlier = sending is not forward, len(generated)  # relayed before
             try:
                 async for message in stream:
-                    if not relayed:
-                        relayed = True
+                    if not started:
+                        started = True
                         await context.send_initial_metadata(
                             ((ENGINE_ID_METADATA, engine_id),))
                         self.metrics.ttft_s.observe(time.perf_counter() - received)
                         admission.started()
                         if span is not None:
                             span.first_message(engine_id)
+                    if moved:
+                        as_continued(message, len(forward.token_ids.ids), earlier)
+                    if refusal is None:
+                        for delta in message.outputs:
+                            generated += delta.token_ids
                     if message.HasField("usage"):
                         admission.generated(message.usage.completion_tokens)
                         self.metrics.observe_usage(record, message.usage.cached_tokens)
@@ -277,19 +288,52 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
             except grpc.aio.AioRpcError as e:
                 record.outcome = e.code().name
                 self.metrics.requests.labels(engine_id, e.code().name).inc()
-                if relayed or e.code() not in RETRYABLE_CODES:
+                if e.code() not in RETRYABLE_CODES or (started and refusal is not None):
+                    if started and refusal is not None and e.code() in RETRYABLE_CODES:
+                        logger.warning("request %r: engine %s failed mid-stream (%s); not "
+                                       "moved to another engine: %s", forward.request_id,
+                                       engine_id, e.code().name, refusal)
                     await abort_with(context, e)
                     return
-                logger.warning("request %r: engine %s failed before its first message (%s); "
-                               "trying another", forward.request_id, engine_id,
-                               e.code().name)
-                self.metrics.retries.labels(engine_id).inc()
-                if span is not None:
-                    span.retried(engine_id, e.code().name)
+                if started:
+                    if max_tokens_left(forward, generated, self.limits.max_tokens) == 0:
+                        # every token was relayed: only the message that ends it was lost
+                        done = last_message(forward.request_id, len(forward.token_ids.ids),
+                                            len(generated))
+                        admission.generated(done.usage.completion_tokens)
+                        yield done
+                        return
+                    logger.warning("request %r: engine %s failed after %d tokens (%s); "
+                                   "going on on another engine", forward.request_id,
+                                   engine_id, len(generated), e.code().name)
+                    self.metrics.migrations.labels(engine_id).inc()
+                    if span is not None:
+                        span.migrated(engine_id, e.code().name, len(generated))
+                    sending = continuation(forward, forward.token_ids.ids, generated,
+                                           self.limits.max_tokens)
+                    prompt = self._continued_prompt(prompt, sending, request)
+                else:
+                    logger.warning("request %r: engine %s failed before its first message "
+                                   "(%s); trying another", forward.request_id, engine_id,
+                                   e.code().name)
+                    self.metrics.retries.labels(engine_id).inc()
+                    if span is not None:
+                        span.retried(engine_id, e.code().name)
                 last_error = e
             finally:
                 await stream.aclose()
         await abort_with(context, last_error)
+
+    def _continued_prompt(self, prompt: RoutedPrompt, sending: pb.GenerateRequest,
+                          request: pb.GenerateRequest) -> RoutedPrompt:
+        """``prompt`` grown by the tokens a moved stream already has, hashed for placement
+        (the engines holding the original prompt's blocks are found again)."""
+        identity = self.identity
+        if identity is None:  # the pool lost its model meanwhile: place as before
+            return prompt
+        sizes = self.pool.block_sizes() | {identity.block_size}
+        return self._route_prompt(identity, tuple(sending.token_ids.ids),
+                                  request.cache_salt or None, sizes, prompt.lora_name)
 
     def _lacking_adapter(self, lora_name: str) -> set[str]:
         """Engines the request's LoRA adapter cannot run on (none for the base model): those

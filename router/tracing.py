@@ -73,6 +73,14 @@ class RouterSpan:
                                       "rpc.grpc.status_code": code,
                                       "quire.routing.attempt": self._attempts})
 
+    def migrated(self, engine_id: str, code: str, num_tokens: int) -> None:
+        """The stream's engine failed after ``num_tokens`` relayed tokens; it goes on
+        elsewhere (router.resume)."""
+        self.span.add_event("migration", {"quire.routing.engine_id": engine_id,
+                                          "rpc.grpc.status_code": code,
+                                          "quire.routing.attempt": self._attempts,
+                                          "gen_ai.usage.output_tokens": num_tokens})
+
     def first_message(self, engine_id: str) -> None:
         self.span.add_event("first_message", {"quire.routing.engine_id": engine_id})
 

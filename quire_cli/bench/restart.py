@@ -15,9 +15,10 @@ Reported (``restart`` in the run): the hit rate (cached / prompt tokens of the r
 each ``restart_window_s`` window), the steady hit rate (the requests sent in the second half
 before the kill), when the kill, the new process and its return to the router's pool happened,
 the lowest window after the kill, the first window (after the kill, and after the return) whose
-hit rate is at least 90% of the steady one, and the client-visible errors: those whose stream broke after
-tokens had arrived (a stream cannot move once relayed) and those before any token (a retry on
-the other engine could have served them: the target is none), with the router's retries.
+hit rate is at least 90% of the steady one, and the client-visible errors: those before any
+token and those whose stream broke after tokens had arrived (the target is none of either: the
+router retries the first on the other engine and moves the second there, ``router.resume``),
+with the router's retries and moved streams.
 """
 
 from __future__ import annotations
@@ -94,13 +95,15 @@ async def measure_restart(engines, policy: str, cfg, seed: int) -> dict:
             results = await traffic()
             await restarter
             duration_s = time.perf_counter() - t0
-        retries = sum(s.value for metric in router.metrics.retries.collect()
-                      for s in metric.samples if s.name.endswith("_total"))
+        retries, migrations = (sum(s.value for metric in counter.collect()
+                                   for s in metric.samples if s.name.endswith("_total"))
+                               for counter in (router.metrics.retries,
+                                               router.metrics.migrations))
         placement_us = [d.placement_us for d in decisions.latest(decisions.capacity)]
     return {"policy": policy, "workload": "restart",
             **summarize(results, engines.engine_ids, placement_us, duration_s),
             "restart": restart_report(results, events, cfg.restart_window_s, retries,
-                                      engines.engine_ids[victim]),
+                                      engines.engine_ids[victim], migrations),
             "requests": [_row(r) for r in results]}
 
 
@@ -137,7 +140,7 @@ def _hit_rate(results) -> float | None:
 
 
 def restart_report(results, events: dict[str, float], window_s: float, retries: float,
-                   victim: str) -> dict:
+                   victim: str, migrations: float = 0) -> dict:
     killed, rejoined = events["killed_s"], events["rejoined_s"]
     steady = _hit_rate([r for r in results if killed / 2 <= r.sent_s < killed])
     windows = hit_rate_windows(results, window_s)
@@ -170,6 +173,7 @@ def restart_report(results, events: dict[str, float], window_s: float, retries: 
         "client_errors_before_tokens": len(failed) - len(after_tokens),
         "errors": sorted({r.error or f"unfinished ({r.finish_reason})" for r in failed})[:5],
         "router_retries": int(retries),
+        "router_migrations": int(migrations),
     }
 
 
@@ -190,5 +194,5 @@ def print_restart(run: dict) -> None:
           f"{num(s['recovered_s_after_return'])}s after the return; client errors "
           f"{s['client_errors']} ({s['client_errors_before_tokens']} before any token, "
           f"{s['client_errors_after_tokens']} mid-stream), router retries "
-          f"{s['router_retries']}")
+          f"{s['router_retries']}, streams moved {s['router_migrations']}")
     print(f"restart: hit rate per {s['window_s']:g}s window: {rates}")
