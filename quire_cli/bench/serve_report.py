@@ -208,6 +208,10 @@ def write_plot(path: Path, runs: list[dict], title: str | None = None) -> bool:
             (ax_hit, "Prefix cache hit rate (engine-reported)", "cached / prompt tokens")):
         ax.set(title=title, ylabel=ylabel, xticks=range(len(workloads)), xticklabels=workloads)
         ax.legend(fontsize="small")
+    restarts = [r for r in runs if r.get("restart")]
+    if restarts:  # a restart run's hit rate is a time line, not one bar
+        ax_hit.clear()
+        _plot_restart(ax_hit, restarts)
     _plot_shares(ax_share, runs)
     fig.savefig(path, dpi=120)
     return True
@@ -224,6 +228,26 @@ def _median_runs(runs: list[dict]) -> dict[tuple[str, str], dict]:
                 "output_token_throughput": m["output_token_throughput"],
                 "cache_hit_rate": m["cache_hit_rate"]}
     return out
+
+
+def _plot_restart(ax, runs: list[dict]) -> None:
+    """Hit rate per window of sending time, with when the engine was killed, listened again
+    and served in the router again (the first run's events as lines)."""
+    for k, run in enumerate(runs):
+        s = run["restart"]
+        half = s["window_s"] / 2
+        points = [(w["start_s"] + half, w["hit_rate"]) for w in s["windows"]
+                  if w["hit_rate"] is not None]
+        ax.plot([x for x, _ in points], [y for _, y in points], marker="o", color=f"C{k}",
+                label=f"{run['policy']}" + (f" #{run['repeat']}" if run.get("repeat") else ""))
+        if s["steady_hit_rate"] is not None:
+            ax.axhline(s["steady_hit_rate"], color=f"C{k}", alpha=0.3, linestyle=":")
+    events = runs[0]["restart"]["events_s"]
+    for (name, t), style in zip(events.items(), ("-", "--", "-.")):
+        ax.axvline(t, color="black", alpha=0.5, linestyle=style, label=name.removesuffix("_s"))
+    ax.set(title="Restart: prefix cache hit rate per window (engine-reported)",
+           xlabel="request sent at (s)", ylabel="cached / prompt tokens", ylim=(0, 1.05))
+    ax.legend(fontsize="small")
 
 
 def _plot_shares(ax, runs: list[dict]) -> None:
