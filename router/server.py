@@ -4,8 +4,10 @@ Per request: tokenize once (off the event loop; token-id prompts pass through), 
 prompt's full blocks exactly as the engines do (cache salt included), ask the pool how much of
 the prompt each engine holds, let the balancer pick, then forward the request *as token ids*
 and relay the stream. An engine that fails before its first message is retried on another one
-(bounded, within the deadline); once a message was relayed the request is never replayed, since
-the client already has tokens. Cancelling the client call cancels the upstream call, which
+(bounded, within the deadline); once tokens were relayed the request is never replayed from the
+start, since the client already has them: the stream goes on on another engine from the next
+token (``router.resume``), where nothing but those tokens carries the state of the completion.
+Cancelling the client call cancels the upstream call, which
 aborts the request on the engine. The chosen engine is sent back as the initial metadata
 ``quire-engine-id``, and every placement is kept in the decision log. With tracing on, each
 request also gets a span (``router.tracing``) whose context goes to the engine as metadata.
