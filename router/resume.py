@@ -51,14 +51,14 @@ def max_tokens_left(request: pb.GenerateRequest, generated: Sequence[int],
     return max(limit - len(generated), 0) if limit else None
 
 
-def continuation(request: pb.GenerateRequest, prompt: Sequence[int],
-                 generated: Sequence[int], default_max_tokens: int = 0) -> pb.GenerateRequest:
-    """``request`` going on after ``generated`` (its prompt token ids ``prompt``): those
-    tokens become prompt, the token budgets shrink by as many (``max_tokens_left``), and the
-    prompt's logprobs (sent with the first message) are not asked for again."""
+def continuation(request: pb.GenerateRequest, generated: Sequence[int],
+                 default_max_tokens: int = 0) -> pb.GenerateRequest:
+    """``request`` (a token-id prompt) going on after ``generated``: those tokens become
+    prompt, the token budgets shrink by as many (``max_tokens_left``), and the prompt's
+    logprobs (sent with the first message) are not asked for again."""
     out = pb.GenerateRequest()
     out.CopyFrom(request)
-    out.token_ids.ids[:] = [*prompt, *generated]
+    out.token_ids.ids.extend(generated)
     s = out.sampling
     left = max_tokens_left(request, generated, default_max_tokens)
     if left is not None:

@@ -275,9 +275,8 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
                             span.first_message(engine_id)
                     if moved:
                         as_continued(message, len(forward.token_ids.ids), earlier)
-                    if refusal is None:
-                        for delta in message.outputs:
-                            generated += delta.token_ids
+                    if refusal is None and message.outputs:  # one completion (n <= 1)
+                        generated += message.outputs[0].token_ids
                     if message.HasField("usage"):
                         admission.generated(message.usage.completion_tokens)
                         self.metrics.observe_usage(record, message.usage.cached_tokens)
@@ -290,14 +289,16 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
             except grpc.aio.AioRpcError as e:
                 record.outcome = e.code().name
                 self.metrics.requests.labels(engine_id, e.code().name).inc()
-                if e.code() not in RETRYABLE_CODES or (started and refusal is not None):
-                    if started and refusal is not None and e.code() in RETRYABLE_CODES:
-                        logger.warning("request %r: engine %s failed mid-stream (%s); not "
-                                       "moved to another engine: %s", forward.request_id,
-                                       engine_id, e.code().name, refusal)
+                if e.code() not in RETRYABLE_CODES:
                     await abort_with(context, e)
                     return
                 if started:
+                    if refusal is not None:
+                        logger.warning("request %r: engine %s failed mid-stream (%s); not "
+                                       "moved to another engine: %s", forward.request_id,
+                                       engine_id, e.code().name, refusal)
+                        await abort_with(context, e)
+                        return
                     if max_tokens_left(forward, generated, self.limits.max_tokens) == 0:
                         # every token was relayed: only the message that ends it was lost
                         done = last_message(forward.request_id, len(forward.token_ids.ids),
@@ -311,9 +312,12 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
                     self.metrics.migrations.labels(engine_id).inc()
                     if span is not None:
                         span.migrated(engine_id, e.code().name, len(generated))
-                    sending = continuation(forward, forward.token_ids.ids, generated,
-                                           self.limits.max_tokens)
-                    prompt = self._continued_prompt(prompt, sending, request)
+                    sending = continuation(forward, generated, self.limits.max_tokens)
+                    try:  # hashed afresh: the engines holding its blocks are found again
+                        prompt = await self.prepare(sending)
+                    except NoEndpointError as no_model:
+                        await abort_with(context, no_model)
+                        return
                 else:
                     logger.warning("request %r: engine %s failed before its first message "
                                    "(%s); trying another", forward.request_id, engine_id,
@@ -325,17 +329,6 @@ class RouterServicer(engine_pb2_grpc.EngineServiceServicer):
             finally:
                 await stream.aclose()
         await abort_with(context, last_error)
-
-    def _continued_prompt(self, prompt: RoutedPrompt, sending: pb.GenerateRequest,
-                          request: pb.GenerateRequest) -> RoutedPrompt:
-        """``prompt`` grown by the tokens a moved stream already has, hashed for placement
-        (the engines holding the original prompt's blocks are found again)."""
-        identity = self.identity
-        if identity is None:  # the pool lost its model meanwhile: place as before
-            return prompt
-        sizes = self.pool.block_sizes() | {identity.block_size}
-        return self._route_prompt(identity, tuple(sending.token_ids.ids),
-                                  request.cache_salt or None, sizes, prompt.lora_name)
 
     def _lacking_adapter(self, lora_name: str) -> set[str]:
         """Engines the request's LoRA adapter cannot run on (none for the base model): those

@@ -39,7 +39,7 @@ def test_an_empty_structured_outputs_message_is_no_grammar():
 
 def test_the_continuation_takes_the_tokens_as_prompt_and_shrinks_the_budgets():
     request = _request(max_tokens=10, min_tokens=4, prompt_logprobs=1, temperature=0.5)
-    out = continuation(request, [5, 6, 7], [11, 12, 13])
+    out = continuation(request, [11, 12, 13])
     assert list(out.token_ids.ids) == [5, 6, 7, 11, 12, 13]
     assert (out.sampling.max_tokens, out.sampling.min_tokens) == (7, 1)
     assert not out.sampling.HasField("prompt_logprobs")
@@ -49,13 +49,13 @@ def test_the_continuation_takes_the_tokens_as_prompt_and_shrinks_the_budgets():
 
 
 def test_min_tokens_already_met_become_zero():
-    out = continuation(_request(max_tokens=10, min_tokens=2), [5], [1, 2, 3])
+    out = continuation(_request(max_tokens=10, min_tokens=2), [1, 2, 3])
     assert out.sampling.min_tokens == 0 and out.sampling.HasField("min_tokens")
 
 
 def test_an_unset_max_tokens_stays_unset_unless_the_router_caps_it():
-    assert not continuation(_request(), [5], [1, 2]).sampling.HasField("max_tokens")
-    assert continuation(_request(), [5], [1, 2], default_max_tokens=8).sampling.max_tokens == 6
+    assert not continuation(_request(), [1, 2]).sampling.HasField("max_tokens")
+    assert continuation(_request(), [1, 2], default_max_tokens=8).sampling.max_tokens == 6
 
 
 @pytest.mark.parametrize("sampling, default, generated, left", [
