@@ -28,7 +28,7 @@ from engine_worker.backends.base import SamplingKernels
 from engine_worker.grammar import GrammarBitmask
 from engine_worker.lora.manager import LoRAManager
 from engine_worker.model_runner.graphs import CudaGraphDecoder
-from engine_worker.model_runner.inputs import build_step_inputs
+from engine_worker.model_runner.inputs import DecodeInputs, build_step_inputs
 from engine_worker.model_runner.sampling_inputs import (build_sampling_metadata,
                                                          changes_with_tokens)
 from engine_worker.platform import to_device, to_host
@@ -111,6 +111,9 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         # the last step's sampling rows and their metadata, while it can be reused
         self._last_sampling: tuple[list, SamplingMetadata] | None = None
+        # a decode-only step's inputs, filled in place (on the CPU, where nothing reads a
+        # step's inputs after it: a GPU's copies are queued, so there they are made anew)
+        self._decode_inputs = DecodeInputs() if device.type == "cpu" else None
 
     # ------------------------------------------------------------------ state updates
     def _apply_diffs(self, out: SchedulerOutput) -> None:
@@ -189,8 +192,12 @@ class ModelRunner:
         if step is not None:
             return self.graphs.run(step), list(range(len(states)))
         lora = None if token_slots is None else self.lora.batch(token_slots)
-        input_ids, positions, meta, query_starts = build_step_inputs(states, counts,
-                                                                     self.block_size, self.device)
+        if self._decode_inputs is not None and all(n == 1 for n in counts):
+            input_ids, positions, meta, query_starts = self._decode_inputs.build(
+                states, self.block_size)
+        else:
+            input_ids, positions, meta, query_starts = build_step_inputs(
+                states, counts, self.block_size, self.device)
         if lora is None:
             return self.model(input_ids, positions, self.kv_caches, meta), query_starts
         return self.model(input_ids, positions, self.kv_caches, meta, lora), query_starts

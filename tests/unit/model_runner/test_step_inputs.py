@@ -9,8 +9,8 @@ import random
 
 import torch
 
-from engine_worker.model_runner.inputs import (build_step_inputs, decode_step_inputs,
-                                               mixed_step_inputs)
+from engine_worker.model_runner.inputs import (DecodeInputs, build_step_inputs,
+                                               decode_step_inputs, mixed_step_inputs)
 from engine_worker.model_runner.runner import ModelRunner, RunnerRequestState
 from engine_worker.sampling_params import SamplingParams
 
@@ -58,6 +58,40 @@ def test_decode_inputs_equal_the_mixed_builders():
         p = s.num_computed_tokens
         assert ids[-1].item() == s.token_ids[p]
         assert meta.slot_mapping[-1].item() == s.block_ids[p // BLOCK] * BLOCK + p % BLOCK
+
+
+def _assert_same_step(got, want) -> None:
+    ids, positions, meta, starts = got
+    _assert_same((ids, positions, starts), want[:2] + (want[3],))
+    for field in meta.__slots__:
+        _assert_same(getattr(meta, field), getattr(want[2], field))
+
+
+def test_decode_inputs_kept_across_steps_equal_a_fresh_build():
+    """The buffers filled in place give, step after step, what a fresh build gives: as the
+    requests advance (across block boundaries, where the tables widen), as requests come and
+    go (the rows change), and when a table is replaced by a shorter one."""
+    rng = random.Random(4)
+    kept = DecodeInputs()
+    states = [_state(rng, i) for i in range(3)]
+    for step in range(80):
+        if step == 20:
+            states.append(_state(rng, 3))
+        if step == 40:
+            del states[0]
+        if step == 60:  # a table sent anew (e.g. after rejected drafts), shorter than before
+            s = states[0]
+            s.num_computed_tokens = 5
+            s.block_ids = s.block_ids[:1]
+        for s in states:  # the next token: a block more where the position starts one
+            if s.num_computed_tokens // BLOCK >= len(s.block_ids):
+                s.block_ids.append(rng.randrange(1, 1000))
+            while len(s.token_ids) <= s.num_computed_tokens:
+                s.token_ids.append(rng.randrange(50_000))
+        got = kept.build(states, BLOCK)
+        _assert_same_step(got, decode_step_inputs(states, BLOCK, CPU))
+        for s in states:
+            s.num_computed_tokens += 1
 
 
 def test_a_step_with_a_prefill_takes_the_mixed_builder():
