@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <exception>
 #include <string_view>
 #include <tuple>
@@ -536,7 +537,7 @@ at::Tensor team_layers(const at::Tensor& x_in, const at::Tensor& positions, cons
   return plan.x[0];
 }
 
-at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& cos,
+at::Tensor stack_layers(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& cos,
                         const at::Tensor& sin, const c10::intrusive_ptr<LlamaStackWeights>& stack,
                         at::TensorList kv_caches, const at::Tensor& slot_mapping,
                         const at::Tensor& block_tables, const at::Tensor& query_start_loc,
@@ -618,6 +619,62 @@ at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& positions, con
   return x;
 }
 
+// A decode step's ends, folded into the call where the model asks (LlamaModel.forward): the
+// input rows looked up in the embedding table (in the table's dtype, widened to the
+// activations' where they differ, as the table's .to() would), and the final norm applied to
+// the output in the table's dtype. The same kernels and roundings as the Python ops they
+// replace (an embedding lookup, then rms_norm on the stack's output rounded to the model's
+// dtype), so the same bits; what goes is two ops' dispatch from Python, which inside a decode
+// loop (caches cold from the streamed weights) cost 60-80 us a step on a Zen 4.
+at::Tensor embedding_rows(const at::Tensor& ids, const at::Tensor& table) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && table.dim() == 2 &&
+                  table.is_contiguous(),
+              "llama_layers: embed_ids [tokens] int64 and a contiguous embed_table [vocab, hidden]");
+  const int64_t n = ids.size(0), vocab = table.size(0), hidden = table.size(1);
+  at::Tensor rows = at::empty({n, hidden}, table.options());
+  const at::Tensor ids_c = ids.contiguous();  // (kept: the pointer below reads it)
+  const int64_t* id = ids_c.data_ptr<int64_t>();
+  const int64_t row_bytes = hidden * table.element_size();
+  const char* from = static_cast<const char*>(table.data_ptr());
+  char* to = static_cast<char*>(rows.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < vocab, "llama_layers: token id ", id[i],
+                " outside the embedding table's ", vocab, " rows");
+    std::memcpy(to + i * row_bytes, from + id[i] * row_bytes, size_t(row_bytes));
+  }
+  return rows;
+}
+
+at::Tensor llama_layers(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                        const at::Tensor& sin, const c10::intrusive_ptr<LlamaStackWeights>& stack,
+                        at::TensorList kv_caches, const at::Tensor& slot_mapping,
+                        const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                        const at::Tensor& seq_lens, double eps, double scale, int64_t num_heads,
+                        int64_t num_kv_heads, at::TensorList lora_weights,
+                        const std::optional<at::Tensor>& lora_slots,
+                        const std::optional<at::Tensor>& attention_ns,
+                        const std::optional<at::Tensor>& tp_segment,
+                        const std::optional<at::Tensor>& tp_state,
+                        std::optional<at::ScalarType> model_dtype,
+                        const std::optional<at::Tensor>& embed_ids,
+                        const std::optional<at::Tensor>& embed_table,
+                        const std::optional<at::Tensor>& final_norm) {
+  TORCH_CHECK(embed_ids.has_value() == embed_table.has_value(),
+              "llama_layers: embed_ids and embed_table come together");
+  at::Tensor x_in = x;
+  if (embed_table.has_value()) {
+    x_in = embedding_rows(*embed_ids, *embed_table);
+    if (x_in.scalar_type() != kActivationType) x_in = x_in.to(kActivationType);
+  }
+  at::Tensor out = stack_layers(x_in, positions, cos, sin, stack, kv_caches, slot_mapping,
+                                block_tables, query_start_loc, seq_lens, eps, scale, num_heads,
+                                num_kv_heads, lora_weights, lora_slots, attention_ns, tp_segment,
+                                tp_state, model_dtype);
+  if (!final_norm.has_value()) return out;
+  if (out.scalar_type() != final_norm->scalar_type()) out = out.to(final_norm->scalar_type());
+  return rms_norm(out, *final_norm, eps);
+}
+
 }  // namespace
 
 #define QUIRE_STRINGIFY_(x) #x
@@ -632,7 +689,8 @@ TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
         "Tensor query_start_loc, Tensor seq_lens, float eps, float scale, int num_heads, "
         "int num_kv_heads, Tensor[] lora_weights, Tensor? lora_slots, "
         "Tensor(b!)? attention_ns=None, Tensor(c!)? tp_segment=None, Tensor(d!)? tp_state=None, "
-        "ScalarType? model_dtype=None) -> Tensor");
+        "ScalarType? model_dtype=None, Tensor? embed_ids=None, Tensor? embed_table=None, "
+        "Tensor? final_norm=None) -> Tensor");
   // how many llama_layers calls so far ran as one team (team_layers)
   m.def("layer_team_calls() -> int", &layer_team_calls);
   m.def("norm_qkv_rope(Tensor x, Tensor norm_weight, float eps, Tensor qkv_skinny, "

@@ -295,9 +295,17 @@ class OneCallLayers:
         return lora.ops.b_rank_major and lora.dtype == self.activation_dtype \
             and len(lora.a) == len(self.stack.layers)
 
+    # the step's ends run inside the call where the model hands them over (``ends``)
+    folds_ends = True
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  meta: AttentionMetadata, attention_ns: torch.Tensor | None = None,
-                 lora: LoRABatch | None = None) -> torch.Tensor:
+                 lora: LoRABatch | None = None,
+                 ends: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``ends``: (embedding table, final norm weight), in the model's dtype: ``x`` is then
+        the step's token ids, looked up in the table inside the call, and the output is the
+        final norm's (what ``LlamaModel.forward`` would compute around the call, the same
+        bits, without two ops' dispatch from Python a step)."""
         # attention_ns (int64 [1]): the op adds its cache-write and attention time to it
         stack = self.stack
         lora_weights: list[torch.Tensor] = []
@@ -307,6 +315,14 @@ class OneCallLayers:
                             for w in (a[p], b[p])]
             lora_slots = lora.groups.token_slots
         tp = stack.tp_all_reduce
+        if ends is not None:
+            table, norm = ends
+            return self.llama_layers(
+                x, positions, self.cos, self.sin, self.weights, kv_caches, meta.slot_mapping,
+                meta.block_tables, meta.query_start_loc, meta.seq_lens, stack.rms_norm_eps,
+                stack.attention_scale, stack.num_heads, stack.num_kv_heads, lora_weights,
+                lora_slots, attention_ns, None if tp is None else tp.segment,
+                None if tp is None else tp.state, self.model_dtype, x, table, norm)
         dtype = x.dtype  # (a dtype test costs less than a no-op .to() where caches are cold)
         if dtype != self.activation_dtype or not x.is_contiguous():
             x = x.to(self.activation_dtype).contiguous()

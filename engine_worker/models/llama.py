@@ -227,6 +227,8 @@ class LlamaForCausalLM(nn.Module):
         # the loader's other form of a tied embedding for the logits (a GGUF's blocks), if any
         self.tied_logits_weight: torch.Tensor | None = None
         self.layer_stack: LayersFn | None = None  # every layer in one call, where the backend can
+        # (embedding table, final norm weight) where the stack runs the step's ends as well
+        self._stack_ends: tuple[torch.Tensor, torch.Tensor] | None = None
         vocab_rows = self.shard.vocab_per_rank
         # the loader assigns the table: nothing to initialise (a random init on the meta
         # device still runs through torch's decompositions, whose first use imports
@@ -252,6 +254,11 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]
         stage = self.stage
         if stage.num_stages == 1:
+            stack = self.layer_stack  # (a test may take it away after the load)
+            if self._stack_ends is not None and getattr(stack, "folds_ends", False) and (
+                    lora is None or stack_takes_lora(stack, lora)):
+                return stack(input_ids, positions, kv_caches, meta, lora=lora,
+                             ends=self._stack_ends)
             return self.norm(self._layers(self._embed(input_ids), positions, kv_caches, meta,
                                           lora))
         num_tokens = input_ids.shape[0]
@@ -353,6 +360,15 @@ class LlamaForCausalLM(nn.Module):
         # one call over this stage's layers, where the backend fuses them (under tensor
         # parallelism: where its fused call can run the all-reduces between them too)
         self.layer_stack = self.backend.fuse(self.export())
+        # the embedding lookup and the final norm inside the stack's call, where it runs them
+        # exactly as forward would around it: the whole model on this rank (no vocabulary
+        # split, no pipeline stages), the table and the norm in one dtype the norm's kernel
+        # takes (RMSNorm's own kernel would otherwise decide)
+        table, norm = self.embed_tokens.weight, self.norm.weight
+        if getattr(self.layer_stack, "folds_ends", False) and self.stage.num_stages == 1 \
+                and not self.shard.is_split and table.is_contiguous() \
+                and table.dtype == norm.dtype and table.device.type == "cpu":
+            self._stack_ends = (table.detach(), norm.detach())
 
     def export(self) -> LlamaStack:
         """The decoder layers' loaded (and packed) weights and shapes, as plain data."""

@@ -62,6 +62,8 @@ def test_one_call_layers_are_the_per_layer_path_bit_for_bit(tmp_path_factory,
               kv_cache_memory_bytes=1 << 24)
     model = llm.engine.runner.model
     assert model.layer_stack is not None
+    # the embedding lookup and the final norm run inside the stack's call (the folded ends)
+    assert model._stack_ends is not None
     qkv = model.layers[0].self_attn.qkv_proj
     assert (qkv.bias is not None) == (arch == "qwen2" or attention_bias)
     assert (model.layers[0].self_attn.o_proj.bias is not None) == attention_bias
@@ -94,7 +96,7 @@ def test_one_call_layers_on_native_gguf_blocks_are_the_per_layer_path_bit_for_bi
               kernels=CPU_BACKEND_OF_ISA[cpu_kernels.isa], max_num_batched_tokens=32,
               kv_cache_memory_bytes=1 << 24)
     model = llm.engine.runner.model
-    assert model.layer_stack is not None
+    assert model.layer_stack is not None and model._stack_ends is not None
     with_stack = _generate(llm)
     assert llm.engine.reset_prefix_cache()
     model.layer_stack = None
