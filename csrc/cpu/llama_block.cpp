@@ -629,7 +629,8 @@ at::Tensor stack_layers(const at::Tensor& x_in, const at::Tensor& positions, con
 at::Tensor embedding_rows(const at::Tensor& ids, const at::Tensor& table) {
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && table.dim() == 2 &&
                   table.is_contiguous(),
-              "llama_layers: embed_ids [tokens] int64 and a contiguous embed_table [vocab, hidden]");
+              "llama_layers: embed_ids [tokens] int64 and a contiguous embed_table "
+              "[vocab, hidden]");
   const int64_t n = ids.size(0), vocab = table.size(0), hidden = table.size(1);
   at::Tensor rows = at::empty({n, hidden}, table.options());
   const at::Tensor ids_c = ids.contiguous();  // (kept: the pointer below reads it)
