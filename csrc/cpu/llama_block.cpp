@@ -537,8 +537,45 @@ at::Tensor team_layers(const at::Tensor& x_in, const at::Tensor& positions, cons
   return plan.x[0];
 }
 
-at::Tensor stack_layers(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& cos,
-                        const at::Tensor& sin, const c10::intrusive_ptr<LlamaStackWeights>& stack,
+// A step's ends, folded into the call where the model asks (LlamaModel.forward): the
+// input rows looked up in the embedding table (in the table's dtype, widened to the
+// activations' where they differ, as the table's .to() would), and the final norm applied to
+// the output in the table's dtype. The same kernels and roundings as the Python ops they
+// replace (an embedding lookup, then rms_norm on the stack's output rounded to the model's
+// dtype), so the same bits; what goes is two ops' dispatch from Python, which inside a decode
+// loop (caches cold from the streamed weights) cost 60-80 us a step on a Zen 4.
+at::Tensor embedding_rows(const at::Tensor& ids, const at::Tensor& table) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && table.dim() == 2 &&
+                  table.is_contiguous(),
+              "llama_layers: embed_ids [tokens] int64 and a contiguous embed_table "
+              "[vocab, hidden]");
+  const int64_t n = ids.size(0), vocab = table.size(0), hidden = table.size(1);
+  at::Tensor rows = at::empty({n, hidden}, table.options());
+  const at::Tensor ids_c = ids.contiguous();  // (kept: the pointer below reads it)
+  const int64_t* id = ids_c.data_ptr<int64_t>();
+  const int64_t row_bytes = hidden * table.element_size();
+  const char* from = static_cast<const char*>(table.data_ptr());
+  char* to = static_cast<char*>(rows.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < vocab, "llama_layers: token id ", id[i],
+                " outside the embedding table's ", vocab, " rows");
+    std::memcpy(to + i * row_bytes, from + id[i] * row_bytes, size_t(row_bytes));
+  }
+  return rows;
+}
+
+// the final norm where the call runs it, in its weight's dtype (the model's)
+at::Tensor finish_step(at::Tensor out, const std::optional<at::Tensor>& final_norm, double eps) {
+  if (!final_norm.has_value()) return out;
+  if (out.scalar_type() != final_norm->scalar_type()) out = out.to(final_norm->scalar_type());
+  return rms_norm(out, *final_norm, eps);
+}
+
+// Every decoder layer in one call; with embed_ids / embed_table / final_norm (the step's ends,
+// above), x_or_ids is a placeholder and the call runs from token ids to the final norm's output.
+at::Tensor llama_layers(const at::Tensor& x_or_ids, const at::Tensor& positions,
+                        const at::Tensor& cos, const at::Tensor& sin,
+                        const c10::intrusive_ptr<LlamaStackWeights>& stack,
                         at::TensorList kv_caches, const at::Tensor& slot_mapping,
                         const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                         const at::Tensor& seq_lens, double eps, double scale, int64_t num_heads,
@@ -547,7 +584,15 @@ at::Tensor stack_layers(const at::Tensor& x_in, const at::Tensor& positions, con
                         const std::optional<at::Tensor>& attention_ns,
                         const std::optional<at::Tensor>& tp_segment,
                         const std::optional<at::Tensor>& tp_state,
-                        std::optional<at::ScalarType> model_dtype) {
+                        std::optional<at::ScalarType> model_dtype,
+                        const std::optional<at::Tensor>& embed_ids,
+                        const std::optional<at::Tensor>& embed_table,
+                        const std::optional<at::Tensor>& final_norm) {
+  TORCH_CHECK(embed_ids.has_value() == embed_table.has_value(),
+              "llama_layers: embed_ids and embed_table come together");
+  const at::Tensor x_in = embed_table.has_value()
+                              ? embedding_rows(*embed_ids, *embed_table).to(kActivationType)
+                              : x_or_ids;
   const int64_t num_layers = int64_t(kv_caches.size());
   const std::vector<at::Tensor>& weights = stack->weights;
   TORCH_CHECK(int64_t(weights.size()) == num_layers * kWeightsPerLayer,
@@ -581,9 +626,10 @@ at::Tensor stack_layers(const at::Tensor& x_in, const at::Tensor& positions, con
     std::optional<TeamPlan> plan = team_plan(x_in, *stack, num_layers, model_dtype, *step);
     if (plan) {
       team_calls.fetch_add(1, std::memory_order_relaxed);
-      return team_layers(x_in, positions, cos, sin, *stack, kv_caches, slot_mapping,
-                         block_tables, query_start_loc, seq_lens, eps, scale, timer, *step,
-                         *plan);
+      return finish_step(team_layers(x_in, positions, cos, sin, *stack, kv_caches, slot_mapping,
+                                     block_tables, query_start_loc, seq_lens, eps, scale,
+                                     timer, *step, *plan),
+                         final_norm, eps);
     }
   }
   at::Tensor x = x_in;
@@ -616,64 +662,7 @@ at::Tensor stack_layers(const at::Tensor& x_in, const at::Tensor& positions, con
                           mlp_lora.empty() ? nullptr : mlp_lora.data(), tp ? &*tp : nullptr,
                           model_dtype, step);
   }
-  return x;
-}
-
-// A decode step's ends, folded into the call where the model asks (LlamaModel.forward): the
-// input rows looked up in the embedding table (in the table's dtype, widened to the
-// activations' where they differ, as the table's .to() would), and the final norm applied to
-// the output in the table's dtype. The same kernels and roundings as the Python ops they
-// replace (an embedding lookup, then rms_norm on the stack's output rounded to the model's
-// dtype), so the same bits; what goes is two ops' dispatch from Python, which inside a decode
-// loop (caches cold from the streamed weights) cost 60-80 us a step on a Zen 4.
-at::Tensor embedding_rows(const at::Tensor& ids, const at::Tensor& table) {
-  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && table.dim() == 2 &&
-                  table.is_contiguous(),
-              "llama_layers: embed_ids [tokens] int64 and a contiguous embed_table "
-              "[vocab, hidden]");
-  const int64_t n = ids.size(0), vocab = table.size(0), hidden = table.size(1);
-  at::Tensor rows = at::empty({n, hidden}, table.options());
-  const at::Tensor ids_c = ids.contiguous();  // (kept: the pointer below reads it)
-  const int64_t* id = ids_c.data_ptr<int64_t>();
-  const int64_t row_bytes = hidden * table.element_size();
-  const char* from = static_cast<const char*>(table.data_ptr());
-  char* to = static_cast<char*>(rows.data_ptr());
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < vocab, "llama_layers: token id ", id[i],
-                " outside the embedding table's ", vocab, " rows");
-    std::memcpy(to + i * row_bytes, from + id[i] * row_bytes, size_t(row_bytes));
-  }
-  return rows;
-}
-
-at::Tensor llama_layers(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
-                        const at::Tensor& sin, const c10::intrusive_ptr<LlamaStackWeights>& stack,
-                        at::TensorList kv_caches, const at::Tensor& slot_mapping,
-                        const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                        const at::Tensor& seq_lens, double eps, double scale, int64_t num_heads,
-                        int64_t num_kv_heads, at::TensorList lora_weights,
-                        const std::optional<at::Tensor>& lora_slots,
-                        const std::optional<at::Tensor>& attention_ns,
-                        const std::optional<at::Tensor>& tp_segment,
-                        const std::optional<at::Tensor>& tp_state,
-                        std::optional<at::ScalarType> model_dtype,
-                        const std::optional<at::Tensor>& embed_ids,
-                        const std::optional<at::Tensor>& embed_table,
-                        const std::optional<at::Tensor>& final_norm) {
-  TORCH_CHECK(embed_ids.has_value() == embed_table.has_value(),
-              "llama_layers: embed_ids and embed_table come together");
-  at::Tensor x_in = x;
-  if (embed_table.has_value()) {
-    x_in = embedding_rows(*embed_ids, *embed_table);
-    if (x_in.scalar_type() != kActivationType) x_in = x_in.to(kActivationType);
-  }
-  at::Tensor out = stack_layers(x_in, positions, cos, sin, stack, kv_caches, slot_mapping,
-                                block_tables, query_start_loc, seq_lens, eps, scale, num_heads,
-                                num_kv_heads, lora_weights, lora_slots, attention_ns, tp_segment,
-                                tp_state, model_dtype);
-  if (!final_norm.has_value()) return out;
-  if (out.scalar_type() != final_norm->scalar_type()) out = out.to(final_norm->scalar_type());
-  return rms_norm(out, *final_norm, eps);
+  return finish_step(x, final_norm, eps);
 }
 
 }  // namespace
