@@ -315,23 +315,20 @@ class OneCallLayers:
                             for w in (a[p], b[p])]
             lora_slots = lora.groups.token_slots
         tp = stack.tp_all_reduce
-        if ends is not None:
-            table, norm = ends
-            return self.llama_layers(
-                x, positions, self.cos, self.sin, self.weights, kv_caches, meta.slot_mapping,
-                meta.block_tables, meta.query_start_loc, meta.seq_lens, stack.rms_norm_eps,
-                stack.attention_scale, stack.num_heads, stack.num_kv_heads, lora_weights,
-                lora_slots, attention_ns, None if tp is None else tp.segment,
-                None if tp is None else tp.state, self.model_dtype, x, table, norm)
-        dtype = x.dtype  # (a dtype test costs less than a no-op .to() where caches are cold)
-        if dtype != self.activation_dtype or not x.is_contiguous():
-            x = x.to(self.activation_dtype).contiguous()
+        ids = table = norm = None
+        if ends is not None:  # x is the step's token ids; the call returns the final norm's
+            ids, (table, norm) = x, ends
+            dtype = norm.dtype
+        else:
+            dtype = x.dtype  # (a dtype test costs less than a no-op .to() where caches are cold)
+            if dtype != self.activation_dtype or not x.is_contiguous():
+                x = x.to(self.activation_dtype).contiguous()
         out = self.llama_layers(
             x, positions, self.cos, self.sin, self.weights, kv_caches, meta.slot_mapping,
             meta.block_tables, meta.query_start_loc, meta.seq_lens, stack.rms_norm_eps,
             stack.attention_scale, stack.num_heads, stack.num_kv_heads, lora_weights,
             lora_slots, attention_ns, None if tp is None else tp.segment,
-            None if tp is None else tp.state, self.model_dtype)
+            None if tp is None else tp.state, self.model_dtype, ids, table, norm)
         return out if out.dtype == dtype else out.to(dtype)
 
 
