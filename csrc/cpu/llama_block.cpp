@@ -35,6 +35,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -105,10 +106,11 @@ void check_x(const at::Tensor& x, const char* name) {
               " [tokens >= 1, hidden], hidden % ", kHiddenMultiple, " == 0");
 }
 
-// A decode step's activations (rows up to kFewRows), made once a llama_layers call and written
-// by every layer in turn, with the views of them that the layer takes: a layer otherwise makes
-// and frees about twenty tensors, each at::empty, narrow or view some hundreds of ns of
-// allocation and bookkeeping. Measured on a Zen 4 (2 threads, the embedded Q4_1 model, one
+// A decode step's activations (rows up to kFewRows), made once for a stack and a row count
+// (StepScratch, kept in LlamaStackWeights across calls) and written by every layer in turn,
+// with the views of them that the layer takes: a layer otherwise makes and frees about twenty
+// tensors, each at::empty, narrow or view some hundreds of ns of allocation and bookkeeping.
+// Measured on a Zen 4 (2 threads, the embedded Q4_1 model, one
 // request, a per-op timer in this file): the norms, RoPE and SwiGLU of a layer 7.3 -> 2.8 us,
 // of about 70 us a layer. `out` (down's output, then the residual sum) is the next layer's x:
 // each layer reads its x for the last time in add_rms_norm, before down writes there.
@@ -320,10 +322,13 @@ at::Tensor residual_mlp(const at::Tensor& x, const at::Tensor& attn, const at::T
 // weights past them: by the time that attention runs they are in cache instead of being
 // fetched one dependent miss at a time (single request, ~350 keys, AVX-512: attention 1.24 ->
 // 0.98 ms a step, MLP time unchanged). Skipped where they would not fit in L2 anyway
-// (kPrefetchKvMaxBytes, <isa>/attention.h).
+// (kPrefetchKvMaxBytes, <isa>/attention.h). A team's members each ask for every parts-th
+// block (`part`: the member's own): each member's share of the asking, 46-60 us a step when
+// both asked for every block, went to 20-24 (Zen 4, a phase timer in team_layers, not kept;
+// attention's time unchanged within the noise).
 
 void prefetch_kv(const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                 const at::Tensor& seq_lens) {
+                 const at::Tensor& seq_lens, int part = 0, int parts = 1) {
   // kv_cache: [2, blocks, block_size, kv_heads, head_dim]
   const int64_t num_seqs = seq_lens.size(0), block_size = kv_cache.size(2);
   const int64_t slot_bytes = kv_cache.size(3) * kv_cache.size(4) * kv_cache.element_size();
@@ -334,8 +339,10 @@ void prefetch_kv(const at::Tensor& kv_cache, const at::Tensor& block_tables,
   const char* keys = static_cast<const char*>(kv_cache.data_ptr());
   const int64_t values = kv_cache.stride(0) * kv_cache.element_size();  // V after all K
   const int32_t* tables = block_tables.data_ptr<int32_t>();
+  int64_t nth = 0;  // the blocks, dealt out to the parts in turn
   for (int64_t b = 0; b < num_seqs; ++b)
     for (int64_t pos = 0; pos < lens[b]; pos += block_size) {
+      if (nth++ % parts != part) continue;
       const int64_t block = tables[b * block_tables.size(1) + pos / block_size];
       const int64_t bytes = std::min(block_size, lens[b] - pos) * slot_bytes;
       const char* k = keys + block * block_size * slot_bytes;
@@ -360,24 +367,6 @@ void prefetch_kv(const at::Tensor& kv_cache, const at::Tensor& block_tables,
 // weights are this rank's shard and o_proj's and down's partial outputs are summed over the
 // group's ranks in shared memory, where the per-layer path calls its all-reduce.
 constexpr int64_t kWeightsPerLayer = 10, kBiasesPerLayer = 4, kLoRAPerLayer = 8;
-
-// The stack's weights and biases, handed over once when the model is loaded and held here, so
-// that a step passes one object instead of fourteen tensors a layer. Every tensor argument is
-// touched several times a call (its dispatch keys; a reference taken and dropped in Python's
-// argument list, the boxed one and the unboxed one), and inside a decode loop, where the
-// streamed weights leave every cache cold, SmolLM2's 420 cost about 0.1-0.3 ms a step (Zen 4).
-struct LlamaStackWeights : torch::CustomClassHolder {
-  std::vector<at::Tensor> weights;
-  std::vector<std::optional<at::Tensor>> biases;
-
-  LlamaStackWeights(std::vector<at::Tensor> w, const c10::List<std::optional<at::Tensor>>& b)
-      : weights(std::move(w)) {
-    TORCH_CHECK(weights.size() % kWeightsPerLayer == 0 &&
-                    b.size() == weights.size() / kWeightsPerLayer * kBiasesPerLayer,
-                "LlamaStackWeights: 10 weights and 4 biases per layer");
-    for (size_t i = 0; i < b.size(); ++i) biases.push_back(b.get(i));
-  }
-};
 
 // the nanoseconds since `start` added to `timer` where given (the step profiler's attention)
 inline void add_elapsed(int64_t* timer, std::chrono::steady_clock::time_point start) {
@@ -427,12 +416,14 @@ struct TeamPlan {
 // The team's buffers where every layer qualifies (its four linears on the int8 path for these
 // rows, no biases, the shapes and norm weights the ops inside a region would otherwise refuse
 // there, where an error cannot leave the region), else nothing: the per-linear path runs.
-std::optional<TeamPlan> team_plan(const at::Tensor& x, const LlamaStackWeights& stack,
+// (A call also needs a contiguous x and to be outside any parallel region: team_fits.)
+std::optional<TeamPlan> team_plan(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                                  const std::vector<std::optional<at::Tensor>>& biases,
                                   int64_t num_layers, std::optional<at::ScalarType> numerics,
                                   const StepBuffers& b) {
   const int threads = at::get_num_threads();
-  if (threads <= 1 || threads > kMaxTeam || num_layers == 0 || at::in_parallel_region() ||
-      !x.is_contiguous() || x.scalar_type() != kActivationType)
+  if (threads <= 1 || threads > kMaxTeam || num_layers == 0 ||
+      x.scalar_type() != kActivationType)
     return std::nullopt;
   const int64_t rows = x.size(0), hidden = x.size(1), gate_up_width = b.gate_up.size(1);
   if (hidden % Vec::kWidth != 0 || gate_up_width % (2 * Vec::kWidth) != 0) return std::nullopt;
@@ -440,9 +431,9 @@ std::optional<TeamPlan> team_plan(const at::Tensor& x, const LlamaStackWeights& 
     return n.is_contiguous() && n.numel() == hidden && n.scalar_type() == x.scalar_type();
   };
   for (int64_t i = 0; i < num_layers; ++i) {
-    const at::Tensor* w = stack.weights.data() + i * kWeightsPerLayer;
+    const at::Tensor* w = weights.data() + i * kWeightsPerLayer;
     for (int64_t j = 0; j < kBiasesPerLayer; ++j)
-      if (stack.biases[i * kBiasesPerLayer + j].has_value()) return std::nullopt;
+      if (biases[i * kBiasesPerLayer + j].has_value()) return std::nullopt;
     const auto takes = [&](const at::Tensor& q, int64_t in, int64_t out) {
       return quant_linear_into_takes(q, rows, in, x.scalar_type(), numerics) && q.size(0) == out;
     };
@@ -462,6 +453,98 @@ std::optional<TeamPlan> team_plan(const at::Tensor& x, const LlamaStackWeights& 
   return plan;
 }
 
+// what a call needs, past its plan, to run as a team
+bool team_fits(const at::Tensor& x) { return x.is_contiguous() && !at::in_parallel_region(); }
+
+// What a decode call of a row count makes and can keep for the next (a stack's steps, rows up
+// to kFewRows): its StepBuffers, and the team's buffers where the stack runs as one team
+// (team_plan's verdict: the weights do not change). Made again where the threads, dtypes or
+// shapes differ. A decode loop with the streamed weights leaving every cache cold paid 40-50
+// us a step to make them and check the layers, and then to free them (Zen 4, a timer in this
+// file, not kept; with the held KV caches the call went from 2,186 to 2,156 us a step, the
+// medians of four alternating pairs of runs, the embedded Q4_1 model, one request).
+struct StepScratch {
+  int64_t rows = -1, width = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, gate_up = 0;
+  int threads = 0;
+  at::ScalarType dtype = at::kFloat;
+  std::optional<at::ScalarType> numerics;
+  std::optional<StepBuffers> bufs;
+  std::optional<TeamPlan> plan;
+};
+
+// The stack's weights and biases, handed over once when the model is loaded and held here, so
+// that a step passes one object instead of fourteen tensors a layer. Every tensor argument is
+// touched several times a call (its dispatch keys; a reference taken and dropped in Python's
+// argument list, the boxed one and the unboxed one), and inside a decode loop, where the
+// streamed weights leave every cache cold, SmolLM2's 420 cost about 0.1-0.3 ms a step (Zen 4).
+// The KV caches the stack's layers write are handed over the same way (set_kv_caches, once;
+// a call that passes none takes them), and they stay alive while the stack holds them.
+struct LlamaStackWeights : torch::CustomClassHolder {
+  std::vector<at::Tensor> weights;
+  std::vector<std::optional<at::Tensor>> biases;
+  std::vector<at::Tensor> kv_caches;
+  std::array<StepScratch, kFewRows + 1> scratch;  // by row count
+  std::atomic<bool> scratch_busy{false};          // a call uses `scratch`
+
+  LlamaStackWeights(std::vector<at::Tensor> w, const c10::List<std::optional<at::Tensor>>& b)
+      : weights(std::move(w)) {
+    TORCH_CHECK(weights.size() % kWeightsPerLayer == 0 &&
+                    b.size() == weights.size() / kWeightsPerLayer * kBiasesPerLayer,
+                "LlamaStackWeights: 10 weights and 4 biases per layer");
+    for (size_t i = 0; i < b.size(); ++i) biases.push_back(b.get(i));
+  }
+
+  // one cache a layer, [2, blocks, block_size, kv_heads, head_dim], contiguous and alike
+  void set_kv_caches(std::vector<at::Tensor> caches) {
+    TORCH_CHECK(caches.size() * kWeightsPerLayer == weights.size(),
+                "set_kv_caches: one KV cache a layer of the stack");
+    for (const at::Tensor& c : caches)
+      TORCH_CHECK(c.dim() == 5 && c.is_contiguous() && c.sizes() == caches[0].sizes() &&
+                      c.dtype() == caches[0].dtype() && c.device() == caches[0].device(),
+                  "set_kv_caches: every layer's KV cache contiguous, shaped and typed alike");
+    kv_caches = std::move(caches);
+  }
+};
+
+// The stack's scratch for one call; a call made while another uses it (two threads on one
+// stack) gets its own, as before it was kept.
+struct ScratchLease {
+  LlamaStackWeights& stack;
+  const bool held;
+  explicit ScratchLease(LlamaStackWeights& s)
+      : stack(s), held(!s.scratch_busy.exchange(true, std::memory_order_acquire)) {}
+  ~ScratchLease() {
+    if (held) stack.scratch_busy.store(false, std::memory_order_release);
+  }
+  ScratchLease(const ScratchLease&) = delete;
+  ScratchLease& operator=(const ScratchLease&) = delete;
+};
+
+// `sc` made (again) for these rows, threads, dtypes and shapes, where it was made for others
+void prepare_scratch(StepScratch& sc, const at::Tensor& x, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, int64_t gate_up,
+                     std::optional<at::ScalarType> numerics, const LlamaStackWeights& stack,
+                     int64_t num_layers) {
+  const int threads = at::get_num_threads();
+  if (sc.rows == x.size(0) && sc.width == x.size(1) && sc.num_heads == num_heads &&
+      sc.num_kv_heads == num_kv_heads && sc.head_dim == head_dim && sc.gate_up == gate_up &&
+      sc.threads == threads && sc.dtype == x.scalar_type() && sc.numerics == numerics)
+    return;
+  sc = StepScratch{};
+  sc.bufs = step_buffers(x, num_heads, num_kv_heads, head_dim, gate_up);
+  if (sc.bufs)
+    sc.plan = team_plan(x, stack.weights, stack.biases, num_layers, numerics, *sc.bufs);
+  sc.rows = x.size(0);
+  sc.width = x.size(1);
+  sc.num_heads = num_heads;
+  sc.num_kv_heads = num_kv_heads;
+  sc.head_dim = head_dim;
+  sc.gate_up = gate_up;
+  sc.threads = threads;
+  sc.dtype = x.scalar_type();
+  sc.numerics = numerics;
+}
+
 // `body(member, size)` on every thread of one parallel region
 template <typename F>
 void team_region(int threads, const F& body) {
@@ -474,16 +557,17 @@ at::Tensor team_layers(const at::Tensor& x_in, const at::Tensor& positions, cons
                        at::TensorList kv_caches, const at::Tensor& slot_mapping,
                        const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                        const at::Tensor& seq_lens, double eps, double scale, int64_t* timer,
-                       StepBuffers& b, TeamPlan& plan) {
+                       StepBuffers& b, TeamPlan& plan, bool caches_checked) {
   const int64_t num_layers = int64_t(kv_caches.size());
   const std::vector<at::Tensor>& weights = stack.weights;
   AttentionPlan attention;
   plan_attention(attention, b.attn, b.q, kv_caches[0], block_tables, query_start_loc, seq_lens,
                  plan.threads);
-  for (const at::Tensor& c : kv_caches)
-    TORCH_CHECK(c.sizes() == kv_caches[0].sizes() && c.dtype() == kv_caches[0].dtype() &&
-                    c.is_contiguous(),
-                "llama_layers: every layer's KV cache shaped and typed alike");
+  if (!caches_checked)  // (the stack's held caches were checked when handed over)
+    for (const at::Tensor& c : kv_caches)
+      TORCH_CHECK(c.sizes() == kv_caches[0].sizes() && c.dtype() == kv_caches[0].dtype() &&
+                      c.is_contiguous(),
+                  "llama_layers: every layer's KV cache shaped and typed alike");
   QuantTeam team;
   // the cache write's errors (a slot out of range), raised once the region has ended
   std::exception_ptr error;
@@ -516,7 +600,7 @@ at::Tensor team_layers(const at::Tensor& x_in, const at::Tensor& positions, cons
       }
       team.barrier(n);
       if (t == 0) add_elapsed(timer, start);
-      if (i + 1 < num_layers) prefetch_kv(kv_caches[i + 1], block_tables, seq_lens);
+      if (i + 1 < num_layers) prefetch_kv(kv_caches[i + 1], block_tables, seq_lens, t, n);
       const at::Tensor& x = i == 0 ? x_in : plan.x[t];
       quant_linear_team(b.h, b.attn_rows, w[3], team, t, n);
       team.barrier(n);
@@ -576,7 +660,7 @@ at::Tensor finish_step(at::Tensor out, const std::optional<at::Tensor>& final_no
 at::Tensor llama_layers(const at::Tensor& x_or_ids, const at::Tensor& positions,
                         const at::Tensor& cos, const at::Tensor& sin,
                         const c10::intrusive_ptr<LlamaStackWeights>& stack,
-                        at::TensorList kv_caches, const at::Tensor& slot_mapping,
+                        at::TensorList kv_caches_arg, const at::Tensor& slot_mapping,
                         const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                         const at::Tensor& seq_lens, double eps, double scale, int64_t num_heads,
                         int64_t num_kv_heads, at::TensorList lora_weights,
@@ -593,6 +677,9 @@ at::Tensor llama_layers(const at::Tensor& x_or_ids, const at::Tensor& positions,
   const at::Tensor x_in = embed_table.has_value()
                               ? embedding_rows(*embed_ids, *embed_table).to(kActivationType)
                               : x_or_ids;
+  // no caches passed: the ones the stack holds (set_kv_caches)
+  const bool held_caches = kv_caches_arg.empty() && !stack->kv_caches.empty();
+  const at::TensorList kv_caches = held_caches ? at::TensorList(stack->kv_caches) : kv_caches_arg;
   const int64_t num_layers = int64_t(kv_caches.size());
   const std::vector<at::Tensor>& weights = stack->weights;
   TORCH_CHECK(int64_t(weights.size()) == num_layers * kWeightsPerLayer,
@@ -618,19 +705,27 @@ at::Tensor llama_layers(const at::Tensor& x_or_ids, const at::Tensor& positions,
               "llama_layers: tp_segment and tp_state come together");
   std::optional<ShmGroup> tp;
   if (tp_segment.has_value()) tp = shm_group(*tp_segment, *tp_state);
-  std::optional<StepBuffers> bufs;
-  if (x_in.size(0) <= kFewRows && !with_lora && !tp && num_layers > 0)
-    bufs = step_buffers(x_in, num_heads, num_kv_heads, cos.size(1), out_features(weights[7]));
-  StepBuffers* step = bufs ? &*bufs : nullptr;
-  if (step != nullptr) {
-    std::optional<TeamPlan> plan = team_plan(x_in, *stack, num_layers, model_dtype, *step);
-    if (plan) {
-      team_calls.fetch_add(1, std::memory_order_relaxed);
-      return finish_step(team_layers(x_in, positions, cos, sin, *stack, kv_caches, slot_mapping,
-                                     block_tables, query_start_loc, seq_lens, eps, scale,
-                                     timer, *step, *plan),
-                         final_norm, eps);
-    }
+  const ScratchLease lease(*stack);
+  StepScratch own;  // where the stack's scratch is in another call's use
+  StepBuffers* step = nullptr;
+  TeamPlan* plan = nullptr;
+  if (x_in.size(0) <= kFewRows && !with_lora && !tp && num_layers > 0) {
+    StepScratch& sc = lease.held ? stack->scratch[x_in.size(0)] : own;
+    prepare_scratch(sc, x_in, num_heads, num_kv_heads, cos.size(1), out_features(weights[7]),
+                    model_dtype, *stack, num_layers);
+    if (sc.bufs) step = &*sc.bufs;
+    if (sc.plan && team_fits(x_in)) plan = &*sc.plan;
+  }
+  // the output, never a kept buffer (the next call would write it)
+  const auto result = [&](const at::Tensor& out) {
+    return final_norm.has_value() ? finish_step(out, final_norm, eps)
+                                  : (step != nullptr && lease.held ? out.clone() : out);
+  };
+  if (plan != nullptr) {
+    team_calls.fetch_add(1, std::memory_order_relaxed);
+    return result(team_layers(x_in, positions, cos, sin, *stack, kv_caches, slot_mapping,
+                              block_tables, query_start_loc, seq_lens, eps, scale, timer, *step,
+                              *plan, held_caches));
   }
   at::Tensor x = x_in;
   for (int64_t i = 0; i < num_layers; ++i) {
@@ -662,7 +757,7 @@ at::Tensor llama_layers(const at::Tensor& x_or_ids, const at::Tensor& positions,
                           mlp_lora.empty() ? nullptr : mlp_lora.data(), tp ? &*tp : nullptr,
                           model_dtype, step);
   }
-  return finish_step(x, final_norm, eps);
+  return result(x);
 }
 
 }  // namespace
@@ -672,7 +767,8 @@ at::Tensor llama_layers(const at::Tensor& x_or_ids, const at::Tensor& positions,
 
 TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
   m.class_<LlamaStackWeights>("LlamaStackWeights")
-      .def(torch::init<std::vector<at::Tensor>, c10::List<std::optional<at::Tensor>>>());
+      .def(torch::init<std::vector<at::Tensor>, c10::List<std::optional<at::Tensor>>>())
+      .def("set_kv_caches", &LlamaStackWeights::set_kv_caches);
   m.def("llama_layers(Tensor x, Tensor positions, Tensor cos, Tensor sin, "
         "__torch__.torch.classes." QUIRE_STRINGIFY(QUIRE_NS) ".LlamaStackWeights stack, "
         "Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "

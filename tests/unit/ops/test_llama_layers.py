@@ -210,6 +210,61 @@ def test_a_bad_cache_slot_in_the_team_is_an_error_and_the_engine_goes_on(
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == first
 
 
+def test_the_stack_keeps_its_caches_and_decode_buffers_across_calls(
+        three_kv_heads_gguf, tmp_path, monkeypatch, cpu_kernels):
+    # llama_layers holds the engine's KV caches (handed over once; a call passes none) and a
+    # decode's buffers (kept from call to call): an output the caller holds is never a kept
+    # buffer, the same input gives the same bits call after call, a change of thread count
+    # makes the team's buffers again, and caches that do not fit the stack are refused
+    llm = _team_llm(three_kv_heads_gguf, tmp_path, monkeypatch, cpu_kernels)
+    model = llm.engine.runner.model
+    stack, seen = model.layer_stack, []
+
+    def recording(x, positions, kv_caches, meta, **kwargs):
+        if x.shape[0] == 1:
+            seen.append((positions.clone(), kv_caches, meta))
+        return stack(x, positions, kv_caches, meta, **kwargs)
+
+    model.layer_stack = recording
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(300, 340))}
+    first = llm.generate([prompt], params)[0].outputs[0].token_ids
+    model.layer_stack = stack
+    positions, kv_caches, meta = seen[-1]
+    assert len(stack.held_caches) == len(kv_caches)
+    assert all(a is b for a, b in zip(stack.held_caches, llm.engine.runner.kv_caches))
+    gen = torch.Generator().manual_seed(0)
+    hidden = model.cfg.hidden_size
+    x1, x2 = (torch.randn(1, hidden, generator=gen).to(stack.activation_dtype)
+              for _ in range(2))
+    # without the folded ends the call returns the last layer's rows, the buffer the team
+    # writes: the caller gets its own copy
+    teams = cpu_kernels.ops.layer_team_calls
+    before = teams()
+    out1 = stack(x1, positions, kv_caches, meta)
+    held = out1.clone()
+    out2 = stack(x2, positions, kv_caches, meta)
+    assert teams() == before + 2  # both ran as the team (two threads)
+    assert torch.equal(out1, held) and not torch.equal(out1, out2)
+    assert torch.equal(stack(x1, positions, kv_caches, meta), held)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # the per-linear path: the same bits
+        assert torch.equal(stack(x1, positions, kv_caches, meta), held)
+        torch.set_num_threads(2)  # the team again, on buffers made for two members
+        assert torch.equal(stack(x1, positions, kv_caches, meta), held)
+        assert teams() == before + 4
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="one KV cache a layer"):
+        stack.weights.set_kv_caches(kv_caches[:-1])
+    odd = [kv_caches[0], kv_caches[1][:, :-1].contiguous()]
+    with pytest.raises(RuntimeError, match="shaped and typed alike"):
+        stack.weights.set_kv_caches(odd)
+    assert llm.engine.reset_prefix_cache()  # the refusals left the held caches as they were
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == first
+
+
 @pytest.mark.parametrize("dtype, kernels", [("float32", "cpu"), ("bfloat16", "torch")])
 def test_layers_run_one_by_one_where_the_op_does_not_apply(stack_model_dir, dtype, kernels,
                                                           cpu_kernels):
