@@ -104,9 +104,12 @@ class DecodeInputs:
     """``decode_step_inputs`` into tensors kept from step to step (the CPU path): a decode
     loop's step fills the same few arrays in place, where building them anew costs a few
     dozen numpy and torch calls on cold caches (one request on a Zen 4: 65-96 -> 31-34 us a
-    step). The tensors it returns are overwritten by the next call: a step's inputs live for
-    that step only, which is how the runner uses them (the KV cache, not the inputs, carries
-    state to the next step). One owner each (a runner), never shared."""
+    step). A row's block table is written where it changed: a request's ``block_ids`` only
+    grow in place or are replaced by a new list (``ModelRunner._apply_diffs``), so the list
+    each row was written from and its length then say which blocks are new. The tensors it
+    returns are overwritten by the next call: a step's inputs live for that step only, which
+    is how the runner uses them (the KV cache, not the inputs, carries state to the next
+    step). One owner each (a runner), never shared."""
 
     def __init__(self) -> None:
         self._rows = -1
@@ -129,20 +132,28 @@ class DecodeInputs:
             self._tables_long = np.zeros((n, width), dtype=np.int64)
             self._tables_t = torch.from_numpy(self._tables)
             self._tables_long_t = torch.from_numpy(self._tables_long)
-        host, tables = self._host, self._tables
+            self._written: list[tuple[list[int] | None, int]] = [(None, 0)] * n
+        host, tables, tables_long, written = self._host, self._tables, self._tables_long, \
+            self._written
+        max_len = 0
         for i, state in enumerate(states):
             p = state.num_computed_tokens
             blocks = state.block_ids
-            host[0, i] = state.token_ids[p]
-            host[1, i] = p
-            host[2, i] = blocks[p // block_size] * block_size + p % block_size
-            tables[i, :len(blocks)] = blocks
-            tables[i, len(blocks):] = 0
-        np.add(host[1], 1, out=host[3])
-        self._tables_long[...] = tables
+            host[:, i] = (state.token_ids[p], p,
+                          blocks[p // block_size] * block_size + p % block_size, p + 1)
+            max_len = max(max_len, p + 1)
+            source, done = written[i]
+            if source is not blocks or done > len(blocks):  # another list: the whole row
+                source, done = blocks, 0
+                tables[i] = 0
+                tables_long[i] = 0
+            if done < len(blocks):
+                tables[i, done:len(blocks)] = blocks[done:]
+                tables_long[i, done:len(blocks)] = tables[i, done:len(blocks)]
+                written[i] = (blocks, len(blocks))
         ids, positions, slots, seq_lens = self._tensors
         meta = AttentionMetadata(
             slot_mapping=slots, num_decode_tokens=n, decode_block_tables=self._tables_long_t,
-            decode_seq_lens=seq_lens, decode_max_seq_len=int(host[3].max()), prefills=(),
+            decode_seq_lens=seq_lens, decode_max_seq_len=max_len, prefills=(),
             query_start_loc=self._starts, seq_lens=seq_lens, block_tables=self._tables_t)
         return ids, positions, meta, self._first_rows

@@ -70,15 +70,20 @@ def _assert_same_step(got, want) -> None:
 def test_decode_inputs_kept_across_steps_equal_a_fresh_build():
     """The buffers filled in place give, step after step, what a fresh build gives: as the
     requests advance (across block boundaries, where the tables widen), as requests come and
-    go (the rows change), and when a table is replaced by a shorter one."""
+    go (the rows change), as the same requests change rows, as one takes another's row, and
+    when a table is replaced by a shorter one."""
     rng = random.Random(4)
     kept = DecodeInputs()
     states = [_state(rng, i) for i in range(3)]
     for step in range(80):
         if step == 20:
             states.append(_state(rng, 3))
+        if step == 30:  # the same requests, other rows: every row's table is another's
+            states.reverse()
         if step == 40:
             del states[0]
+        if step == 50:  # a new request in a row, the row count unchanged
+            states[1] = _state(rng, 4)
         if step == 60:  # a table sent anew (e.g. after rejected drafts), shorter than before
             s = states[0]
             s.num_computed_tokens = 5
