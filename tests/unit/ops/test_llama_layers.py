@@ -179,13 +179,9 @@ def test_team_attention_is_the_per_layer_paths_past_every_split(three_kv_heads_g
     assert generate() == team
 
 
-def test_a_bad_cache_slot_in_the_team_is_an_error_and_the_engine_goes_on(
-        three_kv_heads_gguf, tmp_path, monkeypatch, cpu_kernels):
-    # the cache write runs inside the team's one parallel region: its error (a slot past the
-    # cache) must come out after the region as an exception, not end the process
-    import dataclasses
-
-    llm = _team_llm(three_kv_heads_gguf, tmp_path, monkeypatch, cpu_kernels)
+def _recorded_decode(llm):
+    """One request's greedy tokens, the stack's last one-row call recorded on the way:
+    -> (tokens, prompt, params, that call's (x, positions, kv_caches, meta))."""
     model = llm.engine.runner.model
     stack, seen = model.layer_stack, []
 
@@ -197,9 +193,22 @@ def test_a_bad_cache_slot_in_the_team_is_an_error_and_the_engine_goes_on(
     model.layer_stack = recording
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(300, 340))}
-    first = llm.generate([prompt], params)[0].outputs[0].token_ids
-    model.layer_stack = stack
-    x, positions, kv_caches, meta = seen[-1]
+    try:
+        tokens = llm.generate([prompt], params)[0].outputs[0].token_ids
+    finally:
+        model.layer_stack = stack
+    return tokens, prompt, params, seen[-1]
+
+
+def test_a_bad_cache_slot_in_the_team_is_an_error_and_the_engine_goes_on(
+        three_kv_heads_gguf, tmp_path, monkeypatch, cpu_kernels):
+    # the cache write runs inside the team's one parallel region: its error (a slot past the
+    # cache) must come out after the region as an exception, not end the process
+    import dataclasses
+
+    llm = _team_llm(three_kv_heads_gguf, tmp_path, monkeypatch, cpu_kernels)
+    stack = llm.engine.runner.model.layer_stack
+    first, prompt, params, (x, positions, kv_caches, meta) = _recorded_decode(llm)
     num_slots = kv_caches[0].shape[1] * kv_caches[0].shape[2]
     bad = dataclasses.replace(meta, slot_mapping=torch.tensor([num_slots + 5]))
     before = cpu_kernels.ops.layer_team_calls()
@@ -218,19 +227,8 @@ def test_the_stack_keeps_its_caches_and_decode_buffers_across_calls(
     # makes the team's buffers again, and caches that do not fit the stack are refused
     llm = _team_llm(three_kv_heads_gguf, tmp_path, monkeypatch, cpu_kernels)
     model = llm.engine.runner.model
-    stack, seen = model.layer_stack, []
-
-    def recording(x, positions, kv_caches, meta, **kwargs):
-        if x.shape[0] == 1:
-            seen.append((positions.clone(), kv_caches, meta))
-        return stack(x, positions, kv_caches, meta, **kwargs)
-
-    model.layer_stack = recording
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    prompt = {"prompt_token_ids": list(range(300, 340))}
-    first = llm.generate([prompt], params)[0].outputs[0].token_ids
-    model.layer_stack = stack
-    positions, kv_caches, meta = seen[-1]
+    stack = model.layer_stack
+    first, prompt, params, (_, positions, kv_caches, meta) = _recorded_decode(llm)
     assert len(stack.held_caches) == len(kv_caches)
     assert all(a is b for a, b in zip(stack.held_caches, llm.engine.runner.kv_caches))
     gen = torch.Generator().manual_seed(0)
