@@ -10,7 +10,9 @@ with the weights widened to bf16 at load (``quantization=dequantize``), and llam
   each also as a fraction of the memory bandwidth measured in the same run, for the bytes one
   decode step streams (the weights as that system holds them: ``limits.py``); Quire's two
   engines take turns, a pair of prompts each (which goes first swaps each turn), and the
-  median of the turns' paired ratios is reported beside the ratio of the bests;
+  median of the turns' paired ratios is reported beside the ratio of the bests; from the two
+  paths' bytes and rates, the step time fitted as bytes / bandwidth + a fixed time shared by
+  both (``step_fit``), which says how far the fixed time keeps the ratio below the bytes';
 - the time to first token of a ``--ttft-prompt-len`` prompt (best of ``--repeats``);
 - for Quire's two paths, the long-tailed batched workload of ``quire bench throughput``
   (llama-cpp-python's API serves one sequence at a time, so llama.cpp has no such figure):
@@ -178,6 +180,37 @@ def gguf_step_bytes(path: Path) -> int:
     return sum(t.data.nbytes for t in read_gguf(path).tensors)
 
 
+def step_fit(bytes_a: float, rate_a: float, bytes_b: float, rate_b: float) -> dict | None:
+    """Two paths of one model on one machine, each decode step taking bytes / bandwidth +
+    fixed seconds, the same bandwidth and fixed time for both (attention, norms, sampling and
+    the engine's Python do not depend on how the weights are coded): -> that bandwidth (GB/s)
+    and fixed time (ms), from each path's bytes a step and tokens a second, and the ceiling
+    of the rate ratio a over b (b's bytes over a's: what the ratio tends to as the fixed time
+    goes to nothing). None where the two do not fit (a path streaming fewer bytes that is not
+    faster: noise, or a difference that is not in the bytes)."""
+    step_a, step_b = 1 / rate_a, 1 / rate_b
+    if bytes_b <= bytes_a or step_b <= step_a:
+        return None
+    bandwidth = (bytes_b - bytes_a) / (step_b - step_a)
+    fixed = step_a - bytes_a / bandwidth
+    return {"bandwidth_gb_per_s": bandwidth / 1e9, "fixed_ms": fixed * 1e3,
+            "ratio_ceiling": bytes_b / bytes_a}
+
+
+def native_step_fit(runs: dict, paired: bool = False) -> dict | None:
+    """step_fit of the native path against the de-quantized one: from their best decode rates,
+    or (paired) the median fit of the turns run side by side (decode_runs, in turn order)."""
+    n, d = runs[NATIVE], runs[DEQUANTIZED]
+    if not paired:
+        return step_fit(n["step_bytes"], n["decode_tokens_per_s"], d["step_bytes"],
+                        d["decode_tokens_per_s"])
+    fits = [f for a, b in zip(n["decode_runs"], d["decode_runs"])
+            if (f := step_fit(n["step_bytes"], a, d["step_bytes"], b)) is not None]
+    if not fits:
+        return None
+    return {k: statistics.median(f[k] for f in fits) for k in fits[0]} | {"turns": len(fits)}
+
+
 def _ratios(runs: dict) -> dict:
     n, d = runs[NATIVE], runs[DEQUANTIZED]
     out = {"decode_native_over_dequantize": n["decode_tokens_per_s"] / d["decode_tokens_per_s"],
@@ -204,6 +237,12 @@ def _print_report(env: dict, runs: dict, ratios: dict, limits_text: str) -> None
               f"{r['step_bytes'] / 1e6:>11.1f}{r['ttft_s']:>9.3f}"
               f"{'' if tput is None else f'{tput:.1f}':>13}")
     print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    fit = native_step_fit(runs)
+    if fit is not None:
+        print(f"a decode step on Quire's two paths, fitted as bytes / "
+              f"{fit['bandwidth_gb_per_s']:.1f} GB/s + {fit['fixed_ms']:.2f} ms each: the "
+              f"bytes alone would allow native {fit['ratio_ceiling']:.2f}x the de-quantized "
+              f"path; the fixed time brings it to the ratio above")
 
 
 def _write_plot(path: Path, runs: dict, env: dict) -> bool:
@@ -304,7 +343,9 @@ def run_from_args(ns: argparse.Namespace) -> int:
     report = {"config": {**dataclasses.asdict(cfg), "peer": "llama.cpp",
                          "engine": dataclasses.asdict(engine_args)},
               "environment": env, "machine": limits_report(limits),
-              "workload": requests["workload_summary"], "runs": runs, "ratios": ratios}
+              "workload": requests["workload_summary"], "runs": runs, "ratios": ratios,
+              "decode_step_fit": {"best": native_step_fit(runs),
+                                  "paired": native_step_fit(runs, paired=True)}}
     print(f"wrote {write_json(report, cfg.output_json)}")
     plot = Path(cfg.output_plot) if cfg.output_plot else Path(cfg.output_json).with_suffix(".png")
     if _write_plot(plot, runs, env):

@@ -8,7 +8,8 @@ import pytest
 
 from quire_cli.bench.llama_compare import (DEQUANTIZED, LLAMA, NATIVE, _best, _ratios,
                                            alternate_decode, gguf_step_bytes,
-                                           throughput_figures, turn_order)
+                                           native_step_fit, step_fit, throughput_figures,
+                                           turn_order)
 
 
 def test_best_of_the_runs_and_the_ratios():
@@ -25,6 +26,34 @@ def test_best_of_the_runs_and_the_ratios():
     assert ratios["throughput_native_over_dequantize"] == pytest.approx(200 / 180)
     del runs[LLAMA]
     assert "decode_native_over_llama_cpp" not in _ratios(runs)
+
+
+def test_the_step_fit_recovers_the_bandwidth_and_fixed_time_the_rates_were_made_from():
+    def rate(step_bytes, gb_per_s, fixed_ms):
+        return 1 / (step_bytes / (gb_per_s * 1e9) + fixed_ms / 1e3)
+
+    native, dequantized = 96.5e6, 208.3e6
+    fit = step_fit(native, rate(native, 40.0, 1.0), dequantized, rate(dequantized, 40.0, 1.0))
+    assert fit["bandwidth_gb_per_s"] == pytest.approx(40.0)
+    assert fit["fixed_ms"] == pytest.approx(1.0)
+    assert fit["ratio_ceiling"] == pytest.approx(dequantized / native)
+    # the ratio itself stays below the ceiling by what the fixed time adds to each step
+    ratio = rate(native, 40.0, 1.0) / rate(dequantized, 40.0, 1.0)
+    assert 1.8 < ratio < fit["ratio_ceiling"]
+    # a path streaming more bytes that is not slower fits no shared bandwidth
+    assert step_fit(native, 200.0, dequantized, 200.0) is None
+    assert step_fit(dequantized, 100.0, native, 300.0) is None
+    # the runs' form: the best rates, or the median of the turns' own fits
+    turns = [(40.0, 1.0), (30.0, 1.2), (45.0, 0.9)]
+    runs = {NATIVE: {"step_bytes": native, "decode_runs": [rate(native, *t) for t in turns]},
+            DEQUANTIZED: {"step_bytes": dequantized,
+                          "decode_runs": [rate(dequantized, *t) for t in turns]}}
+    for r in runs.values():
+        r["decode_tokens_per_s"] = max(r["decode_runs"])
+    assert native_step_fit(runs)["bandwidth_gb_per_s"] == pytest.approx(45.0)
+    paired = native_step_fit(runs, paired=True)
+    assert paired["bandwidth_gb_per_s"] == pytest.approx(40.0)
+    assert paired["fixed_ms"] == pytest.approx(1.0) and paired["turns"] == 3
 
 
 def test_the_batched_workload_alternates_and_pairs_its_turns():
