@@ -105,12 +105,14 @@ def test_one_call_layers_on_native_gguf_blocks_are_the_per_layer_path_bit_for_bi
     assert all(len(tokens) == 12 for tokens, _ in with_stack)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 def test_native_gguf_decodes_run_as_one_team_on_more_threads(stack_model_dir, tmp_path,
                                                             monkeypatch, cpu_kernels, threads):
     # llama_block.cpp's team path (one parallel region a layer, the linears' rows shared out
-    # between its members) takes the decode steps of an all-Q4_1 stack on two threads, not on
-    # one; either way the tokens are the per-layer path's
+    # between its members) takes the decode steps of an all-Q4_1 stack on two threads or
+    # more, not on one; either way the tokens are the per-layer path's (three threads: one
+    # member rotates only q heads, the last one the rest of q, every k head and the cache
+    # write)
     from gguf import GGMLQuantizationType
 
     from tests.conftest import CPU_BACKEND_OF_ISA
