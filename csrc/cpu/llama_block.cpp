@@ -411,11 +411,6 @@ int64_t layer_team_calls() { return team_calls.load(std::memory_order_relaxed); 
 struct TeamPlan {
   int threads = 1;
   std::vector<at::Tensor> x, h, normed, act;  // each member's own, [rows, width]
-  // each member's share of a layer's RoPE, views of StepBuffers' q_rows (rotated into q) and
-  // k: the q heads and then the k heads dealt out in contiguous runs by count, except that
-  // the last member takes every k head and then writes the cache (no wait between members).
-  // One member did all of it while the others waited: about 35 us a step of SmolLM2's.
-  std::vector<at::Tensor> rope_q_rows, rope_q, rope_k;
 };
 
 // The team's buffers where every layer qualifies (its four linears on the int8 path for these
@@ -454,15 +449,6 @@ std::optional<TeamPlan> team_plan(const at::Tensor& x, const std::vector<at::Ten
     plan.h.push_back(at::empty({rows, hidden}, x.options()));
     plan.normed.push_back(at::empty({rows, hidden}, x.options()));
     plan.act.push_back(at::empty({rows, gate_up_width / 2}, x.options()));
-  }
-  const int64_t num_heads = b.q_rows.size(1), num_kv_heads = b.k.size(1);
-  const int64_t all = num_heads + num_kv_heads;
-  for (int t = 0; t < threads; ++t) {
-    const int64_t first = all * t / threads, end = all * (t + 1) / threads;
-    const int64_t q0 = std::min(first, num_heads), q1 = std::min(end, num_heads);
-    plan.rope_q_rows.push_back(b.q_rows.narrow(1, q0, q1 - q0));
-    plan.rope_q.push_back(b.q.narrow(1, q0, q1 - q0));
-    plan.rope_k.push_back(b.k.narrow(1, 0, t + 1 == threads ? num_kv_heads : 0));
   }
   return plan;
 }
@@ -593,21 +579,17 @@ at::Tensor team_layers(const at::Tensor& x_in, const at::Tensor& positions, cons
       const at::Tensor* w = weights.data() + i * kWeightsPerLayer;
       team.barrier(n);  // QKV whole
       const auto start = std::chrono::steady_clock::now();
-      try {  // this member's heads, the last one's the k heads and then the cache write
-        // (a region of fewer threads than planned: the first member does all of it)
-        const bool planned = n == plan.threads;
-        if (planned || t == 0)
-          rotary_embedding_into(planned ? plan.rope_q[t] : b.q,
-                                planned ? plan.rope_q_rows[t] : b.q_rows,
-                                planned ? plan.rope_k[t] : b.k, positions, cos, sin);
-        if (planned ? t + 1 == n : t == 0) {
+      if (t == 0) {
+        try {
+          rotary_embedding_into(b.q, b.q_rows, b.k, positions, cos, sin);
           at::Tensor kv_cache = kv_caches[i];
           write_kv(kv_cache, b.k, b.v, slot_mapping);
+        } catch (...) {
+          error = std::current_exception();
+          failed.store(true, std::memory_order_relaxed);
         }
-      } catch (...) {
-        if (!failed.exchange(true, std::memory_order_relaxed)) error = std::current_exception();
+        attention.next.store(0, std::memory_order_relaxed);
       }
-      if (t == 0) attention.next.store(0, std::memory_order_relaxed);
       team.barrier(n);
       if (failed.load(std::memory_order_relaxed)) return;
       attend_items(attention, b.attn, b.q, kv_caches[i], block_tables, query_start_loc,

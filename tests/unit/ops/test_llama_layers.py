@@ -110,9 +110,7 @@ def test_native_gguf_decodes_run_as_one_team_on_more_threads(stack_model_dir, tm
                                                             monkeypatch, cpu_kernels, threads):
     # llama_block.cpp's team path (one parallel region a layer, the linears' rows shared out
     # between its members) takes the decode steps of an all-Q4_1 stack on two threads or
-    # more, not on one; either way the tokens are the per-layer path's (three threads: one
-    # member rotates only q heads, the last one the rest of q, every k head and the cache
-    # write)
+    # more, not on one; either way the tokens are the per-layer path's
     from gguf import GGMLQuantizationType
 
     from tests.conftest import CPU_BACKEND_OF_ISA
