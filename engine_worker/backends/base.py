@@ -22,6 +22,8 @@ from engine_worker.ops.cpu_build import Unavailable
 
 # (x, weight, bias, packed weight or None) -> x @ weight.T + bias
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Any], torch.Tensor]
+# (hidden rows, the logits' weight, its packed form) -> fp32 logits [rows, vocab]
+LogitsFn = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
 # a loaded linear weight -> the backend's own layout of it (what LinearFn takes as ``packed``).
 # ``dense=``: the same weight's exact de-quantized values, where the model holds them anyway (a
 # tied embedding table beside its GGUF blocks); a backend may multiply many rows on those
@@ -120,6 +122,8 @@ class Backend:
     # stored (uint8 [N, K / 32, block bytes]); the loader de-quantizes any other
     quantized_types: frozenset[str] = frozenset()
     sampling: SamplingKernels = SamplingKernels()
+    # the logits in fp32 where the backend writes them so itself; None: linear(...).float()
+    logits: LogitsFn | None = None
 
     def fuse(self, stack: Any) -> LayersFn | None:
         """A model's exported stack as one call a step, where this backend fuses it."""

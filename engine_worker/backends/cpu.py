@@ -92,6 +92,16 @@ class CpuOps:
             return self.ops.quant_linear(x, packed.blocks, bias)
         return self._linear.linear(self.ops, x, weight, bias, packed)
 
+    def logits(self, x: torch.Tensor, weight: torch.Tensor, packed: Any) -> torch.Tensor:
+        """fp32 logits [rows, vocab]. GGUF blocks on the int8 kernel write fp32 themselves: x
+        widened first (its int8 rounding per block of 32 is the same), the model's dtype kept
+        as the numerics, so the logits are the bf16 call's before its rounding, and no second
+        pass widens them (SmolLM2's Q8_0 logits, one request on a Zen 4: 20 us a step, 761 ->
+        751 us with the call's Python, 1.009x tok/s, medians of 16 alternating generates)."""
+        if isinstance(packed, GgufBlocks) and not packed.takes_dense(self.ops, x):
+            return self.ops.quant_linear(x.float(), packed.blocks, None, x.dtype)
+        return self.linear(x, weight, None, packed).float()
+
     def pack_weight(self, weight: torch.Tensor, dense: torch.Tensor | None = None) -> Any:
         if is_gguf_blocks(weight):
             if dense is None and self._twin_bytes_left > 0 and \
@@ -422,7 +432,8 @@ def make_cpu_backend(kernels: CpuKernels, name: str, description: str) -> Backen
                    quantized_types=GGUF_NATIVE_TYPES if kernels.has("quant_linear")
                    else frozenset(),
                    sampling=SamplingKernels(argmax=ops.argmax, draw=ops.draw,
-                                            draw_top_p=ops.draw_top_p))
+                                            draw_top_p=ops.draw_top_p),
+                   logits=ops.logits)
 
 
 def cpu_backend_entry(name: str, description: str, variant: CpuVariant) -> BackendEntry:
