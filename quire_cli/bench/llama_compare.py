@@ -240,9 +240,10 @@ def _print_report(env: dict, runs: dict, ratios: dict, limits_text: str) -> None
     fit = native_step_fit(runs)
     if fit is not None:
         print(f"a decode step on Quire's two paths, fitted as bytes / "
-              f"{fit['bandwidth_gb_per_s']:.1f} GB/s + {fit['fixed_ms']:.2f} ms each: the "
+              f"{fit['bandwidth_gb_per_s']:.1f} GB/s + {fit['fixed_ms']:.2f} ms each; the "
               f"bytes alone would allow native {fit['ratio_ceiling']:.2f}x the de-quantized "
-              f"path; the fixed time brings it to the ratio above")
+              "path" + ("" if fit["fixed_ms"] >= 0 else ": no fixed time fits, the two paths "
+                        "did not see one bandwidth (the de-quantized one ran slower)"))
 
 
 def _write_plot(path: Path, runs: dict, env: dict) -> bool:
