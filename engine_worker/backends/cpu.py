@@ -93,12 +93,15 @@ class CpuOps:
         return self._linear.linear(self.ops, x, weight, bias, packed)
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor, packed: Any) -> torch.Tensor:
-        """fp32 logits [rows, vocab]. GGUF blocks on the int8 kernel write fp32 themselves: x
-        widened first (its int8 rounding per block of 32 is the same), the model's dtype kept
-        as the numerics, so the logits are the bf16 call's before its rounding, and no second
-        pass widens them (SmolLM2's Q8_0 logits, one request on a Zen 4: 20 us a step, 761 ->
-        751 us with the call's Python, 1.009x tok/s, medians of 16 alternating generates)."""
-        if isinstance(packed, GgufBlocks) and not packed.takes_dense(self.ops, x):
+        """fp32 logits [rows, vocab]. GGUF blocks write fp32 themselves for decode rows (up to
+        SKINNY_MAX_ROWS, which every type's int8 kernel takes: past its rows quant_linear would
+        de-quantize in x's dtype, fp32 here): x widened first (its int8 rounding per block of
+        32 is the same), the model's dtype kept as the numerics, so the logits are the bf16
+        call's before its rounding, and no second pass widens them (SmolLM2's Q8_0 logits, one
+        request on a Zen 4: 20-25 us a step, 1.009-1.019x tok/s, medians of 16 alternating
+        generates)."""
+        if isinstance(packed, GgufBlocks) and x.shape[0] <= SKINNY_MAX_ROWS and \
+                not packed.takes_dense(self.ops, x):
             return self.ops.quant_linear(x.float(), packed.blocks, None, x.dtype)
         return self.linear(x, weight, None, packed).float()
 

@@ -335,21 +335,31 @@ def test_a_dense_twin_serves_the_rows_past_the_int8_path(cpu_kernels):
     assert backend.pack_weight(blocks, dense=table[:32]).dense is None
 
 
-@pytest.mark.cpu_ops("quant_linear", "quant_int8_rows")
-def test_the_logits_come_back_in_fp32_before_the_bf16_rounding(cpu_kernels):
-    """Backend.logits (the model's compute_logits): on the blocks' int8 path the fp32 rows of
-    the bf16 call before its one rounding (the same bits once rounded); past that path (a
-    dense twin's rows) the linear's result widened, as compute_logits did before."""
+@pytest.mark.cpu_ops("quant_linear", "quant_int8_rows", "repack_gguf")
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q6_K], ids=lambda t: t.name)
+def test_the_logits_of_decode_rows_come_back_in_fp32_before_the_bf16_rounding(cpu_kernels,
+                                                                              qtype):
+    """Backend.logits (the model's compute_logits): for up to SKINNY_MAX_ROWS rows the fp32
+    rows of the bf16 call before its one rounding (the same bits once rounded); past them the
+    linear's result widened, as compute_logits did before (a tied Q8_0 table with its dense
+    twin; an untied Q6_K output weight, whose many-row calls de-quantize in the model's
+    dtype, not in fp32)."""
+    from engine_worker.backends.cpu_linear import SKINNY_MAX_ROWS
+
     backend = cpu_kernels.backend
     dtype = torch.bfloat16 if cpu_kernels.isa == "avx512" else torch.float32
-    blocks, ref = quantized(64, 96, QT.Q8_0, seed=7)
-    packed = backend.pack_weight(blocks, dense=ref.to(torch.bfloat16))
-    for rows in sorted({1, 3, min(packed.int8_rows + 1, 40)}):
-        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    if qtype == QT.Q8_0:
+        blocks, ref = quantized(64, 256, qtype, seed=7)
+        packed = backend.pack_weight(blocks, dense=ref.to(torch.bfloat16))
+    else:
+        blocks, ref = k_quantized(64, 256, qtype, seed=7)
+        packed = backend.pack_weight(blocks)
+    for rows in (1, 3, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
         logits = backend.logits(x, blocks, packed)
         before = backend.linear(x, blocks, None, packed).float()
         assert logits.dtype == torch.float32 and logits.shape == (rows, 64)
-        if rows > packed.int8_rows:
+        if rows > SKINNY_MAX_ROWS:
             assert torch.equal(logits, before)
             continue
         assert torch.equal(logits.to(dtype).float(), before)
