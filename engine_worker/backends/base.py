@@ -22,8 +22,9 @@ from engine_worker.ops.cpu_build import Unavailable
 
 # (x, weight, bias, packed weight or None) -> x @ weight.T + bias
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, Any], torch.Tensor]
-# (hidden rows, the logits' weight, its packed form) -> fp32 logits [rows, vocab]
-LogitsFn = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]
+# (hidden rows, the logits' weight, its packed form) -> fp32 logits [rows, vocab], or None
+# where the backend has no faster way than its linear (Backend.logits then widens that)
+LogitsFn = Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor | None]
 # a loaded linear weight -> the backend's own layout of it (what LinearFn takes as ``packed``).
 # ``dense=``: the same weight's exact de-quantized values, where the model holds them anyway (a
 # tied embedding table beside its GGUF blocks); a backend may multiply many rows on those
@@ -122,8 +123,16 @@ class Backend:
     # stored (uint8 [N, K / 32, block bytes]); the loader de-quantizes any other
     quantized_types: frozenset[str] = frozenset()
     sampling: SamplingKernels = SamplingKernels()
-    # the logits in fp32 where the backend writes them so itself; None: linear(...).float()
-    logits: LogitsFn | None = None
+    # the logits in fp32 where the backend writes them so itself (Backend.logits)
+    fp32_logits: LogitsFn | None = None
+
+    def logits(self, x: torch.Tensor, weight: torch.Tensor, packed: Any) -> torch.Tensor:
+        """fp32 logits [rows, vocab]: the backend's own (fp32_logits), else linear's widened."""
+        if self.fp32_logits is not None:
+            out = self.fp32_logits(x, weight, packed)
+            if out is not None:
+                return out
+        return self.linear(x, weight, None, packed).float()
 
     def fuse(self, stack: Any) -> LayersFn | None:
         """A model's exported stack as one call a step, where this backend fuses it."""

@@ -92,18 +92,18 @@ class CpuOps:
             return self.ops.quant_linear(x, packed.blocks, bias)
         return self._linear.linear(self.ops, x, weight, bias, packed)
 
-    def logits(self, x: torch.Tensor, weight: torch.Tensor, packed: Any) -> torch.Tensor:
-        """fp32 logits [rows, vocab]. GGUF blocks write fp32 themselves for decode rows (up to
-        SKINNY_MAX_ROWS, which every type's int8 kernel takes: past its rows quant_linear would
-        de-quantize in x's dtype, fp32 here): x widened first (its int8 rounding per block of
-        32 is the same), the model's dtype kept as the numerics, so the logits are the bf16
+    def logits(self, x: torch.Tensor, weight: torch.Tensor, packed: Any) -> torch.Tensor | None:
+        """fp32 logits [rows, vocab] of GGUF blocks for decode rows, else None (Backend.logits
+        widens the linear's). Up to SKINNY_MAX_ROWS every type's int8 kernel takes the rows
+        (and no dense twin does: its rows start past them); past them quant_linear would
+        de-quantize in x's dtype, fp32 here. x is widened first (its int8 rounding per block
+        of 32 is the same), the model's dtype kept as the numerics, so the logits are the bf16
         call's before its rounding, and no second pass widens them (SmolLM2's Q8_0 logits, one
         request on a Zen 4: 20-25 us a step, 1.009-1.019x tok/s, medians of 16 alternating
         generates)."""
-        if isinstance(packed, GgufBlocks) and x.shape[0] <= SKINNY_MAX_ROWS and \
-                not packed.takes_dense(self.ops, x):
+        if isinstance(packed, GgufBlocks) and x.shape[0] <= SKINNY_MAX_ROWS:
             return self.ops.quant_linear(x.float(), packed.blocks, None, x.dtype)
-        return self.linear(x, weight, None, packed).float()
+        return None
 
     def pack_weight(self, weight: torch.Tensor, dense: torch.Tensor | None = None) -> Any:
         if is_gguf_blocks(weight):
@@ -436,7 +436,7 @@ def make_cpu_backend(kernels: CpuKernels, name: str, description: str) -> Backen
                    else frozenset(),
                    sampling=SamplingKernels(argmax=ops.argmax, draw=ops.draw,
                                             draw_top_p=ops.draw_top_p),
-                   logits=ops.logits)
+                   fp32_logits=ops.logits)
 
 
 def cpu_backend_entry(name: str, description: str, variant: CpuVariant) -> BackendEntry:

@@ -391,10 +391,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden_size] -> fp32 logits [num_rows, vocab_size]
-        logits_fn = self.backend.logits
-        logits = logits_fn(hidden, self._logits_weight(), self.logits_packed) \
-            if logits_fn is not None else \
-            self.backend.linear(hidden, self._logits_weight(), None, self.logits_packed).float()
+        logits = self.backend.logits(hidden, self._logits_weight(), self.logits_packed)
         if not self.shard.is_split:
             return logits
         # every rank gets the whole row and samples it as rank 0 does (vLLM v1's way), so

@@ -226,7 +226,8 @@ def _ratios(runs: dict) -> dict:
     return out
 
 
-def _print_report(env: dict, runs: dict, ratios: dict, limits_text: str) -> None:
+def _print_report(env: dict, runs: dict, ratios: dict, limits_text: str,
+                  fit: dict | None) -> None:
     print(f"CPU: {env['cpu_model']} ({env['cpu_count']} cores; {' '.join(env['isa_flags'])}); "
           f"{env['threads']} threads each; {limits_text}")
     print(f"{'system':<18}{'decode tok/s':>13}{'of bandwidth':>14}{'MB a step':>11}"
@@ -237,7 +238,6 @@ def _print_report(env: dict, runs: dict, ratios: dict, limits_text: str) -> None
               f"{r['step_bytes'] / 1e6:>11.1f}{r['ttft_s']:>9.3f}"
               f"{'' if tput is None else f'{tput:.1f}':>13}")
     print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
-    fit = native_step_fit(runs)
     if fit is not None:
         print(f"a decode step on Quire's two paths, fitted as bytes / "
               f"{fit['bandwidth_gb_per_s']:.1f} GB/s + {fit['fixed_ms']:.2f} ms each; the "
@@ -340,13 +340,13 @@ def run_from_args(ns: argparse.Namespace) -> int:
     ratios["decode_native_over_dequantize_paired"] = decode_paired
     if paired is not None:  # pairs of runs side by side in time, not two medians
         ratios["throughput_native_over_dequantize"] = paired
-    _print_report(env, runs, ratios, describe(limits))
+    fits = {"best": native_step_fit(runs), "paired": native_step_fit(runs, paired=True)}
+    _print_report(env, runs, ratios, describe(limits), fits["best"])
     report = {"config": {**dataclasses.asdict(cfg), "peer": "llama.cpp",
                          "engine": dataclasses.asdict(engine_args)},
               "environment": env, "machine": limits_report(limits),
               "workload": requests["workload_summary"], "runs": runs, "ratios": ratios,
-              "decode_step_fit": {"best": native_step_fit(runs),
-                                  "paired": native_step_fit(runs, paired=True)}}
+              "decode_step_fit": fits}
     print(f"wrote {write_json(report, cfg.output_json)}")
     plot = Path(cfg.output_plot) if cfg.output_plot else Path(cfg.output_json).with_suffix(".png")
     if _write_plot(plot, runs, env):
