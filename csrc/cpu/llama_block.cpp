@@ -70,7 +70,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& few, const at::Tensor& 
                   const std::optional<at::Tensor>& bias,
                   std::optional<at::ScalarType> numerics = std::nullopt,
                   at::Tensor* into = nullptr) {
-  const at::Tensor& w = x.size(0) <= kFewRows ? few : many;
+  // a 4-bit weight's blocks also past the few rows where AMX tiles take them (quant_amx.h)
+  const at::Tensor& w = x.size(0) <= kFewRows ||
+                                (is_quantized_weight(few) && x.scalar_type() == at::kBFloat16 &&
+                                 x.size(0) <= quant_tile_rows(few))
+                            ? few
+                            : many;
   if (into != nullptr && !bias.has_value() && is_quantized_weight(w) &&
       quant_linear_into(*into, x, w, numerics))
     return *into;

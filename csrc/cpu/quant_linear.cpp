@@ -79,6 +79,9 @@
 #include <vector>
 
 #include "ops.h"
+#if defined(QUIRE_ISA_AVX512) && !defined(QUIRE_AVX512_EMULATED)
+#include "avx512/quant_amx.h"  // Q4 rows on AMX tiles (defines QUIRE_AMX_QUANT)
+#endif
 
 // AVX-512 VNNI with VL (the AVX-512 set requires both): vpdpbusd on 256-bit registers adds
 // four u8 x s8 products a lane into int32 in one instruction, where AVX2 needs maddubs (int16
@@ -143,6 +146,10 @@ enum class QType { kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
 // figures predate dot_group_pair.)
 constexpr int64_t kVnniRows = std::numeric_limits<int64_t>::max();
 constexpr int64_t kAmxRows = 64;
+// Q4_0 / Q4_1 rows of a bf16 model past kDecodeRows up to here take the AMX kernel that
+// de-quantizes the blocks into tiles on the way (avx512/quant_amx.h, tile_rows_limit) where
+// the CPU has tiles: to be measured.
+constexpr int64_t kTileRows = 64;
 inline int64_t int8_rows_limit(QType t, at::ScalarType numerics) {
   const bool grouped = t == QType::kQ4_0 || t == QType::kQ4_1 || t == QType::kQ8_0;
   if (!(grouped && numerics == at::kBFloat16)) return kDecodeRows;
@@ -1261,6 +1268,53 @@ void QuantTeam::barrier(int size) {
   }
 }
 
+// Rows of bf16 x past kDecodeRows up to which a Q4_0 / Q4_1 call runs on AMX tiles
+// (avx512/quant_amx.h; 0: never): where the CPU has them, the weight's rows all lie in units of
+// 16, and the tiles are not turned off (quant_tiles). Past it oneDNN multiplies the weight's
+// bf16 tile twin, blocked for a long prefill's rows. See kTileRows.
+int64_t tile_rows_limit(QType type, int64_t N) {
+#if defined(QUIRE_AMX_QUANT)
+  if ((type == QType::kQ4_0 || type == QType::kQ4_1) && N % quant_amx::kUnitRows == 0 &&
+      quant_amx::enabled())
+    return kTileRows;
+#else
+  (void)type;
+  (void)N;
+#endif
+  return 0;
+}
+
+// out [M, N] (bf16 or fp32) = x (bf16 [M, K], contiguous) @ dequant(w)^T on the tiles
+void tile_rows_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, QType type) {
+#if defined(QUIRE_AMX_QUANT)
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  // x's last M % 16 rows in a zero-padded tile of their own (an A tile is 16 rows)
+  at::Tensor tail;
+  if (M % 16) {
+    tail = at::zeros({16, K}, x.options());
+    tail.narrow(0, 0, M % 16).copy_(x.narrow(0, M - M % 16, M % 16));
+  }
+  const at::BFloat16* tp = tail.defined() ? tail.data_ptr<at::BFloat16>() : nullptr;
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
+  const bool q41 = type == QType::kQ4_1;
+  at::parallel_for(0, N / quant_amx::kUnitRows, 4, [&](int64_t u0, int64_t u1) {
+    if (out.scalar_type() == at::kBFloat16) {
+      at::BFloat16* o = out.data_ptr<at::BFloat16>();
+      if (q41) quant_amx::units<true>(xp, tp, M, K, wp, N, o, u0, u1);
+      else quant_amx::units<false>(xp, tp, M, K, wp, N, o, u0, u1);
+    } else {
+      float* o = out.data_ptr<float>();
+      if (q41) quant_amx::units<true>(xp, tp, M, K, wp, N, o, u0, u1);
+      else quant_amx::units<false>(xp, tp, M, K, wp, N, o, u0, u1);
+    }
+  });
+#else
+  (void)out, (void)x, (void)w, (void)type;
+  TORCH_CHECK(false, "quant_linear: this kernel set has no AMX tiles");
+#endif
+}
+
 bool quant_linear_into_takes(const at::Tensor& w, int64_t rows, int64_t in_features,
                              at::ScalarType dtype, std::optional<at::ScalarType> numerics) {
   const std::optional<QType> type = int8_type_for(w, rows, dtype, numerics);
@@ -1299,12 +1353,22 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w_in,
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "quant_linear: x must be fp32 or bf16 [M, K] with the weight's K = ", K);
   const int64_t M = x.size(0);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (bf16 && numerics.value_or(at::kBFloat16) == at::kBFloat16 && M > kDecodeRows &&
+      M <= tile_rows_limit(type, N)) {
+    const at::Tensor xc = x.contiguous();
+    at::Tensor out = at::empty({M, N}, x.options().dtype(bias.has_value() ? at::kFloat
+                                                                         : at::kBFloat16));
+    tile_rows_into(out, xc, w, type);
+    if (!bias.has_value()) return out;
+    TORCH_CHECK(bias->numel() == N, "quant_linear: bias must be [N]");
+    return out.add_(bias->to(at::kFloat).view({1, N})).to(at::kBFloat16);
+  }
   if (M > int8_rows_limit(type, numerics.value_or(x.scalar_type())))
     return at::linear(x, dequantized_scratch(w, x.scalar_type()), bias);
   // bf16 is read and written as it is (no fp32 copies a call: a few us of SmolLM2's 121
   // calls a decode step); with a bias the sum stays fp32 up to one rounding, as before
   const at::Tensor xc = x.contiguous();
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor out = at::empty(
       {M, N}, x.options().dtype(bf16 && !bias.has_value() ? at::kBFloat16 : at::kFloat));
   if (M == 0) return out.to(x.scalar_type());
@@ -1321,7 +1385,27 @@ int64_t quant_int8_rows(const at::Tensor& w, at::ScalarType numerics) {
   return int8_rows_limit(qtype_of(w.size(2), w.scalar_type() == at::kChar), numerics);
 }
 
+int64_t quant_tile_rows(const at::Tensor& w) {
+  TORCH_CHECK(is_quantized_weight(w), "quant_tile_rows: a quantized weight [N, K / 32, bytes]");
+  return tile_rows_limit(qtype_of(w.size(2), w.scalar_type() == at::kChar), w.size(0));
+}
+
+bool quant_tiles(std::optional<bool> want) {
+#if defined(QUIRE_AMX_QUANT)
+  if (want.has_value()) quant_amx::wanted().store(*want);
+  return quant_amx::enabled();
+#else
+  (void)want;
+  return false;
+#endif
+}
+
 TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
+  // the most rows of bf16 x a call with this weight runs on AMX tiles (past the int8 kernel's
+  // decode rows; 0: never here): avx512/quant_amx.h
+  m.def("quant_tile_rows(Tensor w) -> int");
+  // whether Q4 linears run on AMX tiles here; `want` turns that on or off (tests, A/B runs)
+  m.def("quant_tiles(bool? want=None) -> bool", &quant_tiles);
   // the most rows of x a call with this weight keeps on the int8 dot products, in a model
   // computing in `numerics` (x's dtype, or the model's where x is wider: quant_linear)
   m.def("quant_int8_rows(Tensor w, ScalarType numerics) -> int");
@@ -1334,6 +1418,7 @@ TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
 
 TORCH_LIBRARY_IMPL(QUIRE_NS, CPU, m) {
   m.impl("quant_int8_rows", &quant_int8_rows);
+  m.impl("quant_tile_rows", &quant_tile_rows);
   m.impl("quant_linear", &quant_linear);
   m.impl("dequantize_weight", &dequantize_weight);
   m.impl("repack_gguf", &repack_gguf);

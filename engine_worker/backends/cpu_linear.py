@@ -118,9 +118,11 @@ class GgufBlocks:
         return GgufBlocks(blocks, tile_twin=twin)
 
     def takes_dense(self, ops: Any, x: torch.Tensor) -> bool:
-        """Whether this call multiplies the dense twin (more rows than the blocks' int8 path)."""
+        """Whether this call multiplies the dense twin (more rows than the blocks' int8 path,
+        or on AMX tiles than the kernel that de-quantizes Q4 blocks into tiles takes)."""
         if self.tile_twin is not None:
-            return x.dtype == torch.bfloat16 and x.shape[0] > SKINNY_MAX_ROWS
+            return x.dtype == torch.bfloat16 and x.shape[0] > SKINNY_MAX_ROWS and \
+                x.shape[0] > int(ops.quant_tile_rows(self.blocks))
         if self.dense_weight is None:
             return False
         rows = self.int8_rows if x.dtype == self.int8_dtype else \

@@ -367,14 +367,15 @@ def test_the_logits_of_decode_rows_come_back_in_fp32_before_the_bf16_rounding(cp
         assert torch.equal(logits, before) == (dtype == torch.float32)
 
 
-@pytest.mark.cpu_ops("quant_linear", "amx_tiles")
+@pytest.mark.cpu_ops("quant_linear", "amx_tiles", "quant_tile_rows")
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q4_K], ids=lambda t: t.name)
 def test_fast_bf16_cpus_multiply_rows_past_the_decode_rows_on_a_bf16_twin(cpu_kernels, qtype):
     """Where oneDNN's bf16 matmuls outrun the int8 kernel (AMX tiles, read here from
     /proc/cpuinfo; AMD's full-width AVX-512 BF16 from Zen 5), a quantized layer weight is
     packed with its exact de-quantized values in oneDNN's bf16 layout: bf16 calls of up to 8
     rows stream the blocks (the int8 kernel's result, bit for bit), more rows multiply the
-    twin (a float matmul on bf16-rounded weights). Elsewhere no twin is made; the twin itself
+    twin (a float matmul on bf16-rounded weights), except the Q4 calls that AMX tiles take from
+    the blocks (up to ``quant_tile_rows``: the same values, de-quantized into tiles). Elsewhere no twin is made; the twin itself
     is checked wherever oneDNN has bf16 (AVX-512 BF16), built directly."""
     from engine_worker.backends.cpu_linear import GgufBlocks
 
@@ -388,7 +389,7 @@ def test_fast_bf16_cpus_multiply_rows_past_the_decode_rows_on_a_bf16_twin(cpu_ke
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN has no bf16 matmul on this CPU")
     packed = GgufBlocks.with_tile_twin(ops, blocks)
-    for rows in (1, 8, 9, 64):
+    for rows in (1, 8, 9, 64, 65):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
         out = backend.linear(x, blocks, None, packed)
         expected = x.float() @ ref.T
@@ -399,8 +400,11 @@ def test_fast_bf16_cpus_multiply_rows_past_the_decode_rows_on_a_bf16_twin(cpu_ke
             bound = (x.float().abs() @ ref.abs().T) * 2 ** -8 + expected.abs() * 2 ** -8 + 1e-4
             assert ((out.float() - expected).abs() <= bound).all(), \
                 (rows, (out.float() - expected).abs().max())
-            if rows <= ops.quant_int8_rows(packed.blocks, torch.bfloat16):  # int8 there
-                assert not torch.equal(out, ops.quant_linear(x, packed.blocks, None))
+            direct = ops.quant_linear(x, packed.blocks, None)
+            if rows <= ops.quant_tile_rows(packed.blocks):  # Q4 on AMX tiles: the blocks
+                assert torch.equal(out, direct)
+            elif rows <= ops.quant_int8_rows(packed.blocks, torch.bfloat16):  # int8 there
+                assert not torch.equal(out, direct)
 
 
 @pytest.mark.cpu_ops("quant_linear", "pack_bf16w", "linear_bf16w", "dequantize_weight")
@@ -445,3 +449,48 @@ def test_avx2_stacks_of_a_bf16_model_keep_the_int8_path_or_bf16_panel_twins(cpu_
     odd = backend.pack_weight(odd_blocks)
     assert cpu_ops._stack_weights(LinearWeights(odd_blocks, None, odd), torch.float32,
                                   torch.bfloat16) == (odd.blocks, odd.blocks)
+
+
+@pytest.mark.cpu_ops("quant_linear", "quant_tile_rows", "quant_tiles", "dequantize_weight",
+                     "repack_gguf")
+@pytest.mark.parametrize("qtype", (QT.Q4_0, QT.Q4_1), ids=lambda t: t.name)
+# 9: one past the decode rows; 17 and 63: a last A tile partly filled (zero-padded); 64: four
+# whole C tiles, the most the tiles take; 65: one past them (oneDNN on the twin)
+@pytest.mark.parametrize("rows", [9, 16, 17, 63, 64, 65])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_q4_rows_past_the_decode_rows_run_on_amx_tiles_where_the_cpu_has_them(
+        cpu_kernels, qtype, rows, with_bias):
+    """On a CPU with AMX tiles (the real AVX-512 set; /proc/cpuinfo says), a bf16 model's Q4_0
+    / Q4_1 calls of 9 to 64 rows whose weight rows fill units of 16 run on the tiles
+    (csrc/cpu/avx512/quant_amx.h): x times the bf16 twin's values (the blocks de-quantized
+    bit for bit as ``dequantize_weight`` does), fp32 sums, one rounding to bf16. Turned off,
+    the same call takes the int8 kernel, whose rounding of x gives other bits. Elsewhere no
+    weight takes the tiles."""
+    ops = cpu_kernels.ops
+    tiles_here = {"amx_tile", "amx_bf16", "amx_int8"} <= cpu_flags() and \
+        cpu_kernels.kernels.variant.name == "avx512"
+    blocks = ops.repack_gguf(quantized(48, 96, qtype, seed=rows)[0])
+    taken = 64 if tiles_here else 0
+    assert ops.quant_tile_rows(blocks) == taken
+    assert ops.quant_tile_rows(ops.repack_gguf(quantized(40, 96, qtype)[0])) == 0  # 16 + 16 + 8
+    assert ops.quant_tile_rows(ops.repack_gguf(quantized(48, 96, QT.Q8_0)[0])) == 0
+    twin = ops.dequantize_weight(blocks, torch.bfloat16).float()
+    gen = torch.Generator().manual_seed(1000 + rows)
+    x = torch.randn(rows, 96, generator=gen)
+    x[-1, 32:64] *= 20  # one block with a large scale, in the last row
+    x = x.to(torch.bfloat16)
+    bias = torch.randn(48, generator=gen).bfloat16() if with_bias else None  # a bf16 model's
+    exact = x.float() @ twin.T + (0 if bias is None else bias.float())
+    try:
+        assert ops.quant_tiles(True) == tiles_here
+        out = ops.quant_linear(x, blocks, bias)
+        assert ops.quant_tiles(False) is False and ops.quant_tile_rows(blocks) == 0
+        off = ops.quant_linear(x, blocks, bias)
+    finally:
+        ops.quant_tiles(True)
+    assert out.shape == (rows, 48) and out.dtype == torch.bfloat16
+    if rows <= taken:
+        # bf16 products are exact in fp32; fp32 sums of 96 of them, then one rounding to bf16
+        bound = exact.abs() * 2 ** -8 + (x.float().abs() @ twin.abs().T) * 2 ** -20 + 1e-6
+        assert ((out.float() - exact).abs() <= bound).all(), (out.float() - exact).abs().max()
+    assert torch.equal(out, off) != (0 < rows <= taken)
