@@ -418,6 +418,10 @@ def make_cpu_backend(kernels: CpuKernels, name: str, description: str) -> Backen
         # prefill attention and decode scores run on them too (csrc/cpu/avx512/prefill_amx.h,
         # decode_amx.h)
         description += ", AMX tiles for many-row matmuls"
+        if kernels.has("quant_tiles") and kernels.ops.quant_tiles():
+            # Q4_0 / Q4_1 calls of 9 to 64 rows de-quantize the blocks into tiles instead of
+            # multiplying the twin (csrc/cpu/avx512/quant_amx.h)
+            description += " (Q4 weights' 9-64 rows from their 4-bit blocks)"
         if kernels.has("attention_tiles") and kernels.ops.attention_tiles():
             description += " and bf16 attention (prefill; decode scores)"
     elif ops.twins == "AVX2 bf16 panels":
