@@ -70,7 +70,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& few, const at::Tensor& 
                   const std::optional<at::Tensor>& bias,
                   std::optional<at::ScalarType> numerics = std::nullopt,
                   at::Tensor* into = nullptr) {
-  // a 4-bit weight's blocks also past the few rows where AMX tiles take them (quant_amx.h)
+  // a quantized weight's blocks also past the few rows where AMX tiles take them (quant_amx.h)
   const at::Tensor& w = x.size(0) <= kFewRows ||
                                 (is_quantized_weight(few) && x.scalar_type() == at::kBFloat16 &&
                                  x.size(0) <= quant_tile_rows(few))

@@ -107,8 +107,9 @@ at::Tensor repack_gguf(const at::Tensor& w);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias,
                         std::optional<at::ScalarType> numerics = std::nullopt);
-// the most rows of bf16 x (past 8) a call with this weight runs on AMX tiles, 0 where none
-// (quant_linear.cpp, avx512/quant_amx.h)
+// the most rows of bf16 x a call with this weight takes from its blocks where AMX tiles
+// multiply Q4 blocks (the int8 kernel, then the tiles: quant_linear.cpp, avx512/quant_amx.h),
+// 0 where none
 int64_t quant_tile_rows(const at::Tensor& w);
 // quant_linear(x, w, no bias) into out (contiguous [M, N] in x's dtype) where the weight is
 // repacked and its int8 path takes x's rows: true; else false, out untouched (the caller runs

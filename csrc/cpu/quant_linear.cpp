@@ -146,10 +146,16 @@ enum class QType { kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
 // figures predate dot_group_pair.)
 constexpr int64_t kVnniRows = std::numeric_limits<int64_t>::max();
 constexpr int64_t kAmxRows = 64;
-// Q4_0 / Q4_1 rows of a bf16 model past kDecodeRows up to here take the AMX kernel that
+// Q4_0 / Q4_1 rows of a bf16 model from kTileMinRows + 1 to kTileRows take the AMX kernel that
 // de-quantizes the blocks into tiles on the way (avx512/quant_amx.h, tile_rows_limit) where
-// the CPU has tiles: to be measured.
-constexpr int64_t kTileRows = 64;
+// the CPU has tiles, instead of oneDNN on the weight's bf16 twin; from 9 rows to
+// kTileMinRows the int8 kernel. A 2-core Xeon with AMX (family 6, model 167), 30 layers of
+// SmolLM2's four Q4_1 linears cycled so that they come from memory as in a step (medians of 7),
+// tiles / int8 / twin: 9 rows 9.1 / 5.8 / 15.4 ms, 16 rows 8.7 / 7.8 / 15.4, 24 rows 11.7 /
+// 11.1 / 17.3, 32 rows 12.1 / 13.2 / 18.3, 64 rows 14.0 / 23.9 / 20.2; another run, tiles /
+// twin: 96 rows 23.0 / 27.3, 128 rows 25.7 / 27.6, 192 rows 33.0 / 33.4, 256 rows 40.0 / 38.9.
+constexpr int64_t kTileMinRows = 24;
+constexpr int64_t kTileRows = 128;
 inline int64_t int8_rows_limit(QType t, at::ScalarType numerics) {
   const bool grouped = t == QType::kQ4_0 || t == QType::kQ4_1 || t == QType::kQ8_0;
   if (!(grouped && numerics == at::kBFloat16)) return kDecodeRows;
@@ -1268,7 +1274,7 @@ void QuantTeam::barrier(int size) {
   }
 }
 
-// Rows of bf16 x past kDecodeRows up to which a Q4_0 / Q4_1 call runs on AMX tiles
+// Rows of bf16 x up to which a Q4_0 / Q4_1 call runs on AMX tiles
 // (avx512/quant_amx.h; 0: never): where the CPU has them, the weight's rows all lie in units of
 // 16, and the tiles are not turned off (quant_tiles). Past it oneDNN multiplies the weight's
 // bf16 tile twin, blocked for a long prefill's rows. See kTileRows.
@@ -1289,26 +1295,20 @@ void tile_rows_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, Q
 #if defined(QUIRE_AMX_QUANT)
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  // x's last M % 16 rows in a zero-padded tile of their own (an A tile is 16 rows)
-  at::Tensor tail;
-  if (M % 16) {
-    tail = at::zeros({16, K}, x.options());
-    tail.narrow(0, 0, M % 16).copy_(x.narrow(0, M - M % 16, M % 16));
-  }
-  const at::BFloat16* tp = tail.defined() ? tail.data_ptr<at::BFloat16>() : nullptr;
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
-  const bool q41 = type == QType::kQ4_1;
-  at::parallel_for(0, N / quant_amx::kUnitRows, 4, [&](int64_t u0, int64_t u1) {
-    if (out.scalar_type() == at::kBFloat16) {
-      at::BFloat16* o = out.data_ptr<at::BFloat16>();
-      if (q41) quant_amx::units<true>(xp, tp, M, K, wp, N, o, u0, u1);
-      else quant_amx::units<false>(xp, tp, M, K, wp, N, o, u0, u1);
-    } else {
-      float* o = out.data_ptr<float>();
-      if (q41) quant_amx::units<true>(xp, tp, M, K, wp, N, o, u0, u1);
-      else quant_amx::units<false>(xp, tp, M, K, wp, N, o, u0, u1);
-    }
-  });
+  using quant_amx::Kind;
+  auto run = [&](auto kind, auto* o) {
+    constexpr Kind T = decltype(kind)::value;
+    at::parallel_for(0, N / quant_amx::kUnitRows, 4, [&](int64_t u0, int64_t u1) {
+      quant_amx::units<T>(xp, M, K, wp, N, o, u0, u1);
+    });
+  };
+  auto with_out = [&](auto kind) {
+    if (out.scalar_type() == at::kBFloat16) run(kind, out.data_ptr<at::BFloat16>());
+    else run(kind, out.data_ptr<float>());
+  };
+  if (type == QType::kQ4_1) with_out(std::integral_constant<Kind, Kind::kQ4_1>{});
+  else with_out(std::integral_constant<Kind, Kind::kQ4_0>{});
 #else
   (void)out, (void)x, (void)w, (void)type;
   TORCH_CHECK(false, "quant_linear: this kernel set has no AMX tiles");
@@ -1354,7 +1354,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w_in,
               "quant_linear: x must be fp32 or bf16 [M, K] with the weight's K = ", K);
   const int64_t M = x.size(0);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  if (bf16 && numerics.value_or(at::kBFloat16) == at::kBFloat16 && M > kDecodeRows &&
+  if (bf16 && numerics.value_or(at::kBFloat16) == at::kBFloat16 && M > kTileMinRows &&
       M <= tile_rows_limit(type, N)) {
     const at::Tensor xc = x.contiguous();
     at::Tensor out = at::empty({M, N}, x.options().dtype(bias.has_value() ? at::kFloat
@@ -1401,8 +1401,8 @@ bool quant_tiles(std::optional<bool> want) {
 }
 
 TORCH_LIBRARY_FRAGMENT(QUIRE_NS, m) {
-  // the most rows of bf16 x a call with this weight runs on AMX tiles (past the int8 kernel's
-  // decode rows; 0: never here): avx512/quant_amx.h
+  // the most rows of bf16 x a call with this weight takes from its blocks on AMX tiles (the
+  // int8 kernel up to kTileMinRows, the tiles past it: avx512/quant_amx.h; 0: none here)
   m.def("quant_tile_rows(Tensor w) -> int");
   // whether Q4 linears run on AMX tiles here; `want` turns that on or off (tests, A/B runs)
   m.def("quant_tiles(bool? want=None) -> bool", &quant_tiles);

@@ -419,9 +419,9 @@ def make_cpu_backend(kernels: CpuKernels, name: str, description: str) -> Backen
         # decode_amx.h)
         description += ", AMX tiles for many-row matmuls"
         if kernels.has("quant_tiles") and kernels.ops.quant_tiles():
-            # Q4_0 / Q4_1 calls of 9 to 64 rows de-quantize the blocks into tiles instead of
-            # multiplying the twin (csrc/cpu/avx512/quant_amx.h)
-            description += " (Q4 weights' 9-64 rows from their 4-bit blocks)"
+            # Q4_0 / Q4_1 calls of up to 128 rows take the blocks instead of the twin: the
+            # int8 kernel to 24 rows, then de-quantized into tiles (csrc/cpu/avx512/quant_amx.h)
+            description += " (Q4 weights' rows up to 128 from their 4-bit blocks)"
         if kernels.has("attention_tiles") and kernels.ops.attention_tiles():
             description += " and bf16 attention (prefill; decode scores)"
     elif ops.twins == "AVX2 bf16 panels":

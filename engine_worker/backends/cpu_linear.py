@@ -118,13 +118,15 @@ class GgufBlocks:
         return GgufBlocks(blocks, tile_twin=twin)
 
     def takes_dense(self, ops: Any, x: torch.Tensor) -> bool:
-        """Whether this call multiplies the dense twin (more rows than the blocks' int8 path,
-        or on AMX tiles than the kernel that de-quantizes Q4 blocks into tiles takes)."""
-        if self.tile_twin is not None:
-            return x.dtype == torch.bfloat16 and x.shape[0] > SKINNY_MAX_ROWS and \
-                x.shape[0] > int(ops.quant_tile_rows(self.blocks))
-        if self.dense_weight is None:
+        """Whether this call multiplies the dense twin: more rows than the blocks' int8 path
+        takes, and on AMX tiles more bf16 rows than the kernel that de-quantizes Q4_0 / Q4_1 /
+        Q8_0 blocks into tiles takes (``quant_tile_rows``; 0 elsewhere)."""
+        if self.tile_twin is None and self.dense_weight is None:
             return False
+        if x.dtype == torch.bfloat16 and x.shape[0] <= int(ops.quant_tile_rows(self.blocks)):
+            return False
+        if self.tile_twin is not None:
+            return x.dtype == torch.bfloat16 and x.shape[0] > SKINNY_MAX_ROWS
         rows = self.int8_rows if x.dtype == self.int8_dtype else \
             int(ops.quant_int8_rows(self.blocks, x.dtype))
         return x.shape[0] > rows

@@ -39,8 +39,8 @@ def test_auto_on_the_cpu_takes_the_kernels_where_they_build_and_says_why_not():
         # where oneDNN has AMX tiles (Intel Sapphire Rapids and later) the line says so, and
         # where it has a full-width AVX-512 BF16 datapath (AMD Zen 5) the line names the twins
         flags = set(Path("/proc/cpuinfo").read_text().split())
-        amx = ", AMX tiles for many-row matmuls (Q4 weights' 9-64 rows from their 4-bit " \
-            "blocks) and bf16 attention (prefill; decode scores)" \
+        amx = ", AMX tiles for many-row matmuls (Q4 weights' rows up to 128 from their " \
+            "4-bit blocks) and bf16 attention (prefill; decode scores)" \
             if {"amx_tile", "amx_bf16", "amx_int8"} <= flags else \
             ", bf16 twins of quantized weights for many-row matmuls (full-width AVX-512 BF16)" \
             if full_width_bf16(*cpu_vendor_family(), frozenset(flags)) else ""

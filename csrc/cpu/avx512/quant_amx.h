@@ -38,17 +38,43 @@ inline std::atomic<bool>& wanted() {
 }
 inline bool enabled() { return wanted().load(std::memory_order_relaxed) && amx_tiles_usable(); }
 
-// Block b of a unit (16 rows; `blk` its block: [16 d][16 m (Q4_1)][4 runs of 64 bytes, row r's
-// file bytes 4j .. 4j + 3 at 4r in run j]) as a B tile: 16 rows (pair i: k = 2i, 2i + 1) of
-// 16 bf16 pairs (weight row n).
-template <bool kQ41>
+// The block types the tiles take: their bytes a block of 32 weights. (Q8_0 was tried: its
+// tied logits table, 49152 x 576, ran slower here than oneDNN on its twin from 16 rows up,
+// 2.0-6.3 ms against 1.6-4.2 at 16-128 rows; the int8 kernel wins below that.)
+enum class Kind { kQ4_0, kQ4_1 };
+template <Kind T>
+constexpr int64_t kBlockBytes = T == Kind::kQ4_1 ? 20 : 18;
+
+// Four B rows from 16 values of each of the weight rows' chunk c (lanes: 4 rows 4c + l / 4 x
+// 4 weights l % 4, as int32 q), de-quantized as fma(q, d, offset) in fp32 and rounded to
+// bf16: pairs `pair` and `pair + 1` (weights 2 pair .. 2 pair + 3 of every row).
+inline void four_weights_a_row(const __m512i (&q)[4], const __m512 (&dv)[4],
+                               const __m512 (&ov)[4], uint32_t* bt, int pair) {
+  // dword e of a chunk pair's bf16: row e / 2, weights pair e % 2: the even e (pair 0) of both
+  // halves into one B row, the odd into the next
+  const __m512i even =
+      _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  __m512 f[4];
+  for (int c = 0; c < 4; ++c) f[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[c]), dv[c], ov[c]);
+  const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);  // rows 0-7
+  const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);  // rows 8-15
+  _mm512_store_si512(bt + 16 * pair, _mm512_permutex2var_epi32(lo, even, hi));
+  _mm512_store_si512(bt + 16 * (pair + 1), _mm512_permutex2var_epi32(lo, odd, hi));
+}
+
+// Block b of a unit (16 rows; `blk` its block: [16 d][16 m (Q4_1)][4 runs of 64 bytes, row
+// r's file bytes 4j .. 4j + 3 at 4r in run j: weights 4j + t in the low nibbles, 16 + 4j + t
+// in the high]) as a B tile: 16 rows (pair i: k = 2i, 2i + 1) of 16 bf16 pairs (weight row
+// n), the values dequant_block gives.
+template <Kind T>
 inline void dequant_unit_block(const uint8_t* blk, uint32_t* bt) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-  const __m512 off = kQ41 ? _mm512_cvtph_ps(_mm256_loadu_si256(
-                                reinterpret_cast<const __m256i*>(blk + 32)))
-                          : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-  const uint8_t* qs = blk + (kQ41 ? 64 : 32);
-  // lanes of chunk c: 4 rows (4c + l / 4) x 4 weights (l % 4)
+  const __m512 off =
+      T == Kind::kQ4_1
+          ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)))
+          : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+  const uint8_t* qs = blk + (T == Kind::kQ4_1 ? 64 : 32);
   __m512 dv[4], ov[4];
   for (int c = 0; c < 4; ++c) {
     const __m512i idx = _mm512_add_epi32(
@@ -58,31 +84,21 @@ inline void dequant_unit_block(const uint8_t* blk, uint32_t* bt) {
     dv[c] = _mm512_permutexvar_ps(idx, d);
     ov[c] = _mm512_permutexvar_ps(idx, off);
   }
-  // dword e of a chunk pair's bf16: row e / 2, weights pair e % 2: the even e (pair 0) of both
-  // halves into one B row, the odd into the next
-  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  auto chunk = [](const uint8_t* p) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  };
+  const __m512i low = _mm512_set1_epi32(0x0F);
   for (int j = 0; j < 4; ++j) {
-    const __m512i v = _mm512_loadu_si512(qs + 64 * j);
-    const __m512i nib[2] = {_mm512_and_si512(v, low),
-                            _mm512_and_si512(_mm512_srli_epi16(v, 4), low)};
-    for (int h = 0; h < 2; ++h) {  // low nibbles: k = 4j + t; high: 16 + 4j + t
-      __m512 f[4];
-      f[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                 _mm512_extracti32x4_epi32(nib[h], 0))), dv[0], ov[0]);
-      f[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                 _mm512_extracti32x4_epi32(nib[h], 1))), dv[1], ov[1]);
-      f[2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                 _mm512_extracti32x4_epi32(nib[h], 2))), dv[2], ov[2]);
-      f[3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                 _mm512_extracti32x4_epi32(nib[h], 3))), dv[3], ov[3]);
-      const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);  // rows 0-7
-      const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);  // rows 8-15
-      const int pair = 8 * h + 2 * j;
-      _mm512_store_si512(bt + 16 * pair, _mm512_permutex2var_epi32(lo, even, hi));
-      _mm512_store_si512(bt + 16 * (pair + 1), _mm512_permutex2var_epi32(lo, odd, hi));
+    const uint8_t* run = qs + 64 * j;
+    // each byte widened once (from memory), its two nibbles taken in the int32 lanes
+    __m512i lo[4], hi[4];
+    for (int c = 0; c < 4; ++c) {
+      const __m512i b = _mm512_cvtepu8_epi32(chunk(run + 16 * c));
+      lo[c] = _mm512_and_si512(b, low);
+      hi[c] = _mm512_srli_epi32(b, 4);
     }
+    four_weights_a_row(lo, dv, ov, bt, 2 * j);      // weights 4j + t
+    four_weights_a_row(hi, dv, ov, bt, 8 + 2 * j);  // weights 16 + 4j + t
   }
 }
 
@@ -155,21 +171,30 @@ QUIRE_AMX_TARGET inline void unit_rows(const at::BFloat16* const* a, int64_t lda
 }
 
 // Units [u0, u1) of w (16 rows each; repacked, every row in a unit of 16) against x [M, K]:
-// out[:, 16u .. 16u + 16). `tail`: x's last M % 16 rows, zero-padded to 16 (null where
-// M % 16 == 0).
-template <bool kQ41, typename O>
-QUIRE_AMX_TARGET void units(const at::BFloat16* x, const at::BFloat16* tail, int64_t M,
-                            int64_t K, const uint8_t* w, int64_t N, O* out, int64_t u0,
-                            int64_t u1) {
-  constexpr int64_t kBytes = kQ41 ? 20 : 18;
-  const int64_t nb = K / 32, unit_bytes = kUnitRows * nb * kBytes;
+// out[:, 16u .. 16u + 16). x's last M % 16 rows go through a zero-padded tile of the thread's
+// own (an A tile is 16 rows; a fresh tensor a call cost about 12 us of a 9-row call).
+template <Kind T, typename O>
+QUIRE_AMX_TARGET void units(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w,
+                            int64_t N, O* out, int64_t u0, int64_t u1) {
+  const int64_t nb = K / 32, unit_bytes = kUnitRows * nb * kBlockBytes<T>;
   thread_local prefill_amx::Grown<uint32_t> scratch;
+  thread_local prefill_amx::Grown<at::BFloat16> tail_rows;
   uint32_t* const bt = scratch.get(nb * 256);
+  const at::BFloat16* tail = nullptr;
+  if (const int64_t rest = M % 16) {
+    at::BFloat16* t = tail_rows.get(16 * K);
+    std::memcpy(t, x + (M - rest) * K, rest * K * sizeof(at::BFloat16));
+    std::memset(static_cast<void*>(t + rest * K), 0, (16 - rest) * K * sizeof(at::BFloat16));
+    tail = t;
+  }
   _tile_loadconfig(&tile_config());
   for (int64_t u = u0; u < u1; ++u) {
     const uint8_t* unit = w + u * unit_bytes;
     for (int64_t b = 0; b < nb; ++b)
-      dequant_unit_block<kQ41>(unit + b * kUnitRows * kBytes, bt + 256 * b);
+      dequant_unit_block<T>(unit + b * kUnitRows * kBlockBytes<T>, bt + 256 * b);
+    if (u + 1 < u1)  // the next unit's bytes come in while this one's products run
+      for (int64_t off = 0; off < unit_bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(unit + unit_bytes + off), _MM_HINT_T0);
     for (int64_t m0 = 0; m0 < M; m0 += 64) {
       const int64_t rows = std::min<int64_t>(64, M - m0);
       const int mt = int((rows + 15) / 16);
@@ -179,7 +204,6 @@ QUIRE_AMX_TARGET void units(const at::BFloat16* x, const at::BFloat16* tail, int
         const int64_t r = m0 + 16 * t;
         a[t] = r + 16 <= M ? x + r * K : tail;
       }
-      // the tail's rows lie K apart too (its own [16, K])
       O* o = out + m0 * N + kUnitRows * u;
       switch (mt) {
         case 1: unit_rows<1>(a, K, bt, nb, o, N, last_rows); break;

@@ -300,13 +300,14 @@ def test_k_quant_rows_that_are_not_whole_super_blocks_are_refused(cpu_kernels):
                                      None)
 
 
-@pytest.mark.cpu_ops("quant_linear", "quant_int8_rows")
+@pytest.mark.cpu_ops("quant_linear", "quant_int8_rows", "quant_tile_rows")
 def test_a_dense_twin_serves_the_rows_past_the_int8_path(cpu_kernels):
     """A tied embedding's blocks packed with the table's de-quantized values (``dense=``): up
     to the blocks' int8 rows (at most SKINNY_MAX_ROWS where bf16 twins are kept) a call streams
-    the blocks; past them it multiplies the twin in the set's packed layout, instead of
-    de-quantizing every call. A twin scaled by 2 shows which one a call took; the real twin
-    gives the de-quantized product."""
+    the blocks, and on AMX tiles up to ``quant_tile_rows`` bf16 rows the tiles take the blocks;
+    past them it multiplies the twin in the set's packed layout, instead of de-quantizing every
+    call. A twin scaled by 2 shows which one a call took; the real twin gives the de-quantized
+    product."""
     backend, ops = cpu_kernels.backend, cpu_kernels.ops
     dtype = torch.bfloat16 if cpu_kernels.isa == "avx512" else torch.float32
     blocks, ref = quantized(64, 96, QT.Q8_0, seed=5)
@@ -319,7 +320,8 @@ def test_a_dense_twin_serves_the_rows_past_the_int8_path(cpu_kernels):
     rows_limit = int(ops.quant_int8_rows(packed.blocks, dtype))
     limit = min(8, rows_limit) if bf16_twins_expected(cpu_kernels.isa) else rows_limit
     assert packed.int8_rows == limit
-    for rows in sorted({1, min(limit, 40), min(limit + 1, 40), 40}):
+    tiles = int(ops.quant_tile_rows(packed.blocks)) if dtype == torch.bfloat16 else 0
+    for rows in sorted({1, min(limit, 40), min(limit + 1, 40), 40, 65}):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)
         out = backend.linear(x, blocks, None, packed).float()
         expected = x.float() @ table.float().T
@@ -327,7 +329,7 @@ def test_a_dense_twin_serves_the_rows_past_the_int8_path(cpu_kernels):
         tol = x_rounding_bound(x.float(), ref) * 1.01 + expected.abs() * 2 ** -7 + 1e-3
         assert ((out - expected).abs() <= tol).all(), (rows, (out - expected).abs().max())
         twice = backend.linear(x, blocks, None, doubled).float()
-        if rows > limit:
+        if rows > max(limit, tiles):
             torch.testing.assert_close(twice, 2 * out, rtol=2 ** -7, atol=1e-3)
         else:
             torch.testing.assert_close(twice, out, rtol=0, atol=0)
@@ -454,23 +456,27 @@ def test_avx2_stacks_of_a_bf16_model_keep_the_int8_path_or_bf16_panel_twins(cpu_
 @pytest.mark.cpu_ops("quant_linear", "quant_tile_rows", "quant_tiles", "dequantize_weight",
                      "repack_gguf")
 @pytest.mark.parametrize("qtype", (QT.Q4_0, QT.Q4_1), ids=lambda t: t.name)
-# 9: one past the decode rows; 17 and 63: a last A tile partly filled (zero-padded); 64: four
-# whole C tiles, the most the tiles take; 65: one past them (oneDNN on the twin)
-@pytest.mark.parametrize("rows", [9, 16, 17, 63, 64, 65])
+# 24: the int8 kernel's last row count there; 25: the tiles' first (a last A tile of 9 rows,
+# zero-padded); 64: four whole C tiles; 65 and 128: a second pass over the unit's B tiles;
+# 129: one past them (oneDNN on the twin)
+@pytest.mark.parametrize("rows", [9, 24, 25, 64, 65, 128, 129])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_q4_rows_past_the_decode_rows_run_on_amx_tiles_where_the_cpu_has_them(
         cpu_kernels, qtype, rows, with_bias):
     """On a CPU with AMX tiles (the real AVX-512 set; /proc/cpuinfo says), a bf16 model's Q4_0
-    / Q4_1 calls of 9 to 64 rows whose weight rows fill units of 16 run on the tiles
+    / Q4_1 calls whose weight rows fill units of 16 take the blocks up to 128 rows (the int8
+    kernel to 24, csrc/cpu/quant_linear.cpp's kTileMinRows) and from 25 to 128 run on the tiles
     (csrc/cpu/avx512/quant_amx.h): x times the bf16 twin's values (the blocks de-quantized
     bit for bit as ``dequantize_weight`` does), fp32 sums, one rounding to bf16. Turned off,
-    the same call takes the int8 kernel, whose rounding of x gives other bits. Elsewhere no
-    weight takes the tiles."""
+    the same call takes the int8 kernel to 64 rows, whose rounding of x gives other bits (past
+    64, the de-quantized weight's matmul, which may give the tiles' bits). Elsewhere no weight
+    takes the tiles."""
     ops = cpu_kernels.ops
     tiles_here = {"amx_tile", "amx_bf16", "amx_int8"} <= cpu_flags() and \
         cpu_kernels.kernels.variant.name == "avx512"
     blocks = ops.repack_gguf(quantized(48, 96, qtype, seed=rows)[0])
-    taken = 64 if tiles_here else 0
+    taken = 128 if tiles_here else 0
+    on_tiles = tiles_here and 24 < rows <= taken
     assert ops.quant_tile_rows(blocks) == taken
     assert ops.quant_tile_rows(ops.repack_gguf(quantized(40, 96, qtype)[0])) == 0  # 16 + 16 + 8
     assert ops.quant_tile_rows(ops.repack_gguf(quantized(48, 96, QT.Q8_0)[0])) == 0
@@ -489,8 +495,11 @@ def test_q4_rows_past_the_decode_rows_run_on_amx_tiles_where_the_cpu_has_them(
     finally:
         ops.quant_tiles(True)
     assert out.shape == (rows, 48) and out.dtype == torch.bfloat16
-    if rows <= taken:
+    if on_tiles:
         # bf16 products are exact in fp32; fp32 sums of 96 of them, then one rounding to bf16
         bound = exact.abs() * 2 ** -8 + (x.float().abs() @ twin.abs().T) * 2 ** -20 + 1e-6
         assert ((out.float() - exact).abs() <= bound).all(), (out.float() - exact).abs().max()
-    assert torch.equal(out, off) != (0 < rows <= taken)
+    if not on_tiles:  # the same path both times
+        assert torch.equal(out, off)
+    elif rows <= 64:  # off: the int8 kernel
+        assert not torch.equal(out, off)
