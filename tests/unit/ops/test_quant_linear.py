@@ -376,9 +376,10 @@ def test_fast_bf16_cpus_multiply_rows_past_the_decode_rows_on_a_bf16_twin(cpu_ke
     /proc/cpuinfo; AMD's full-width AVX-512 BF16 from Zen 5), a quantized layer weight is
     packed with its exact de-quantized values in oneDNN's bf16 layout: bf16 calls of up to 8
     rows stream the blocks (the int8 kernel's result, bit for bit), more rows multiply the
-    twin (a float matmul on bf16-rounded weights), except the Q4 calls that AMX tiles take from
-    the blocks (up to ``quant_tile_rows``: the same values, de-quantized into tiles). Elsewhere no twin is made; the twin itself
-    is checked wherever oneDNN has bf16 (AVX-512 BF16), built directly."""
+    twin (a float matmul on bf16-rounded weights), except the Q4 calls that take the blocks
+    on an AMX CPU (up to ``quant_tile_rows``: the int8 kernel, then the same values
+    de-quantized into tiles). Elsewhere no twin is made; the twin itself is checked wherever
+    oneDNN has bf16 (AVX-512 BF16), built directly."""
     from engine_worker.backends.cpu_linear import GgufBlocks
 
     if cpu_kernels.isa != "avx512":
