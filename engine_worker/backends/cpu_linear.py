@@ -83,7 +83,9 @@ class GgufBlocks:
     int8_dtype: torch.dtype | None = None
     # On a CPU whose oneDNN runs on AMX tiles: the weight de-quantized once at load into
     # oneDNN's bf16 layout (``tile_twin``), which bf16 calls of more than SKINNY_MAX_ROWS rows
-    # multiply (the fused stack too) while up to that many rows stream the blocks. Measured on a
+    # multiply (the fused stack too) while up to that many rows stream the blocks; a Q4_0 /
+    # Q4_1 weight's blocks serve up to ``quant_tile_rows`` (128) rows there (the int8 kernel,
+    # then de-quantized into tiles: csrc/cpu/avx512/quant_amx.h), the twin only past them. Measured on a
     # 2-core Xeon with AMX, SmolLM2's four linears of a layer in Q4_1, 2 threads: 16 rows 0.57 ms
     # on the int8 kernel against 0.49 on the tiles, 64 rows 2.3 against 0.9, 512 rows 18.5
     # against 6.7 (de-quantizing every call instead costs 1.8 ms more a layer). The same on a
@@ -121,7 +123,8 @@ class GgufBlocks:
         """Whether this call multiplies the dense twin: more rows than the blocks' int8 path
         takes, and on AMX tiles more bf16 rows than the kernel that de-quantizes Q4_0 / Q4_1 /
         Q8_0 blocks into tiles takes (``quant_tile_rows``; 0 elsewhere)."""
-        if self.tile_twin is None and self.dense_weight is None:
+        if (self.tile_twin is None and self.dense_weight is None) or \
+                x.shape[0] <= SKINNY_MAX_ROWS:  # (no op call on a decode's path)
             return False
         if x.dtype == torch.bfloat16 and x.shape[0] <= int(ops.quant_tile_rows(self.blocks)):
             return False
