@@ -1354,17 +1354,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w_in,
               "quant_linear: x must be fp32 or bf16 [M, K] with the weight's K = ", K);
   const int64_t M = x.size(0);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  if (bf16 && numerics.value_or(at::kBFloat16) == at::kBFloat16 && M > kTileMinRows &&
-      M <= tile_rows_limit(type, N)) {
-    const at::Tensor xc = x.contiguous();
-    at::Tensor out = at::empty({M, N}, x.options().dtype(bias.has_value() ? at::kFloat
-                                                                         : at::kBFloat16));
-    tile_rows_into(out, xc, w, type);
-    if (!bias.has_value()) return out;
-    TORCH_CHECK(bias->numel() == N, "quant_linear: bias must be [N]");
-    return out.add_(bias->to(at::kFloat).view({1, N})).to(at::kBFloat16);
-  }
-  if (M > int8_rows_limit(type, numerics.value_or(x.scalar_type())))
+  // a bf16 model's Q4 rows past kTileMinRows on AMX tiles, else the int8 dot products
+  const bool tiles = bf16 && numerics.value_or(at::kBFloat16) == at::kBFloat16 &&
+                     M > kTileMinRows && M <= tile_rows_limit(type, N);
+  if (!tiles && M > int8_rows_limit(type, numerics.value_or(x.scalar_type())))
     return at::linear(x, dequantized_scratch(w, x.scalar_type()), bias);
   // bf16 is read and written as it is (no fp32 copies a call: a few us of SmolLM2's 121
   // calls a decode step); with a bias the sum stays fp32 up to one rounding, as before
@@ -1372,7 +1365,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w_in,
   at::Tensor out = at::empty(
       {M, N}, x.options().dtype(bf16 && !bias.has_value() ? at::kBFloat16 : at::kFloat));
   if (M == 0) return out.to(x.scalar_type());
-  int8_rows_into(out, xc, w, type);
+  if (tiles)
+    tile_rows_into(out, xc, w, type);
+  else
+    int8_rows_into(out, xc, w, type);
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "quant_linear: bias must be [N]");
     out.add_(bias->to(at::kFloat).view({1, N}));

@@ -81,16 +81,16 @@ class GgufBlocks:
     dense: Any = None
     int8_rows: int = 0
     int8_dtype: torch.dtype | None = None
-    # On a CPU whose oneDNN runs on AMX tiles: the weight de-quantized once at load into
-    # oneDNN's bf16 layout (``tile_twin``), which bf16 calls of more than SKINNY_MAX_ROWS rows
-    # multiply (the fused stack too) while up to that many rows stream the blocks; a Q4_0 /
-    # Q4_1 weight's blocks serve up to ``quant_tile_rows`` (128) rows there (the int8 kernel,
-    # then de-quantized into tiles: csrc/cpu/avx512/quant_amx.h), the twin only past them. Measured on a
-    # 2-core Xeon with AMX, SmolLM2's four linears of a layer in Q4_1, 2 threads: 16 rows 0.57 ms
-    # on the int8 kernel against 0.49 on the tiles, 64 rows 2.3 against 0.9, 512 rows 18.5
-    # against 6.7 (de-quantizing every call instead costs 1.8 ms more a layer). The same on a
-    # CPU with a full-width AVX-512 BF16 datapath (AMD Zen 5: 64 rows 0.85 ms on the int8
-    # kernel against 0.56, 512 rows 6.4 against 3.9): backends/cpu.bf16_twins_reason.
+    # On a CPU whose oneDNN runs on AMX tiles: the weight de-quantized once at load into oneDNN's
+    # bf16 layout (``tile_twin``), which bf16 calls of more than SKINNY_MAX_ROWS rows multiply (the
+    # fused stack too) while up to that many rows stream the blocks; a Q4_0 / Q4_1 weight's blocks
+    # serve up to ``quant_tile_rows`` (128) rows there (the int8 kernel, then de-quantized into
+    # tiles: csrc/cpu/avx512/quant_amx.h), the twin only past them. Measured on a 2-core Xeon with
+    # AMX, SmolLM2's four linears of a layer in Q4_1, 2 threads: 16 rows 0.57 ms on the int8 kernel
+    # against 0.49 on the tiles, 64 rows 2.3 against 0.9, 512 rows 18.5 against 6.7 (de-quantizing
+    # every call instead costs 1.8 ms more a layer). The same on a CPU with a full-width AVX-512
+    # BF16 datapath (AMD Zen 5: 64 rows 0.85 ms on the int8 kernel against 0.56, 512 rows 6.4
+    # against 3.9): backends/cpu.bf16_twins_reason.
     tile_twin: torch.Tensor | None = None
 
     @staticmethod
@@ -121,15 +121,15 @@ class GgufBlocks:
 
     def takes_dense(self, ops: Any, x: torch.Tensor) -> bool:
         """Whether this call multiplies the dense twin: more rows than the blocks' int8 path
-        takes, and on AMX tiles more bf16 rows than the kernel that de-quantizes Q4_0 / Q4_1 /
-        Q8_0 blocks into tiles takes (``quant_tile_rows``; 0 elsewhere)."""
+        takes, and on AMX tiles more bf16 rows than a Q4_0 / Q4_1 weight's blocks serve there
+        (``quant_tile_rows``; 0 elsewhere)."""
         if (self.tile_twin is None and self.dense_weight is None) or \
                 x.shape[0] <= SKINNY_MAX_ROWS:  # (no op call on a decode's path)
             return False
         if x.dtype == torch.bfloat16 and x.shape[0] <= int(ops.quant_tile_rows(self.blocks)):
             return False
         if self.tile_twin is not None:
-            return x.dtype == torch.bfloat16 and x.shape[0] > SKINNY_MAX_ROWS
+            return x.dtype == torch.bfloat16
         rows = self.int8_rows if x.dtype == self.int8_dtype else \
             int(ops.quant_int8_rows(self.blocks, x.dtype))
         return x.shape[0] > rows
