@@ -22,10 +22,10 @@ import torch
 
 from engine_worker.attention.metadata import AttentionMetadata
 from engine_worker.backends.base import Backend, BackendEntry, LayersFn, SamplingKernels
-from engine_worker.backends.cpu_linear import (GGUF_NATIVE_TYPES,
+from engine_worker.backends.cpu_linear import (FULL_WIDTH_TABLE_INT8_ROWS, GGUF_NATIVE_TYPES,
                                                K_QUANT_BLOCK_BYTES, PANEL_COLUMNS, PANELS_BF16,
-                                               SKINNY_BF16, SKINNY_MAX_ROWS, GgufBlocks,
-                                               is_gguf_blocks)
+                                               Q4_BLOCK_BYTES, SKINNY_BF16, SKINNY_MAX_ROWS,
+                                               GgufBlocks, is_gguf_blocks)
 from engine_worker.backends.reference import TorchAttentionBackend
 from engine_worker.layers.activation import silu_and_mul
 from engine_worker.layers.norm import rms_norm
@@ -107,7 +107,7 @@ class CpuOps:
 
     def pack_weight(self, weight: torch.Tensor, dense: torch.Tensor | None = None) -> Any:
         if is_gguf_blocks(weight):
-            if dense is None and self._twin_bytes_left > 0 and \
+            if dense is None and self._twin_bytes_left > 0 and self._twin_pays(weight) and \
                     self._linear.activation_dtype == torch.bfloat16:  # oneDNN's tile twins
                 twin_bytes = _dense_numel(weight) * 2  # bf16
                 if twin_bytes <= self._twin_bytes_left:
@@ -128,9 +128,23 @@ class CpuOps:
             # a tied embedding's table (dense): past the decode rows where bf16 matmuls are
             # fast (Zen 5, the tied Q8_0 logits table 49152 x 576 at 16 rows: 1.7 ms against
             # 2.4 on the int8 kernel)
-            twin_rows = SKINNY_MAX_ROWS if self.twins else None
+            twin_rows = None if not self.twins else SKINNY_MAX_ROWS if self.tiles else \
+                FULL_WIDTH_TABLE_INT8_ROWS
             return GgufBlocks.of(self.ops, weight, dense, self._linear, twin_rows)
         return self._linear.pack(self.ops, weight)
+
+    def _twin_pays(self, weight: torch.Tensor) -> bool:
+        """Whether a quantized layer weight keeps a bf16 twin where twins are kept: always on
+        AMX tiles; on a full-width AVX-512 BF16 datapath (Zen 5) all but Q4_0 / Q4_1, whose
+        grouped int8 kernel (csrc/cpu/quant_linear.cpp, dot_group_pair) outruns oneDNN's bf16
+        matmul on the twin at every row count there. Measured on a 2-core Zen 5 (f26 m2), 30
+        layers of SmolLM2's four Q4_1 linears cycled from memory, medians of 7, int8 / twin:
+        9 rows 3.6 / 8.1 ms, 16 rows 4.8 / 9.6, 32 rows 8.8 / 13.2, 64 rows 14.5 / 21.2, 128
+        rows 25.3 / 34.2; one layer in cache (scripts/quant_linear_bench.py), 1.27-1.85x at 9
+        to 1,024 rows. (When the twins went in, 24th session, the kernel was slower: 64 rows
+        0.85 ms a layer against the twin's 0.56.) Q8_0 keeps its twin: the tied logits table
+        past 32 rows is faster on it (FULL_WIDTH_TABLE_INT8_ROWS)."""
+        return self.tiles or weight.shape[2] not in Q4_BLOCK_BYTES
 
     def _stack_weights(self, lin, dtype: torch.dtype, model_dtype: torch.dtype
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -428,9 +442,10 @@ def make_cpu_backend(kernels: CpuKernels, name: str, description: str) -> Backen
         description += ", int8 dot products for a bf16 model's Q4_0 / Q4_1 / Q8_0 weights, " \
             "bf16 panel twins of its k-quants for many-row matmuls"
     elif ops.twins:
-        # oneDNN's bf16 matmul on a full 512-bit datapath: quantized layers keep bf16 twins
-        description += ", bf16 twins of quantized weights for many-row matmuls (full-width " \
-            "AVX-512 BF16)"
+        # oneDNN's bf16 matmul on a full 512-bit datapath: quantized layers but Q4_0 / Q4_1
+        # keep bf16 twins (CpuOps._twin_pays)
+        description += ", int8 dot products for Q4_0 / Q4_1 weights, bf16 twins of other " \
+            "quantized weights for many-row matmuls (full-width AVX-512 BF16)"
     return Backend(name=name, description=description, linear=ops.linear,
                    pack_weight=ops.pack_weight, rms_norm=ops.rms_norm,
                    silu_and_mul=ops.silu_and_mul, rope=ops.rope,

@@ -42,7 +42,8 @@ def test_auto_on_the_cpu_takes_the_kernels_where_they_build_and_says_why_not():
         amx = ", AMX tiles for many-row matmuls (Q4 weights' rows up to 128 from their " \
             "4-bit blocks) and bf16 attention (prefill; decode scores)" \
             if {"amx_tile", "amx_bf16", "amx_int8"} <= flags else \
-            ", bf16 twins of quantized weights for many-row matmuls (full-width AVX-512 BF16)" \
+            ", int8 dot products for Q4_0 / Q4_1 weights, bf16 twins of other quantized " \
+            "weights for many-row matmuls (full-width AVX-512 BF16)" \
             if full_width_bf16(*cpu_vendor_family(), frozenset(flags)) else ""
         assert choice.describe() == (f"cpu (compiled CPU kernels, AVX-512{amx}): the fastest "
                                      "backend that runs on cpu")

@@ -24,11 +24,29 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 from engine_worker.ops.cpu_isa import cpu_flags, cpu_vendor_family, full_width_bf16  # noqa: E402
 
 
+def amx_cpu() -> bool:
+    return {"amx_tile", "amx_bf16", "amx_int8"} <= cpu_flags()
+
+
 def bf16_twins_expected(isa: str) -> bool:
-    """Whether quantized weights should get bf16 twins here: the AVX-512 set (bf16
-    activations) on a CPU with AMX tiles or a full-width AVX-512 BF16 datapath."""
-    amx = {"amx_tile", "amx_bf16", "amx_int8"} <= cpu_flags()
-    return isa == "avx512" and (amx or full_width_bf16(*cpu_vendor_family(), cpu_flags()))
+    """Whether quantized weights may get bf16 twins here: the AVX-512 set (bf16 activations)
+    on a CPU with AMX tiles or a full-width AVX-512 BF16 datapath."""
+    return isa == "avx512" and (amx_cpu() or full_width_bf16(*cpu_vendor_family(), cpu_flags()))
+
+
+def layer_twin_expected(isa: str, qtype: QT) -> bool:
+    """Whether a quantized layer weight of ``qtype`` gets a bf16 twin here: where twins are
+    kept, every type on AMX tiles; on a full-width AVX-512 BF16 datapath (Zen 5) all but Q4_0
+    / Q4_1, which take the int8 kernel at every row count there."""
+    return bf16_twins_expected(isa) and (amx_cpu() or qtype not in (QT.Q4_0, QT.Q4_1))
+
+
+def table_int8_rows(isa: str, rows_limit: int) -> int:
+    """The rows of x a tied Q8_0 table's blocks take before its dense twin does: the blocks'
+    own limit, or fewer where bf16 twins are kept (AMX: the decode rows; Zen 5: 32)."""
+    if not bf16_twins_expected(isa):
+        return rows_limit
+    return min(8 if amx_cpu() else 32, rows_limit)
 
 TYPES = (QT.Q4_0, QT.Q4_1, QT.Q8_0)
 
@@ -303,8 +321,8 @@ def test_k_quant_rows_that_are_not_whole_super_blocks_are_refused(cpu_kernels):
 @pytest.mark.cpu_ops("quant_linear", "quant_int8_rows", "quant_tile_rows")
 def test_a_dense_twin_serves_the_rows_past_the_int8_path(cpu_kernels):
     """A tied embedding's blocks packed with the table's de-quantized values (``dense=``): up
-    to the blocks' int8 rows (at most SKINNY_MAX_ROWS where bf16 twins are kept) a call streams
-    the blocks, and on AMX tiles up to ``quant_tile_rows`` bf16 rows the tiles take the blocks;
+    to the blocks' int8 rows (at most SKINNY_MAX_ROWS on AMX tiles, 32 on a full-width AVX-512
+    BF16 datapath: table_int8_rows) a call streams the blocks, and on AMX tiles up to ``quant_tile_rows`` bf16 rows the tiles take the blocks;
     past them it multiplies the twin in the set's packed layout, instead of de-quantizing every
     call. A twin scaled by 2 shows which one a call took; the real twin gives the de-quantized
     product."""
@@ -318,7 +336,7 @@ def test_a_dense_twin_serves_the_rows_past_the_int8_path(cpu_kernels):
     # the table takes over past the decode rows; elsewhere at the blocks' own limit (none on
     # VNNI: the table never takes over there, AVX2: past the decode rows)
     rows_limit = int(ops.quant_int8_rows(packed.blocks, dtype))
-    limit = min(8, rows_limit) if bf16_twins_expected(cpu_kernels.isa) else rows_limit
+    limit = table_int8_rows(cpu_kernels.isa, rows_limit)
     assert packed.int8_rows == limit
     tiles = int(ops.quant_tile_rows(packed.blocks)) if dtype == torch.bfloat16 else 0
     for rows in sorted({1, min(limit, 40), min(limit + 1, 40), 40, 65}):
@@ -373,8 +391,9 @@ def test_the_logits_of_decode_rows_come_back_in_fp32_before_the_bf16_rounding(cp
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q4_K], ids=lambda t: t.name)
 def test_fast_bf16_cpus_multiply_rows_past_the_decode_rows_on_a_bf16_twin(cpu_kernels, qtype):
     """Where oneDNN's bf16 matmuls outrun the int8 kernel (AMX tiles, read here from
-    /proc/cpuinfo; AMD's full-width AVX-512 BF16 from Zen 5), a quantized layer weight is
-    packed with its exact de-quantized values in oneDNN's bf16 layout: bf16 calls of up to 8
+    /proc/cpuinfo; AMD's full-width AVX-512 BF16 from Zen 5, there but for Q4_0 / Q4_1, whose
+    int8 kernel is faster at every row count), a quantized layer weight is packed with its
+    exact de-quantized values in oneDNN's bf16 layout: bf16 calls of up to 8
     rows stream the blocks (the int8 kernel's result, bit for bit), more rows multiply the
     twin (a float matmul on bf16-rounded weights), except the Q4 calls that take the blocks
     on an AMX CPU (up to ``quant_tile_rows``: the int8 kernel, then the same values
@@ -388,7 +407,8 @@ def test_fast_bf16_cpus_multiply_rows_past_the_decode_rows_on_a_bf16_twin(cpu_ke
     k = 512 if qtype == QT.Q4_K else 96
     blocks, ref = k_quantized(64, k, qtype, seed=7) if qtype == QT.Q4_K else \
         quantized(64, k, qtype, seed=7)
-    assert (backend.pack_weight(blocks).tile_twin is not None) == bf16_twins_expected("avx512")
+    assert (backend.pack_weight(blocks).tile_twin is not None) == \
+        layer_twin_expected("avx512", qtype)
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN has no bf16 matmul on this CPU")
     packed = GgufBlocks.with_tile_twin(ops, blocks)
