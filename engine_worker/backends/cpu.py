@@ -125,9 +125,8 @@ class CpuOps:
                                "take the int8 kernel, and de-quantize on every call past its "
                                "rows", self.twins, tuple(weight.shape[:2]))
                 self._twin_bytes_left = 0
-            # a tied embedding's table (dense): past the decode rows where bf16 matmuls are
-            # fast (Zen 5, the tied Q8_0 logits table 49152 x 576 at 16 rows: 1.7 ms against
-            # 2.4 on the int8 kernel)
+            # a tied embedding's table (dense): past the decode rows on AMX tiles, past 32 rows
+            # on a full-width AVX-512 BF16 datapath (FULL_WIDTH_TABLE_INT8_ROWS)
             twin_rows = None if not self.twins else SKINNY_MAX_ROWS if self.tiles else \
                 FULL_WIDTH_TABLE_INT8_ROWS
             return GgufBlocks.of(self.ops, weight, dense, self._linear, twin_rows)

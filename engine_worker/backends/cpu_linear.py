@@ -79,8 +79,8 @@ class GgufBlocks:
     # than ``int8_rows`` (of ``int8_dtype``) multiply those, in the set's packed layout
     # (``dense``), instead of de-quantizing 28M weights every batched step. ``int8_rows`` is
     # the blocks' own limit (``quant_int8_rows``), or fewer where the caller says (``of``'s
-    # ``twin_rows``: SKINNY_MAX_ROWS where bf16 twins are kept, Zen 5: the table at 16 rows 1.7
-    # ms against 2.4 on the int8 kernel). Without twins and with VNNI (Zen 4) the int8 kernel
+    # ``twin_rows``: SKINNY_MAX_ROWS on AMX tiles, FULL_WIDTH_TABLE_INT8_ROWS on a Zen 5).
+    # Without twins and with VNNI (Zen 4) the int8 kernel
     # wins at every size (the table 49152 x 576, 2 threads: 64 to 4096 rows 1.23-1.41x
     # oneDNN on the packed table; csrc/cpu/quant_linear.cpp, kVnniRows).
     dense_weight: torch.Tensor | None = None
@@ -94,9 +94,8 @@ class GgufBlocks:
     # tiles: csrc/cpu/avx512/quant_amx.h), the twin only past them. Measured on a 2-core Xeon with
     # AMX, SmolLM2's four linears of a layer in Q4_1, 2 threads: 16 rows 0.57 ms on the int8 kernel
     # against 0.49 on the tiles, 64 rows 2.3 against 0.9, 512 rows 18.5 against 6.7 (de-quantizing
-    # every call instead costs 1.8 ms more a layer). The same on a CPU with a full-width AVX-512
-    # BF16 datapath (AMD Zen 5: 64 rows 0.85 ms on the int8 kernel against 0.56, 512 rows 6.4
-    # against 3.9): backends/cpu.bf16_twins_reason.
+    # every call instead costs 1.8 ms more a layer). On a full-width AVX-512 BF16 datapath (AMD
+    # Zen 5) every type but Q4_0 / Q4_1 keeps one (backends/cpu.CpuOps._twin_pays).
     tile_twin: torch.Tensor | None = None
 
     @staticmethod

@@ -74,9 +74,10 @@ def cpu_vendor_family() -> tuple[str, int]:
 def full_width_bf16(vendor: str, family: int, flags: frozenset[str] | set[str]) -> bool:
     """Whether AVX-512 BF16 dot products run on a full 512-bit datapath here: AMD from Zen 5
     (family 26; Zen 4, family 25, splits each 512-bit operation in two halves). There oneDNN's
-    bf16 matmul outruns the int8 kernel of a quantized weight once a step has more rows than a
-    decode (2-core Zen 5, SmolLM2's four Q4_1 linears of a layer: 64 rows 0.56 ms against 0.85,
-    512 rows 3.9 against 6.4), as AMX tiles do on an Intel CPU."""
+    bf16 matmul on a de-quantized twin outruns the int8 kernel of a Q8_0 weight past about 32
+    rows, and a k-quant weight's de-quantizing on every call past a decode's rows, as AMX
+    tiles do on an Intel CPU; Q4_0 / Q4_1's grouped int8 kernel is faster at every row count
+    (backends/cpu.CpuOps._twin_pays)."""
     return vendor == "AuthenticAMD" and family >= 26 and "avx512_bf16" in flags
 
 
