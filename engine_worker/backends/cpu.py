@@ -138,11 +138,12 @@ class CpuOps:
         grouped int8 kernel (csrc/cpu/quant_linear.cpp, dot_group_pair) outruns oneDNN's bf16
         matmul on the twin at every row count there. Measured on a 2-core Zen 5 (f26 m2), 30
         layers of SmolLM2's four Q4_1 linears cycled from memory, medians of 7, int8 / twin:
-        9 rows 3.6 / 8.1 ms, 16 rows 4.8 / 9.6, 32 rows 8.8 / 13.2, 64 rows 14.5 / 21.2, 128
-        rows 25.3 / 34.2; one layer in cache (scripts/quant_linear_bench.py), 1.27-1.85x at 9
-        to 1,024 rows. (When the twins went in, 24th session, the kernel was slower: 64 rows
-        0.85 ms a layer against the twin's 0.56.) Q8_0 keeps its twin: the tied logits table
-        past 32 rows is faster on it (FULL_WIDTH_TABLE_INT8_ROWS)."""
+        9 rows 3.5 / 7.7 ms, 16 rows 5.0 / 9.2, 32 rows 8.7 / 13.2, 64 rows 14.7 / 21.3, 128
+        rows 25.1 / 33.9; one layer in cache (scripts/quant_linear_bench.py), 1.29-2.15x at 9
+        to 1,024 rows (docs/benchmarks/q4-linears-zen5-s61-2026-12-07.json). When the twins
+        went in (24th session) the kernel was slower: 64 rows 0.85 ms a layer against the
+        twin's 0.56. Q8_0 keeps its twin: the tied logits table past 32 rows is faster on it
+        (FULL_WIDTH_TABLE_INT8_ROWS)."""
         return self.tiles or weight.shape[2] not in Q4_BLOCK_BYTES
 
     def _stack_weights(self, lin, dtype: torch.dtype, model_dtype: torch.dtype

@@ -322,10 +322,10 @@ def test_k_quant_rows_that_are_not_whole_super_blocks_are_refused(cpu_kernels):
 def test_a_dense_twin_serves_the_rows_past_the_int8_path(cpu_kernels):
     """A tied embedding's blocks packed with the table's de-quantized values (``dense=``): up
     to the blocks' int8 rows (at most SKINNY_MAX_ROWS on AMX tiles, 32 on a full-width AVX-512
-    BF16 datapath: table_int8_rows) a call streams the blocks, and on AMX tiles up to ``quant_tile_rows`` bf16 rows the tiles take the blocks;
-    past them it multiplies the twin in the set's packed layout, instead of de-quantizing every
-    call. A twin scaled by 2 shows which one a call took; the real twin gives the de-quantized
-    product."""
+    BF16 datapath: table_int8_rows) a call streams the blocks, and on AMX tiles up to
+    ``quant_tile_rows`` bf16 rows the tiles take the blocks; past them it multiplies the twin
+    in the set's packed layout, instead of de-quantizing every call. A twin scaled by 2 shows
+    which one a call took; the real twin gives the de-quantized product."""
     backend, ops = cpu_kernels.backend, cpu_kernels.ops
     dtype = torch.bfloat16 if cpu_kernels.isa == "avx512" else torch.float32
     blocks, ref = quantized(64, 96, QT.Q8_0, seed=5)
@@ -393,12 +393,12 @@ def test_fast_bf16_cpus_multiply_rows_past_the_decode_rows_on_a_bf16_twin(cpu_ke
     """Where oneDNN's bf16 matmuls outrun the int8 kernel (AMX tiles, read here from
     /proc/cpuinfo; AMD's full-width AVX-512 BF16 from Zen 5, there but for Q4_0 / Q4_1, whose
     int8 kernel is faster at every row count), a quantized layer weight is packed with its
-    exact de-quantized values in oneDNN's bf16 layout: bf16 calls of up to 8
-    rows stream the blocks (the int8 kernel's result, bit for bit), more rows multiply the
-    twin (a float matmul on bf16-rounded weights), except the Q4 calls that take the blocks
-    on an AMX CPU (up to ``quant_tile_rows``: the int8 kernel, then the same values
-    de-quantized into tiles). Elsewhere no twin is made; the twin itself is checked wherever
-    oneDNN has bf16 (AVX-512 BF16), built directly."""
+    exact de-quantized values in oneDNN's bf16 layout: bf16 calls of up to 8 rows stream the
+    blocks (the int8 kernel's result, bit for bit), more rows multiply the twin (a float
+    matmul on bf16-rounded weights), except the Q4 calls that take the blocks on an AMX CPU
+    (up to ``quant_tile_rows``: the int8 kernel, then the same values de-quantized into
+    tiles). Elsewhere no twin is made; the twin itself is checked wherever oneDNN has bf16
+    (AVX-512 BF16), built directly."""
     from engine_worker.backends.cpu_linear import GgufBlocks
 
     if cpu_kernels.isa != "avx512":
