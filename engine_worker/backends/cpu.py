@@ -125,8 +125,8 @@ class CpuOps:
                                "take the int8 kernel, and de-quantize on every call past its "
                                "rows", self.twins, tuple(weight.shape[:2]))
                 self._twin_bytes_left = 0
-            # a tied embedding's table (dense): past the decode rows on AMX tiles, past 32 rows
-            # on a full-width AVX-512 BF16 datapath (FULL_WIDTH_TABLE_INT8_ROWS)
+            # a tied embedding's table (dense): past the decode rows on AMX tiles, past 256
+            # rows on a full-width AVX-512 BF16 datapath (FULL_WIDTH_TABLE_INT8_ROWS)
             twin_rows = None if not self.twins else SKINNY_MAX_ROWS if self.tiles else \
                 FULL_WIDTH_TABLE_INT8_ROWS
             return GgufBlocks.of(self.ops, weight, dense, self._linear, twin_rows)
@@ -142,8 +142,8 @@ class CpuOps:
         rows 25.1 / 33.9; one layer in cache (scripts/quant_linear_bench.py), 1.29-2.15x at 9
         to 1,024 rows (docs/benchmarks/q4-linears-zen5-s61-2026-12-07.json). When the twins
         went in (24th session) the kernel was slower: 64 rows 0.85 ms a layer against the
-        twin's 0.56. Q8_0 keeps its twin: the tied logits table past 32 rows is faster on it
-        (FULL_WIDTH_TABLE_INT8_ROWS)."""
+        twin's 0.56. Q8_0 keeps its twin, for prefill chunks: the tied logits table is faster
+        on it from cache past 256 rows (FULL_WIDTH_TABLE_INT8_ROWS)."""
         return self.tiles or weight.shape[2] not in Q4_BLOCK_BYTES
 
     def _stack_weights(self, lin, dtype: torch.dtype, model_dtype: torch.dtype

@@ -34,10 +34,11 @@ Q4_BLOCK_BYTES = frozenset({18, 20})  # Q4_0, Q4_1: the grouped int8 kernel's 4-
 SKINNY_MAX_ROWS = 8  # up to here a linear layer is a weight stream: the bf16 kernel wins
 # A tied Q8_0 table's rows on the int8 kernel before its bf16 twin takes over, on a full-width
 # AVX-512 BF16 datapath (AMD Zen 5). SmolLM2's 49152 x 576 table from memory (four copies
-# cycled, medians of 7, 2 threads, Zen 5 f26 m2), int8 / twin: 9 rows 1.25 / 1.59 ms, 16 rows
-# 1.71 / 1.85, 24 rows 2.21 / 2.27, 32 rows 2.76 / 2.73, 48 rows 3.91 / 3.63, 64 rows 5.08 / 4.51
-# (docs/benchmarks/q4-linears-zen5-s61-2026-12-07.json).
-FULL_WIDTH_TABLE_INT8_ROWS = 32
+# cycled, medians of 7, 2 threads, Zen 5 f26 m2), int8 / twin: 9 rows 0.83 / 1.65 ms, 16 rows
+# 1.14 / 1.99, 32 rows 2.15 / 2.84, 64 rows 4.05 / 4.63, 128 rows 7.78 / 8.15, 256 rows 15.81
+# / 15.80, 512 rows 44.3 / 44.9; from cache the twin is ahead from 512 rows (30.7 against 43.4
+# ms; docs/benchmarks/q4-linears-zen5-s61-2026-12-07.json, `after_prefetch`).
+FULL_WIDTH_TABLE_INT8_ROWS = 256
 SKINNY_SLICE = 32  # the skinny kernel's input columns a step: in_features a multiple of this
 PANEL_COLUMNS = 16  # pack_bf16w's panels: output columns in multiples of this
 

@@ -74,7 +74,7 @@ def cpu_vendor_family() -> tuple[str, int]:
 def full_width_bf16(vendor: str, family: int, flags: frozenset[str] | set[str]) -> bool:
     """Whether AVX-512 BF16 dot products run on a full 512-bit datapath here: AMD from Zen 5
     (family 26; Zen 4, family 25, splits each 512-bit operation in two halves). There oneDNN's
-    bf16 matmul on a de-quantized twin outruns the int8 kernel of a Q8_0 weight past about 32
+    bf16 matmul on a de-quantized twin outruns the int8 kernel of a Q8_0 weight at a prefill's
     rows, and a k-quant weight's de-quantizing on every call past a decode's rows, as AMX
     tiles do on an Intel CPU; Q4_0 / Q4_1's grouped int8 kernel is faster at every row count
     (backends/cpu.CpuOps._twin_pays)."""
