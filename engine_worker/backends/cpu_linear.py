@@ -32,6 +32,7 @@ K_QUANT_BLOCK_BYTES = frozenset({144, 176, 210})  # the file's k-quant blocks: 2
 Q4_BLOCK_BYTES = frozenset({18, 20})  # Q4_0, Q4_1: the grouped int8 kernel's 4-bit types
 
 SKINNY_MAX_ROWS = 8  # up to here a linear layer is a weight stream: the bf16 kernel wins
+NO_ROW_LIMIT = 2 ** 62  # quant_int8_rows from here: the int8 kernel takes every row count
 # A tied Q8_0 table's rows on the int8 kernel before its bf16 twin takes over, on a full-width
 # AVX-512 BF16 datapath (AMD Zen 5). SmolLM2's 49152 x 576 table from memory (four copies
 # cycled, medians of 7, 2 threads, Zen 5 f26 m2), int8 / twin: 9 rows 0.83 / 1.65 ms, 16 rows
@@ -114,8 +115,11 @@ class GgufBlocks:
             return GgufBlocks(blocks)
         dtype = linear.activation_dtype
         rows = int(ops.quant_int8_rows(blocks, dtype))
-        return GgufBlocks(blocks, dense.detach(), linear.pack(ops, dense.detach()),
-                          rows if twin_rows is None else min(twin_rows, rows), dtype)
+        rows = rows if twin_rows is None else min(twin_rows, rows)
+        if rows >= NO_ROW_LIMIT:  # the blocks take every row count (VNNI without twins)
+            return GgufBlocks(blocks)
+        return GgufBlocks(blocks, dense.detach(), linear.pack_twin(ops, dense.detach()), rows,
+                          dtype)
 
     @staticmethod
     def with_tile_twin(ops: Any, weight: torch.Tensor) -> GgufBlocks:
@@ -148,9 +152,10 @@ class SkinnyBf16Linear:
     activation_dtype = torch.bfloat16
 
     @staticmethod
-    def pack(ops: Any, weight: torch.Tensor) -> CpuPackedWeight | None:
+    def pack(ops: Any, weight: torch.Tensor, skinny: bool = True) -> CpuPackedWeight | None:
         """Once per weight at load. oneDNN's layout: F.linear would re-lay the plain weight out
-        on every call (10-45 % of a decode-sized matmul here)."""
+        on every call (10-45 % of a decode-sized matmul here). ``skinny``: the skinny kernel's
+        layout too (pack_twin leaves it out)."""
         if weight.dtype != torch.bfloat16:
             return None
         # oneDNN's bf16 needs AVX-512 BW/VL/DQ (or AVX-NE-CONVERT) in the CPU itself; without
@@ -159,14 +164,21 @@ class SkinnyBf16Linear:
             torch.ops.mkldnn._is_mkldnn_bf16_supported()
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None) if onednn_bf16 else None
         out_features, in_features = weight.shape
-        skinny = None
-        if out_features % 4 == 0 and in_features % SKINNY_SLICE == 0:
-            skinny = ops.pack_coded(weight)
-            if skinny.numel() == 0:  # a row with more than 16 exponents
-                skinny = ops.pack_skinny(weight)
+        few = None
+        if skinny and out_features % 4 == 0 and in_features % SKINNY_SLICE == 0:
+            few = ops.pack_coded(weight)
+            if few.numel() == 0:  # a row with more than 16 exponents
+                few = ops.pack_skinny(weight)
             # what decode streams every step: on huge pages (platform.py)
-            skinny = to_huge_pages(skinny)
-        return CpuPackedWeight(onednn, skinny)
+            few = to_huge_pages(few)
+        return CpuPackedWeight(onednn, few)
+
+    @staticmethod
+    def pack_twin(ops: Any, weight: torch.Tensor) -> CpuPackedWeight | None:
+        """A GGUF weight's de-quantized twin (GgufBlocks.of): only oneDNN's layout, as the
+        twin takes only rows past the blocks' int8 rows (at least SKINNY_MAX_ROWS), never the
+        skinny kernel's (SmolLM2's tied table: 42 MB less)."""
+        return SkinnyBf16Linear.pack(ops, weight, skinny=False)
 
     @staticmethod
     def linear(ops: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -202,6 +214,12 @@ class PanelBf16Linear:
         if weight.dtype != torch.bfloat16 or weight.shape[0] % PANEL_COLUMNS:
             return None
         return PanelPackedWeight(to_huge_pages(ops.pack_bf16w(weight.detach())))
+
+    @staticmethod
+    def pack_twin(ops: Any, weight: torch.Tensor) -> PanelPackedWeight | None:
+        """A GGUF weight's de-quantized twin (GgufBlocks.of): the panels, which every row
+        count multiplies."""
+        return PanelBf16Linear.pack(ops, weight)
 
     @staticmethod
     def linear(ops: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -337,7 +337,13 @@ def test_a_dense_twin_serves_the_rows_past_the_int8_path(cpu_kernels):
     # limit (none on VNNI: the table never takes over there, AVX2: past the decode rows)
     rows_limit = int(ops.quant_int8_rows(packed.blocks, dtype))
     limit = table_int8_rows(cpu_kernels.isa, rows_limit)
-    assert packed.int8_rows == limit
+    unlimited = rows_limit == torch.iinfo(torch.int64).max  # (VNNI: quant_linear.cpp)
+    if unlimited and limit == rows_limit:  # the blocks take every row count: no twin packed
+        assert packed.dense is None and packed.dense_weight is None
+    else:
+        assert packed.int8_rows == limit and packed.dense is not None
+        if cpu_kernels.isa == "avx512":  # its rows are never a decode's: no skinny layout
+            assert packed.dense.skinny is None
     tiles = int(ops.quant_tile_rows(packed.blocks)) if dtype == torch.bfloat16 else 0
     edge = {limit, limit + 1} if limit < 1024 else set()  # (none on VNNI: no limit)
     for rows in sorted({1, min(limit, 40), min(limit + 1, 40), 40, 65} | edge):
@@ -354,6 +360,13 @@ def test_a_dense_twin_serves_the_rows_past_the_int8_path(cpu_kernels):
             torch.testing.assert_close(twice, out, rtol=0, atol=0)
     # a twin whose shape is not the weight's is not used
     assert backend.pack_weight(blocks, dense=table[:32]).dense is None
+    # without a caller's limit: where the blocks' own has none (VNNI without AMX) no twin is
+    # packed at all, else one
+    from engine_worker.backends.cpu_linear import PANELS_BF16, SKINNY_BF16, GgufBlocks
+
+    linear = SKINNY_BF16 if cpu_kernels.isa == "avx512" else PANELS_BF16
+    own = GgufBlocks.of(ops, blocks, table, linear)
+    assert (own.dense is None) == unlimited, rows_limit
 
 
 @pytest.mark.cpu_ops("quant_linear", "quant_int8_rows", "repack_gguf")
