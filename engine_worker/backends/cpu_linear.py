@@ -116,7 +116,9 @@ class GgufBlocks:
         dtype = linear.activation_dtype
         rows = int(ops.quant_int8_rows(blocks, dtype))
         rows = rows if twin_rows is None else min(twin_rows, rows)
-        if rows >= NO_ROW_LIMIT:  # the blocks take every row count (VNNI without twins)
+        if rows >= NO_ROW_LIMIT and dense.dtype == dtype:
+            # the blocks take every row count of x in the table's dtype, the model's (VNNI
+            # without twins); an fp32 model's x has the decode rows' limit and keeps its twin
             return GgufBlocks(blocks)
         return GgufBlocks(blocks, dense.detach(), linear.pack_twin(ops, dense.detach()), rows,
                           dtype)

@@ -367,6 +367,13 @@ def test_a_dense_twin_serves_the_rows_past_the_int8_path(cpu_kernels):
     linear = SKINNY_BF16 if cpu_kernels.isa == "avx512" else PANELS_BF16
     own = GgufBlocks.of(ops, blocks, table, linear)
     assert (own.dense is None) == unlimited, rows_limit
+    # an fp32 model's table (fp32 x: the blocks take the decode rows) keeps its twin on every
+    # set, and serves fp32 x past them
+    wide = GgufBlocks.of(ops, blocks, ref, linear)
+    assert wide.dense_weight is not None
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(40))
+    out = backend.linear(x, blocks, None, wide)
+    torch.testing.assert_close(out, x @ ref.T, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.cpu_ops("quant_linear", "quant_int8_rows", "repack_gguf")
