@@ -676,9 +676,7 @@ inline void dot_group(const uint8_t* g, int64_t block_step, int64_t nb, const in
   const int64_t group_bytes = nb * block_step;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = g + b * block_step;
-    if (prefetch_next)
-      for (int64_t off = 0; off < block_step; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + group_bytes + off), _MM_HINT_T0);
+    if (prefetch_next) prefetch_bytes(blk + group_bytes, block_step);
     const uint8_t* qs = blk + group_head<T>(kGroupRows);
     __m256i sum[MM];
     for (int m = 0; m < MM; ++m) sum[m] = _mm256_setzero_si256();
@@ -794,9 +792,7 @@ inline void dot_group_pair(const uint8_t* unit, int64_t nb, const int8_t* xq, in
   const int64_t unit_bytes = nb * kStride;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = unit + b * kStride;
-    if (prefetch_next)
-      for (int64_t off = 0; off < kStride; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + unit_bytes + off), _MM_HINT_T0);
+    if (prefetch_next) prefetch_bytes(blk + unit_bytes, kStride);
     const uint8_t* qs = blk + group_head<T>(kRows);
     __m512i sum[MM], sum_high[MM];
     for (int m = 0; m < MM; ++m) sum[m] = sum_high[m] = _mm512_setzero_si512();

@@ -32,6 +32,13 @@ namespace QUIRE_NS {
 
 using simd::Vec;
 
+// Ask for the cache lines of [p, p + bytes) ahead of their use (into L1; a prefetch never
+// faults, so the range may run past the end of a tensor).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64)
+    _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+
 namespace simd {
 
 // Lane-wise arithmetic on the register itself (GCC's and Clang's vector extensions): what the

@@ -217,11 +217,9 @@ class PanelBf16Linear:
             return None
         return PanelPackedWeight(to_huge_pages(ops.pack_bf16w(weight.detach())))
 
-    @staticmethod
-    def pack_twin(ops: Any, weight: torch.Tensor) -> PanelPackedWeight | None:
-        """A GGUF weight's de-quantized twin (GgufBlocks.of): the panels, which every row
-        count multiplies."""
-        return PanelBf16Linear.pack(ops, weight)
+    # a GGUF weight's de-quantized twin (GgufBlocks.of): the panels, which every row count
+    # multiplies
+    pack_twin = pack
 
     @staticmethod
     def linear(ops: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -193,8 +193,7 @@ QUIRE_AMX_TARGET void units(const at::BFloat16* x, int64_t M, int64_t K, const u
     for (int64_t b = 0; b < nb; ++b)
       dequant_unit_block<T>(unit + b * kUnitRows * kBlockBytes<T>, bt + 256 * b);
     if (u + 1 < u1)  // the next unit's bytes come in while this one's products run
-      for (int64_t off = 0; off < unit_bytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(unit + unit_bytes + off), _MM_HINT_T0);
+      prefetch_bytes(unit + unit_bytes, unit_bytes);
     for (int64_t m0 = 0; m0 < M; m0 += 64) {
       const int64_t rows = std::min<int64_t>(64, M - m0);
       const int mt = int((rows + 15) / 16);
