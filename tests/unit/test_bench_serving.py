@@ -100,6 +100,7 @@ def test_client_arguments_for_greedy_shared_prefixes():
     ({"prefix_len": 256}, r"prefix_len: must be in \[1, input_len=256\)"),
     ({"request_rate": 0.0}, "request_rate: must be > 0"),
     ({"num_warmups": -1}, "num_warmups: must be >= 0"),
+    ({"quiet_timeout_s": -1.0}, "quiet_timeout_s: must be >= 0"),
     ({"repeats": 0}, "repeats: must be at least 1"),
     ({"dtypes": "quire=int8"}, "dtypes: unknown dtype"),
     ({"dtypes": "float32,bfloat16"}, "dtypes: one dtype per system"),
@@ -304,7 +305,8 @@ def _fake_stack(monkeypatch, tmp_path, cfg):
     monkeypatch.setattr(serving_run, "SERVERS", {s: server(s) for s in ("quire", "vllm")})
     monkeypatch.setattr(serving_run, "OFFLINE", Offline)
     monkeypatch.setattr(serving_run, "_run_scenario", run_scenario)
-    monkeypatch.setattr(serving_run, "wait_until_quiet", lambda: True)
+    # the record a wait leaves, here the bound it was given
+    monkeypatch.setattr(serving_run, "wait_until_quiet", lambda timeout_s: {"bound": timeout_s})
     runs, requests, servers, offline = serving_run._serve_all(cfg, None, {}, Path("/m"),
                                                               tmp_path)
     return serving_run, calls, runs, requests, servers, offline
@@ -358,7 +360,7 @@ def test_one_repeat_keeps_the_plain_names_and_quire_alone_runs_alone(monkeypatch
 
 def test_each_offline_run_follows_its_quire_serving_run_on_the_same_requests(monkeypatch,
                                                                           tmp_path):
-    cfg = ServingBenchConfig(datasets="random", repeats=2)
+    cfg = ServingBenchConfig(datasets="random", repeats=2, quiet_timeout_s=0.0)
     serving_run, calls, runs, requests, _, offline = _fake_stack(monkeypatch, tmp_path, cfg)
     warm_seed = calls[0][2]
     assert [(who, tag) for who, tag, _ in calls] == [
@@ -379,7 +381,7 @@ def test_each_offline_run_follows_its_quire_serving_run_on_the_same_requests(mon
             assert calls[i - 1][0] == "quire" and calls[i - 1][2] == seed
     assert set(offline) == {"random/default#1", "random/greedy#1", "random/default#2",
                             "random/greedy#2"}
-    assert all(run["quiet_before"] for run in offline.values())
+    assert all(run["quiet_before"] == {"bound": 0.0} for run in offline.values())
     entries, _ = serving_run.report_entries(cfg, runs, offline)
     for entry in entries:  # each repeat's serving over its own offline run, then the median
         pairs = [(run["quire"]["client_result"]["output_throughput"],

@@ -170,3 +170,20 @@ def test_every_variant_compiles_on_any_x86_host(isa):
     assert f"{namespace}::" not in undefined
     if isa not in available_isas():
         assert str(library) not in torch.ops.loaded_libraries
+
+
+def test_the_ci_prebuild_builds_the_sets_the_suite_loads_here():
+    """`python -m tests.prebuild_kernels` (CI runs it beside the suite) must build the very
+    libraries the suite's tests load: every set this CPU runs, and the emulated AVX-512 set
+    (the same variant value, so the same cache entry) where the real one cannot run."""
+    from tests.conftest import CPU_VARIANT_NAMES, _emulated_avx512
+    from tests.prebuild_kernels import sets_to_build
+
+    runs_here = set(available_isas())
+    expected = [VARIANTS[name] for name in VARIANTS if name in runs_here]
+    if "avx512" not in runs_here:
+        expected.append(_emulated_avx512())
+    planned = sets_to_build()
+    assert planned == expected
+    assert {v.name for v in planned} <= set(CPU_VARIANT_NAMES)
+    assert len(planned) == 2  # AVX-512 machines: both real sets; AVX2 ones: avx2 + emulated
