@@ -1,13 +1,15 @@
-"""``python -m tests.prebuild_kernels``: builds into the Quire cache every CPU kernel set the
-suite loads on this machine: the engine's sets this CPU runs, then, on a CPU without AVX-512,
-the AVX-512 set emulated through SIMDe (``conftest._emulated_avx512``; its compile is the
-suite's slowest step on a 2-core Zen 3, about three minutes).
+"""``python -m tests.prebuild_kernels``: builds into the Quire cache the CPU kernel sets the
+suite builds besides the engine's own (the best set this CPU runs, which the suite's first
+engines build at once): on a CPU without AVX-512, the AVX-512 set emulated through SIMDe
+(``conftest._emulated_avx512``; about three minutes of a 2-core Zen 3) and the real AVX-512
+set, which a test compiles without loading; on an AVX-512 one, the AVX2 set.
 
-CI runs it in the background, niced, beside the suite's first modules, whose engines leave
-cores idle while they start and wait; a test that needs a set still being built waits on the
-build's lock, as it would for a build of its own. Nothing changes for a run without it: the
-suite builds what is missing itself. Exit status 1 where a set fails to build (the suite
-would skip that set's tests with the reason), with the reason on stderr."""
+CI runs it niced in the background beside the suite, so that these compiles take what cores
+the suite's tests leave idle rather than each stopping the first test that needs it; a test
+that needs a set still being built waits on the build's lock, as it would for a build of its
+own. Nothing changes for a run without it: the suite builds what is missing itself. Exit
+status 1 where a set fails to build, with the reason on stderr (the suite would skip that
+set's tests with the reason)."""
 
 from __future__ import annotations
 
@@ -15,17 +17,19 @@ import sys
 import time
 
 from engine_worker.ops.build import BuildFailed
-from engine_worker.ops.cpu_build import VARIANTS, build_variant, cannot_run_reason
+from engine_worker.ops.cpu_build import VARIANTS, build_variant
+from engine_worker.ops.cpu_isa import available_isas
 from tests.conftest import _emulated_avx512
 
 
 def sets_to_build() -> list:
-    """The variants the suite loads here, the engine's own first (its first engines need
-    them), then the emulated AVX-512 set where the real one cannot run."""
-    runnable = [v for v in VARIANTS.values() if cannot_run_reason(v) is None]
-    if cannot_run_reason(VARIANTS["avx512"]) is not None:
-        runnable.append(_emulated_avx512())
-    return runnable
+    """The variants, in the order the suite first needs them: the emulated AVX-512 set where
+    the real one cannot run (the end-to-end tests load it), then every real set but the
+    engine's own (a unit test compiles each)."""
+    runnable = available_isas()
+    wanted = [] if "avx512" in runnable else [_emulated_avx512()]
+    own = runnable[0] if runnable else None
+    return wanted + [v for name, v in VARIANTS.items() if name != own]
 
 
 def main() -> int:
