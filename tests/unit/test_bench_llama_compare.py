@@ -3,6 +3,8 @@ benchmark: llama-cpp-python is never installed for the tests)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -104,7 +106,10 @@ def test_decode_turns_alternate_between_two_real_engines_and_pair_up(tiny_model_
     assert [(c[1], c[2]) for c in calls[:4]] == [([1, 2], 1), ([3, 4], 6)] * 2
     assert [(c[1], c[2]) for c in calls[4:8]] == [([5, 6], 1), ([7, 8], 6)] * 2
     assert len(rates[NATIVE]) == len(rates[DEQUANTIZED]) == 3
-    assert all(r > 0 for rs in rates.values() for r in rs)
+    # a number a turn; not its sign: 5 decode steps of a tiny model are a few ms, and a
+    # one-token generate preempted on a loaded machine (CI runs the vLLM tests beside these)
+    # can outlast the six-token one
+    assert all(math.isfinite(r) for rs in rates.values() for r in rs)
     assert paired == pytest.approx(statistics.median(
         a / b for a, b in zip(rates[NATIVE], rates[DEQUANTIZED])))
 
