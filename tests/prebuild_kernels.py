@@ -14,10 +14,9 @@ set's tests with the reason)."""
 from __future__ import annotations
 
 import sys
-import time
 
-from engine_worker.ops.build import BuildFailed
-from engine_worker.ops.cpu_build import VARIANTS, build_variant
+from engine_worker.ops.__main__ import build_each
+from engine_worker.ops.cpu_build import VARIANTS
 from engine_worker.ops.cpu_isa import available_isas
 from tests.conftest import _emulated_avx512
 
@@ -33,17 +32,7 @@ def sets_to_build() -> list:
 
 
 def main() -> int:
-    failed = 0
-    for variant in sets_to_build():
-        start = time.monotonic()
-        try:
-            path = build_variant(variant)
-        except BuildFailed as exc:
-            failed += 1
-            print(f"{variant.name}: not built: {exc}", file=sys.stderr, flush=True)
-            continue
-        print(f"{variant.name}: {path} ({time.monotonic() - start:.0f} s)", flush=True)
-    return 1 if failed else 0
+    return 1 if build_each(sets_to_build()) else 0
 
 
 if __name__ == "__main__":
