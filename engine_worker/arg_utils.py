@@ -40,6 +40,12 @@ _HELP = {
                            "waits one step (once) while the shorter prompts behind it run "
                            "(true/false; default true for quire engine and quire up, false "
                            "for LLM)",
+    "num_scheduler_steps": "decode passes per scheduling decision while every running request "
+                           "decodes and none waits (vLLM's multi-step scheduling; tokens then "
+                           "reach the client in runs of up to this many; a new request or "
+                           "abort ends the run on a server; default 8 for LLM and the "
+                           "offline benchmarks, 1 for quire engine, quire up, quire generate "
+                           "and quire chat)",
     "seed": "seed of the engine's default random stream",
     "device": "auto, cpu or cuda[:N]",
     "num_threads": "torch CPU threads (of each rank under tensor parallelism; default there: "
@@ -87,9 +93,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             action.nargs = "+"
 
 
-# where a server's default differs from ``LLM``'s: the KV cache faulted in at start, and
-# short prompts not kept waiting behind a long one (an offline batch wants full steps)
-SERVER_DEFAULTS = {"kv_cache_prefault": True, "short_prompts_first": True}
+# where a server's default differs from ``LLM``'s: the KV cache faulted in at start, short
+# prompts not kept waiting behind a long one (an offline batch wants full steps), and one
+# decode pass a step (a stream gets each token as it comes)
+SERVER_DEFAULTS = {"kv_cache_prefault": True, "short_prompts_first": True,
+                   "num_scheduler_steps": 1}
 
 
 def add_server_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +106,14 @@ def add_server_engine_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     parser.set_defaults(**{name: value for name, value in SERVER_DEFAULTS.items()
                            if env_name(name) not in os.environ})
+
+
+def add_streaming_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags of a command that streams tokens to a terminal (``quire generate``,
+    ``quire chat``): one decode pass a step, as on a server, so each token shows as it comes."""
+    add_engine_args(parser)
+    if env_name("num_scheduler_steps") not in os.environ:
+        parser.set_defaults(num_scheduler_steps=SERVER_DEFAULTS["num_scheduler_steps"])
 
 
 def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -112,6 +112,7 @@ class CacheConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+MAX_SCHEDULER_STEPS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +124,10 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
     short_prompts_first: bool = False
+    # vLLM's multi-step scheduling: a step of only decodes, with nothing waiting, may run up to
+    # this many forward passes back to back under one scheduling decision (1: one a step;
+    # servers default to 1, see arg_utils.SERVER_DEFAULTS)
+    num_scheduler_steps: int = 8
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens > 0,
@@ -137,6 +142,10 @@ class SchedulerConfig:
                f"must be a non-negative integer, got {self.long_prefill_token_threshold!r}")
         _check(isinstance(self.short_prompts_first, bool), "short_prompts_first",
                f"must be a boolean, got {self.short_prompts_first!r}")
+        _check(_is_int(self.num_scheduler_steps)
+               and 1 <= self.num_scheduler_steps <= MAX_SCHEDULER_STEPS, "num_scheduler_steps",
+               f"must be an integer from 1 to {MAX_SCHEDULER_STEPS}, got "
+               f"{self.num_scheduler_steps!r}")
 
 
 KERNEL_CHOICES = ("auto", "torch", "cpu", "cpu-avx2", "triton")  # "auto" and the keys of backends.BACKENDS
@@ -241,6 +250,9 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
     short_prompts_first: bool = False
+    # decode passes per scheduling decision (vLLM's --num-scheduler-steps); 8 for ``LLM``,
+    # where every request is known at the start and nothing streams, 1 for a server
+    num_scheduler_steps: int = 8
     seed: int = 0
     device: str = "auto"
     num_threads: int | None = None
@@ -283,7 +295,8 @@ class EngineArgs:
                                       max_num_seqs=self.max_num_seqs,
                                       scheduling_policy=self.scheduling_policy,
                                       long_prefill_token_threshold=self.long_prefill_token_threshold,
-                                      short_prompts_first=self.short_prompts_first),
+                                      short_prompts_first=self.short_prompts_first,
+                                      num_scheduler_steps=self.num_scheduler_steps),
             device=DeviceConfig(device=self.device, num_threads=self.num_threads,
                                 kernels=self.kernels,
                                 attention_backend=self.attention_backend,

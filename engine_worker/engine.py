@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -312,6 +312,16 @@ class LLMEngine:
         return build_graph_decoder(model, self._graph_choice.sizes, self._max_model_len,
                                    self.config.cache.block_size, self._device, lora_view)
 
+    def _num_scheduler_steps(self) -> int:
+        """``num_scheduler_steps``, except across ranks: every rank's runner would have to
+        stop a multi-step run at the same pass, so there each step is scheduled alone."""
+        steps = self.config.scheduler.num_scheduler_steps
+        if steps > 1 and self._executor is not None:
+            logger.info("num_scheduler_steps %d: one pass a step across %d ranks (multi-step "
+                        "runs on one rank only)", steps, self.config.parallel.world_size)
+            return 1
+        return steps
+
     def _build_speculator(self, loaded: LoadedModel, num_blocks: int) -> Speculator | None:
         """The speculator of ``speculative_config`` (a draft model is loaded here, on the
         target's device, dtype and kernels, and checked against the target)."""
@@ -354,7 +364,8 @@ class LLMEngine:
             long_prefill_token_threshold=sched.long_prefill_token_threshold,
             short_prompts_first=sched.short_prompts_first, speculator=self._speculator,
             max_loras=None if lora is None else lora.max_loras,
-            pooling_batched_tokens=self._pooling_batched_tokens())
+            pooling_batched_tokens=self._pooling_batched_tokens(),
+            num_scheduler_steps=self._num_scheduler_steps())
         self.runner = ModelRunner(model, kv_caches, cache.block_size, self._device,
                                   model.cfg.vocab_size, self.tokenizer.eos_token_ids,
                                   self.config.model.seed, graphs=graphs, pooler=self._pooler,
@@ -542,6 +553,12 @@ class LLMEngine:
             self._scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self._kv_events.seal()
         return self._result(outputs + new_outputs)
+
+    def set_step_interrupt(self, interrupt: Callable[[], bool] | None) -> None:
+        """A multi-step decode (``num_scheduler_steps`` > 1) checks ``interrupt()`` before
+        each pass after its first and ends its run on True: a server says so when a request
+        or an abort comes in, which then waits one pass at most."""
+        self.runner.interrupt = interrupt
 
     def _result(self, outputs: list[RequestOutput]) -> StepResult:
         return StepResult(outputs=outputs, stats=self.stats(),

@@ -89,6 +89,11 @@ class SchedulerOutput:
     # speculative decoding: draft tokens verified after each listed request's last token; they
     # are counted in its ``num_scheduled_tokens`` (1 + len(drafts) for a decoding request)
     spec_token_ids: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    # multi-step: every listed request decodes (one token each) and the runner runs up to this
+    # many forward passes, sampling each and feeding the sample to the next; each request has
+    # cache slots for all of them. The runner may stop early (every row stopped, or the engine
+    # has new work); each request's sampled tokens say how many ran.
+    num_steps: int = 1
 
     @property
     def is_empty(self) -> bool:

@@ -9,10 +9,10 @@ from quire_cli.offline import add_sampling_args, build_engine, sampling_params, 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from engine_worker.arg_utils import add_engine_args
+    from engine_worker.arg_utils import add_streaming_engine_args
 
     parser.add_argument("--system", default=None, help="system prompt")
-    add_engine_args(parser)
+    add_streaming_engine_args(parser)
     add_sampling_args(parser)
 
 

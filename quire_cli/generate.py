@@ -8,12 +8,12 @@ from quire_cli.offline import add_sampling_args, build_engine, sampling_params, 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from engine_worker.arg_utils import add_engine_args
+    from engine_worker.arg_utils import add_streaming_engine_args
 
     parser.add_argument("prompt")
     parser.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap the prompt as a user turn in the model's chat template")
-    add_engine_args(parser)
+    add_streaming_engine_args(parser)
     add_sampling_args(parser)
 
 

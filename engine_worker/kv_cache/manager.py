@@ -127,6 +127,14 @@ class KVCacheManager:
         self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_hit_tokens
 
+    def register_full_blocks(self, req_id: str, block_hashes: Sequence[int],
+                             num_tokens: int) -> None:
+        """Register the request's blocks full within its first ``num_tokens`` slots that
+        ``block_hashes`` names and that are not registered yet (a multi-step run's, whose
+        tokens were unknown when it was given its slots); ``cache_full_blocks`` confirms them."""
+        if self.enable_prefix_caching and block_hashes:
+            self._register(req_id, block_hashes, num_tokens)
+
     def _register(self, req_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
         """Register the blocks that will be full after this step under their hashes."""
         first = self._req_num_registered.get(req_id, 0)
@@ -205,10 +213,7 @@ class KVCacheManager:
         candidate = table + list(prefix.blocks)
         touched = {id(b) for b in prefix.blocks}
         num_free_touched = sum(1 for b in prefix.blocks if b.ref_cnt == 0)
-        # blocks this step writes into that are shared or cached must be copied first
-        cow = [i for i in range(num_computed_tokens // self.block_size, len(candidate))
-               if candidate[i].ref_cnt + (id(candidate[i]) in touched) > 1
-               or candidate[i].block_hash is not None]
+        cow = self._to_copy(candidate, num_computed_tokens, touched)
         num_total = num_computed_tokens + num_new_tokens
         num_needed = max(0, self.num_blocks_for(num_total) - len(candidate))
         if num_needed + len(cow) > self.pool.num_free_blocks - num_free_touched:
@@ -230,6 +235,27 @@ class KVCacheManager:
         if self.enable_prefix_caching and block_hashes:
             self._register(req_id, block_hashes, num_total)
         return Allocation(tuple(b.block_id for b in new_blocks), tuple(copies))
+
+    def _to_copy(self, table: list, num_computed_tokens: int, touched=frozenset()) -> list[int]:
+        """Indices of the blocks a step writes into that are shared or cached: they are
+        copied first (``touched``: ids of blocks the step itself takes a reference to)."""
+        return [i for i in range(num_computed_tokens // self.block_size, len(table))
+                if table[i].ref_cnt + (id(table[i]) in touched) > 1
+                or table[i].block_hash is not None]
+
+    def num_blocks_to_allocate(self, req_id: str, num_computed_tokens: int,
+                               num_new_tokens: int) -> int:
+        """Free blocks ``allocate_slots`` (without a prefix) would take for these slots now:
+        the new ones and the copies. Several requests' sum within ``num_free_blocks`` means
+        every one of their allocations succeeds."""
+        table = self._req_blocks.get(req_id, [])
+        num_total = num_computed_tokens + num_new_tokens
+        return max(0, self.num_blocks_for(num_total) - len(table)) + \
+            len(self._to_copy(table, num_computed_tokens))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
 
     def trim(self, req_id: str, num_tokens: int) -> bool:
         """Keep only the slots of the first ``num_tokens`` tokens: the blocks past them (a

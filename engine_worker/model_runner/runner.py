@@ -19,6 +19,7 @@ prefix plus one token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,8 +39,8 @@ from engine_worker.sampler import (LogprobTensors, SamplingMetadata, draw_unifor
                                    logprob_tensors, sample_tokens)
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.spec_decode.rejection_sampler import accepted_tokens
-from engine_worker.step_types import (ForkedRequestData, ModelRunnerOutput, SampledLogprobs,
-                                      SchedulerOutput)
+from engine_worker.step_types import (NO_TOKEN, ForkedRequestData, ModelRunnerOutput,
+                                      SampledLogprobs, SchedulerOutput)
 
 
 @dataclass(slots=True)
@@ -115,6 +116,9 @@ class ModelRunner:
         # step's inputs after it: a GPU's copies are queued, so there they are made anew)
         self._decode_inputs = DecodeInputs() if device.type == "cpu" else None
         self._inference_mode = torch.inference_mode()
+        # multi-step decodes stop before a pass when this says True (a server's new request
+        # or abort waits no longer than one pass); None: they run every pass scheduled
+        self.interrupt: Callable[[], bool] | None = None
 
     # ------------------------------------------------------------------ state updates
     def _apply_diffs(self, out: SchedulerOutput) -> None:
@@ -163,6 +167,8 @@ class ModelRunner:
             self._copy_blocks(out.block_copies)
         if out.is_empty:
             return ModelRunnerOutput({}, {}, {})
+        if out.num_steps > 1:
+            return self._execute_steps(out)
         for req_id, draft in out.spec_token_ids.items():  # run as tokens of the request
             self.requests[req_id].token_ids.extend(draft)
         # decodes (one new token) first, then prefill chunks; see attention.metadata
@@ -186,6 +192,52 @@ class ModelRunner:
         sampled, logprobs, prompt_logprobs, pooled = self._to_host(samples, prompt_logprobs,
                                                                    pooled)
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, pooled)
+
+    def _execute_steps(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """A multi-step decode: up to ``out.num_steps`` passes over the same requests, each
+        sampling one token a request that the next one computes, as that many one-token steps
+        would (a seeded request draws the same stream; penalties and min_tokens see each new
+        token, its sampling rows being rebuilt when they change with tokens). It stops early
+        once every request has sampled a stop token (EOS unless ignored, a stop token id; the
+        scheduler's stop rules cut what follows), one sampled no token, or ``interrupt()``
+        says the engine has new work."""
+        states = [self.requests[r] for r in out.num_scheduled_tokens]
+        counts = [1] * len(states)
+        rows = list(range(len(states)))
+        tokens: dict[str, list[int]] = {s.req_id: [] for s in states}
+        logprobs: dict[str, list[SampledLogprobs]] = {}
+        stops = [self._stop_token_ids(s) for s in states]
+        stopped = [False] * len(states)
+        for step in range(out.num_steps):
+            if step and self.interrupt is not None and self.interrupt():
+                break
+            hidden, query_starts = self._forward(states, counts)
+            samples = self._sample(states, counts, query_starts, rows, hidden, {}, {}, None)
+            for state in states:
+                state.num_computed_tokens += 1
+            sampled, step_logprobs, _, _ = self._to_host(samples, {}, {})
+            no_token = False
+            for j, state in enumerate(states):
+                (token,) = sampled[state.req_id]
+                tokens[state.req_id].append(token)
+                no_token |= token == NO_TOKEN
+                stopped[j] |= token in stops[j] and \
+                    len(state.token_ids) - state.num_prompt_tokens >= state.params.min_tokens
+            for req_id, lp in step_logprobs.items():
+                logprobs.setdefault(req_id, []).append(lp)
+            if no_token or all(stopped):
+                break
+        return ModelRunnerOutput(
+            {r: tuple(t) for r, t in tokens.items()},
+            {r: SampledLogprobs(token_ids=sum((p.token_ids for p in lps), ()),
+                                logprobs=sum((p.logprobs for p in lps), ()),
+                                ranks=sum((p.ranks for p in lps), ()))
+             for r, lps in logprobs.items()}, {})
+
+    def _stop_token_ids(self, state: RunnerRequestState) -> frozenset[int]:
+        params = state.params
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        return eos | frozenset(params.stop_token_ids) if params.stop_token_ids else eos
 
     def _forward(self, states, counts) -> tuple[torch.Tensor, list[int]]:
         """Hidden states of the step's tokens [num_tokens, hidden_size] and each request's

@@ -19,6 +19,10 @@ After the step, newly full and computed blocks are published to the prefix cache
 request forks into its samples, which share its blocks, in the step that completes its prompt:
 the scheduler decides the fork when it forms the batch and sends it to the runner as
 ``SchedulerOutput.forks``; the runner only applies it.
+Multi-step (``num_scheduler_steps`` > 1): while every running request decodes and nothing
+waits, one decision gives each request slots for several tokens and the runner runs that many
+passes (``_multi_step``); the slots of passes it did not run stay with the request for its
+next steps.
 """
 
 from __future__ import annotations
@@ -50,11 +54,15 @@ class Scheduler:
                  max_num_seqs: int, max_model_len: int, policy: str = "fcfs",
                  long_prefill_token_threshold: int = 0, short_prompts_first: bool = False,
                  speculator: Speculator | None = None, max_loras: int | None = None,
-                 pooling_batched_tokens: int | None = None) -> None:
+                 pooling_batched_tokens: int | None = None, num_scheduler_steps: int = 1
+                 ) -> None:
         """``speculator``: proposes draft tokens for decoding requests (None: no speculative
         decoding). ``max_loras``: distinct LoRA adapters the running set may hold.
         ``pooling_batched_tokens``: the step's token budget while every unfinished request is
-        a pooling request (None: ``max_num_batched_tokens``); see ``_step_budget``."""
+        a pooling request (None: ``max_num_batched_tokens``); see ``_step_budget``.
+        ``num_scheduler_steps``: most forward passes of one multi-step decode (see
+        ``_multi_step``; 1: none)."""
+        self.num_scheduler_steps = num_scheduler_steps
         self.max_loras = max_loras
         self._lora_skipped_steps: dict[str, int] = {}  # req_id -> steps passed over
         self.kv = kv_cache_manager
@@ -141,6 +149,9 @@ class Scheduler:
     # ----------------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
         """Form this step's batch. See the module docstring for the order."""
+        multi = self._multi_step()
+        if multi is not None:
+            return multi
         budget = self._step_budget()
         num_scheduled: dict[str, int] = {}
         allocations: dict[str, Allocation] = {}
@@ -192,6 +203,40 @@ class Scheduler:
             budget = self._admit_waiting(budget, num_scheduled, allocations)
 
         return self._build_output(num_scheduled, allocations, preempted, drafts)
+
+    def _multi_step(self) -> SchedulerOutput | None:
+        """vLLM's multi-step scheduling: while every running request decodes and none waits,
+        one scheduling decision covers up to ``num_scheduler_steps`` forward passes, each
+        request given cache slots for all of them; the scheduler's, the output processor's and
+        the engine loop's Python then run once for those tokens, not once a token. None where
+        a step must be scheduled alone: something waits (its prefill must not wait the run
+        out), drafts are proposed, a request is mid-prompt, pools, forks or samples under a
+        grammar (its mask is made per token here), fewer than 2 passes fit a request's
+        ``max_tokens`` or ``max_model_len``, or the free blocks do not hold every slot."""
+        steps = self.num_scheduler_steps
+        if steps < 2 or self.speculator is not None or len(self.waiting) or not self.running \
+                or len(self.running) > self.max_num_batched_tokens:
+            return None
+        for request in self.running:
+            if request.num_computed_tokens != request.num_tokens - 1 or \
+                    request.grammar is not None or request.pooling_params is not None or \
+                    request.fork_children:
+                return None
+            steps = min(steps, request.max_tokens - request.num_output_tokens,
+                        self.max_model_len - request.num_tokens)
+        if steps < 2 or sum(self.kv.num_blocks_to_allocate(r.req_id, r.num_computed_tokens,
+                                                           steps)
+                            for r in self.running) > self.kv.num_free_blocks:
+            return None
+        allocations = {}
+        for request in self.running:
+            allocation = self.kv.allocate_slots(request.req_id, request.num_computed_tokens,
+                                                steps, block_hashes=request.block_hashes)
+            assert allocation is not None, "the blocks were counted as free"
+            allocations[request.req_id] = allocation
+        self.batch_full = False
+        return self._build_output({r.req_id: 1 for r in self.running}, allocations, [], {},
+                                  num_steps=steps)
 
     def _step_budget(self) -> int:
         """The step's token budget. While only pooling requests are unfinished no decode
@@ -372,8 +417,8 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens to recompute)", request.req_id, request.num_tokens)
 
     def _build_output(self, num_scheduled: dict[str, int], allocations: dict[str, Allocation],
-                      preempted: list[Request], drafts: dict[str, tuple[int, ...]]
-                      ) -> SchedulerOutput:
+                      preempted: list[Request], drafts: dict[str, tuple[int, ...]],
+                      num_steps: int = 1) -> SchedulerOutput:
         new_reqs, cached_reqs, copies, forks, grammars = [], [], [], [], []
         for req_id, num_new in num_scheduled.items():
             request = self.requests[req_id]
@@ -414,7 +459,8 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             preempted_req_ids=frozenset(r.req_id for r in preempted),
             finished_req_ids=finished, block_copies=tuple(copies), forks=tuple(forks),
-            grammar_bitmask=grammar_bitmask(grammars), spec_token_ids=drafts)
+            grammar_bitmask=grammar_bitmask(grammars), spec_token_ids=drafts,
+            num_steps=num_steps)
         self._in_flight_forks = {parent: tuple(f.req_id for f in group)
                                  for parent, group in out.forks_by_parent().items()}
         return out
@@ -434,6 +480,8 @@ class Scheduler:
             draft = scheduler_output.spec_token_ids.get(req_id)
             if draft:
                 self._settle_drafts(request, num_tokens, draft, len(sampled))
+            elif scheduler_output.num_steps > 1:  # each pass computed one token
+                request.num_computed_tokens += len(sampled)
             else:
                 request.num_computed_tokens += num_tokens
             if self.kv.has_pending(req_id):  # all_token_ids copies: only when needed
@@ -451,7 +499,8 @@ class Scheduler:
                 out = self._append_sampled(
                     sibling, runner_output.sampled_token_ids.get(sibling.req_id, ()),
                     runner_output.logprobs.get(sibling.req_id),
-                    runner_output.prompt_logprobs.get(req_id) if sibling is request else None)
+                    runner_output.prompt_logprobs.get(req_id) if sibling is request else None,
+                    publish_run=scheduler_output.num_steps > 1)
                 if out is not None:
                     outputs.append(out)
         return outputs
@@ -487,8 +536,11 @@ class Scheduler:
         parent.fork_children = ()
         return children
 
-    def _append_sampled(self, request: Request, sampled, logprobs,
-                        prompt_logprobs) -> EngineCoreOutput | None:
+    def _append_sampled(self, request: Request, sampled, logprobs, prompt_logprobs,
+                        publish_run: bool = False) -> EngineCoreOutput | None:
+        """``publish_run``: the step was a multi-step run, whose tokens were unknown when its
+        slots were given: the blocks it filled are registered and published here, once the
+        tokens are (before a finished request's blocks are freed)."""
         new_tokens: list[int] = []
         status = error = None
         for token_id in sampled:
@@ -502,6 +554,15 @@ class Scheduler:
             if status is not None:
                 break
         self._extend_block_hashes(request)
+        if publish_run and self.kv.enable_prefix_caching:
+            # (past a stop token the run computed positions of no token: no hash names them)
+            self.kv.register_full_blocks(request.req_id, request.block_hashes,
+                                         request.num_computed_tokens)
+            if self.kv.has_pending(request.req_id):
+                self.kv.cache_full_blocks(request.req_id, request.block_hashes,
+                                          request.num_computed_tokens,
+                                          request.all_token_ids, request.cache_salt,
+                                          request.lora_name)
         if not new_tokens and prompt_logprobs is None and error is None:
             return None
         if logprobs is not None and len(logprobs.ranks) > len(new_tokens):  # stopped early

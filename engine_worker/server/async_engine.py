@@ -135,6 +135,8 @@ class AsyncEngine:
         self._joined = False  # requests were added since the last step
         self._joined_pooling = False  # ... pooling ones among them
         self.load = LoadSnapshot(0, 0, 0, 0.0, time.time(), lora=engine.stats().lora)
+        # a multi-step decode ends at the next pass once a request, abort or call comes in
+        engine.set_step_interrupt(lambda: not self._commands.empty())
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

@@ -156,13 +156,35 @@ def test_engine_args_build_every_config_group():
                         gpu_memory_utilization=0.5, max_num_seqs=3,
                         max_num_batched_tokens=100, scheduling_policy="priority",
                         long_prefill_token_threshold=7, seed=11, device="cpu",
-                        num_threads=2).create_engine_config()
+                        num_threads=2, num_scheduler_steps=3).create_engine_config()
     assert config == EngineConfig(
         model=ModelConfig(model="m", tokenizer="t", dtype="bfloat16", max_model_len=512, seed=11),
         cache=CacheConfig(block_size=32, kv_cache_memory_bytes=1 << 20, gpu_memory_utilization=0.5),
         scheduler=SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=3, scheduling_policy="priority",
-                                  long_prefill_token_threshold=7),
+                                  long_prefill_token_threshold=7, num_scheduler_steps=3),
         device=DeviceConfig(device="cpu", num_threads=2))
+
+
+@pytest.mark.parametrize("value", [0, -1, 65, 2.0, "8", True])
+def test_scheduler_config_rejects_bad_num_scheduler_steps(value):
+    with raises_for("num_scheduler_steps"):
+        SchedulerConfig(num_scheduler_steps=value)
+
+
+def test_num_scheduler_steps_is_one_on_servers_and_eight_offline():
+    import argparse
+
+    from engine_worker.arg_utils import (add_engine_args, add_server_engine_args,
+                                         add_streaming_engine_args, engine_args_from_namespace)
+    server, offline, terminal = (argparse.ArgumentParser() for _ in range(3))
+    add_server_engine_args(server)
+    add_engine_args(offline)
+    add_streaming_engine_args(terminal)
+    assert engine_args_from_namespace(server.parse_args([])).num_scheduler_steps == 1
+    assert engine_args_from_namespace(terminal.parse_args([])).num_scheduler_steps == 1
+    assert engine_args_from_namespace(offline.parse_args([])).num_scheduler_steps == 8
+    assert engine_args_from_namespace(
+        server.parse_args(["--num-scheduler-steps", "4"])).num_scheduler_steps == 4
 
 
 def test_engine_args_defaults_match_config_defaults():

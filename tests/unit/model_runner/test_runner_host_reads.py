@@ -37,18 +37,22 @@ class _HostReads(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir):
+@pytest.fixture(scope="module", params=[1, 4], ids=["one-pass-steps", "multi-step"])
+def llm(tiny_model_dir, request):
     return LLM(str(tiny_model_dir), dtype="float32", kernels="torch", max_model_len=256,
-               kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=64)
+               kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=64,
+               num_scheduler_steps=request.param)
 
 
 def test_a_step_reads_the_device_once(llm, monkeypatch):
+    """Once a forward pass: a multi-step decode reads each pass's samples to feed them to the
+    next pass, which is one read per pass as well."""
     runner = llm.engine.runner
     mode = _HostReads()
     copies: list[int] = []
     executed: list[bool] = []
-    execute, to_host_step = runner.execute, runner._to_host
+    passes: list[int] = []
+    execute, to_host_step, forward = runner.execute, runner._to_host, runner._forward
 
     def counted_execute(out):
         executed.append(not out.is_empty)
@@ -68,6 +72,11 @@ def test_a_step_reads_the_device_once(llm, monkeypatch):
         copies.append(len(tensors))
         return real_to_host(tensors)
 
+    def counted_forward(*args):
+        passes.append(1)
+        return forward(*args)
+
+    monkeypatch.setattr(runner, "_forward", counted_forward)
     monkeypatch.setattr(runner, "execute", counted_execute)
     monkeypatch.setattr(runner, "_to_host", allowed_to_host)
     monkeypatch.setattr(runner_module, "to_host", counted_to_host)
@@ -83,7 +92,9 @@ def test_a_step_reads_the_device_once(llm, monkeypatch):
     assert [len(c.token_ids) for o in outputs for c in o.outputs] == [6, 6, 6, 6]
     assert outputs[0].outputs[0].logprobs and outputs[0].prompt_logprobs
     assert mode.reads == []  # no host read outside the one copy
-    assert len(copies) == sum(executed) > 6  # one copy per step that ran the model
+    assert len(copies) == len(passes) > 6  # one copy per forward pass
+    steps = llm.engine.config.scheduler.num_scheduler_steps
+    assert (len(passes) > sum(executed)) == (steps > 1)  # multi-step ran where it is on
     with mode:  # and the counter has teeth
         torch.ones(2).sum().item()
     assert mode.reads == ["item"]
