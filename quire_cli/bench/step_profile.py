@@ -67,22 +67,29 @@ class _TimedBackend:
 
 
 class StepProfiler:
-    """Attach to an ``LLMEngine``; ``split_ms()`` gives mean milliseconds per step by part."""
+    """Attach to an ``LLMEngine``; ``split_ms()`` gives mean milliseconds per forward pass by
+    part: per step where each step is one pass, and per pass of a multi-step run
+    (``num_scheduler_steps``), whose scheduling is then shared by its passes."""
 
     def __init__(self, engine) -> None:
         self.totals: dict[str, float] = defaultdict(float)
         self.num_steps = 0
+        self.num_passes = 0
         runner, model = engine.runner, engine.runner.model
-        step = engine.step
+        step, forward = engine.step, model.forward
 
         def counted_step():
             self.num_steps += 1
             return step()
 
+        def counted_forward(*args, **kwargs):
+            self.num_passes += 1
+            return forward(*args, **kwargs)
+
         engine.step = _Timed(counted_step, self.totals, "step")
         runner.execute = _Timed(runner.execute, self.totals, "execute")
         runner._sample = _Timed(runner._sample, self.totals, "sampling")
-        model.forward = _Timed(model.forward, self.totals, "forward")
+        model.forward = _Timed(counted_forward, self.totals, "forward")
         backends = {}
         for layer in model.layers:
             inner = layer.self_attn.attention
@@ -96,7 +103,7 @@ class StepProfiler:
     def reset(self) -> None:
         self.totals.clear()
         self.stack_attention_ns.zero_()
-        self.num_steps = 0
+        self.num_steps = self.num_passes = 0
 
     def split_ms(self) -> dict[str, float]:
         t = self.totals
@@ -108,17 +115,19 @@ class StepProfiler:
             "inputs": t["execute"] - t["forward"] - t["sampling"],
             "scheduling": t["step"] - t["execute"],
         }
-        n = max(self.num_steps, 1)
+        n = max(self.num_passes, 1)
         return {k: round(v / n * 1000, 3) for k, v in parts.items()}
 
 
 @dataclass(frozen=True, slots=True)
 class SweepPoint:
     batch_size: int
-    num_steps: int
+    num_steps: int  # engine steps: a multi-step run is one
+    num_passes: int  # forward passes: one a decode token of every request
     elapsed_s: float
     output_tokens_per_s: float
-    decode_step_ms: dict[str, float]  # mean per decode-only step, by part
+    # mean per decode pass (a decode step of one pass, or a pass of a multi-step run), by part
+    decode_step_ms: dict[str, float]
 
 
 def _prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int):
@@ -160,7 +169,8 @@ def sweep_batch_sizes(engine_args, sizes, *, prompt_len: int, output_len: int,
         elapsed = time.perf_counter() - start
         # every request had its first token from the prefill; the rest came from these steps
         decoded = produced - size
-        points.append(SweepPoint(size, profiler.num_steps, round(elapsed, 3),
+        points.append(SweepPoint(size, profiler.num_steps, profiler.num_passes,
+                                 round(elapsed, 3),
                                  round(decoded / elapsed, 1), profiler.split_ms()))
         del llm, engine, profiler
         gc.collect()

@@ -61,7 +61,8 @@ def test_bench_throughput_counts_and_split(tiny_model_dir, tmp_path, ignore_eos,
     sweep = report["batch_size_sweep"]
     assert [p["batch_size"] for p in sweep] == [1, 4]
     for point in sweep:
-        assert point["num_steps"] == 5  # 6 tokens each: the first from the prefill
+        assert point["num_passes"] == 5  # 6 tokens each: the first from the prefill
+        assert point["num_steps"] == 1  # the 5 passes in one multi-step run (LLM's default)
         assert set(point["decode_step_ms"]) == set(PARTS)
         assert all(v >= 0 for v in point["decode_step_ms"].values())
         assert point["decode_step_ms"]["model"] > 0 and point["decode_step_ms"]["attention"] > 0

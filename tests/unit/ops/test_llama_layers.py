@@ -295,12 +295,14 @@ def test_step_profiler_reads_attention_time_from_the_one_call_layers(stack_model
     while engine.has_unfinished_requests():
         engine.step()
     split = profiler.split_ms()
-    assert set(split) == set(PARTS) and profiler.num_steps == 6
+    # the prefill's pass, then one multi-step run of 5 (LLM's num_scheduler_steps is 8)
+    assert set(split) == set(PARTS) and profiler.num_passes == 6 and profiler.num_steps == 2
     # attention ran inside the one kernel call, and the op's own counter reported it
     assert profiler.stack_attention_ns.item() > 0
     assert split["attention"] > 0 and split["model"] > 0
     profiler.reset()
     assert profiler.stack_attention_ns.item() == 0 and profiler.num_steps == 0
+    assert profiler.num_passes == 0
 
 
 # ---------------------------------------------------------------- cpu-avx2: fp32 activations
