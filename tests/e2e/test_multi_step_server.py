@@ -12,7 +12,7 @@ from engine_worker.engine import LLMEngine
 from engine_worker.sampling_params import SamplingParams
 from engine_worker.server.async_engine import AsyncEngine
 
-PASS_S = 0.1  # each forward pass made this slow, so a run of 8 lasts 0.8 s
+PASS_S = 0.15  # each forward pass made this slow, so a run of 8 lasts 1.2 s
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
@@ -78,9 +78,10 @@ def test_a_request_coming_in_mid_run_waits_one_pass(tiny_model_dir):
     got = asyncio.run(_two_requests(engine))
     joined = next(i for i, s in enumerate(steps) if "b" in s)
     a_before = sum(s.get("a", 0) for s in steps[:joined])
-    # a's prefill token, then at most the pass under way when b came in and one more taken
-    # while b's request crossed threads; without the interrupt a's run of 8 would go first
-    assert 1 <= a_before <= 3, steps
+    # a's prefill token, then the pass under way when b came in (one, where the event loop
+    # answers within a pass; up to two more allowed for a loaded machine); without the
+    # interrupt a's run of 8 would go first (9)
+    assert 1 <= a_before <= 4, steps
     assert steps[joined] == {"a": 1, "b": 1}, steps  # b's prefill step is one pass
     assert any(s == {"a": 8, "b": 8} for s in steps), steps  # then both decode in runs
 
