@@ -47,6 +47,7 @@ from engine_worker.pooling_params import PoolingParams
 from engine_worker.progress import progress, start_summary
 from engine_worker.request import RequestStatus
 from engine_worker.sampling_params import SamplingParams
+from engine_worker.scheduler.multi_step import steps_across_ranks
 from engine_worker.scheduler.scheduler import Scheduler
 from engine_worker.spec_decode.draft_model import DraftShape
 from engine_worker.spec_decode.methods import TargetFacts, build_speculator
@@ -312,16 +313,6 @@ class LLMEngine:
         return build_graph_decoder(model, self._graph_choice.sizes, self._max_model_len,
                                    self.config.cache.block_size, self._device, lora_view)
 
-    def _num_scheduler_steps(self) -> int:
-        """``num_scheduler_steps``, except across ranks: every rank's runner would have to
-        stop a multi-step run at the same pass, so there each step is scheduled alone."""
-        steps = self.config.scheduler.num_scheduler_steps
-        if steps > 1 and self._executor is not None:
-            logger.info("num_scheduler_steps %d: one pass a step across %d ranks (multi-step "
-                        "runs on one rank only)", steps, self.config.parallel.world_size)
-            return 1
-        return steps
-
     def _build_speculator(self, loaded: LoadedModel, num_blocks: int) -> Speculator | None:
         """The speculator of ``speculative_config`` (a draft model is loaded here, on the
         target's device, dtype and kernels, and checked against the target)."""
@@ -365,7 +356,8 @@ class LLMEngine:
             short_prompts_first=sched.short_prompts_first, speculator=self._speculator,
             max_loras=None if lora is None else lora.max_loras,
             pooling_batched_tokens=self._pooling_batched_tokens(),
-            num_scheduler_steps=self._num_scheduler_steps())
+            num_scheduler_steps=steps_across_ranks(sched.num_scheduler_steps,
+                                                   self.config.parallel.world_size))
         self.runner = ModelRunner(model, kv_caches, cache.block_size, self._device,
                                   model.cfg.vocab_size, self.tokenizer.eos_token_ids,
                                   self.config.model.seed, graphs=graphs, pooler=self._pooler,

@@ -21,8 +21,7 @@ the scheduler decides the fork when it forms the batch and sends it to the runne
 ``SchedulerOutput.forks``; the runner only applies it.
 Multi-step (``num_scheduler_steps`` > 1): while every running request decodes and nothing
 waits, one decision gives each request slots for several tokens and the runner runs that many
-passes (``_multi_step``); the slots of passes it did not run stay with the request for its
-next steps.
+passes (``scheduler.multi_step``).
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ import logging
 from engine_worker.grammar import grammar_bitmask
 from engine_worker.kv_cache.manager import NO_PREFIX, Allocation, KVCacheManager
 from engine_worker.request import Request, RequestStatus
+from engine_worker.scheduler.multi_step import allocate_run, run_length
 from engine_worker.scheduler.queue import QUEUE_POLICIES
 from engine_worker.spec_decode.speculator import Speculator
 from engine_worker.step_types import (NO_TOKEN, CachedRequestData, EngineCoreOutput,
@@ -205,35 +205,16 @@ class Scheduler:
         return self._build_output(num_scheduled, allocations, preempted, drafts)
 
     def _multi_step(self) -> SchedulerOutput | None:
-        """vLLM's multi-step scheduling: while every running request decodes and none waits,
-        one scheduling decision covers up to ``num_scheduler_steps`` forward passes, each
-        request given cache slots for all of them; the scheduler's, the output processor's and
-        the engine loop's Python then run once for those tokens, not once a token. None where
-        a step must be scheduled alone: something waits (its prefill must not wait the run
-        out), drafts are proposed, a request is mid-prompt, pools, forks or samples under a
-        grammar (its mask is made per token here), fewer than 2 passes fit a request's
-        ``max_tokens`` or ``max_model_len``, or the free blocks do not hold every slot."""
-        steps = self.num_scheduler_steps
-        if steps < 2 or self.speculator is not None or len(self.waiting) or not self.running \
-                or len(self.running) > self.max_num_batched_tokens:
+        """A multi-step run (``scheduler.multi_step``), or None where this step is one pass:
+        also whenever something waits (its prefill must not wait the run out) or drafts are
+        proposed."""
+        if self.num_scheduler_steps < 2 or self.speculator is not None or len(self.waiting) \
+                or not self.running or len(self.running) > self.max_num_batched_tokens:
             return None
-        for request in self.running:
-            if request.num_computed_tokens != request.num_tokens - 1 or \
-                    request.grammar is not None or request.pooling_params is not None or \
-                    request.fork_children:
-                return None
-            steps = min(steps, request.max_tokens - request.num_output_tokens,
-                        self.max_model_len - request.num_tokens)
-        if steps < 2 or sum(self.kv.num_blocks_to_allocate(r.req_id, r.num_computed_tokens,
-                                                           steps)
-                            for r in self.running) > self.kv.num_free_blocks:
+        steps = run_length(self.running, self.num_scheduler_steps, self.max_model_len, self.kv)
+        if steps < 2:
             return None
-        allocations = {}
-        for request in self.running:
-            allocation = self.kv.allocate_slots(request.req_id, request.num_computed_tokens,
-                                                steps, block_hashes=request.block_hashes)
-            assert allocation is not None, "the blocks were counted as free"
-            allocations[request.req_id] = allocation
+        allocations = allocate_run(self.running, steps, self.kv)
         self.batch_full = False
         return self._build_output({r.req_id: 1 for r in self.running}, allocations, [], {},
                                   num_steps=steps)
