@@ -135,7 +135,7 @@ QUIRE_AMX_TARGET void attend(const at::BFloat16* q, at::BFloat16* out, int group
       columns(c, group, s);
       const at::BFloat16* vrow[16];
       for (int j = 0; j < 16; ++j) vrow[j] = j < count ? values + offsets[pos + j] + h * d : zeros;
-      heads[h].add_scores(s, vrow, count, scale);
+      heads[h].add_scores(s, decode_bf16::RowPtrs{vrow}, count, scale);
     }
   }
   _tile_release();
