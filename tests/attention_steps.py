@@ -20,14 +20,17 @@ STEPS = {
 }
 
 
-def make_step(rng: random.Random, shapes, block_size: int, num_blocks: int):
-    """The step's ``AttentionMetadata``; blocks drawn at random from ``num_blocks``."""
+def make_step(rng: random.Random, shapes, block_size: int, num_blocks: int,
+              block_ids_of: list[list[int]] | None = None):
+    """The step's ``AttentionMetadata``; blocks drawn at random from ``num_blocks``, or each
+    request's given in ``block_ids_of``."""
     free = list(range(num_blocks))
     rng.shuffle(free)
     states = []
-    for context_len, query_len in shapes:
+    for i, (context_len, query_len) in enumerate(shapes):
         total = context_len + query_len
-        block_ids = [free.pop() for _ in range(-(-total // block_size))]
+        block_ids = (list(block_ids_of[i]) if block_ids_of is not None
+                     else [free.pop() for _ in range(-(-total // block_size))])
         states.append(RunnerRequestState(
             req_id=str(rng.random()), token_ids=[0] * total, num_prompt_tokens=total,
             params=None, block_ids=block_ids, num_computed_tokens=context_len, generator=None))

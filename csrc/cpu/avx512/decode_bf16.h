@@ -246,10 +246,11 @@ void attend(const at::BFloat16* q, at::BFloat16* out, int group_rt, int nz_rt, i
   for (int64_t pos = part != nullptr ? key_begin : 0; pos < end; pos += 16) {
     const int count = int(std::min<int64_t>(16, end - pos));
     const int next = int(std::min<int64_t>(16, std::max<int64_t>(0, end - pos - 16)));
-    // a chunk and the next one each filling a run of slots of one block: the rows by stride
+    // a chunk whose 16 keys lie one slot apart (one block of 16 or more, or blocks in order),
+    // and a next one that starts a run too (read only by its prefetches): the rows by stride
     const int64_t stride = count == 16 && next == 16 ? offsets[pos + 1] - offsets[pos] : 0;
-    const bool runs = stride > 0 && offsets[pos + 15] - offsets[pos] == 15 * stride &&
-                      offsets[pos + 31] - offsets[pos + 16] == 15 * stride;
+    bool runs = stride > 0 && offsets[pos + 31] - offsets[pos + 16] == 15 * stride;
+    for (int j = 2; runs && j < 16; ++j) runs = offsets[pos + j] - offsets[pos] == j * stride;
     if (runs) {
       for (int h = 0; h < num_kv; ++h) {
         const int64_t here = offsets[pos] + h * d, there = offsets[pos + 16] + h * d;

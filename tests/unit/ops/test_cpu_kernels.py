@@ -298,6 +298,25 @@ def test_bf16_decode_on_amx_tiles_and_vectors_both_match_reference(heads, block_
         assert torch.equal(outs[True], outs[False])
 
 
+def test_bf16_decode_reads_a_chunk_by_stride_only_where_its_keys_are_one_slot_apart(
+        cpu_kernels):
+    """A chunk of 16 keys is read by stride where its slots are consecutive: with blocks of 4,
+    each chunk's first and fourth blocks lie in order but its second and third do not (blocks
+    0, 9, 10, 3, then 4, 13, 14, 7, then 8, 1, 2, 11), so only reading every key's own slot
+    matches the reference (a check of the chunk's ends alone read blocks 1 and 2 for 9 and 10
+    here, and failed)."""
+    rng = random.Random(11)
+    torch.manual_seed(11)
+    blocks = [0, 9, 10, 3, 4, 13, 14, 7, 8, 1, 2, 11]
+    meta = make_step(rng, [(47, 1)], 4, 16, block_ids_of=[blocks])
+    heads = (9, 3, 64)
+    q, k, v, _ = random_inputs(meta, heads, 16, 4, torch.bfloat16)
+    cache = nan_outside_requests(meta, 16, 4, heads[1], heads[2]).bfloat16()
+    want = TorchAttentionBackend().forward(q, k, v, cache.nan_to_num(0.0), meta, 0.125)
+    got = cpu_kernels.backend.attention.forward(q, k, v, cache.clone(), meta, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.cpu_ops("attention_tiles")
 def test_bf16_decode_tiles_are_another_kernel_than_vectors(cpu_kernels):
     """Where the CPU has tiles, a batch of 64 decodes (36,864 outputs) differs from the vector
