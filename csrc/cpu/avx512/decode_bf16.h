@@ -47,9 +47,9 @@ inline void store_slice(__m512 lo, __m512 hi, __m512 inv, at::BFloat16* out) {
 }
 
 // Where a chunk's 16 key (or value) rows are: an array of 16 pointers (rows past the chunk's
-// count point at zeros), or, where the chunk fills one cache block, its first row and the
-// slot stride between rows (no pointer array to build: ~4 scalar instructions a row a head
-// fewer). `none()`: no rows (no prefetch).
+// count point at zeros), or, where its 16 keys lie one slot apart (attend checks each), its
+// first row and the slot stride between rows (no pointer array to build: ~4 scalar
+// instructions a row a head fewer). `none()`: no rows (no prefetch).
 struct RowPtrs {
   const at::BFloat16* const* p;
   const at::BFloat16* operator[](int j) const { return p[j]; }
@@ -196,7 +196,8 @@ struct Rows {
   void finish(at::BFloat16* out) const {
     for (int g = 0; g < ng(); ++g) {
       const __m512 inv = _mm512_set1_ps(1.f / l[g]);
-      for (int z = 0; z < nzs(); ++z) store_slice(lo[g][z], hi[g][z], inv, out + (g * nz + z) * 32);
+      for (int z = 0; z < nzs(); ++z)
+        store_slice(lo[g][z], hi[g][z], inv, out + (g * nzs() + z) * 32);
     }
   }
 };
@@ -221,7 +222,7 @@ struct Rows {
 // vec.h's exp_scalar): 31.7-34.7 ms a step before, 26.0-29.8 after; the same reads alone
 // take 12.6, and the kernel on keys in cache 9.
 //
-// A chunk that fills a run of one block's slots, as the next one does, is read by stride
+// A chunk whose 16 keys lie one slot apart, followed by a whole chunk, is read by stride
 // (RowRun) instead of through pointer arrays; each quad's key rows are loaded once for all the
 // group's query rows; a chunk's accumulators are locals (registers) instead of the members.
 // On the 2-core Zen 4, runs alternating with the code before (scripts/decode_attention_tiles.py,
