@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -284,24 +285,31 @@ def _generated(vllm_servers) -> float:
 MAX_TOKENS = 900  # a minute of decoding here: a stop within seconds is the abort's doing
 
 
-def _assert_stops_early(vllm_servers, generated_before: float) -> None:
-    assert wait_for(lambda: _running(vllm_servers) == 0, timeout_s=10, interval_s=0.2)
+def _assert_stops_early(vllm_servers, generated_before: float, started: float,
+                        cancelled: float) -> None:
+    """vLLM stopped the request soon after the client went (``started`` and ``cancelled``
+    from ``time.monotonic``); the failure says how long each part took."""
+    stopped = wait_for(lambda: _running(vllm_servers) == 0, timeout_s=10, interval_s=0.2)
     generated = _generated(vllm_servers) - generated_before
-    assert generated < MAX_TOKENS / 2, f"vLLM generated {generated} tokens before stopping"
+    now = time.monotonic()
+    assert stopped and generated < MAX_TOKENS / 2, (
+        f"vLLM generated {generated} tokens: the client went {cancelled - started:.1f} s after "
+        f"the request started, and {now - cancelled:.1f} s later vLLM ran "
+        f"{_running(vllm_servers):.0f} requests")
 
 
 def test_a_cancelled_grpc_stream_stops_vllm(router, vllm_servers):
-    before = _generated(vllm_servers)
+    before, started = _generated(vllm_servers), time.monotonic()
     call = router.stub.Generate(request(list(range(3000, 3030)), max_tokens=MAX_TOKENS),
                                 timeout=120)
     assert next(call).outputs
     assert wait_for(lambda: _running(vllm_servers) == 1, timeout_s=5, interval_s=0.2)
     call.cancel()
-    _assert_stops_early(vllm_servers, before)
+    _assert_stops_early(vllm_servers, before, started, time.monotonic())
 
 
 def test_an_http_client_leaving_mid_stream_stops_vllm(router, vllm_servers):
-    before = _generated(vllm_servers)
+    before, started = _generated(vllm_servers), time.monotonic()
     conn = http.client.HTTPConnection("127.0.0.1", router.server.http_port, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps(
         {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": MAX_TOKENS,
@@ -314,7 +322,7 @@ def test_an_http_client_leaving_mid_stream_stops_vllm(router, vllm_servers):
     assert wait_for(lambda: _running(vllm_servers) == 1, timeout_s=5, interval_s=0.2)
     resp.close()
     conn.close()
-    _assert_stops_early(vllm_servers, before)
+    _assert_stops_early(vllm_servers, before, started, time.monotonic())
 
 
 def test_bench_serve_on_these_servers(vllm_servers, embedded_model_dir, tmp_path):
