@@ -285,17 +285,24 @@ def _generated(vllm_servers) -> float:
 MAX_TOKENS = 900  # a minute of decoding here: a stop within seconds is the abort's doing
 
 
-def _assert_stops_early(vllm_servers, generated_before: float, started: float,
+def _router_streams(router) -> int:
+    """The streams the router holds open to the vLLM servers."""
+    return router.read(lambda: sum(s.router_requests for s in router.server.pool.candidates(())))
+
+
+def _assert_stops_early(router, vllm_servers, generated_before: float, started: float,
                         cancelled: float) -> None:
     """vLLM stopped the request soon after the client went (``started`` and ``cancelled``
-    from ``time.monotonic``); the failure says how long each part took."""
+    from ``time.monotonic``); the failure says how long each part took, and whether the
+    router still held its stream to vLLM (its side) or vLLM went on without it (vLLM's)."""
     stopped = wait_for(lambda: _running(vllm_servers) == 0, timeout_s=10, interval_s=0.2)
     generated = _generated(vllm_servers) - generated_before
     now = time.monotonic()
     assert stopped and generated < MAX_TOKENS / 2, (
         f"vLLM generated {generated} tokens: the client went {cancelled - started:.1f} s after "
         f"the request started, and {now - cancelled:.1f} s later vLLM ran "
-        f"{_running(vllm_servers):.0f} requests")
+        f"{_running(vllm_servers):.0f} requests and the router held {_router_streams(router)} "
+        f"streams to it")
 
 
 def test_a_cancelled_grpc_stream_stops_vllm(router, vllm_servers):
@@ -305,7 +312,7 @@ def test_a_cancelled_grpc_stream_stops_vllm(router, vllm_servers):
     assert next(call).outputs
     assert wait_for(lambda: _running(vllm_servers) == 1, timeout_s=5, interval_s=0.2)
     call.cancel()
-    _assert_stops_early(vllm_servers, before, started, time.monotonic())
+    _assert_stops_early(router, vllm_servers, before, started, time.monotonic())
 
 
 def test_an_http_client_leaving_mid_stream_stops_vllm(router, vllm_servers):
@@ -322,7 +329,7 @@ def test_an_http_client_leaving_mid_stream_stops_vllm(router, vllm_servers):
     assert wait_for(lambda: _running(vllm_servers) == 1, timeout_s=5, interval_s=0.2)
     resp.close()
     conn.close()
-    _assert_stops_early(vllm_servers, before, started, time.monotonic())
+    _assert_stops_early(router, vllm_servers, before, started, time.monotonic())
 
 
 def test_bench_serve_on_these_servers(vllm_servers, embedded_model_dir, tmp_path):
